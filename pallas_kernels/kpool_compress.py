@@ -38,7 +38,11 @@ def first_valid(key_valid: jax.Array) -> jax.Array:
 
 
 def kpool_compress_reference(
-    keys: jax.Array, gate: jax.Array, key_valid: jax.Array, ape: jax.Array
+    keys: jax.Array,
+    gate: jax.Array,
+    key_valid: jax.Array,
+    ape: jax.Array,
+    first_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Plain-jnp pooling.
 
@@ -47,6 +51,9 @@ def kpool_compress_reference(
       gate: ``[B, L, D]`` gate logits ``x @ index_kpool_compress_gate.T``.
       key_valid: ``[B, L]`` bool, False for padding.
       ape: ``[KP, D]`` the per-slot bias ``index_kpool_compress_ape``.
+      first_key: optional ``[B]`` int32 start of pool 0 (default: ``first_valid(key_valid)``).
+        The decode cache pools a window of the timeline whose pool grid is fixed by a
+        ``first_key`` that may lie before the window, so it passes the aligned start.
 
     Returns:
       ``pooled [B, P, D]`` (keys' dtype), ``first_key [B]`` int32, ``pool_valid [B, P]`` bool.
@@ -54,7 +61,8 @@ def kpool_compress_reference(
     b, length, d = keys.shape
     kpool = ape.shape[0]
     n_pools = num_pools(length, kpool)
-    first_key = first_valid(key_valid)
+    if first_key is None:
+        first_key = first_valid(key_valid)
     slots = first_key[:, None, None] + jnp.arange(n_pools * kpool, dtype=jnp.int32).reshape(
         1, n_pools, kpool
     )
@@ -81,6 +89,7 @@ def kpool_compress(
     gate: jax.Array,
     key_valid: jax.Array,
     ape: jax.Array,
+    first_key: jax.Array | None = None,
     *,
     implementation: str = "xla",
     **block_sizes,
@@ -94,8 +103,10 @@ def kpool_compress(
         raise ValueError(f"key_valid must be [B, L] = {tuple(keys.shape[:2])}, got {tuple(key_valid.shape)}")
     if ape.ndim != 2 or ape.shape[1] != keys.shape[2]:
         raise ValueError(f"ape must be [KP, D={keys.shape[2]}], got {tuple(ape.shape)}")
+    if first_key is not None and first_key.shape != keys.shape[:1]:
+        raise ValueError(f"first_key must be [B] = ({keys.shape[0]},), got {tuple(first_key.shape)}")
     if implementation == "xla":
-        return kpool_compress_reference(keys, gate, key_valid, ape)
+        return kpool_compress_reference(keys, gate, key_valid, ape, first_key)
     return _kpool_compress_pallas(
         keys, gate, key_valid, ape, interpret=implementation == "pallas_interpret", **block_sizes
     )
