@@ -232,7 +232,7 @@ class DsaConfig:
             max_position_embeddings=int(d["max_position_embeddings"]),
             attention_bias=bool(d["attention_bias"]),
         )
-        heads_kv = d.get("num_key_value_heads") or cfg.num_attention_heads
+        heads_kv = text.get("num_key_value_heads") or cfg.num_attention_heads
         if heads_kv != cfg.num_attention_heads:
             raise ValueError(
                 f"config num_key_value_heads ({heads_kv}) must equal num_attention_heads "
@@ -320,7 +320,6 @@ class DsaConfig:
 _HF_DEFAULTS: dict[str, Any] = dict(
     hidden_size=4096,
     num_attention_heads=64,
-    num_key_value_heads=64,
     num_hidden_layers=45,
     q_lora_rank=1536,
     kv_lora_rank=512,

@@ -1,0 +1,21 @@
+"""glm5-dsa-jax: the DeepSeek Sparse Attention (DSA) block of GLM-5.3-Flash in JAX.
+
+Public API (see README.md)::
+
+    import glm5_dsa_jax as gd
+    cfg = gd.DsaConfig.from_hf_config("config.json")
+    layer = gd.DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation="xla")
+    layer.load_hf_weights({...})
+    out, topk = layer(hidden_states, attention_mask=mask)
+"""
+
+from glm5_dsa_jax.cache import DsaCache, init_cache
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.layer import DsaAttention, DsaIndexer, absorb_o, absorb_q, hf_weight_shapes
+from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
+
+__all__ = [
+    "DsaCache", "init_cache", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
+    "hf_weight_shapes", "WeightError", "hf_to_params", "params_to_hf",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,511 @@
+"""Flax NNX modules of one DSA layer: the lightning indexer and weight-absorbed sparse MLA.
+
+Invariants:
+
+* Parameters are stored in JAX layout (``[in, out]``, heads as their own axis) and carry
+  their tensor-parallel placement as ``out_sharding`` metadata: the head axis of
+  ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything else,
+  the whole indexer included, is replicated (see ``glm5_dsa_jax.sharding`` for why).
+* ``kv_b_proj`` is split once, at load, into ``w_uk [heads, qk_nope, kv_lora]`` and
+  ``w_uv [heads, v_head, kv_lora]``; attention then runs in the ``kv_lora_rank``-wide
+  latent space (``absorb_q`` before, ``absorb_o`` after), reading one latent row per
+  selected token for all heads.
+* Every call goes through the same path, with or without a cache: a call without a cache
+  runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
+  ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
+* A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
+  hidden state is zeroed before any projection, so a NaN there goes nowhere.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels as pk
+from pallas_kernels._common import check_implementation
+from glm5_dsa_jax.cache import DsaCache, init_cache
+from glm5_dsa_jax.config import DsaConfig
+
+__all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+# ---------------------------------------------------------------------------- helpers
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as the reference: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm with a bias (``indexer.k_norm``), statistics in float32."""
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def absorb_q(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """``[B, S, H, qk_nope] x [H, qk_nope, C] -> [B, S, H, C]``: the query in latent space."""
+    return jnp.einsum("bshd,hdc->bshc", q_nope, w_uk.astype(q_nope.dtype), precision=_HI)
+
+
+def absorb_o(
+    o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None
+) -> jax.Array:
+    """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``."""
+    o = jnp.einsum("bshc,hvc->bshv", o_lat, w_uv.astype(o_lat.dtype), precision=_HI)
+    out = jnp.einsum("bshv,hvo->bso", o, o_proj.astype(o.dtype), precision=_HI)
+    return out if bias is None else out + bias.astype(out.dtype)
+
+
+def _dense(x, w):
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=_HI)
+
+
+def _mesh_has(axis: str | None) -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return axis is not None and not mesh.empty and axis in mesh.axis_names
+
+
+class _ParamFactory:
+    """Makes ``nnx.Param``s with ``out_sharding`` metadata.
+
+    The metadata is kept even with no mesh in context (eager sharding is then switched off
+    for the creation), so ``shard_layer`` or a user's ``nnx.get_partition_spec`` can place
+    the parameters later.
+    """
+
+    def __init__(self, rngs: nnx.Rngs, param_dtype, tp_axis: str | None):
+        self.rngs, self.param_dtype, self.tp_axis = rngs, param_dtype, tp_axis
+
+    def __call__(self, shape, axes, init="normal", fan_in=None):
+        if init == "ones":
+            value = jnp.ones(shape, self.param_dtype)
+        elif init == "zeros":
+            value = jnp.zeros(shape, self.param_dtype)
+        else:
+            std = (fan_in or shape[0]) ** -0.5
+            value = (jax.random.normal(self.rngs.params(), shape, jnp.float32) * std).astype(self.param_dtype)
+        spec = tuple(self.tp_axis if a == "heads" else None for a in axes)
+        if _mesh_has(self.tp_axis):
+            return nnx.Param(value, out_sharding=spec)
+        with nnx.use_eager_sharding(False):
+            return nnx.Param(value, out_sharding=spec)
+
+
+# ---------------------------------------------------------------------------- indexer
+class DsaIndexer(nnx.Module):
+    """The lightning indexer of one full DSA layer (replicated under TP).
+
+    Parameters (JAX layout): ``wq_b [q_lora, index_heads, D]``, ``wk [hidden, D]``,
+    ``k_norm_scale/k_norm_bias [D]``, ``weights_proj [hidden, index_heads]``,
+    ``kpool_gate [hidden, D]`` (HF ``index_kpool_compress_gate`` transposed),
+    ``kpool_ape [KP, D]``.
+    """
+
+    def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
+        mk = _ParamFactory(rngs, param_dtype, tp_axis)
+        h, d, hi = cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads
+        self.wq_b = mk((cfg.q_lora_rank, hi, d), (None, None, None))
+        self.wk = mk((h, d), (None, None))
+        self.k_norm_scale = mk((d,), (None,), "ones")
+        self.k_norm_bias = mk((d,), (None,), "zeros")
+        self.weights_proj = mk((h, hi), (None, None))
+        self.kpool_gate = mk((h, d), (None, None))
+        self.kpool_ape = mk((cfg.index_kpool, d), (None, None), "zeros")
+        self.eps = cfg.index_norm_eps
+        self.index_heads = hi
+
+    def project(self, x: jax.Array, q_resid: jax.Array):
+        """``x [B, S, hidden]``, ``q_resid [B, S, q_lora]`` -> queries ``[B, S, Hi, D]``,
+        weights ``[B, S, Hi]`` float32, keys ``[B, S, D]``, gate logits ``[B, S, D]`` float32."""
+        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.wq_b[...].astype(q_resid.dtype), precision=_HI)
+        k = layer_norm(_dense(x, self.wk[...]), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
+        gate = _dense(x, self.kpool_gate[...]).astype(jnp.float32)
+        w = _dense(x, self.weights_proj[...]).astype(jnp.float32) * (self.index_heads**-0.5)
+        return q, w, k, gate
+
+
+# ---------------------------------------------------------------------------- attention
+class DsaAttention(nnx.Module):
+    """One GLM-5.3-Flash DSA layer: indexer (unless shared) + weight-absorbed sparse MLA.
+
+    Args:
+      cfg: the model's ``DsaConfig``.
+      layer_idx: index of an ``indexed_attention`` layer of ``cfg``.
+      rngs: initialisation randomness (weights are usually loaded after).
+      implementation: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"``, for every
+        pipeline step.
+      dtype: compute dtype of activations and of the default cache (bf16).
+      param_dtype: storage dtype of the parameters (bf16).
+      tp_axis: mesh axis name the head axis is sharded over (metadata only until the
+        layer is placed on a mesh).
+      block_q: queries per prefill tile (bounds the ``[block_q, pools]`` score tile).
+
+    Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
+    ``out, topk, cache = layer(x, attention_mask=mask, cache=cache)`` with one. ``x`` is
+    ``[B, S, hidden]``, ``mask`` ``[B, S]`` bool (or 0/1 ints; None = all valid), ``out``
+    ``[B, S, hidden]`` in ``dtype`` and ``topk`` ``[B, S, out_width]`` int32 token slots.
+    """
+
+    def __init__(
+        self,
+        cfg: DsaConfig,
+        layer_idx: int,
+        *,
+        rngs: nnx.Rngs,
+        implementation: str = "xla",
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+        tp_axis: str | None = "tp",
+        block_q: int = 64,
+    ):
+        cfg.validate()
+        cfg.check_layer(layer_idx)
+        check_implementation(implementation)
+        if not isinstance(block_q, int) or block_q <= 0:
+            raise ValueError(f"block_q must be a positive int, got {block_q!r}")
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.implementation = implementation
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.tp_axis = tp_axis
+        self.block_q = block_q
+        mk = _ParamFactory(rngs, param_dtype, tp_axis)
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        c = cfg.kv_lora_rank
+        self.q_a_proj = mk((h, cfg.q_lora_rank), (None, None))
+        self.q_a_layernorm = mk((cfg.q_lora_rank,), (None,), "ones")
+        self.q_b_proj = mk((cfg.q_lora_rank, nh, cfg.qk_head_dim), (None, "heads", None))
+        self.kv_a_proj_with_mqa = mk((h, cfg.kv_cache_dim), (None, None))
+        self.kv_a_layernorm = mk((c,), (None,), "ones")
+        self.w_uk = mk((nh, cfg.qk_nope_head_dim, c), ("heads", None, None), fan_in=c)
+        self.w_uv = mk((nh, cfg.v_head_dim, c), ("heads", None, None), fan_in=c)
+        self.o_proj = mk((nh, cfg.v_head_dim, h), ("heads", None, None), fan_in=nh * cfg.v_head_dim)
+        if cfg.attention_bias:
+            self.q_a_proj_bias = mk((cfg.q_lora_rank,), (None,), "zeros")
+            self.kv_a_proj_bias = mk((cfg.kv_cache_dim,), (None,), "zeros")
+            self.o_proj_bias = mk((h,), (None,), "zeros")
+        else:
+            self.q_a_proj_bias = self.kv_a_proj_bias = self.o_proj_bias = None
+        self.indexer = (
+            DsaIndexer(cfg, rngs=rngs, param_dtype=param_dtype, tp_axis=tp_axis)
+            if cfg.has_indexer(layer_idx)
+            else None
+        )
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def has_indexer(self) -> bool:
+        return self.indexer is not None
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor names (relative to ``self_attn.``) and their PyTorch shapes."""
+        return hf_weight_shapes(self.cfg, self.layer_idx)
+
+    def load_hf_weights(self, weights: Mapping[str, Any]) -> None:
+        """Load HF tensors (names relative to ``self_attn.``, PyTorch ``[out, in]`` layout).
+
+        Every problem (missing, unexpected, misshaped, non-finite) is collected and raised
+        as one ``ValueError`` before any parameter changes, so a failed load leaves the
+        layer as it was.
+        """
+        from glm5_dsa_jax.weights import hf_to_params
+
+        params = hf_to_params(self.cfg, self.layer_idx, weights, self.param_dtype)
+        for path, value in params.items():
+            obj = self
+            for part in path[:-1]:
+                obj = getattr(obj, part)
+            var = getattr(obj, path[-1])
+            old = var[...]
+            if getattr(old, "sharding", None) is not None and not isinstance(
+                old.sharding, jax.sharding.SingleDeviceSharding
+            ):
+                value = jax.device_put(value, old.sharding)
+            var.set_value(value)
+
+    # ------------------------------------------------------------------ cache
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
+        """An empty decode cache for this layer (``dtype`` defaults to the compute dtype)."""
+        return init_cache(
+            self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
+            dtype=self.dtype if dtype is None else dtype,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def __call__(
+        self,
+        hidden_states: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        cache: DsaCache | None = None,
+        prev_topk: jax.Array | None = None,
+    ):
+        x, mask = self._check_inputs(hidden_states, attention_mask, prev_topk)
+        b, s, _ = x.shape
+        if cache is None:
+            out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk)
+            return out, topk
+        cache.check(self.cfg, self.has_indexer, b)
+        if not isinstance(cache.length, jax.core.Tracer):
+            length = int(cache.length)
+            if length + s > cache.max_length:
+                raise ValueError(
+                    f"chunk of {s} tokens does not fit the cache: {length} of "
+                    f"{cache.max_length} slots are used; nothing was written"
+                )
+        return self._step(x, mask, cache, prev_topk)
+
+    def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
+        """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
+        (``-inf`` = not a candidate) over the prompt's pools, and ``first_key [B]``.
+
+        Builds the full ``[S, P]`` score matrix: meant for short prompts in a notebook or
+        a test, not for serving.
+        """
+        if self.indexer is None:
+            raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
+        x, mask = self._check_inputs(hidden_states, attention_mask, None)
+        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+        q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], self.cfg.rms_norm_eps)
+        qi, w, ki, gate = self.indexer.project(x, q_resid)
+        pooled, first_key, pool_valid = pk.kpool_compress(
+            ki, gate, mask, self.indexer.kpool_ape[...], implementation=self.implementation
+        )
+        q_pos = jnp.where(mask, jnp.arange(x.shape[1], dtype=jnp.int32)[None], -1)
+        scores = pk.index_scores(
+            qi, w, pooled, pool_valid, first_key, q_pos, kpool=self.cfg.index_kpool,
+            implementation=self.implementation,
+        )
+        return scores, first_key
+
+    def _check_inputs(self, hidden_states, attention_mask, prev_topk):
+        cfg = self.cfg
+        x = jnp.asarray(hidden_states)
+        if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [B, S, hidden={cfg.hidden_size}], got shape {tuple(x.shape)}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"hidden_states must be floating point, got {x.dtype}")
+        b, s, _ = x.shape
+        if s == 0 or b == 0:
+            raise ValueError(f"hidden_states has an empty batch or sequence: {tuple(x.shape)}")
+        if attention_mask is None:
+            mask = jnp.ones((b, s), bool)
+        else:
+            mask = jnp.asarray(attention_mask)
+            if mask.shape != (b, s):
+                raise ValueError(
+                    f"attention_mask must be [B, S] = {(b, s)} like hidden_states, got {tuple(mask.shape)}"
+                )
+            if mask.dtype != jnp.bool_:
+                if not jnp.issubdtype(mask.dtype, jnp.integer):
+                    raise ValueError(
+                        f"attention_mask must be bool or 0/1 integers, got dtype {mask.dtype}"
+                    )
+                if not isinstance(mask, jax.core.Tracer):
+                    bad = np.setdiff1d(np.unique(np.asarray(mask)), [0, 1])
+                    if bad.size:
+                        raise ValueError(
+                            f"attention_mask must hold only 0 and 1, found {bad[:5].tolist()}"
+                        )
+                mask = mask != 0
+        if self.has_indexer:
+            if prev_topk is not None:
+                raise ValueError(
+                    f"layer {self.layer_idx} runs its own indexer; prev_topk is only for "
+                    "'shared' layers"
+                )
+        else:
+            if prev_topk is None:
+                raise ValueError(
+                    f"layer {self.layer_idx} is a 'shared' indexer layer: pass prev_topk, the "
+                    "top-k of the previous 'full' layer"
+                )
+            if prev_topk.shape != (b, s, cfg.out_width) or not jnp.issubdtype(prev_topk.dtype, jnp.integer):
+                raise ValueError(
+                    f"prev_topk must be integer [B, S, out_width] = {(b, s, cfg.out_width)}, "
+                    f"got {prev_topk.dtype} {tuple(prev_topk.shape)}"
+                )
+        return x.astype(self.dtype), mask
+
+    def _step(self, x, mask, cache: DsaCache, prev_topk):
+        cfg = self.cfg
+        b, s, _ = x.shape
+        # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
+        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+        length = cache.length
+        fits = length + s <= cache.max_length
+        slots = jnp.where(fits, length + jnp.arange(s, dtype=jnp.int32), cache.max_length)
+
+        q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
+        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.q_b_proj[...].astype(x.dtype), precision=_HI)
+        q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
+        kv = self._dense(x, self.kv_a_proj_with_mqa, self.kv_a_proj_bias)
+        latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
+
+        # Out-of-range slots (a chunk that does not fit) are dropped, not clamped.
+        cache = cache.replace(
+            latent=cache.latent.at[:, slots].set(latent.astype(cache.latent.dtype), mode="drop"),
+            key_valid=cache.key_valid.at[:, slots].set(mask, mode="drop"),
+        )
+        q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
+
+        if self.indexer is not None:
+            qi, w, ki, gate = self.indexer.project(x, q_resid)
+            cache = self._update_pools(cache, ki, gate, mask, fits)
+            n_vis = cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
+            topk, o_lat = self._select_and_attend(q_lat, cache, q_pos, qi=qi, w=w, n_vis=n_vis)
+            cache = cache.replace(n_valid=jnp.where(fits, n_vis[:, -1], cache.n_valid))
+        else:
+            topk = jnp.where(mask[..., None], prev_topk.astype(jnp.int32), -1)
+            _, o_lat = self._select_and_attend(q_lat, cache, q_pos, topk=topk)
+
+        out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...],
+                       None if self.o_proj_bias is None else self.o_proj_bias[...])
+        out = jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
+        cache = cache.replace(length=jnp.where(fits, length + s, length).astype(jnp.int32))
+        return out, topk, cache
+
+    def _dense(self, x, w, bias):
+        y = _dense(x, w[...])
+        return y if bias is None else y + bias[...].astype(y.dtype)
+
+    def _update_pools(self, cache: DsaCache, ki, gate, mask, fits) -> DsaCache:
+        """Pool the keys of every pool that completes in this chunk, once, into the cache.
+
+        The window is the last ``KP`` slots before the chunk (``stage_*``) plus the chunk:
+        it holds every slot of any pool whose last slot is in the chunk.
+        """
+        cfg = self.cfg
+        kp = cfg.index_kpool
+        b, s, _ = ki.shape
+        length, big = cache.length, cache.max_length
+        win_start = length - kp
+        win_k = jnp.concatenate([cache.stage_keys, ki.astype(cache.stage_keys.dtype)], axis=1)
+        win_g = jnp.concatenate([cache.stage_gate, gate], axis=1)
+        win_v = jnp.concatenate([cache.stage_valid, mask], axis=1)
+        chunk_first = pk.first_valid(mask)
+        first_key = jnp.where(
+            cache.first_key < big, cache.first_key,
+            jnp.where(chunk_first < s, length + chunk_first, big),
+        ).astype(jnp.int32)
+        rel = first_key - win_start
+        # Start of the first whole pool inside the window, on first_key's pool grid.
+        wfirst = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
+        pooled, _, pvalid = pk.kpool_compress(
+            win_k, win_g, win_v, self.indexer.kpool_ape[...], wfirst.astype(jnp.int32),
+            implementation=self.implementation,
+        )
+        n_win = pooled.shape[1]
+        q = jnp.arange(n_win, dtype=jnp.int32)[None]
+        last = win_start + wfirst[:, None] + (q + 1) * kp - 1  # timeline slot of each pool's end
+        gp = (win_start + wfirst[:, None] - first_key[:, None]) // kp + q  # pool id on the grid
+        new = (last >= length) & (last < length + s) & (wfirst[:, None] < kp + s) & fits
+        gp = jnp.where(new, gp, cache.max_pools)  # dropped
+        bidx = jnp.arange(b)[:, None]
+        return cache.replace(
+            pooled=cache.pooled.at[bidx, gp].set(pooled.astype(cache.pooled.dtype), mode="drop"),
+            pool_valid=cache.pool_valid.at[bidx, gp].set(pvalid, mode="drop"),
+            stage_keys=jnp.where(fits, win_k[:, s:], cache.stage_keys),
+            stage_gate=jnp.where(fits, win_g[:, s:], cache.stage_gate),
+            stage_valid=jnp.where(fits, win_v[:, s:], cache.stage_valid),
+            first_key=jnp.where(fits, first_key, cache.first_key),
+        )
+
+    def _select_and_attend(self, q_lat, cache: DsaCache, q_pos, *, qi=None, w=None, n_vis=None, topk=None):
+        """Top-k selection (full layers) and sparse attention, ``block_q`` queries at a time."""
+        cfg, impl = self.cfg, self.implementation
+        b, s = q_pos.shape
+        bq = min(self.block_q, s)
+        n_tiles = -(-s // bq)
+        pad = n_tiles * bq - s
+
+        def tiles(a, fill):
+            if a is None:
+                return None
+            if pad:
+                a = jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
+            return jnp.moveaxis(a.reshape((b, n_tiles, bq) + a.shape[2:]), 1, 0)
+
+        select_k = cfg.select_k(cache.max_pools) if cache.has_indexer else 0
+
+        def one_tile(args):
+            t_qlat, t_pos, t_qi, t_w, t_nvis, t_topk = args
+            if t_topk is None:
+                scores = pk.index_scores(
+                    t_qi, t_w, cache.pooled, cache.pool_valid, cache.first_key, t_pos,
+                    kpool=cfg.index_kpool, implementation=impl,
+                )
+                pools = pk.topk_pools(scores, select_k, implementation=impl)
+                tail = None
+                if cfg.tail_width:
+                    tail = pk.visible_tail(cache.first_key, t_nvis, t_pos, cache.key_valid, cfg.index_kpool)
+                t_topk = pk.expand_selection(
+                    pools, cache.first_key, tail, kpool=cfg.index_kpool,
+                    out_width=cfg.out_width, implementation=impl,
+                )
+                t_topk = jnp.where(t_pos[..., None] >= 0, t_topk, -1)
+            o = pk.sparse_mla(t_qlat, cache.latent, t_topk, scale=cfg.softmax_scale, implementation=impl)
+            return t_topk, o
+
+        args = (tiles(q_lat, 0), tiles(q_pos, -1), tiles(qi, 0), tiles(w, 0),
+                tiles(n_vis, 0), tiles(topk, -1))
+        if n_tiles == 1:
+            t_topk, o = one_tile(jax.tree.map(lambda a: a[0], args))
+            t_topk, o = t_topk[None], o[None]
+        else:
+            t_topk, o = jax.lax.map(one_tile, args)
+
+        def untile(a):
+            a = jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])
+            return a[:, :s]
+
+        return untile(t_topk), untile(o)
+
+
+# ---------------------------------------------------------------------------- HF names
+def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """PyTorch-layout shapes of the HF tensors of one DSA layer (names after ``self_attn.``)."""
+    cfg.check_layer(layer_idx)
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    shapes = {
+        "q_a_proj.weight": (cfg.q_lora_rank, h),
+        "q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
+        "kv_a_proj_with_mqa.weight": (cfg.kv_cache_dim, h),
+        "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+        "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        "o_proj.weight": (h, nh * cfg.v_head_dim),
+    }
+    if cfg.attention_bias:
+        shapes |= {
+            "q_a_proj.bias": (cfg.q_lora_rank,),
+            "kv_a_proj_with_mqa.bias": (cfg.kv_cache_dim,),
+            "o_proj.bias": (h,),
+        }
+    if cfg.has_indexer(layer_idx):
+        d, hi = cfg.index_head_dim, cfg.index_n_heads
+        shapes |= {
+            "indexer.wq_b.weight": (hi * d, cfg.q_lora_rank),
+            "indexer.wk.weight": (d, h),
+            "indexer.k_norm.weight": (d,),
+            "indexer.k_norm.bias": (d,),
+            "indexer.weights_proj.weight": (hi, h),
+            "indexer.index_kpool_compress_gate": (d, h),
+            "indexer.index_kpool_compress_ape": (cfg.index_kpool, d),
+        }
+    return shapes
