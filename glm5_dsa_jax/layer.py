@@ -426,6 +426,17 @@ class DsaAttention(nnx.Module):
             first_key=jnp.where(fits, first_key, cache.first_key),
         )
 
+    def _attend(self, q_lat, latent, token_ids):
+        """Sparse MLA for ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` at ``token_ids``.
+
+        Hook for tensor parallelism: on a mesh the heads of ``q_lat`` are sharded and the
+        kernel must run per shard (``shard_map``), reading the replicated latent.
+        """
+        return pk.sparse_mla(
+            q_lat, latent, token_ids, scale=self.cfg.softmax_scale,
+            implementation=self.implementation,
+        )
+
     def _select_and_attend(self, q_lat, cache: DsaCache, q_pos, *, qi=None, w=None, n_vis=None, topk=None):
         """Top-k selection (full layers) and sparse attention, ``block_q`` queries at a time."""
         cfg, impl = self.cfg, self.implementation
@@ -459,8 +470,7 @@ class DsaAttention(nnx.Module):
                     out_width=cfg.out_width, implementation=impl,
                 )
                 t_topk = jnp.where(t_pos[..., None] >= 0, t_topk, -1)
-            o = pk.sparse_mla(t_qlat, cache.latent, t_topk, scale=cfg.softmax_scale, implementation=impl)
-            return t_topk, o
+            return t_topk, self._attend(t_qlat, cache.latent, t_topk)
 
         args = (tiles(q_lat, 0), tiles(q_pos, -1), tiles(qi, 0), tiles(w, 0),
                 tiles(n_vis, 0), tiles(topk, -1))
