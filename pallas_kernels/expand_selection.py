@@ -16,10 +16,16 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_implementation, check_rank
+from pallas_kernels._common import (
+    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+)
 
 __all__ = ["expand_selection", "expand_selection_reference", "visible_tail", "compact_row"]
 
@@ -119,5 +125,139 @@ def expand_selection(
     )
 
 
-def _expand_selection_pallas(pool_ids, first_key, tail, *, kpool, out_width, interpret, **block_sizes):
-    raise NotImplementedError("the expand_selection Pallas kernel is not written yet")
+# --------------------------------------------------------------------------------------
+# Pallas kernel (Triton backend)
+# --------------------------------------------------------------------------------------
+#
+# The kernel computes ``compact_row`` of the concatenated source row ``src = [expanded
+# pools (K*KP ids) | tail (T ids)]`` without sorting, as a permutation scatter. One
+# program per (batch row, tile of ``block_q`` query rows) walks ``src`` in chunks of
+# ``block_w`` ids, carrying per-row counts of valid and invalid ids seen so far:
+#
+# * a valid id (``>= 0``) goes to ``valid_rank`` (its rank among the valid ids, a cumsum):
+#   the valid ids land at the front in their order;
+# * an invalid one writes ``-1`` at ``S - 1 - invalid_rank``: the invalid ids fill
+#   ``[n_valid, S)`` from the back, so the positions form a permutation of ``[0, S)``;
+# * a second loop writes ``-1`` over ``[S, out_width)``.
+#
+# Every output element is written exactly once (no two stores of a program overlap, so
+# there is no ordering question between GPU threads), and no assumption is made about
+# where the ``-1`` pools are: the result is ``compact_row`` for any input. Masked lanes get
+# indices that no live lane uses (rows past Q and positions past the row end are left out
+# of bounds, never clamped), which keeps interpret mode's write-back of masked lanes
+# harmless.
+
+
+def _expand_selection_kernel(
+    fk_ref, pool_ref, *rest,
+    kpool: int, n_q: int, n_sel: int, n_tail: int, out_width: int, block_q: int,
+    block_w: int,
+):
+    if n_tail:
+        tail_ref, out_ref = rest
+    else:
+        (out_ref,) = rest
+    i32 = jnp.int32
+    b = pl.program_id(0)
+    shape = (block_q, block_w)
+    row = pl.program_id(1) * block_q + jnp.arange(block_q, dtype=i32)
+    row_ok = jnp.broadcast_to((row < n_q)[:, None], shape)
+    rows = jnp.broadcast_to(row[:, None], shape)
+    rows_safe = jnp.minimum(rows, n_q - 1)
+    lane = jnp.broadcast_to(jnp.arange(block_w, dtype=i32)[None, :], shape)
+    fk = fk_ref[b]
+    n_pool_ids = n_sel * kpool
+    n_src = n_pool_ids + n_tail
+
+    def chunk(c, carry):
+        seen_valid, seen_invalid = carry  # [block_q, 1] each
+        e = c * block_w + lane  # position in src
+        in_src = e < n_src
+        is_pool = e < n_pool_ids
+        ids = jnp.full(shape, -1, i32)
+        if n_sel:
+            pid = plgpu.load(
+                pool_ref.at[b, rows_safe, jnp.minimum(e // kpool, n_sel - 1)],
+                mask=row_ok & is_pool, other=-1,
+            )
+            tok = fk + pid * kpool + e % kpool
+            ids = jnp.where(is_pool & (pid >= 0), tok, ids)
+        if n_tail:
+            is_tail = in_src & ~is_pool
+            tail = plgpu.load(
+                tail_ref.at[b, rows_safe, jnp.clip(e - n_pool_ids, 0, n_tail - 1)],
+                mask=row_ok & is_tail, other=-1,
+            )
+            ids = jnp.where(is_tail, tail, ids)
+        valid = in_src & (ids >= 0)
+        invalid = in_src & (ids < 0)
+        v = valid.astype(i32)
+        u = invalid.astype(i32)
+        valid_rank = seen_valid + jnp.cumsum(v, axis=1) - v
+        invalid_rank = seen_invalid + jnp.cumsum(u, axis=1) - u
+        pos = jnp.where(valid, valid_rank, jnp.where(invalid, n_src - 1 - invalid_rank, e))
+        plgpu.store(
+            out_ref.at[b, rows, pos], jnp.where(valid, ids, -1), mask=row_ok & in_src
+        )
+        return (
+            seen_valid + jnp.sum(v, axis=1, keepdims=True),
+            seen_invalid + jnp.sum(u, axis=1, keepdims=True),
+        )
+
+    if n_src:
+        zero = jnp.zeros((block_q, 1), i32)
+        jax.lax.fori_loop(0, pl.cdiv(n_src, block_w), chunk, (zero, zero))
+
+    n_fill = out_width - n_src
+    if n_fill:
+        minus_one = jnp.full(shape, -1, i32)
+
+        @pl.loop(0, pl.cdiv(n_fill, block_w))
+        def _(c):
+            pos = n_src + c * block_w + lane
+            plgpu.store(out_ref.at[b, rows, pos], minus_one, mask=row_ok & (pos < out_width))
+
+
+def _expand_selection_pallas(
+    pool_ids, first_key, tail, *, kpool, out_width, interpret,
+    block_q: int = 4, block_w: int = 512, num_warps: int = 4, num_stages: int = 2,
+):
+    """Pallas expansion. ``block_q`` query rows per program and ``block_w`` ids per chunk
+    (powers of two; ``block_w`` is capped at the padded row length)."""
+    b, n_q, n_sel = pool_ids.shape
+    check_power_of_two("block_q", block_q)
+    check_power_of_two("block_w", block_w)
+    check_power_of_two("num_warps", num_warps)
+    if not isinstance(kpool, int) or kpool < 1:
+        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    if not isinstance(out_width, int) or out_width < 0:
+        raise ValueError(f"out_width must be an int >= 0, got {out_width!r}")
+    for name, x in (("pool_ids", pool_ids), ("first_key", first_key), ("tail", tail)):
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if tail is not None and tail.ndim != 3:
+        raise ValueError(f"tail must be [B, Q, T] (rank 3), got shape {tuple(tail.shape)}")
+    n_tail = 0 if tail is None else tail.shape[-1]
+    if b == 0 or n_q == 0 or out_width == 0:
+        return jnp.full((b, n_q, out_width), -1, jnp.int32)
+
+    block_q = min(block_q, next_power_of_two(n_q))
+    n_src = n_sel * kpool + n_tail
+    block_w = min(block_w, next_power_of_two(max(n_src, out_width - n_src)))
+    kernel = functools.partial(
+        _expand_selection_kernel, kpool=kpool, n_q=n_q, n_sel=n_sel, n_tail=n_tail,
+        out_width=out_width, block_q=block_q, block_w=block_w,
+    )
+    # A zero-width pool_ids (K = 0) is replaced by a dummy the kernel never reads.
+    pools = pool_ids.astype(jnp.int32) if n_sel else jnp.full((b, n_q, 1), -1, jnp.int32)
+    args = [first_key.astype(jnp.int32), pools]
+    if n_tail:
+        args.append(tail.astype(jnp.int32))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, pl.cdiv(n_q, block_q)),
+        out_shape=jax.ShapeDtypeStruct((b, n_q, out_width), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="expand_selection",
+    )(*args)

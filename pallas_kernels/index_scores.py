@@ -14,10 +14,16 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_implementation, check_rank
+from pallas_kernels._common import (
+    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+)
 
 __all__ = ["index_scores", "index_scores_reference", "pool_last_token"]
 
@@ -107,5 +113,134 @@ def index_scores(
     )
 
 
-def _index_scores_pallas(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret, **block_sizes):
-    raise NotImplementedError("the index_scores Pallas kernel is not written yet")
+# --------------------------------------------------------------------------------------
+# Pallas kernel (Triton backend)
+# --------------------------------------------------------------------------------------
+#
+# Grid ``(query tiles, B, pool tiles)``: a program loads one ``[block_p, D_pad]`` tile of
+# pooled keys once and loops over its ``block_q`` queries; per query one ``dot``
+# ``[H_pad, D_pad] x [D_pad, block_p]`` gives every head's logits at once (the heads are
+# the dot's M axis, so a decode step with one query still fills an MMA tile), then ReLU,
+# the head weights and a sum over the head axis give the ``[block_p]`` score row. The
+# working set is one pooled tile plus one query's ``[H_pad, D_pad]`` whatever the context
+# length. The query-tile axis comes first in the grid (the fastest launch axis), so the
+# programs that share a pooled tile run together and the tile is read from L2.
+#
+# Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
+# accumulator (their products are exact in f32, as in the reference's f32 einsum); any
+# other combination is cast to float32 and multiplied with ``allow_tf32=False`` (IEEE
+# f32, not TF32), like the reference's ``Precision.HIGHEST``.
+
+
+def _index_scores_kernel(
+    q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref,  # inputs
+    out_ref,  # output
+    *, kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
+    block_p: int, block_h: int, block_d: int, dot_dtype,
+):
+    f32 = jnp.float32
+    q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    scale = dim**-0.5
+
+    pool = p_tile * block_p + jnp.arange(block_p, dtype=jnp.int32)
+    pool_in = pool < n_pools
+    pool_safe = jnp.minimum(pool, n_pools - 1)
+    ch = jnp.arange(block_d, dtype=jnp.int32)
+    ch_ok = ch < dim
+    ch_safe = jnp.minimum(ch, dim - 1)
+    hd = jnp.arange(block_h, dtype=jnp.int32)
+    h_ok = hd < heads
+    h_safe = jnp.minimum(hd, heads - 1)
+
+    kshape = (block_p, block_d)
+    keys = plgpu.load(
+        pooled_ref.at[
+            b,
+            jnp.broadcast_to(pool_safe[:, None], kshape),
+            jnp.broadcast_to(ch_safe[None, :], kshape),
+        ],
+        mask=jnp.broadcast_to(ch_ok[None, :], kshape),
+        other=0.0,
+    ).astype(dot_dtype)
+    pool_valid = plgpu.load(pvalid_ref.at[b, pool_safe]) != 0
+    last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
+
+    qshape = (block_h, block_d)
+    q_rows = jnp.broadcast_to(h_safe[:, None], qshape)
+    q_cols = jnp.broadcast_to(ch_safe[None, :], qshape)
+    q_mask = jnp.broadcast_to(h_ok[:, None] & ch_ok[None, :], qshape)
+
+    t0 = q_tile * block_q
+    n_rows = jnp.minimum(block_q, n_q - t0)
+
+    @pl.loop(0, n_rows)
+    def _(i):
+        t = t0 + i
+        qt = plgpu.load(q_ref.at[b, t, q_rows, q_cols], mask=q_mask, other=0.0)
+        wt = plgpu.load(w_ref.at[b, t, h_safe], mask=h_ok, other=0.0).astype(f32)
+        s = plgpu.dot(qt.astype(dot_dtype), keys, trans_b=True, allow_tf32=False)  # [H, P]
+        s = s * scale
+        s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
+        score = jnp.sum(wt[:, None] * s, axis=0)  # padded heads have w = 0
+        # finish_scores, in-kernel: -0.0 -> +0.0, NaN or non-candidate -> -inf.
+        score = jnp.where(score == 0.0, 0.0, score)
+        cand = pool_valid & (last <= qpos_ref[b, t]) & (score == score)
+        plgpu.store(
+            out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in
+        )
+
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _index_scores_pallas(
+    q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
+    block_q: int = 16, block_p: int = 64, num_warps: int = 4, num_stages: int = 2,
+):
+    """Pallas scores. ``block_p`` pools per program (the dot's N, a power of two >= 16);
+    ``block_q`` queries per program (a power of two) share one pooled tile. Both are capped
+    at the padded problem size, so a decode step (Q = 1) runs one query per program."""
+    b, n_q, heads, dim = q.shape
+    n_pools = pooled.shape[1]
+    check_power_of_two("block_q", block_q)
+    check_power_of_two("block_p", block_p, minimum=16)
+    check_power_of_two("num_warps", num_warps)
+    if not isinstance(kpool, int) or kpool < 1:
+        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    if heads < 1 or dim < 1 or n_pools < 1:
+        raise ValueError(
+            f"the Pallas index_scores needs H, D, P >= 1, got H={heads}, D={dim}, P={n_pools}"
+        )
+    for name, x in (("q", q), ("pooled", pooled), ("w", w)):
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    if pool_valid.dtype != jnp.bool_:
+        raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
+    for name, x in (("first_key", first_key), ("q_pos", q_pos)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    if b == 0 or n_q == 0:
+        return jnp.zeros((b, n_q, n_pools), jnp.float32)
+
+    if q.dtype == pooled.dtype and q.dtype != jnp.float32:
+        dot_dtype = q.dtype
+    else:
+        dot_dtype = jnp.float32
+    block_q = min(block_q, next_power_of_two(n_q))
+    block_p = min(block_p, next_power_of_two(n_pools, 16))
+    kernel = functools.partial(
+        _index_scores_kernel, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads, dim=dim,
+        block_q=block_q, block_p=block_p, block_h=next_power_of_two(heads, 16),
+        block_d=next_power_of_two(dim, 16), dot_dtype=dot_dtype,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_q, block_q), b, pl.cdiv(n_pools, block_p)),
+        out_shape=jax.ShapeDtypeStruct((b, n_q, n_pools), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="index_scores",
+    )(
+        q, w.astype(jnp.float32), pooled, pool_valid.astype(jnp.int8),
+        first_key.astype(jnp.int32), q_pos.astype(jnp.int32),
+    )

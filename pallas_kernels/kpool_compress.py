@@ -16,10 +16,16 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_implementation, check_rank
+from pallas_kernels._common import (
+    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+)
 
 __all__ = ["kpool_compress", "kpool_compress_reference", "first_valid", "num_pools"]
 
@@ -108,9 +114,150 @@ def kpool_compress(
     if implementation == "xla":
         return kpool_compress_reference(keys, gate, key_valid, ape, first_key)
     return _kpool_compress_pallas(
-        keys, gate, key_valid, ape, interpret=implementation == "pallas_interpret", **block_sizes
+        keys, gate, key_valid, ape, first_key,
+        interpret=implementation == "pallas_interpret", **block_sizes,
     )
 
 
-def _kpool_compress_pallas(keys, gate, key_valid, ape, *, interpret: bool, **block_sizes):
-    raise NotImplementedError("the kpool_compress Pallas kernel is not written yet")
+# --------------------------------------------------------------------------------------
+# Pallas kernel (Triton backend)
+# --------------------------------------------------------------------------------------
+#
+# One program per (batch row, tile of ``block_pools`` pools); every program holds a
+# ``[block_pools, D_pad]`` tile (``D_pad`` = D rounded up to a power of two, the extra
+# channels masked off). The slot axis is a loop, so any ``kpool >= 1`` works with the same
+# register footprint. The loop runs three times over the slots (max, sum of exponentials,
+# weighted sum): that evaluates the softmax exactly as the reference writes it (the same
+# max, the same ``exp(logit - max) / sum`` cast to the key dtype), instead of an online
+# softmax whose rescaling would round differently. The gate tile is re-read per pass; it
+# is small (``block_pools * kpool * D`` values) and stays in L1/L2 between passes.
+#
+# Token rows are gathered at ``clip(first_key + p*KP + s, 0, L - 1)`` with ``slot valid =
+# key_valid[clipped] & (token < L)``, exactly the reference's ``safe`` / ``in_row``, so
+# every load is in bounds and the kernel agrees with the reference for any ``first_key``.
+
+_KPOOL_TILE_ELEMENTS = 4096  # default block_pools * D_pad: 32 pools at D = 128
+
+
+def _kpool_compress_kernel(
+    fk_ref, keys_ref, gate_ref, valid_ref, ape_ref,  # inputs
+    pooled_ref, pvalid_ref,  # outputs
+    *, kpool: int, length: int, dim: int, n_pools: int, block_pools: int, block_d: int,
+):
+    f32 = jnp.float32
+    b = pl.program_id(0)
+    pool = pl.program_id(1) * block_pools + jnp.arange(block_pools, dtype=jnp.int32)
+    ch = jnp.arange(block_d, dtype=jnp.int32)
+    ch_ok = ch < dim
+    ch_safe = jnp.minimum(ch, dim - 1)
+    shape2 = (block_pools, block_d)
+    ch2 = jnp.broadcast_to(ch_safe[None, :], shape2)
+    ch_ok2 = jnp.broadcast_to(ch_ok[None, :], shape2)
+    start = fk_ref[b] + pool * kpool  # first token of every pool of the tile
+
+    def slot_rows(s):
+        tok = start + s
+        return tok, jnp.clip(tok, 0, length - 1)
+
+    def logits(s):
+        _, safe = slot_rows(s)
+        rows = jnp.broadcast_to(safe[:, None], shape2)
+        g = plgpu.load(gate_ref.at[b, rows, ch2], mask=ch_ok2, other=0.0).astype(f32)
+        a = plgpu.load(ape_ref.at[s, ch_safe], mask=ch_ok, other=0.0).astype(f32)
+        return g + a[None, :]
+
+    # Pass 1: per-channel max over the slots, and pool validity.
+    def max_body(s, carry):
+        m, ok = carry
+        tok, safe = slot_rows(s)
+        slot_ok = (plgpu.load(valid_ref.at[b, safe]) != 0) & (tok < length)
+        return jnp.maximum(m, logits(s)), ok & slot_ok
+
+    m, pool_ok = jax.lax.fori_loop(
+        0, kpool, max_body,
+        (jnp.full(shape2, -jnp.inf, f32), jnp.ones((block_pools,), jnp.bool_)),
+    )
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+
+    # Pass 2: the softmax denominator.
+    denom = jax.lax.fori_loop(
+        0, kpool, lambda s, acc: acc + jnp.exp(logits(s) - m), jnp.zeros(shape2, f32)
+    )
+    denom = jnp.maximum(denom, 1e-30)
+
+    # Pass 3: probabilities (cast to the key dtype, as the reference) times the keys.
+    def sum_body(s, acc):
+        _, safe = slot_rows(s)
+        rows = jnp.broadcast_to(safe[:, None], shape2)
+        k = plgpu.load(keys_ref.at[b, rows, ch2], mask=ch_ok2, other=0.0).astype(f32)
+        p = (jnp.exp(logits(s) - m) / denom).astype(keys_ref.dtype).astype(f32)
+        return acc + p * k
+
+    acc = jax.lax.fori_loop(0, kpool, sum_body, jnp.zeros(shape2, f32))
+    pooled = jnp.where(pool_ok[:, None], acc, 0.0).astype(pooled_ref.dtype)
+
+    # Lanes past the last pool / channel are masked; their indices are left unclamped
+    # (out of bounds), so no masked lane aliases a live element (see DESIGN.md: interpret
+    # mode writes masked lanes back).
+    in_pools = pool < n_pools
+    rows_out = jnp.broadcast_to(pool[:, None], shape2)
+    ch_out = jnp.broadcast_to(ch[None, :], shape2)
+    plgpu.store(
+        pooled_ref.at[b, rows_out, ch_out], pooled, mask=in_pools[:, None] & ch_ok2
+    )
+    plgpu.store(pvalid_ref.at[b, pool], pool_ok.astype(jnp.int8), mask=in_pools)
+
+
+def _kpool_compress_pallas(
+    keys, gate, key_valid, ape, first_key=None, *, interpret: bool,
+    block_pools: int | None = None, num_warps: int = 4, num_stages: int = 2,
+):
+    """Pallas pooling. ``block_pools`` (a power of two) pools per program; by default
+    ``min(next_pow2(P), max(1, 4096 // D_pad))``, 32 at ``D = 128``: a 4K-element f32 tile
+    per live tensor, which four warps hold in registers."""
+    b, length, d = keys.shape
+    kpool = ape.shape[0]
+    if length < 1 or d < 1 or kpool < 1:
+        raise ValueError(
+            f"the Pallas kpool_compress needs L, D, KP >= 1, got L={length}, D={d}, KP={kpool}"
+        )
+    for name, x in (("keys", keys), ("gate", gate), ("ape", ape)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
+    if key_valid.dtype != jnp.bool_:
+        raise ValueError(f"key_valid must be bool, got dtype {key_valid.dtype}")
+    if first_key is not None and not jnp.issubdtype(first_key.dtype, jnp.integer):
+        raise ValueError(f"first_key must be an integer array, got dtype {first_key.dtype}")
+    n_pools = num_pools(length, kpool)
+    block_d = next_power_of_two(d)
+    if block_pools is None:
+        block_pools = min(
+            next_power_of_two(n_pools), max(1, _KPOOL_TILE_ELEMENTS // block_d)
+        )
+    check_power_of_two("block_pools", block_pools)
+    check_power_of_two("num_warps", num_warps)
+
+    fk_given = first_key
+    fk = first_valid(key_valid) if first_key is None else first_key.astype(jnp.int32)
+    if b == 0:
+        pooled = jnp.zeros((0, n_pools, d), keys.dtype)
+        pool_valid = jnp.zeros((0, n_pools), jnp.bool_)
+        return pooled, (fk if fk_given is None else fk_given), pool_valid
+
+    kernel = functools.partial(
+        _kpool_compress_kernel, kpool=kpool, length=length, dim=d, n_pools=n_pools,
+        block_pools=block_pools, block_d=block_d,
+    )
+    pooled, pvalid = pl.pallas_call(
+        kernel,
+        grid=(b, pl.cdiv(n_pools, block_pools)),
+        out_shape=(
+            jax.ShapeDtypeStruct((b, n_pools, d), keys.dtype),
+            jax.ShapeDtypeStruct((b, n_pools), jnp.int8),
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="kpool_compress",
+    )(fk, keys, gate, key_valid.astype(jnp.int8), ape)
+    # The reference returns the first_key it was given unchanged.
+    return pooled, (fk if fk_given is None else fk_given), pvalid != 0
