@@ -57,7 +57,8 @@ def kpool_compress_reference(
       gate: ``[B, L, D]`` gate logits ``x @ index_kpool_compress_gate.T``.
       key_valid: ``[B, L]`` bool, False for padding.
       ape: ``[KP, D]`` the per-slot bias ``index_kpool_compress_ape``.
-      first_key: optional ``[B]`` int32 start of pool 0 (default: ``first_valid(key_valid)``).
+      first_key: optional ``[B]`` int32 start of pool 0, ``>= 0`` (default:
+        ``first_valid(key_valid)``).
         The decode cache pools a window of the timeline whose pool grid is fixed by a
         ``first_key`` that may lie before the window, so it passes the aligned start.
 

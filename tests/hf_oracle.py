@@ -62,3 +62,30 @@ def hf_attend_on(attn, x, mask, topk):
         return hf_forward(attn, x, mask, prev_topk=topk)[0]
     finally:
         attn.indexer = indexer
+
+
+def hf_stepped(attn, cfg: gd.DsaConfig, x: np.ndarray, mask: np.ndarray, chunks: list[int]):
+    """Run the HF layer chunk by chunk with a ``DynamicCache``; returns (out, topk) numpy,
+    concatenated over the chunks (topk rows of different widths are -1 padded)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_text_config(cfg))
+    seen = []
+    forward = attn.indexer.forward
+
+    def record(*a, **k):
+        seen.append(forward(*a, **k))
+        return seen[-1]
+
+    attn.indexer.forward = record
+    outs, pos = [], 0
+    try:
+        with torch.no_grad():
+            for n in chunks:
+                xt = torch.from_numpy(np.asarray(x[:, pos:pos + n], np.float32))
+                mt = torch.from_numpy(np.asarray(mask[:, pos:pos + n], bool))
+                outs.append(attn(hidden_states=xt, attention_mask=mt, past_key_values=cache)[0].numpy())
+                pos += n
+    finally:
+        del attn.indexer.forward
+    return np.concatenate(outs, 1), np.concatenate([t.numpy() for t in seen], 1)

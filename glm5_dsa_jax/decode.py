@@ -1,0 +1,97 @@
+"""Jit-compiled decode: one pure step function, compiled once per chunk length.
+
+Invariants:
+
+* The module is split once (``nnx.split``); the step is a pure function of
+  ``(params, hidden, mask, cache, prev_topk)`` that merges the graph inside the trace, so
+  no Python object is traversed per step.
+* The cache argument is donated: a step updates the caches in place on the device.
+* No shape depends on the current length (``cache.length`` is a traced scalar), so a
+  decode of any number of steps compiles once; each distinct prefill chunk length
+  compiles once more.
+* ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
+  cache is refused before anything is launched or donated: the cache is left exactly as
+  it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
+  dropped and ``length`` does not move.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glm5_dsa_jax.cache import DsaCache
+from glm5_dsa_jax.layer import DsaAttention
+
+__all__ = ["make_step", "DsaDecoder"]
+
+
+def make_step(layer: DsaAttention, *, donate: bool = True):
+    """Split ``layer`` once and return ``(step, params)``.
+
+    ``step(params, hidden [B, S, hidden], mask [B, S] bool, cache, prev_topk=None)`` returns
+    ``(out [B, S, hidden], topk [B, S, out_width] int32, cache)``; it is ``jax.jit``-compiled
+    with ``cache`` donated. ``step.traces`` counts how many times it was traced (compiled).
+    """
+    graphdef, params = nnx.split(layer)
+    traces = {"n": 0}
+
+    def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
+        traces["n"] += 1
+        module = nnx.merge(graphdef, params)
+        return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
+
+    jitted = jax.jit(step_fn, donate_argnames=("cache",) if donate else ())
+
+    class _Step:
+        """The compiled step; ``traces`` is the number of compilations so far."""
+
+        __call__ = staticmethod(jitted)
+
+        @property
+        def traces(self) -> int:
+            return traces["n"]
+
+    return _Step(), params
+
+
+class DsaDecoder:
+    """A layer, its cache and its compiled step: prefill in chunks, then decode.
+
+    >>> dec = DsaDecoder(layer, batch_size=2, max_length=4096)
+    >>> out, topk = dec(prompt, mask)            # prefill (any chunk length)
+    >>> out, topk = dec(next_hidden, next_mask)  # one decode step, [B, 1, hidden]
+
+    For a ``"shared"`` layer pass ``prev_topk``, the top-k its full layer returned for
+    the same chunk.
+    """
+
+    def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None):
+        self.layer = layer
+        self.step, self.params = make_step(layer)
+        self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype)
+        self.length = 0  # host mirror of cache.length
+
+    @property
+    def max_length(self) -> int:
+        return self.cache.max_length
+
+    def __call__(self, hidden, mask=None, prev_topk=None):
+        hidden = jnp.asarray(hidden)
+        if hidden.ndim != 3:
+            raise ValueError(f"hidden must be [B, S, hidden], got shape {tuple(hidden.shape)}")
+        b, s = hidden.shape[:2]
+        if self.length + s > self.max_length:
+            raise ValueError(
+                f"chunk of {s} tokens does not fit the cache: {self.length} of "
+                f"{self.max_length} slots are used; nothing was written"
+            )
+        if mask is None:
+            mask = jnp.ones((b, s), bool)
+        # Checks that need concrete values (0/1 masks, shapes) run eagerly, before donation.
+        x, mask = self.layer._check_inputs(hidden, mask, prev_topk)
+        self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
+        out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
+        self.length += s
+        return out, topk
