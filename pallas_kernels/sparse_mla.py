@@ -14,16 +14,34 @@ Invariants:
 
 The dense oracle the seed keeps (``topk_to_mask`` + ``mla_masked_attention``) lives here
 too: the same attention computed over every key with a boolean mask.
+
+The Pallas kernel (Triton backend; see the comment above ``_sparse_mla_kernel``): one
+program per (batch, query) row, block of ``block_h`` heads and share of the row's id
+blocks; an online softmax over gathered blocks of ``block_w`` latent rows, each gathered
+once for both the scores and the values, with a masked load (an invalid id is really never
+read, whereas the reference reads the clamped row and gives it weight 0). The loop stops
+after the last valid id of the row, so short rows cost little. Any H and C work: heads are
+padded to ``block_h``, the latent width is processed in ``block_c`` chunks.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_implementation, check_rank
+from pallas_kernels._common import (
+    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+)
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "topk_to_mask", "mla_masked_attention"]
+__all__ = [
+    "sparse_mla", "sparse_mla_reference", "sparse_mla_block_sizes", "topk_to_mask",
+    "mla_masked_attention",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -89,7 +107,23 @@ def sparse_mla(
     implementation: str = "xla",
     **block_sizes,
 ) -> jax.Array:
-    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``."""
+    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``.
+
+    Block sizes (keyword arguments, used by the Pallas kernel, validated for every
+    implementation; each defaults to the value ``sparse_mla_block_sizes`` picks):
+
+    * ``block_h``: heads per program (power of two >= 16; default 16; fewer heads are
+      padded with zero queries).
+    * ``block_w``: selected ids per loop step (power of two >= 16; default 32, or 16 for
+      rows narrower than 17).
+    * ``block_c``: latent columns per chunk (power of two >= 16; default the whole width
+      up to 512 when it is a power of two, else the chunk wasting the fewest padded
+      columns); the kernel loops over ``ceil(C / block_c)`` chunks.
+    * ``num_splits``: shares each row's id blocks are split into (int >= 1; default: enough
+      for about 256 programs, each share at least 4 id blocks); partial results are merged
+      by a small XLA fusion.
+    * ``num_warps`` (power of two, default 4), ``num_stages`` (int >= 1, default 2): Triton.
+    """
     check_implementation(implementation)
     check_rank("q_lat", q_lat, 4, "[B, Q, H, C]")
     check_rank("latent", latent, 3, "[B, L, C]")
@@ -101,13 +135,256 @@ def sparse_mla(
         raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
+    blocks = sparse_mla_block_sizes(q_lat.shape, token_ids.shape[2], **block_sizes)
     if implementation == "xla":
         return sparse_mla_reference(q_lat, latent, token_ids, scale=scale)
     return _sparse_mla_pallas(
         q_lat, latent, token_ids, scale=scale,
-        interpret=implementation == "pallas_interpret", **block_sizes,
+        interpret=implementation == "pallas_interpret", **blocks,
     )
 
 
-def _sparse_mla_pallas(q_lat, latent, token_ids, *, scale, interpret, **block_sizes):
-    raise NotImplementedError("the sparse_mla Pallas kernel is not written yet")
+# ---------------------------------------------------------------------------------------
+# Pallas kernel (Triton backend)
+# ---------------------------------------------------------------------------------------
+#
+# Grid: (B*Q*head_blocks, num_splits). One program owns one (batch, query) row and a block
+# of ``block_h`` heads (head blocks of the same row are adjacent program ids, so they run
+# together and share the gathered latent rows through L2), and one of ``num_splits``
+# contiguous shares of that row's id blocks (flash-decoding split; a decode step has too
+# few rows to fill the GPU otherwise). Per program:
+#
+# 1. ``n_end`` = 1 + the last slot holding a valid id (0 if none), from one masked load of
+#    the id row (tiles of ``_SCAN_BLOCK`` for very wide rows). Valid ids form a prefix of
+#    the row, so ``n_end`` is their count; but ``n_end`` is exact for any layout, and
+#    every slot below it is still masked on its own.
+# 2. The ``ceil(n_end / block_w)`` id blocks are divided evenly among the splits, so a
+#    short row (decode at a short context, the first tokens of a prefill) costs little and
+#    its work is still spread over every split.
+# 3. Per id block: load ``block_w`` ids, gather the ``block_w`` latent rows once (a masked
+#    load: an invalid id is never read), ``scores = q @ kv.T * scale`` (f32), online
+#    softmax (running max and sum in f32), ``acc += p @ kv``. C is processed as
+#    ``ceil(C / block_c)`` static chunks of ``block_c`` columns (scores summed over chunks,
+#    one accumulator per chunk); columns past C are masked to 0.
+# 4. One split: write ``acc / sum`` in q_lat's dtype. Several: write ``acc``, the max and
+#    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
+#
+# All-invalid rows and splits: the running max stays -inf, every p is 0 and the sum 0, so
+# the output is exactly 0 (the divisions are guarded), never NaN.
+
+_SCAN_BLOCK = 4096  # widest single load of the id row when computing n_end
+_TARGET_PROGRAMS = 256  # auto num_splits aims at about this many programs (2 per H100/H200 SM)
+_MIN_BLOCKS_PER_SPLIT = 4  # ... but never splits a row into shares of fewer id blocks
+_BLOCK_KWARGS = ("block_h", "block_w", "block_c", "num_splits", "num_warps", "num_stages")
+
+
+def _default_block_c(c: int) -> int:
+    """Power-of-two chunk of the latent width: whole C up to 512 when C is a power of two;
+    otherwise the chunk that wastes the fewest padded columns (a small cost per chunk)."""
+    best = None
+    for bc in (16, 32, 64, 128, 256, 512):
+        n = -(-c // bc)
+        cost = n * bc + 16 * n
+        if best is None or cost < best[0]:
+            best = (cost, bc)
+    return best[1]
+
+
+def _auto_num_splits(rows: int, n_wblocks: int) -> int:
+    want = max(1, -(-_TARGET_PROGRAMS // max(rows, 1)))
+    return max(1, min(want, n_wblocks // _MIN_BLOCKS_PER_SPLIT))
+
+
+def _dot_nt(a, b):
+    """``a @ b.T`` with float32 accumulation (bf16 tensor cores for bf16; IEEE f32 for f32)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+                           preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
+                           preferred_element_type=jnp.float32)
+
+
+def _sparse_mla_kernel(
+    ids_ref, q_ref, lat_ref, *out_refs,
+    scale, length, width, n_c, block_h, block_w, block_c, num_splits, latent_c,
+):
+    # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, C] (this row's batch).
+    split = pl.program_id(1)
+    f32 = jnp.float32
+
+    # 1. n_end: one past the last valid slot of the row.
+    scan = min(next_power_of_two(width), _SCAN_BLOCK)
+
+    def scan_tile(t, n_end):
+        pos = t * scan + jnp.arange(scan, dtype=jnp.int32)
+        ids = plgpu.load(ids_ref.at[pl.ds(t * scan, scan)], mask=pos < width, other=-1)
+        ok = (ids >= 0) & (ids < length)
+        return jnp.maximum(n_end, jnp.max(jnp.where(ok, pos + 1, 0)))
+
+    n_scan = -(-width // scan)
+    if n_scan == 1:
+        n_end = scan_tile(0, jnp.int32(0))
+    else:
+        n_end = lax.fori_loop(0, n_scan, scan_tile, jnp.int32(0))
+
+    # 2. This split's share of the id blocks that hold valid ids.
+    n_blocks = (n_end + block_w - 1) // block_w
+    lo = split * n_blocks // num_splits
+    hi = (split + 1) * n_blocks // num_splits
+
+    qs = [q_ref[:, pl.ds(c * block_c, block_c)] for c in range(n_c)]
+    kv_dtype = lat_ref.dtype
+    col_ok = [c * block_c + jnp.arange(block_c, dtype=jnp.int32) < latent_c for c in range(n_c)]
+    cols = [jnp.minimum(c * block_c + jnp.arange(block_c, dtype=jnp.int32), latent_c - 1)
+            for c in range(n_c)]
+
+    # 3. Online softmax over the id blocks.
+    def body(j, carry):
+        m_prev, l_prev, accs = carry
+        pos = j * block_w + jnp.arange(block_w, dtype=jnp.int32)
+        ids = plgpu.load(ids_ref.at[pl.ds(j * block_w, block_w)], mask=pos < width, other=-1)
+        ok = (ids >= 0) & (ids < length)
+        rows = jnp.where(ok, ids, 0)  # a safe index even where the load is masked
+        kvs = []
+        s = jnp.zeros((block_h, block_w), f32)
+        for c in range(n_c):
+            kv = plgpu.load(
+                lat_ref.at[rows[:, None], cols[c][None, :]],
+                mask=ok[:, None] & col_ok[c][None, :], other=0,
+            )
+            kvs.append(kv)
+            s += _dot_nt(qs[c], kv)
+        s = jnp.where(ok[None, :], s * scale, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        alpha = jnp.exp(m_prev - m_safe)  # 0 while m_prev is -inf
+        p = jnp.exp(s - m_safe[:, None])  # 0 at masked slots
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        pv = p.astype(kv_dtype)
+        accs = tuple(
+            alpha[:, None] * acc + _dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
+        )
+        return m_next, l_next, accs
+
+    m0 = jnp.full((block_h,), -jnp.inf, f32)
+    l0 = jnp.zeros((block_h,), f32)
+    acc0 = tuple(jnp.zeros((block_h, block_c), f32) for _ in range(n_c))
+    m_i, l_i, accs = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+
+    # 4. Write.
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        inv = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
+        for c, acc in enumerate(accs):
+            out = (acc * inv[:, None]).astype(o_ref.dtype)
+            plgpu.store(o_ref.at[:, pl.ds(c * block_c, block_c)], out)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        for c, acc in enumerate(accs):
+            plgpu.store(acc_ref.at[:, pl.ds(c * block_c, block_c)], acc)
+        plgpu.store(m_ref.at[:], m_i)
+        plgpu.store(l_ref.at[:], l_i)
+
+
+def _combine_splits(acc, m, l):
+    """Merge per-split partials ``acc [..., S, H, C]``, ``m, l [..., S, H]`` (f32)."""
+    m_all = jnp.max(m, axis=-2, keepdims=True)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
+    denom = jnp.sum(w * l, axis=-2)
+    num = jnp.sum(w[..., None] * acc, axis=-3)
+    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def sparse_mla_block_sizes(q_shape, width: int, **block_sizes) -> dict:
+    """Resolve and validate the kernel's block sizes for ``q_lat`` of shape ``q_shape``
+    ``[B, Q, H, C]`` and id rows of ``width``; see ``sparse_mla``. Raises ``ValueError``
+    naming a bad size and ``TypeError`` for an unknown name."""
+    unknown = sorted(set(block_sizes) - set(_BLOCK_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"sparse_mla got unknown block-size arguments {unknown}; known: {_BLOCK_KWARGS}"
+        )
+    b, nq, h, c = q_shape
+    got = {k: v for k, v in block_sizes.items() if v is not None}
+    block_h = check_power_of_two("block_h", got.get("block_h", 16), minimum=16)
+    block_w = check_power_of_two(
+        "block_w", got.get("block_w", min(next_power_of_two(width, 16), 32)), minimum=16)
+    block_c = check_power_of_two("block_c", got.get("block_c", _default_block_c(c)), minimum=16)
+    num_warps = check_power_of_two("num_warps", got.get("num_warps", 4))
+    num_stages = got.get("num_stages", 2)
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    num_splits = got.get("num_splits")
+    if num_splits is None:
+        num_splits = _auto_num_splits(b * nq * -(-h // block_h), -(-max(width, 1) // block_w))
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    return dict(block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+def _sparse_mla_pallas(
+    q_lat, latent, token_ids, *, scale, interpret,
+    block_h, block_w, block_c, num_splits, num_warps, num_stages,
+):
+    b, nq, h, c = q_lat.shape
+    length = latent.shape[1]
+    width = token_ids.shape[2]
+    if b * nq * h * c == 0 or width == 0 or length == 0:  # nothing to attend to
+        return jnp.zeros(q_lat.shape, q_lat.dtype)
+
+    n_h = -(-h // block_h)
+    n_c = -(-c // block_c)
+    h_pad, c_pad = n_h * block_h, n_c * block_c
+    rows = b * nq
+
+    q = q_lat.reshape(rows, h, c)
+    if (h_pad, c_pad) != (h, c):
+        q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, c_pad - c)))
+    ids = token_ids.reshape(rows, width).astype(jnp.int32)
+
+    try:
+        scale = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(
+            f"scale must be a static Python float for the Pallas kernel, got {scale!r}"
+        ) from e
+    kernel = functools.partial(
+        _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c,
+        block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
+    )
+    in_specs = [
+        pl.BlockSpec((None, width), lambda i, s: (i // n_h, 0)),
+        pl.BlockSpec((None, block_h, c_pad), lambda i, s: (i // n_h, i % n_h, 0)),
+        pl.BlockSpec((None, length, c), lambda i, s: (i // n_h // nq, 0, 0)),
+    ]
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, h_pad, c_pad), q_lat.dtype)
+        out_specs = pl.BlockSpec((None, block_h, c_pad), lambda i, s: (i // n_h, i % n_h, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((rows, num_splits, h_pad, c_pad), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, h_pad), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, h_pad), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, block_h, c_pad), lambda i, s: (i // n_h, s, i % n_h, 0)),
+            pl.BlockSpec((None, None, block_h), lambda i, s: (i // n_h, s, i % n_h)),
+            pl.BlockSpec((None, None, block_h), lambda i, s: (i // n_h, s, i % n_h)),
+        )
+    out = pl.pallas_call(
+        kernel,
+        grid=(rows * n_h, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="sparse_mla",
+    )(ids, q, latent)
+    if num_splits > 1:
+        out = _combine_splits(*out).astype(q_lat.dtype)
+    return out[:, :h, :c].reshape(b, nq, h, c)

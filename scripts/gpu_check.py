@@ -1,0 +1,487 @@
+#!/usr/bin/env python
+"""Compile, check and time every kernel of the DSA pipeline at the real GLM-5.3-Flash shapes.
+
+One command for a lent GPU (an H100/H200 with ``jax[cuda12]`` or ``jax[cuda13]``, jax 0.10
+or 0.11)::
+
+    python scripts/gpu_check.py            # table on stdout, progress on stderr
+    python scripts/gpu_check.py --json     # the same rows as one JSON object on stdout
+    python scripts/gpu_check.py --smoke    # tiny shapes, implementation="pallas_interpret"
+                                           # (runs on a CPU; what the tests run)
+
+Shapes: 64 heads, kv_lora_rank 512, indexer 32 heads x 128, index_topk 2048, index_kpool 4
+(out_width 2051), decode (Q = 1) at batch 1 and 8 over contexts of 8K and 128K tokens, batch
+1 at 1M tokens, and a Q = 64 prefill tile at 128K. Every batch row holds a slightly
+different number of valid tokens (``L - 5*b``), so masks and tails are exercised.
+
+Each pipeline step runs on the reference outputs of the step before it, so a wrong or
+missing kernel never hides another one. Per step, per case, rows for:
+
+* ``xla``: the plain-jnp reference (``implementation="xla"``), the output checked against;
+* ``pallas``: the Pallas Triton kernel, with its check against ``xla`` (``ok (max err ..)``,
+  ``MISMATCH ..``, ``not implemented`` when it still raises NotImplementedError, or
+  ``error: ..``);
+* ``lax.top_k``: next to ``topk_pools``, a speed baseline only (its tie rule differs);
+* a short block-size sweep of ``sparse_mla`` at the end, while time is left.
+
+Time = median over ``--reps`` runs of ``--inner`` back-to-back asynchronous calls, after a
+warm-up call (so it includes launch overhead, which is what a decode step pays). GB/s is
+the bytes the step must move at least (gathered latent rows counted once per query row),
+divided by that time; TF/s counts the matmul FLOPs. ``--budget`` seconds (default 180) caps
+the whole run: cases left when it is spent are reported as skipped.
+
+Exit status: 0 when no check failed (``not implemented`` and skipped rows are not
+failures), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+# The module (the package re-exports a function of the same name).
+_topk_module = importlib.import_module("pallas_kernels.topk_pools")
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    heads: int = 64
+    latent: int = 512  # kv_lora_rank
+    index_heads: int = 32
+    index_dim: int = 128
+    topk: int = 2048
+    kpool: int = 4
+    qk_head_dim: int = 256  # softmax scale qk_head_dim**-0.5
+    dtype: str = "bfloat16"
+
+    @property
+    def out_width(self) -> int:
+        return self.topk + self.kpool - 1
+
+    @property
+    def scale(self) -> float:
+        return self.qk_head_dim**-0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    length: int
+    batch: int
+    nq: int
+    kernels: tuple[str, ...] = ("kpool_compress", "index_scores", "topk_pools",
+                                "expand_selection", "sparse_mla")
+    sweep: bool = False  # run the sparse_mla block sweep on this case (after the table)
+
+
+KERNELS = ("kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla")
+
+REAL_CASES = [
+    Case("decode", 131072, 1, 1, sweep=True),
+    Case("decode", 131072, 8, 1, sweep=True),
+    Case("decode", 8192, 1, 1),
+    Case("decode", 8192, 8, 1),
+    # 1M tokens: batch 1 only (every step is cheap there; batch 8 would add 8 GiB of latent
+    # and minutes of compile-and-fill time for little information).
+    Case("decode", 1048576, 1, 1),
+    # kpool_compress does not depend on Q: its prefill row would repeat the decode one.
+    Case("prefill", 131072, 1, 64, kernels=KERNELS[1:], sweep=True),
+]
+SMOKE_CASES = [
+    Case("decode", 50, 2, 1, sweep=True),
+    Case("prefill", 37, 1, 3, kernels=KERNELS[1:]),
+]
+
+# sparse_mla block sizes tried after the main table (the first is the default).
+REAL_SWEEP = [
+    dict(block_h=16, block_w=32, num_warps=4, num_stages=2),
+    dict(block_h=16, block_w=64, num_warps=4, num_stages=2),
+    dict(block_h=16, block_w=32, num_warps=4, num_stages=3),
+    dict(block_h=16, block_w=16, num_warps=4, num_stages=2),
+    dict(block_h=32, block_w=32, num_warps=8, num_stages=2),
+    dict(block_h=64, block_w=32, num_warps=8, num_stages=2),
+    dict(block_h=64, block_w=16, num_warps=8, num_stages=2),
+    dict(block_h=16, block_w=32, num_warps=4, num_stages=2, num_splits=1),
+]
+SMOKE_SWEEP = [dict(block_h=16, block_w=16, num_splits=2)]
+
+
+# ------------------------------------------------------------------------------ helpers
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _nbytes(*arrays) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in arrays))
+
+
+def _first_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _is_not_implemented(e: BaseException) -> bool:
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, NotImplementedError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _timed(fn, args, reps: int, inner: int):
+    """Compile + warm up, then the median per-call time of ``reps`` x ``inner`` calls."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / inner)
+    return out, compile_s, statistics.median(times)
+
+
+def _compare_close(got, want, rtol, atol) -> tuple[bool, str]:
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    if got.shape != want.shape:
+        return False, f"MISMATCH shape {got.shape} != {want.shape}"
+    same_inf = np.array_equal(np.isneginf(got), np.isneginf(want)) and np.array_equal(
+        np.isnan(got), np.isnan(want))
+    fin = np.isfinite(want) & np.isfinite(got)
+    err = float(np.max(np.abs(got[fin] - want[fin]), initial=0.0))
+    bad = ~np.isclose(got[fin], want[fin], rtol=rtol, atol=atol)
+    if not same_inf:
+        return False, f"MISMATCH -inf/NaN positions differ (max err {err:.2e})"
+    if bad.any():
+        return False, (f"MISMATCH {int(bad.sum())} of {bad.size} beyond rtol={rtol} "
+                       f"atol={atol} (max err {err:.2e})")
+    return True, f"ok (max err {err:.1e})"
+
+
+def _compare_equal(got, want) -> tuple[bool, str]:
+    got, want = np.asarray(got), np.asarray(want)
+    if got.shape != want.shape:
+        return False, f"MISMATCH shape {got.shape} != {want.shape}"
+    n = int(np.sum(got != want))
+    return (n == 0), ("ok (exact)" if n == 0 else f"MISMATCH {n} of {got.size} elements differ")
+
+
+def _compare_tuple(got, want, checks) -> tuple[bool, str]:
+    msgs, ok = [], True
+    for g, w, check in zip(got, want, checks):
+        o, m = check(g, w)
+        ok &= o
+        msgs.append(m)
+    return ok, msgs[0] if ok else "; ".join(m for m in msgs if not m.startswith("ok"))
+
+
+# ------------------------------------------------------------------------------ inputs
+def _make_inputs(geom: Geometry, case: Case, seed: int = 0) -> dict:
+    b, length, nq = case.batch, case.length, case.nq
+    dt = jnp.dtype(geom.dtype)
+    ks = jax.random.split(jax.random.key(seed), 8)
+    lens = jnp.maximum(length - 5 * jnp.arange(b, dtype=jnp.int32), 1)
+    inp = dict(
+        keys=jax.random.normal(ks[0], (b, length, geom.index_dim), dt),
+        gate=jax.random.normal(ks[1], (b, length, geom.index_dim), jnp.float32),
+        key_valid=jnp.arange(length, dtype=jnp.int32)[None, :] < lens[:, None],
+        ape=0.5 * jax.random.normal(ks[2], (geom.kpool, geom.index_dim), jnp.float32),
+        q_idx=jax.random.normal(ks[3], (b, nq, geom.index_heads, geom.index_dim), dt),
+        w=jax.random.normal(ks[4], (b, nq, geom.index_heads), jnp.float32) * geom.index_heads**-0.5,
+        q_lat=jax.random.normal(ks[5], (b, nq, geom.heads, geom.latent), dt),
+        latent=jax.random.normal(ks[6], (b, length, geom.latent), dt),
+        # the last nq valid tokens of each row are the queries
+        q_pos=(lens[:, None] - nq + jnp.arange(nq, dtype=jnp.int32)[None, :]).astype(jnp.int32),
+    )
+    return jax.block_until_ready(inp)
+
+
+# ------------------------------------------------------------------------------ the run
+class Runner:
+    def __init__(self, args, geom: Geometry):
+        self.args = args
+        self.geom = geom
+        self.pallas_impl = args.impl or ("pallas_interpret" if args.smoke else "pallas")
+        self.t0 = time.monotonic()
+        self.rows: list[dict] = []
+        self.failed = False
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() - self.t0 > self.args.budget
+
+    def add(self, case: Case, kernel: str, impl: str, **fields):
+        row = dict(case=case.name, context=case.length, batch=case.batch, q=case.nq,
+                   kernel=kernel, impl=impl, time_us=None, gbps=None, tflops=None,
+                   compile_s=None, check="")
+        row.update(fields)
+        self.rows.append(row)
+        _log(f"  {kernel:<16} {impl:<28} {_fmt(row['time_us'], '{:.1f} us'):>12}  {row['check']}")
+        return row
+
+    def measure(self, case, kernel, impl, fn, args, *, nbytes, flops=0, want=None,
+                compare=None, extra=None):
+        """Run one implementation; returns its output (None when it did not run)."""
+        if self.out_of_time():
+            self.add(case, kernel, impl, check="skipped (time budget)")
+            return None
+        try:
+            out, compile_s, t = _timed(jax.jit(fn), args, self.args.reps, self.args.inner)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a row
+            if _is_not_implemented(e):
+                self.add(case, kernel, impl, check=f"not implemented ({_first_line(e)})")
+            else:
+                self.failed = True
+                if self.args.verbose:
+                    traceback.print_exc(file=sys.stderr)
+                self.add(case, kernel, impl, check=f"error: {_first_line(e)}")
+            return None
+        check = "reference" if impl == "xla" else ""
+        if compare is not None and want is not None:
+            try:
+                ok, check = compare(out, want)
+            except Exception as e:  # noqa: BLE001
+                ok, check = False, f"error in check: {_first_line(e)}"
+            self.failed |= not ok
+        elif extra is not None:
+            check = extra
+        self.add(case, kernel, impl, time_us=t * 1e6, compile_s=round(compile_s, 2),
+                 gbps=nbytes / t / 1e9 if nbytes else None,
+                 tflops=flops / t / 1e12 if flops else None, check=check)
+        return out
+
+    # One pipeline step: the reference, then the kernel checked against it.
+    def step(self, case, kernel, make_fn, args, *, nbytes, flops=0, compare, timed=True):
+        ref_fn = make_fn("xla")
+        if timed:
+            want = self.measure(case, kernel, "xla", ref_fn, args, nbytes=nbytes, flops=flops)
+        else:
+            want = None
+        if want is None:  # not timed, out of time, or the reference failed: still needed
+            try:
+                want = jax.block_until_ready(jax.jit(ref_fn)(*args))
+            except Exception as e:  # noqa: BLE001
+                self.failed = True
+                _log(f"  {kernel}: reference failed: {_first_line(e)}")
+                return None
+        if timed:
+            self.measure(case, kernel, "pallas", make_fn(self.pallas_impl), args, nbytes=nbytes,
+                         flops=flops, want=want, compare=compare)
+        return want
+
+    def run_case(self, case: Case):
+        g = self.geom
+        _log(f"{case.name}: context {case.length}, batch {case.batch}, Q {case.nq}")
+        if self.out_of_time():
+            for k in case.kernels:
+                self.add(case, k, "-", check="skipped (time budget)")
+            return None
+        inp = _make_inputs(g, case)
+        b, nq, length = case.batch, case.nq, case.length
+        kp = g.kpool
+        run = set(case.kernels)
+        close_bf16 = lambda x, y: _compare_close(x, y, rtol=2e-2, atol=2e-2)  # noqa: E731
+
+        # 1. kpool_compress
+        args = (inp["keys"], inp["gate"], inp["key_valid"], inp["ape"])
+        n_pools = pk.num_pools(length, kp)
+        nbytes = _nbytes(*args) + n_pools * b * g.index_dim * inp["keys"].dtype.itemsize
+        res = self.step(
+            case, "kpool_compress",
+            lambda impl: (lambda k, gt, v, a: pk.kpool_compress(k, gt, v, a, implementation=impl)),
+            args, nbytes=nbytes, timed="kpool_compress" in run,
+            compare=lambda x, y: _compare_tuple(x, y, (close_bf16, _compare_equal, _compare_equal)),
+        )
+        if res is None:
+            return None
+        pooled, first_key, pool_valid = res
+
+        # 2. index_scores
+        args = (inp["q_idx"], inp["w"], pooled, pool_valid, first_key, inp["q_pos"])
+        nbytes = _nbytes(*args) + b * nq * n_pools * 4
+        flops = 2 * b * nq * g.index_heads * n_pools * g.index_dim
+        scores = self.step(
+            case, "index_scores",
+            lambda impl: (lambda *a: pk.index_scores(*a, kpool=kp, implementation=impl)),
+            args, nbytes=nbytes, flops=flops, timed="index_scores" in run,
+            compare=lambda x, y: _compare_close(x, y, rtol=1e-3, atol=1e-3),
+        )
+        if scores is None:
+            return None
+
+        # 3. topk_pools (+ lax.top_k as a speed baseline)
+        select_k = min(g.topk // kp, n_pools)
+        nbytes = _nbytes(scores) + b * nq * select_k * 4
+        pools = self.step(
+            case, "topk_pools",
+            lambda impl: (lambda s: pk.topk_pools(s, select_k, implementation=impl)),
+            (scores,), nbytes=nbytes, timed="topk_pools" in run, compare=_compare_equal,
+        )
+        if pools is None:
+            return None
+        if "topk_pools" in run:
+            baseline = getattr(_topk_module, "topk_pools_lax_baseline", None)
+            if baseline is None:
+                baseline = lambda s, k: jax.lax.top_k(s, k)[1]  # noqa: E731
+            self.measure(case, "topk_pools", "lax.top_k (baseline)",
+                         lambda s: baseline(s, select_k), (scores,), nbytes=nbytes,
+                         extra="speed baseline only (other tie rule)")
+
+        # 4. expand_selection (tail = the incomplete visible pool)
+        n_vis = jnp.maximum(inp["q_pos"] + 1 - first_key[:, None], 0).astype(jnp.int32)
+        tail = pk.visible_tail(first_key, n_vis, inp["q_pos"], inp["key_valid"], kp)
+        args = (pools, first_key, tail)
+        nbytes = _nbytes(*args) + b * nq * g.out_width * 4
+        ids = self.step(
+            case, "expand_selection",
+            lambda impl: (lambda p, f, t: pk.expand_selection(
+                p, f, t, kpool=kp, out_width=g.out_width, implementation=impl)),
+            args, nbytes=nbytes, timed="expand_selection" in run, compare=_compare_equal,
+        )
+        if ids is None:
+            return None
+
+        # 5. sparse_mla
+        if "sparse_mla" in run:
+            self.sparse_mla_rows(case, inp, ids)
+        return inp, ids
+
+    def _mla_cost(self, inp, ids):
+        n_valid = int(jnp.sum(ids >= 0))
+        itemsize = inp["latent"].dtype.itemsize
+        nbytes = (n_valid * self.geom.latent * itemsize + _nbytes(ids)
+                  + 2 * _nbytes(inp["q_lat"]))
+        flops = 4 * n_valid * self.geom.heads * self.geom.latent
+        return nbytes, flops
+
+    def sparse_mla_rows(self, case, inp, ids, sweep=None):
+        g = self.geom
+        nbytes, flops = self._mla_cost(inp, ids)
+        args = (inp["q_lat"], inp["latent"], ids)
+        close = lambda x, y: _compare_close(x, y, rtol=2e-2, atol=2e-2)  # noqa: E731
+        make = lambda impl, **bs: (  # noqa: E731
+            lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, implementation=impl, **bs))
+        if sweep is None:
+            self.step(case, "sparse_mla", make, args, nbytes=nbytes, flops=flops, compare=close)
+            return
+        want = jax.block_until_ready(jax.jit(make("xla"))(*args))
+        for bs in sweep:
+            label = "pallas[" + ",".join(f"{k}={v}" for k, v in bs.items()) + "]"
+            self.measure(case, "sparse_mla", label, make(self.pallas_impl, **bs), args,
+                         nbytes=nbytes, flops=flops, want=want, compare=close)
+
+
+def _fmt(v, spec):
+    return "-" if v is None else spec.format(v)
+
+
+def _table(rows) -> str:
+    head = ["case", "context", "B", "Q", "kernel", "impl", "time", "GB/s", "TF/s", "compile",
+            "check"]
+    lines = [head]
+    for r in rows:
+        lines.append([
+            r["case"], str(r["context"]), str(r["batch"]), str(r["q"]), r["kernel"], r["impl"],
+            _fmt(r["time_us"], "{:.1f} us"), _fmt(r["gbps"], "{:.0f}"),
+            _fmt(r["tflops"], "{:.1f}"), _fmt(r["compile_s"], "{:.1f} s"), r["check"],
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    out = []
+    for line in lines:
+        out.append("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1])
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help='tiny shapes with implementation="pallas_interpret" (any device)')
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run (default 180; 120 with --smoke)")
+    ap.add_argument("--reps", type=int, default=None, help="timed runs per row (median)")
+    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timed run")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the sparse_mla block sweep")
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated context lengths: only the cases at these lengths")
+    ap.add_argument("--impl", choices=("pallas", "pallas_interpret"), default=None,
+                    help="kernel implementation (default: pallas; pallas_interpret with --smoke)")
+    ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    args = ap.parse_args(argv)
+    if args.budget is None:
+        args.budget = 120.0 if args.smoke else 180.0
+    if args.reps is None:
+        args.reps = 1 if args.smoke else 5
+    if args.inner is None:
+        args.inner = 1 if args.smoke else 10
+
+    if args.smoke:
+        geom = Geometry(heads=4, latent=40, index_heads=3, index_dim=16, topk=16, kpool=4,
+                        qk_head_dim=20, dtype="float32")
+        cases, sweep = SMOKE_CASES, SMOKE_SWEEP
+    else:
+        geom, cases, sweep = Geometry(), REAL_CASES, REAL_SWEEP
+
+    if args.contexts:
+        wanted = {int(x) for x in args.contexts.split(",") if x.strip()}
+        cases = [c for c in cases if c.length in wanted]
+
+    dev = jax.devices()[0]
+    meta = dict(jax=jax.__version__, backend=jax.default_backend(),
+                device=getattr(dev, "device_kind", str(dev)), smoke=args.smoke,
+                geometry=dataclasses.asdict(geom), reps=args.reps, inner=args.inner,
+                budget_s=args.budget)
+    _log(f"jax {meta['jax']} on {meta['backend']} ({meta['device']}), budget {args.budget:.0f} s")
+    if not args.smoke and meta["backend"] != "gpu":
+        _log("warning: no GPU backend; implementation='pallas' will not run here (use --smoke)")
+
+    runner = Runner(args, geom)
+    kept = []  # (case, (inputs, ids)) for the sweep, kept on the device meanwhile
+    for case in cases:
+        try:
+            res = runner.run_case(case)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory filling the inputs
+            runner.failed = True
+            runner.add(case, "-", "-", check=f"error: {_first_line(e)}")
+            res = None
+        if res is not None and case.sweep and not args.no_sweep:
+            kept.append((case, res))
+    # Larger batches first: the sweep matters most where the GPU is busiest.
+    kept.sort(key=lambda cr: -cr[0].batch * cr[0].nq)
+    while kept and not runner.out_of_time():
+        case, (inp, ids) = kept.pop(0)
+        _log(f"sweep {case.name}: context {case.length}, batch {case.batch}, Q {case.nq}")
+        runner.sparse_mla_rows(case, inp, ids, sweep=sweep)
+    kept.clear()
+    meta["elapsed_s"] = round(time.monotonic() - runner.t0, 1)
+    meta["ok"] = not runner.failed
+    if args.json:
+        print(json.dumps(dict(meta, rows=runner.rows), indent=1, default=float))
+    else:
+        print(f"jax {meta['jax']}, {meta['device']}, {meta['elapsed_s']} s"
+              f" (time: median of {args.reps} x {args.inner} back-to-back calls)")
+        print(_table(runner.rows))
+    return 0 if not runner.failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

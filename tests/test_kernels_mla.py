@@ -1,0 +1,245 @@
+"""``sparse_mla``: the Pallas kernel (interpret mode) against the plain-jnp reference, the
+reference against the dense oracle, CUDA lowering at the real GLM-5.3-Flash shapes, and a
+smoke run of ``scripts/gpu_check.py``.
+
+Id rows are drawn with ``-1`` runs anywhere (not only as the suffix that the selection
+produces), ids ``>= L``, all-``-1`` rows and prefix rows, so the per-slot masking, the
+early stop (``n_end``) and the zero output of an empty row are all exercised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.sparse_mla import (
+    mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
+)
+
+# The module itself (the package re-exports a function of the same name).
+sparse_mla_module = importlib.import_module("pallas_kernels.sparse_mla")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ids_row(rng, width: int, length: int, mode: str) -> np.ndarray:
+    if mode == "none":
+        return np.full(width, -1, np.int32)
+    if mode == "prefix":  # what expand_selection emits: distinct valid ids, then -1s
+        n = int(rng.integers(0, min(width, length) + 1))
+        row = np.full(width, -1, np.int32)
+        row[:n] = np.sort(rng.choice(length, size=n, replace=False))
+        return row
+    # "runs": ids anywhere in [-1, L + 3) with runs of -1 in the middle
+    row = rng.integers(-1, length + 3, size=width).astype(np.int32)
+    for _ in range(int(rng.integers(0, 3))):
+        a = int(rng.integers(0, width))
+        row[a : a + int(rng.integers(1, 8))] = -1
+    return row
+
+
+def _ids(rng, b, nq, width, length, modes=("none", "prefix", "runs")) -> np.ndarray:
+    return np.stack([
+        np.stack([_ids_row(rng, width, length, str(rng.choice(modes))) for _ in range(nq)])
+        for _ in range(b)
+    ])
+
+
+@st.composite
+def _case(draw):
+    return dict(
+        b=draw(st.integers(1, 2)),
+        nq=draw(st.integers(1, 3)),
+        h=draw(st.sampled_from([1, 3, 4, 16])),
+        c=draw(st.sampled_from([8, 40, 64])),
+        length=draw(st.integers(1, 50)),
+        width=draw(st.integers(1, 40)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        # None = the wrapper's defaults; explicit splits exercise the combine step,
+        # including splits that get no id block at all.
+        num_splits=draw(st.sampled_from([None, 1, 2, 3])),
+        block_w=draw(st.sampled_from([None, 16])),
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(_case())
+def test_pallas_matches_reference_f32(case):
+    rng = np.random.default_rng(case["seed"])
+    b, nq, h, c, length, width = (case[k] for k in ("b", "nq", "h", "c", "length", "width"))
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float32)
+    ids_np = _ids(rng, b, nq, width, length)
+    ids_np[0, 0] = -1  # at least one empty row per example
+    ids = jnp.asarray(ids_np)
+    scale = c**-0.5
+    blocks = {k: case[k] for k in ("num_splits", "block_w") if case[k] is not None}
+    got = sparse_mla(q, lat, ids, scale=scale, implementation="pallas_interpret", **blocks)
+    want = sparse_mla_reference(q, lat, ids, scale=scale)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    got = np.asarray(got)
+    assert not np.isnan(got).any()
+    # Both sides compute in float32 (the reference with HIGHEST-precision einsums); they
+    # differ only in summation order and in the online softmax's rescaling, a few ulps per
+    # term over <= 40 slots and <= 64 channels. Outputs are convex combinations of N(0, 1)
+    # rows, so O(1): rtol 2e-5 covers that with margin; atol 2e-6 covers outputs that
+    # cancel to near 0.
+    np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+
+
+def test_all_invalid_rows_are_exact_zeros():
+    rng = np.random.default_rng(1)
+    b, nq, h, c, length, width = 2, 2, 4, 40, 20, 37
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float32)
+    ids = np.full((b, nq, width), -1, np.int32)
+    ids[1, 1, 3] = length + 5  # out of range: not a token either
+    ids[0, 1, :5] = [3, 1, 4, 15, 9]  # one real row, so empty and full rows coexist
+    for num_splits in (1, 4):
+        out = np.asarray(sparse_mla(q, lat, jnp.asarray(ids), scale=0.1,
+                                    implementation="pallas_interpret", num_splits=num_splits))
+        assert not np.isnan(out).any()
+        assert (out[0, 0] == 0).all() and (out[1] == 0).all()
+        np.testing.assert_allclose(
+            out[0, 1], np.asarray(sparse_mla_reference(q, lat, jnp.asarray(ids), scale=0.1))[0, 1],
+            rtol=2e-5, atol=2e-6,
+        )
+
+
+def test_invalid_ids_are_never_read():
+    # Latent row 0 (where the reference clamps -1) and every unselected row hold NaN: the
+    # kernel masks the gather itself, so they never reach the output. (The reference reads
+    # the clamped row and gives it weight 0, and 0 * NaN = NaN: it would fail this test.)
+    rng = np.random.default_rng(2)
+    b, nq, h, c, length, width = 1, 2, 3, 64, 30, 20
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = rng.standard_normal((b, length, c)).astype(np.float32)
+    ids = np.full((b, nq, width), -1, np.int32)
+    ids[0, 0, :6] = [2, 5, 7, 11, 12, 29]
+    ids[0, 1, [1, 4, 9]] = [5, 7, 11]
+    poisoned = lat.copy()
+    chosen = np.unique(ids[ids >= 0])
+    mask = np.ones(length, bool)
+    mask[chosen] = False
+    poisoned[:, mask] = np.nan
+    got = np.asarray(sparse_mla(q, jnp.asarray(poisoned), jnp.asarray(ids), scale=0.125,
+                                implementation="pallas_interpret", num_splits=2))
+    want = np.asarray(sparse_mla_reference(q, jnp.asarray(lat), jnp.asarray(ids), scale=0.125))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_wide_row_scanned_in_tiles(monkeypatch):
+    # Rows wider than the single-load scan limit find n_end with a loop of tiles; shrink
+    # the limit so a 40-wide row takes three tiles, with its last valid id in the last one.
+    monkeypatch.setattr(sparse_mla_module, "_SCAN_BLOCK", 16)
+    rng = np.random.default_rng(3)
+    b, nq, h, c, length, width = 1, 2, 16, 16, 50, 40
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float32)
+    ids = np.full((b, nq, width), -1, np.int32)
+    ids[0, 0, [0, 20, 39]] = [4, 8, 49]
+    ids[0, 1, 33] = 7
+    got = sparse_mla(q, lat, jnp.asarray(ids), scale=0.25, implementation="pallas_interpret")
+    want = sparse_mla_reference(q, lat, jnp.asarray(ids), scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_bf16_within_bf16_tolerance():
+    rng = np.random.default_rng(4)
+    b, nq, h, c, length, width = 2, 2, 16, 64, 48, 35
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.bfloat16)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.bfloat16)
+    ids = jnp.asarray(_ids(rng, b, nq, width, length, modes=("prefix", "runs")))
+    got = sparse_mla(q, lat, ids, scale=c**-0.5, implementation="pallas_interpret")
+    want = sparse_mla_reference(q, lat, ids, scale=c**-0.5)
+    assert got.dtype == jnp.bfloat16
+    # The kernel rounds the softmax weights to bf16 before ``p @ kv`` (the tensor-core
+    # path) and both sides round the output to bf16: a few bf16 ulps (2**-8 relative) on
+    # O(1) outputs.
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 5), st.integers(1, 30),
+       st.integers(1, 40), st.integers(0, 2**32 - 1))
+def test_reference_equals_dense_oracle(b, nq, h, length, width, seed):
+    rng = np.random.default_rng(seed)
+    c = 24
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float32)
+    # Distinct ids per row (the selection never repeats one), -1 and out-of-range ids mixed in.
+    ids = np.full((b, nq, width), -1, np.int32)
+    for i in range(b):
+        for j in range(nq):
+            n = int(rng.integers(0, min(width, length + 3) + 1))
+            ids[i, j, rng.choice(width, size=n, replace=False)] = rng.choice(
+                length + 3, size=n, replace=False
+            )
+    ids = jnp.asarray(ids)
+    want = jax.jit(lambda q, lat, ids: mla_masked_attention(
+        q, lat, topk_to_mask(ids, length), scale=0.3))(q, lat, ids)
+    got = jax.jit(lambda q, lat, ids: sparse_mla_reference(q, lat, ids, scale=0.3))(q, lat, ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_bad_block_sizes_raise():
+    q = jnp.zeros((1, 1, 4, 16), jnp.float32)
+    lat = jnp.zeros((1, 8, 16), jnp.float32)
+    ids = jnp.zeros((1, 1, 4), jnp.int32)
+    for name, value in [("block_w", 24), ("block_h", 8), ("block_c", 48), ("num_warps", 3)]:
+        with pytest.raises(ValueError, match=name):
+            sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", **{name: value})
+    with pytest.raises(ValueError, match="num_splits"):
+        sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", num_splits=0)
+    with pytest.raises(TypeError, match="block_k"):
+        sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", block_k=16)
+
+
+# Real GLM-5.3-Flash shapes: 64 heads, kv_lora_rank 512, out_width 2048 + kpool - 1.
+_REAL = [
+    pytest.param(1, 1, 131072, id="decode-b1-128k"),
+    pytest.param(8, 1, 131072, id="decode-b8-128k"),
+    pytest.param(1, 1, 1048576, id="decode-b1-1m"),
+    pytest.param(1, 64, 131072, id="prefill-q64-128k"),
+]
+
+
+@pytest.mark.parametrize("b,nq,length", _REAL)
+def test_lowers_for_cuda_at_real_shapes(b, nq, length):
+    sds = jax.ShapeDtypeStruct
+    fn = lambda q, lat, ids: sparse_mla(q, lat, ids, scale=256**-0.5, implementation="pallas")
+    lowered = jax.jit(fn).trace(
+        sds((b, nq, 64, 512), jnp.bfloat16),
+        sds((b, length, 512), jnp.bfloat16),
+        sds((b, nq, 2051), jnp.int32),
+    ).lower(lowering_platforms=("cuda",))
+    assert "sparse_mla" in lowered.as_text()
+
+
+def test_gpu_check_smoke_runs_on_cpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--smoke", "--json"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    report = json.loads(proc.stdout)
+    rows = report["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert {"kpool_compress", "index_scores", "topk_pools", "expand_selection",
+            "sparse_mla"} <= kernels
+    mla = [r for r in rows if r["kernel"] == "sparse_mla" and r["impl"] != "xla"]
+    assert mla and all(r["check"].startswith("ok") for r in mla), mla
