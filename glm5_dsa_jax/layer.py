@@ -63,8 +63,13 @@ def absorb_o(
     o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None
 ) -> jax.Array:
     """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``."""
+    from glm5_dsa_jax.sharding import row_parallel_out_sharding
+
     o = jnp.einsum("bshc,hvc->bshv", o_lat, w_uv.astype(o_lat.dtype), precision=_HI)
-    out = jnp.einsum("bshv,hvo->bso", o, o_proj.astype(o.dtype), precision=_HI)
+    # Row-parallel under TP: the head axis contracted here may be sharded; the partial sums
+    # are all-reduced once. Explicit mesh axes need the output sharding spelled out.
+    out = jnp.einsum("bshv,hvo->bso", o, o_proj.astype(o.dtype), precision=_HI,
+                     out_sharding=row_parallel_out_sharding(o))
     return out if bias is None else out + bias.astype(out.dtype)
 
 
@@ -239,10 +244,15 @@ class DsaAttention(nnx.Module):
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype)."""
-        return init_cache(
+        cache = init_cache(
             self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
             dtype=self.dtype if dtype is None else dtype,
         )
+        if getattr(self, "mesh", None) is not None:  # placed by shard_layer: replicated
+            from glm5_dsa_jax.sharding import place_cache
+
+            cache = place_cache(cache, self.mesh)
+        return cache
 
     # ------------------------------------------------------------------ forward
     def __call__(
@@ -279,7 +289,7 @@ class DsaAttention(nnx.Module):
             raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
         x, mask = self._check_inputs(hidden_states, attention_mask, None)
         x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-        q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], self.cfg.rms_norm_eps)
+        q_resid, _, _ = self.project(x)
         qi, w, ki, gate = self.indexer.project(x, q_resid)
         pooled, first_key, pool_valid = pk.kpool_compress(
             ki, gate, mask, self.indexer.kpool_ape[...], implementation=self.implementation
@@ -351,11 +361,7 @@ class DsaAttention(nnx.Module):
         fits = length + s <= cache.max_length
         slots = jnp.where(fits, length + jnp.arange(s, dtype=jnp.int32), cache.max_length)
 
-        q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
-        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.q_b_proj[...].astype(x.dtype), precision=_HI)
-        q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
-        kv = self._dense(x, self.kv_a_proj_with_mqa, self.kv_a_proj_bias)
-        latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
+        q_resid, q_lat, latent = self.project(x)
 
         # Out-of-range slots (a chunk that does not fit) are dropped, not clamped.
         cache = cache.replace(
@@ -379,6 +385,18 @@ class DsaAttention(nnx.Module):
         out = jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
         cache = cache.replace(length=jnp.where(fits, length + s, length).astype(jnp.int32))
         return out, topk, cache
+
+    def project(self, x: jax.Array):
+        """``x [B, S, hidden]`` -> ``q_resid [B, S, q_lora]``, the absorbed query
+        ``q_lat [B, S, H, kv_lora]`` and the latent rows ``[B, S, kv_lora]`` (what the cache
+        stores), all in ``x``'s dtype."""
+        cfg = self.cfg
+        q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
+        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.q_b_proj[...].astype(x.dtype), precision=_HI)
+        q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
+        kv = self._dense(x, self.kv_a_proj_with_mqa, self.kv_a_proj_bias)
+        latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
+        return q_resid, q_lat, latent
 
     def _dense(self, x, w, bias):
         y = _dense(x, w[...])
@@ -431,11 +449,18 @@ class DsaAttention(nnx.Module):
 
         Hook for tensor parallelism: on a mesh the heads of ``q_lat`` are sharded and the
         kernel must run per shard (``shard_map``), reading the replicated latent.
+        ``shard_layer`` records the mesh (``self.mesh``); until then this is the plain call.
         """
-        return pk.sparse_mla(
-            q_lat, latent, token_ids, scale=self.cfg.softmax_scale,
-            implementation=self.implementation,
-        )
+        scale, impl = self.cfg.softmax_scale, self.implementation
+
+        def kernel(q, lat, ids):
+            return pk.sparse_mla(q, lat, ids, scale=scale, implementation=impl)
+
+        if getattr(self, "mesh", None) is None:
+            return kernel(q_lat, latent, token_ids)
+        from glm5_dsa_jax.sharding import layer_attend
+
+        return layer_attend(self, q_lat, latent, token_ids, kernel)
 
     def _select_and_attend(self, q_lat, cache: DsaCache, q_pos, *, qi=None, w=None, n_vis=None, topk=None):
         """Top-k selection (full layers) and sparse attention, ``block_q`` queries at a time."""

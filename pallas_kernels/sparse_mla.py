@@ -74,6 +74,8 @@ def sparse_mla_reference(
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
     kv = jax.vmap(lambda lat, ids: lat[ids])(latent, safe).astype(jnp.float32)  # [B,Q,W,C]
+    # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
+    kv = jnp.where(valid[..., None], kv, 0.0)
     s = jnp.einsum("bqhc,bqwc->bqhw", q_lat.astype(jnp.float32), kv, precision=_HI) * scale
     p = masked_softmax(s, valid[:, :, None, :])
     o = jnp.einsum("bqhw,bqwc->bqhc", p, kv, precision=_HI)
