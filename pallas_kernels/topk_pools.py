@@ -15,16 +15,30 @@ Equivalently: the selected set is ``{p : key(p) > T} ∪ {the lowest-indexed poo
 key(p) == T, as many as fit}``, where ``key`` is the order-preserving int32 image of the
 float score and ``T`` the ``select_k``-th largest key. That is the form a radix select
 computes without sorting; the reference below uses ``lax.sort`` on ``(key desc, index)``.
+
+The Pallas kernel (``implementation="pallas"``, Triton) is that radix select: one program
+per query row streams the row in tiles, finds ``T`` in ``32 / radix_bits`` counting passes
+and writes the ascending row in one compaction pass; it matches the reference bit for bit.
+``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_implementation, check_rank
+from pallas_kernels._common import (
+    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+)
 
-__all__ = ["topk_pools", "topk_pools_reference", "order_key"]
+__all__ = [
+    "topk_pools", "topk_pools_reference", "topk_pools_lax_baseline", "order_key",
+    "DEFAULT_BLOCK_SIZES",
+]
 
 
 def order_key(scores: jax.Array) -> jax.Array:
@@ -75,5 +89,203 @@ def topk_pools(
     )
 
 
-def _topk_pools_pallas(scores, select_k, *, interpret, **block_sizes):
-    raise NotImplementedError("the topk_pools Pallas kernel is not written yet")
+def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
+    """``jax.lax.top_k(scores, select_k)[1]``: a **speed baseline for benchmarks only**.
+
+    Not a ``topk_pools`` implementation: the order of its ids and which of several tied
+    pools it keeps are unspecified, it does not map ``-0.0`` onto ``+0.0``, it can pick
+    ``-inf`` (non-candidate) and NaN pools instead of writing ``-1``, and its row is ordered
+    by score, not by pool id. (``lax.top_k`` cannot express the lower-index-wins tie rule
+    exactly, so no exact variant is offered.)
+    """
+    return jax.lax.top_k(scores, select_k)[1]
+
+
+# --------------------------------------------------------------------------------------
+# The Pallas kernel (Triton backend).
+#
+# One program per (batch, query) row. The row is streamed from global memory in tiles of
+# ``block_p`` pools (``pl.ds`` + a mask at the row end); nothing row-sized lives on chip,
+# so a 262,144-pool row costs the same registers as a 2,048-pool one.
+#
+# 1. Threshold search (``32 / radix_bits`` passes over the row). Keys are the int32
+#    ``order_key`` values, computed in the kernel by ``order_key`` itself. Biasing a key
+#    by ``^ INT_MIN`` turns signed order into unsigned order; the threshold ``T`` (the select_k-th largest
+#    key) is built in that biased form, most significant digit first. A pass tests the
+#    ``2**radix_bits`` candidates ``prefix | j << shift`` at once: ``count[j]`` = number of
+#    keys >= candidate j (a ``[block_p, 2**radix_bits]`` compare, summed per tile). Counts
+#    fall with j, so the next digit is ``#{j : count[j] >= select_k} - 1`` (count[0] is
+#    always >= select_k: no argmax needed). Every tested candidate above ``T`` has a count
+#    < select_k, the smallest of them is ``T + 1``, so ``n_gt = count(key > T)`` is the
+#    largest count < select_k ever seen: no extra pass.
+# 2. Compaction (one pass): in pool order, take ``key > T`` and the first
+#    ``select_k - n_gt`` keys ``== T`` (an exclusive ``cumsum`` rank carried across tiles),
+#    never ``-inf`` / NaN keys; each taken pool id is scattered to its running ``cumsum``
+#    slot, so the row comes out ascending. Then ``-1`` goes into every slot from the number
+#    taken up to ``select_k`` (disjoint from the scattered slots: no ordering question
+#    between the two stores).
+#
+# Pool positions past the row end load as the key ``INT_MIN``, which no score maps to
+# (the least real key is ``order_key(-inf)``): ``count[0]`` may include them, which is
+# harmless, and no other candidate, ``T`` or the compaction ever matches them.
+#
+# Denormals: ``order_key`` tests ``s == 0.0`` in float, so a denormal score's key follows
+# the platform's denormal mode. XLA on CPU compares with denormals-are-zero (checked: the
+# key of -1e-45 is 0 there, so it ties with 0.0); XLA on GPU keeps denormals unless
+# ``--xla_gpu_ftz``; Triton's plain float compare is expected not to flush either (not
+# checked on a GPU here). Using the reference's own float ops in the kernel keeps kernel
+# and reference identical per platform; an integer-only key would differ from the
+# reference on CPU (interpret mode) for denormal scores.
+#
+# Lanes not taken in the scatter point one past the row end (``select_k``) with the mask
+# off: on a GPU a masked lane stores nothing; interpret mode re-stores the old value of
+# each masked lane's address, which would race a taken lane writing the same address, and
+# its out-of-bounds scatter updates are dropped.
+# --------------------------------------------------------------------------------------
+
+DEFAULT_BLOCK_SIZES = {"block_p": 1024, "radix_bits": 4, "num_warps": 4, "num_stages": 2}
+_MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
+_MAX_FLAT_INDEX = 2**31 - 1  # Triton's int32 element offsets into a whole-array ref
+
+_INT_MIN = -(2**31)
+
+
+def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, radix_bits):
+    row = pl.program_id(0)
+    n_tiles = pl.cdiv(n_pools, block_p)
+    lanes = jnp.arange(block_p, dtype=jnp.int32)
+
+    def load_keys(t):
+        start = t * block_p
+        pool = start + lanes
+        valid = pool < n_pools
+        s = plgpu.load(
+            s_ref.at[row, pl.ds(start, block_p)], mask=valid, other=0.0,
+            eviction_policy="evict_last",
+        )
+        key = order_key(s)  # the reference's own ops: see "Denormals" above
+        return pool, jnp.where(valid, key, jnp.int32(_INT_MIN))
+
+    # -- 1. threshold search, radix_bits per pass ------------------------------------
+    n_digits = 1 << radix_bits
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+
+    def radix_pass(i, carry):
+        prefix, n_gt = carry  # prefix: the threshold's biased bits found so far
+        shift = 32 - radix_bits * (i + 1)
+        cand = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)  # back to signed keys
+
+        def count_tile(t, counts):
+            _, key = load_keys(t)
+            ge = (key[:, None] >= cand[None, :]).astype(jnp.int32)
+            return counts + jnp.sum(ge, axis=0)
+
+        counts = jax.lax.fori_loop(0, n_tiles, count_tile, jnp.zeros((n_digits,), jnp.int32))
+        enough = counts >= select_k
+        digit = jnp.sum(enough.astype(jnp.int32)) - 1
+        n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts)))
+        return prefix | (digit << shift), n_gt
+
+    prefix, n_gt = jax.lax.fori_loop(
+        0, 32 // radix_bits, radix_pass, (jnp.int32(0), jnp.int32(0))
+    )
+    thresh = prefix ^ jnp.int32(_INT_MIN)
+    n_take_eq = select_k - n_gt
+
+    # -- 2. ascending compaction --------------------------------------------------------
+    def compact_tile(t, carry):
+        n_sel, n_eq = carry
+        pool, key = load_keys(t)
+        eq = (key == thresh).astype(jnp.int32)
+        eq_rank = n_eq + jnp.cumsum(eq) - eq
+        take = (key > thresh) | ((eq == 1) & (eq_rank < n_take_eq))
+        take = take & (key > jnp.int32(NEG_INF_KEY))
+        take_i = take.astype(jnp.int32)
+        slot = n_sel + jnp.cumsum(take_i) - take_i
+        slot = jnp.where(take, slot, select_k)
+        plgpu.store(o_ref.at[row, slot], pool, mask=take)
+        return n_sel + jnp.sum(take_i), n_eq + jnp.sum(eq)
+
+    n_sel, _ = jax.lax.fori_loop(0, n_tiles, compact_tile, (jnp.int32(0), jnp.int32(0)))
+
+    # -- 3. -1 in the slots not filled --------------------------------------------------
+    k_lanes = jnp.arange(block_k, dtype=jnp.int32)
+    first = n_sel // block_k
+
+    @pl.loop(first, pl.cdiv(select_k, block_k))
+    def _fill_tile(t):
+        start = t * block_k
+        slot = start + k_lanes
+        plgpu.store(
+            o_ref.at[row, pl.ds(start, block_k)],
+            jnp.full((block_k,), -1, jnp.int32),
+            mask=(slot >= n_sel) & (slot < select_k),
+        )
+
+
+def _topk_pools_pallas(
+    scores, select_k, *, interpret, block_p=None, radix_bits=None, num_warps=None,
+    num_stages=None,
+):
+    """Pallas path of ``topk_pools``; see the comment above for the algorithm.
+
+    Block sizes (defaults in ``DEFAULT_BLOCK_SIZES``):
+
+    * ``block_p``: pools per streamed tile, a power of two; clamped to the row length
+      rounded up to a power of two. ``block_p * 2**radix_bits`` (the per-tile compare) must
+      be <= 65,536; the default shrinks to fit when ``radix_bits`` is 8.
+    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
+      passes over the row, plus one compaction pass.
+    * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton.
+    """
+    radix_bits = DEFAULT_BLOCK_SIZES["radix_bits"] if radix_bits is None else radix_bits
+    check_power_of_two("radix_bits", radix_bits)
+    if radix_bits > 8:
+        raise ValueError(f"radix_bits must be one of 1, 2, 4, 8, got {radix_bits!r}")
+    if block_p is None:
+        block_p = min(DEFAULT_BLOCK_SIZES["block_p"], _MAX_COMPARE >> radix_bits)
+    check_power_of_two("block_p", block_p)
+    if block_p << radix_bits > _MAX_COMPARE:
+        raise ValueError(
+            f"block_p * 2**radix_bits must be <= {_MAX_COMPARE} (the per-tile compare), "
+            f"got block_p={block_p}, radix_bits={radix_bits}"
+        )
+    num_warps = DEFAULT_BLOCK_SIZES["num_warps"] if num_warps is None else num_warps
+    check_power_of_two("num_warps", num_warps)
+    num_stages = DEFAULT_BLOCK_SIZES["num_stages"] if num_stages is None else num_stages
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+
+    batch, n_q, n_pools = scores.shape
+    if select_k == 0 or batch * n_q == 0:
+        return jnp.full((batch, n_q, select_k), -1, jnp.int32)
+    block_p = min(block_p, next_power_of_two(n_pools))
+    block_k = min(max(block_p, 16), next_power_of_two(select_k))
+    n_rows = batch * n_q
+
+    kernel = functools.partial(
+        _topk_pools_kernel, n_pools=n_pools, select_k=select_k, block_p=block_p,
+        block_k=block_k, radix_bits=radix_bits,
+    )
+
+    def launch(rows):
+        return pl.pallas_call(
+            kernel,
+            grid=(rows.shape[0],),
+            out_shape=jax.ShapeDtypeStruct((rows.shape[0], select_k), jnp.int32),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="topk_pools",
+        )(rows)
+
+    flat = scores.reshape(n_rows, n_pools)
+    # Triton addresses whole-array refs with int32 offsets (row * P + pool): launch at
+    # most as many rows at a time as keep every offset, tile overhang included, in range.
+    chunk = max(1, _MAX_FLAT_INDEX // (max(n_pools, select_k) + block_p))
+    if n_rows <= chunk:
+        out = launch(flat)
+    else:
+        out = jnp.concatenate(
+            [launch(flat[r:r + chunk]) for r in range(0, n_rows, chunk)], axis=0
+        )
+    return out.reshape(batch, n_q, select_k)

@@ -1,0 +1,186 @@
+"""``topk_pools``: the Pallas kernel (interpret mode) against the reference, bit for bit.
+
+Scores are drawn with many exact ties (small integers, ``0.0`` and ``-0.0``), ``-inf``
+(never selected), NaN (treated as ``-inf``), denormals and extremes, so the tie rule
+(lower pool index wins), the ``-1`` padding and the ascending output order are all checked.
+CUDA lowering is checked at the real decode and prefill shapes without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.topk_pools import (
+    DEFAULT_BLOCK_SIZES, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
+)
+
+# Values a score row is drawn from: exact ties, both zeros, non-candidates, NaN (both
+# signs), the smallest denormals (distinct from 0 in the reference), extremes.
+_SPECIAL = np.array(
+    [0.0, -0.0, 0.0, -0.0, 1.0, 1.0, 2.0, -1.0, -1.0, -2.0, -np.inf, -np.inf, np.inf,
+     np.nan, -np.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.5],
+    dtype=np.float32,
+)
+
+
+def _check(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
+    x = jnp.asarray(scores, jnp.float32)
+    got = np.asarray(topk_pools(x, select_k, implementation="pallas_interpret", **block_sizes))
+    want = np.asarray(topk_pools_reference(x, select_k))
+    assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    return got
+
+
+@st.composite
+def _case(draw):
+    b = draw(st.integers(1, 2))
+    q = draw(st.integers(1, 3))
+    p = draw(st.integers(1, 70))
+    k = draw(st.integers(0, p))
+    seed = draw(st.integers(0, 2**32 - 1))
+    mode = draw(st.sampled_from(["ties", "special", "mixed"]))
+    rng = np.random.default_rng(seed)
+    if mode == "ties":
+        s = rng.integers(-2, 3, size=(b, q, p)).astype(np.float32)
+        s[rng.random(s.shape) < 0.3] = -0.0
+        s[rng.random(s.shape) < 0.2] = -np.inf
+    elif mode == "special":
+        s = rng.choice(_SPECIAL, size=(b, q, p))
+    else:
+        s = rng.standard_normal((b, q, p)).astype(np.float32)
+        s = np.where(rng.random(s.shape) < 0.5, np.round(s), s).astype(np.float32)
+        s[rng.random(s.shape) < 0.15] = -np.inf
+        s[rng.random(s.shape) < 0.05] = np.nan
+    blocks = draw(st.sampled_from([
+        {},
+        {"block_p": 16, "radix_bits": 8},
+        {"block_p": 8, "radix_bits": 2},
+        {"block_p": 4, "radix_bits": 1},
+    ]))
+    return s, k, blocks
+
+
+@settings(max_examples=15, deadline=None)
+@given(_case())
+def test_matches_reference(case):
+    scores, select_k, blocks = case
+    _check(scores, select_k, **blocks)
+
+
+def test_all_neg_inf_row_is_all_minus_one():
+    s = np.full((1, 2, 37), -np.inf, np.float32)
+    s[0, 1, :] = np.nan
+    got = _check(s, 5)
+    assert (got == -1).all()
+
+
+def test_all_equal_row_takes_lowest_indices():
+    s = np.zeros((2, 1, 50), np.float32)
+    s[1, 0, ::2] = -0.0  # -0.0 ties with +0.0
+    got = _check(s, 7)
+    np.testing.assert_array_equal(got, np.broadcast_to(np.arange(7), (2, 1, 7)))
+
+
+def test_select_all_pools():
+    rng = np.random.default_rng(1)
+    s = rng.integers(-1, 2, size=(1, 2, 45)).astype(np.float32)
+    s[0, 0, 3] = -np.inf
+    got = _check(s, 45)
+    assert got[0, 1].tolist() == list(range(45))
+    assert got[0, 0].tolist() == [p for p in range(45) if p != 3] + [-1]
+
+
+def test_single_pool():
+    _check(np.array([[[3.0]], [[-np.inf]]], np.float32), 1)
+    _check(np.array([[[3.0]]], np.float32), 0)
+
+
+def test_select_zero_is_empty():
+    got = topk_pools(jnp.zeros((2, 3, 10)), 0, implementation="pallas_interpret")
+    assert got.shape == (2, 3, 0) and got.dtype == jnp.int32
+
+
+def test_long_row_multi_tile():
+    """5,000 pools in 1,024-wide tiles: the last tile is partial; ties straddle tiles."""
+    rng = np.random.default_rng(2)
+    s = rng.integers(0, 40, size=(1, 1, 5000)).astype(np.float32)
+    s[rng.random(s.shape) < 0.3] = -np.inf
+    _check(s, 300, block_p=1024)
+
+
+def test_rows_split_into_int32_addressable_launches(monkeypatch):
+    """Past 2**31 elements, rows go in several launches (shrunk here to 3 rows each)."""
+    tp = importlib.import_module("pallas_kernels.topk_pools")  # the package re-exports the name
+    monkeypatch.setattr(tp, "_MAX_FLAT_INDEX", 3 * (20 + 32))
+    rng = np.random.default_rng(4)
+    s = rng.integers(-2, 3, size=(2, 4, 20)).astype(np.float32)
+    _check(s, 6)
+
+
+def test_lax_baseline_shape():
+    s = jnp.arange(12, dtype=jnp.float32).reshape(1, 1, 12)
+    out = topk_pools_lax_baseline(s, 3)
+    assert out.shape == (1, 1, 3)
+    assert sorted(np.asarray(out).ravel().tolist()) == [9, 10, 11]
+
+
+# Decode (Q=1) at 8K, 128K and 1M-token contexts with index_kpool 4, and a prefill tile.
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 1, 32768), (1, 1, 262144), (1, 64, 2048)])
+def test_lowers_for_cuda(shape):
+    fn = jax.jit(lambda s: topk_pools(s, 512, implementation="pallas"))
+    lowered = fn.trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+        lowering_platforms=("cuda",)
+    )
+    assert "triton" in lowered.as_text()
+
+
+def test_lowers_for_cuda_odd_width_and_all_radixes():
+    for radix_bits, block_p in [(1, 2048), (2, 2048), (8, 256)]:
+        fn = jax.jit(lambda s: topk_pools(
+            s, 300, implementation="pallas", radix_bits=radix_bits, block_p=block_p))
+        fn.trace(jax.ShapeDtypeStruct((2, 3, 1000), jnp.float32)).lower(
+            lowering_platforms=("cuda",)
+        )
+
+
+def test_default_block_sizes_are_powers_of_two():
+    for name in ("block_p", "radix_bits", "num_warps"):
+        value = DEFAULT_BLOCK_SIZES[name]
+        assert value > 0 and value & (value - 1) == 0, name
+
+
+def test_radix_bits_8_shrinks_default_block():
+    rng = np.random.default_rng(3)
+    _check(rng.integers(-3, 3, size=(1, 1, 40)).astype(np.float32), 9, radix_bits=8)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"block_p": 1000}, "block_p"),
+    ({"block_p": 0}, "block_p"),
+    ({"radix_bits": 3}, "radix_bits"),
+    ({"radix_bits": 16}, "radix_bits"),
+    ({"num_warps": 6}, "num_warps"),
+    ({"num_stages": 0}, "num_stages"),
+    ({"block_p": 1024, "radix_bits": 8}, "block_p"),
+])
+def test_bad_block_sizes(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        topk_pools(jnp.zeros((1, 1, 8)), 2, implementation="pallas_interpret", **kwargs)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="float32"):
+        topk_pools(jnp.zeros((1, 1, 8), jnp.bfloat16), 2, implementation="pallas_interpret")
+    with pytest.raises(ValueError, match="select_k"):
+        topk_pools(jnp.zeros((1, 1, 8)), 9, implementation="pallas_interpret")
+    with pytest.raises(ValueError, match="rank"):
+        topk_pools(jnp.zeros((1, 8)), 2, implementation="pallas_interpret")
