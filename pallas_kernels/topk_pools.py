@@ -3,7 +3,7 @@
 The tie rule (the same for every implementation and every TP size):
 
 * Pools are ranked by score, higher first; among exactly equal scores the **lower pool
-  index wins**. ``-0.0`` and ``+0.0`` are one score (``index_scores`` canonicalises).
+  index wins**. ``-0.0``, ``+0.0`` and denormals are one score (``order_key``).
 * A ``-inf`` score (not a candidate, see ``index_scores``) is never selected: its slot
   is ``-1``.
 * The row lists the selected pool ids in **ascending pool order**, then ``-1`` for every
@@ -42,13 +42,16 @@ __all__ = [
 
 
 def order_key(scores: jax.Array) -> jax.Array:
-    """float32 -> int32 whose signed order is the float order (``-0.0`` -> ``+0.0``).
+    """float32 -> int32 whose signed order is the float order, by integer ops only.
 
-    NaN is mapped to the key of ``-inf`` so it can never be selected.
+    ``-0.0`` and every denormal count as ``+0.0`` and NaN as ``-inf`` (never selected).
+    Integer ops make the rule the same on every backend: a float compare would flush
+    denormals on some (XLA:CPU) and not on others.
     """
-    s = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
-    s = jnp.where(s == 0.0, 0.0, s).astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    mag = bits & jnp.int32(0x7FFFFFFF)
+    bits = jnp.where(mag < jnp.int32(0x00800000), jnp.int32(0), bits)
+    bits = jnp.where(mag > jnp.int32(0x7F800000), jnp.int32(-8388608), bits)  # NaN -> -inf
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 

@@ -1,0 +1,225 @@
+"""``glm5-dsa bench decode``: decode-step time of sparse DSA against dense absorbed MLA.
+
+A command, not a test: it prints a table (or one JSON object with ``--json``). For each
+batch size and context length it builds a cache already holding ``context`` tokens (random
+latent rows and pooled keys: prefilling 131,072 tokens at the real dims would take hours
+on a CPU, and the step's cost does not depend on the values), then times
+
+* ``sparse``: the whole jitted, cache-donating decode step of one full DSA layer
+  (projections, pool update, index scores, top-k, expansion, sparse MLA, ``o_proj``);
+* ``dense``: the same step with attention over every cached token instead of the selection
+  (the indexer skipped), i.e. absorbed MLA without DSA;
+* ``sparse_attn`` / ``dense_attn``: the attention part alone (selection + sparse MLA,
+  against masked MLA over all tokens), given the absorbed queries.
+
+Per row: the median step time, the number of compilations (1 means the step replayed
+without re-tracing as the context moved), and the peak bytes XLA reports for the compiled
+step (arguments + outputs + scratch, minus donated aliases). ``cache_bytes_per_token`` is
+the cache's size divided by its length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels as pk
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.layer import DsaAttention
+
+__all__ = ["filled_cache", "run", "add_parser"]
+
+
+def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0):
+    """A cache holding ``context`` valid tokens of random content, room for ``max_length``."""
+    cfg = layer.cfg
+    cache = layer.init_cache(batch, max_length)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    dt = cache.latent.dtype
+    latent = jax.random.normal(k1, cache.latent.shape, jnp.float32).astype(dt)
+    valid = jnp.arange(max_length)[None] < context
+    n_pools = context // cfg.index_kpool
+    pooled = jax.random.normal(k2, cache.pooled.shape, jnp.float32).astype(dt)
+    pool_valid = jnp.broadcast_to(jnp.arange(cache.max_pools)[None] < n_pools, cache.pool_valid.shape)
+    # The stage holds slots context-KP .. context-1: valid wherever they exist.
+    stage_valid = jnp.broadcast_to(
+        context - cfg.index_kpool + jnp.arange(cfg.index_kpool) >= 0, cache.stage_valid.shape
+    )
+    return cache.replace(
+        latent=jnp.where(valid[..., None], latent, 0).astype(dt),
+        key_valid=jnp.broadcast_to(valid, cache.key_valid.shape),
+        length=jnp.asarray(context, jnp.int32),
+        pooled=jnp.where(pool_valid[..., None], pooled, 0).astype(dt),
+        pool_valid=pool_valid,
+        stage_valid=stage_valid,
+        first_key=jnp.zeros((batch,), jnp.int32),
+        n_valid=jnp.full((batch,), context, jnp.int32),
+    )
+
+
+def _peak_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    if m is None:
+        return -1
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _time_steps(step, args, cache, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``step(*args, cache)``, threading the donated cache through
+    (each step appends one token, so the context grows by ``iters + warmup``)."""
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        res = step(*args, cache)
+        jax.block_until_ready(res)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        cache = res[-1]
+    return statistics.median(times)
+
+
+def _time(fn, args, iters: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn(*args)`` (no donation)."""
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _dense_layer_step(layer: DsaAttention):
+    """The decode step with dense absorbed MLA over all cached tokens (no indexer)."""
+    graphdef, params = nnx.split(layer)
+    traces = {"n": 0}
+
+    def step(params, x, cache):
+        traces["n"] += 1
+        m = nnx.merge(graphdef, params)
+        cfg = m.cfg
+        _, q_lat, latent = m.project(x)
+        pos = cache.length
+        lat = jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, pos, 0))
+        valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
+        mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
+        o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
+        from glm5_dsa_jax.layer import absorb_o
+
+        out = absorb_o(o, m.w_uv[...], m.o_proj[...])
+        return out, cache.replace(latent=lat, key_valid=valid, length=pos + x.shape[1])
+
+    return jax.jit(step, donate_argnames=("cache",)), params, traces
+
+
+def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
+        log=print) -> dict:
+    cfg = DsaConfig.preset(preset)
+    layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
+    layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation)
+    step, params = make_step(layer)
+    dense_step, dense_params, dense_traces = _dense_layer_step(layer)
+    rows = []
+    key = jax.random.key(1)
+    max_ctx = max(contexts)
+    bytes_per_token = None
+    for b in batches:
+        # One cache size per batch, so every context replays the same compiled step.
+        max_length = max_ctx + iters + 2
+        x = jax.random.normal(key, (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
+        mask = jnp.ones((b, 1), bool)
+        shapes = jax.eval_shape(lambda: filled_cache(layer, b, contexts[0], max_length))
+        traces0, dense0 = step.traces, dense_traces["n"]
+        step_peak = _peak_bytes(step.__call__.lower(params, x, mask, shapes).compile())
+        dense_peak = _peak_bytes(dense_step.lower(dense_params, x, shapes).compile())
+        for ctx in contexts:
+            cache = filled_cache(layer, b, ctx, max_length)
+            if bytes_per_token is None:
+                bytes_per_token = cache.nbytes() / cache.max_length
+            rows.extend(_attention_rows(layer, cache, b, ctx, iters, log))
+            t_dense = _time_steps(dense_step, (dense_params, x), jax.tree.map(jnp.copy, cache), iters)
+            rows.append(dict(impl="dense", batch=b, context=ctx, median_ms=t_dense,
+                             compiles=dense_traces["n"] - dense0, peak_bytes=dense_peak))
+            log(f"dense   B={b:<2} ctx={ctx:<7} {t_dense:9.2f} ms  compiles={dense_traces['n'] - dense0}")
+            t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), cache, iters)
+            rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
+                             compiles=step.traces - traces0, peak_bytes=step_peak))
+            log(f"sparse  B={b:<2} ctx={ctx:<7} {t_sparse:9.2f} ms  compiles={step.traces - traces0}")
+            del cache
+    return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset,
+            "implementation": implementation, "device": str(jax.devices()[0].platform)}
+
+
+def _attention_rows(layer, cache, b, ctx, iters, log):
+    """The attention part alone: selection + sparse MLA, against dense masked MLA."""
+    cfg = layer.cfg
+    impl = layer.implementation
+    k = jax.random.key(2)
+    q_lat = jax.random.normal(k, (b, 1, cfg.num_attention_heads, cfg.kv_lora_rank)).astype(layer.dtype)
+    qi = jax.random.normal(k, (b, 1, cfg.index_n_heads, cfg.index_head_dim)).astype(layer.dtype)
+    w = jax.random.normal(k, (b, 1, cfg.index_n_heads), jnp.float32)
+    pos = jnp.full((b, 1), ctx - 1, jnp.int32)
+    n_vis = jnp.full((b, 1), ctx, jnp.int32)
+    select_k = cfg.select_k(cache.max_pools)
+
+    @jax.jit
+    def sparse(q_lat, qi, w, cache):
+        s = pk.index_scores(qi, w, cache.pooled, cache.pool_valid, cache.first_key, pos,
+                            kpool=cfg.index_kpool, implementation=impl)
+        pools = pk.topk_pools(s, select_k, implementation=impl)
+        tail = pk.visible_tail(cache.first_key, n_vis, pos, cache.key_valid, cfg.index_kpool) if cfg.tail_width else None
+        ids = pk.expand_selection(pools, cache.first_key, tail, kpool=cfg.index_kpool,
+                                  out_width=cfg.out_width, implementation=impl)
+        return pk.sparse_mla(q_lat, cache.latent, ids, scale=cfg.softmax_scale, implementation=impl)
+
+    @jax.jit
+    def dense(q_lat, cache):
+        mask = cache.key_valid[:, None, :] & (jnp.arange(cache.max_length) <= ctx - 1)[None, None]
+        return pk.mla_masked_attention(q_lat, cache.latent, mask, scale=cfg.softmax_scale)
+
+    ts = _time(sparse, (q_lat, qi, w, cache), iters)
+    td = _time(dense, (q_lat, cache), iters)
+    log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)")
+    return [dict(impl="sparse_attn", batch=b, context=ctx, median_ms=ts, compiles=1, peak_bytes=-1),
+            dict(impl="dense_attn", batch=b, context=ctx, median_ms=td, compiles=1, peak_bytes=-1)]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (decode)")
+    p.add_argument("what", choices=["decode"])
+    p.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536, 131072])
+    p.add_argument("--batch", type=_ints, default=[1, 8])
+    p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
+    p.add_argument("--iters", type=int, default=5, help="timed steps per row (median)")
+    p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    res = run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"\ncache bytes per token: {res['cache_bytes_per_token']:.1f}")
+    by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
+    for b in args.batch:
+        c0, c1 = args.contexts[0], args.contexts[-1]
+        print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
+              f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
+              f"whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x")
+    return 0
