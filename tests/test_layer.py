@@ -1,0 +1,145 @@
+"""DsaAttention: bad input, weight loading that loses nothing, dtypes, absorbed == dense."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import glm5_dsa_jax as gd
+import pallas_kernels as pk
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return gd.DsaConfig.tiny()
+
+
+def make(cfg, idx=1, **kw):
+    kw.setdefault("dtype", jnp.float32)
+    kw.setdefault("param_dtype", jnp.float32)
+    return gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(0), **kw)
+
+
+def params_of(layer):
+    return jax.tree.map(np.asarray, nnx.state(layer, nnx.Param))
+
+
+def test_layer_index_checked(cfg):
+    with pytest.raises(ValueError, match="outside the config"):
+        make(cfg, 9)
+    with pytest.raises(ValueError, match="'linear_attention' layer"):
+        make(cfg, 0)
+    with pytest.raises(ValueError, match="implementation"):
+        make(cfg, implementation="cuda")
+
+
+def test_bad_hidden_and_mask(cfg):
+    layer = make(cfg)
+    x = jnp.ones((2, 5, cfg.hidden_size))
+    with pytest.raises(ValueError, match=r"hidden_states must be \[B, S, hidden=48\]"):
+        layer(jnp.ones((5, cfg.hidden_size)))
+    with pytest.raises(ValueError, match=r"hidden=48"):
+        layer(jnp.ones((2, 5, 50)))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[B, S\] = \(2, 5\)"):
+        layer(x, attention_mask=jnp.ones((2, 6), bool))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        layer(x, attention_mask=jnp.full((2, 5), 2))
+    with pytest.raises(ValueError, match="bool or 0/1 integers"):
+        layer(x, attention_mask=jnp.ones((2, 5), jnp.float32))
+    out_int, _ = layer(x, attention_mask=jnp.ones((2, 5), jnp.int32))
+    out_bool, _ = layer(x, attention_mask=jnp.ones((2, 5), bool))
+    np.testing.assert_array_equal(out_int, out_bool)
+
+
+def test_shared_layer_needs_prev_topk(cfg):
+    shared = make(cfg, 2)
+    x = jnp.ones((1, 4, cfg.hidden_size))
+    with pytest.raises(ValueError, match="pass prev_topk"):
+        shared(x)
+    with pytest.raises(ValueError, match="prev_topk must be integer"):
+        shared(x, prev_topk=jnp.zeros((1, 4, 3), jnp.int32))
+    with pytest.raises(ValueError, match="only for 'shared' layers"):
+        make(cfg, 1)(x, prev_topk=jnp.zeros((1, 4, cfg.out_width), jnp.int32))
+
+
+def test_bad_weights_change_nothing(cfg):
+    layer = make(cfg)
+    good = gd.params_to_hf(make(cfg))
+    before = params_of(layer)
+    bad = dict(good)
+    del bad["indexer.wk.weight"]
+    bad["o_proj.weight"] = bad["o_proj.weight"][:, :-1]
+    bad["extra.weight"] = np.zeros(3, np.float32)
+    bad["kv_a_layernorm.weight"] = np.full_like(good["kv_a_layernorm.weight"], np.nan)
+    with pytest.raises(gd.WeightError) as e:
+        layer.load_hf_weights(bad)
+    msg = str(e.value)
+    for needle in ("missing tensor 'indexer.wk.weight'", "'o_proj.weight' has shape",
+                   "unexpected tensor 'extra.weight'", "'kv_a_layernorm.weight' holds"):
+        assert needle in msg
+    assert len(e.value.problems) == 4
+    after = params_of(layer)
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_shared_layer_has_no_indexer_tensors(cfg):
+    names = gd.hf_weight_shapes(cfg, 2)
+    assert not any(n.startswith("indexer.") for n in names)
+    layer = make(cfg, 2)
+    layer.load_hf_weights(gd.params_to_hf(make(cfg, 2)))
+    with pytest.raises(gd.WeightError, match="unexpected tensor 'indexer.wk.weight'"):
+        layer.load_hf_weights(gd.params_to_hf(make(cfg, 2)) | {"indexer.wk.weight": np.zeros((16, 48))})
+
+
+def test_weight_round_trip(cfg):
+    src, dst = make(cfg), gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(5), dtype=jnp.float32, param_dtype=jnp.float32)
+    dst.load_hf_weights(gd.params_to_hf(src))
+    jax.tree.map(np.testing.assert_array_equal, params_of(src), params_of(dst))
+
+
+def test_all_padding_rows_are_zero_and_nan_free(cfg):
+    layer = make(cfg)
+    x = np.random.default_rng(0).standard_normal((3, 9, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((3, 9), bool)
+    mask[1] = False  # a sequence that is all padding
+    mask[2, :4] = False
+    x[1] = np.nan  # and its (unused) inputs are garbage
+    x[2, :4] = np.inf
+    out, topk = layer(jnp.asarray(x), attention_mask=jnp.asarray(mask))
+    out, topk = np.asarray(out), np.asarray(topk)
+    assert np.isfinite(out).all()
+    assert (out[1] == 0).all() and (topk[1] == -1).all()
+    assert (out[2, :4] == 0).all() and (topk[2, :4] == -1).all()
+    ref, _ = layer(jnp.asarray(x[[0]]), attention_mask=jnp.asarray(mask[[0]]))
+    np.testing.assert_allclose(out[0], np.asarray(ref)[0], atol=1e-6)
+
+
+def test_bf16_default_runs_and_float32_end_to_end(cfg):
+    x = np.random.default_rng(1).standard_normal((2, 12, cfg.hidden_size)).astype(np.float32)
+    f32 = make(cfg)
+    bf = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0))
+    bf.load_hf_weights(gd.params_to_hf(f32))
+    assert bf.q_b_proj[...].dtype == jnp.bfloat16
+    o32, t32 = f32(jnp.asarray(x))
+    o16, _ = bf(jnp.asarray(x))
+    assert o32.dtype == jnp.float32 and o16.dtype == jnp.bfloat16
+    # bf16 keeps ~3 significant digits through 6 matmuls: compare at a bf16 tolerance
+    np.testing.assert_allclose(np.asarray(o16, np.float32), np.asarray(o32), atol=0.1, rtol=0.1)
+
+
+def test_absorbed_sparse_equals_dense_masked_oracle(cfg):
+    layer = make(cfg)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 15, cfg.hidden_size)), jnp.float32)
+    _, topk = layer(x)
+    _, q_lat, latent = layer.project(x)
+    sparse = pk.sparse_mla(q_lat, latent, topk, scale=cfg.softmax_scale)
+    dense = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(topk, 15), scale=cfg.softmax_scale)
+    np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=1e-6, rtol=1e-5)
+
+
+def test_out_sharding_metadata(cfg):
+    layer = make(cfg)
+    assert layer.q_b_proj.get_metadata()["out_sharding"] == (None, "tp", None)
+    assert layer.o_proj.get_metadata()["out_sharding"] == ("tp", None, None)
+    assert layer.indexer.wq_b.get_metadata()["out_sharding"] == (None, None, None)
