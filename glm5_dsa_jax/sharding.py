@@ -31,10 +31,14 @@ Invariants:
   they are the same as the ``out_sharding`` metadata ``DsaAttention`` attaches to its
   ``nnx.Param``s, which survives ``nnx.split`` / ``nnx.merge`` and orbax restores.
 * ``shard_layer`` places a layer: parameters by those specs, its caches from then on
-  (``init_cache``) replicated, and its sparse attention kernel run per head shard under
-  ``jax.shard_map`` (``check_vma=False``: a ``pallas_call`` has no varying-axis rule). It
-  works on meshes with ``Explicit`` axis types (``jax.make_mesh``'s default) and with
-  ``Auto`` ones.
+  (``init_cache``) and its concrete call inputs replicated, its sparse attention kernel run
+  per head shard under ``jax.shard_map`` (``check_vma=False``: a ``pallas_call`` has no
+  varying-axis rule), and, for the Pallas implementations, the indexer's kernels run by
+  every device on its replicated inputs under ``shard_map`` too (``replicated_call``). The
+  ``o_proj`` output is all-reduced once per call (``row_parallel_out_sharding``); nothing
+  is all-gathered. It works on meshes with ``Explicit`` axis types (``jax.make_mesh``'s
+  default) and with ``Auto`` ones, eagerly and under ``jax.jit``, and on meshes that span
+  processes (``jax.distributed``: every process passes the same host values).
 """
 
 from __future__ import annotations
@@ -42,13 +46,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import functools
 import html
 import json
-from typing import Any, Iterable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -56,7 +58,7 @@ from glm5_dsa_jax.config import DsaConfig
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",
-    "cache_shardings", "param_shardings", "place_inputs", "sharded_sparse_mla", "row_parallel_out_sharding",
+    "cache_shardings", "param_shardings", "place_inputs", "sharded_sparse_mla", "replicated_call", "row_parallel_out_sharding",
     "add_parser",
 ]
 
@@ -240,7 +242,7 @@ class TensorPlan:
         }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class TpPlan:
     """Per-rank shard plan of one DSA layer (the seed's ``DsaTpPlan``), pure data.
 
@@ -433,6 +435,13 @@ class TpPlan:
     def __str__(self) -> str:
         return self.table()
 
+    def __repr__(self) -> str:
+        return (
+            f"TpPlan(rank {self.tp_rank} of {self.tp_size}, {self.local_heads}/{self.full_heads} "
+            f"heads, {len(self.tensors)} tensors, local {_fmt_bytes(self.local_bytes)}, "
+            f"replicated {_fmt_bytes(self.replicated_bytes)}, axis {self.axis!r})"
+        )
+
     def _repr_html_(self) -> str:
         esc = html.escape
         head = "".join(f"<th>{esc(c)}</th>" for c in self._COLUMNS)
@@ -592,13 +601,21 @@ def place_cache(cache, mesh: jax.sharding.Mesh):
 
 
 def place_inputs(mesh: jax.sharding.Mesh, *arrays):
-    """Concrete arrays replicated on ``mesh`` (``None``, tracers and arrays already on the
-    mesh are returned unchanged): what a placed layer does with its call's inputs."""
+    """What a placed layer does with its call's inputs: arrays not yet on ``mesh`` are
+    replicated on it. ``None`` and arrays already on the mesh (any sharding) are returned
+    unchanged. Traced values are placed only when ``mesh`` has ``Explicit`` axes and the
+    value carries no sharding yet (a jit argument passed as a host array): ops that mix it
+    with the replicated cache (``dynamic_update_slice``) need equal sharding types."""
     rep = NamedSharding(mesh, P())
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
     out = []
     for a in arrays:
-        if a is None or isinstance(a, jax.core.Tracer):
+        if a is None:
             out.append(a)
+        elif isinstance(a, jax.core.Tracer):
+            typed = getattr(jax.typeof(a), "sharding", None)
+            unplaced = typed is None or typed.mesh.empty
+            out.append(jax.device_put(a, rep) if explicit and unplaced else a)
         elif isinstance(getattr(a, "sharding", None), NamedSharding) and a.sharding.mesh == mesh:
             out.append(a)
         else:
@@ -624,6 +641,27 @@ def layer_attend(layer, q_lat, latent, token_ids, kernel):
     if mesh is None:
         return kernel(q_lat, latent, token_ids)
     return sharded_sparse_mla(q_lat, latent, token_ids, mesh=mesh, axis=layer.tp_axis, kernel=kernel)
+
+
+def replicated_call(mesh: jax.sharding.Mesh, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run by every device of ``mesh`` on its own full copy of the
+    (replicated) array arguments, under ``jax.shard_map`` with replicated specs; the
+    (identical) outputs come back replicated.
+
+    How a placed layer runs the indexer's Pallas kernels: a ``pallas_call`` has no sharding
+    rule, so outside ``shard_map`` it fails on ``Explicit`` mesh axes (interpret mode
+    included), and under ``Auto`` axes XLA would have to guess how to partition a custom
+    call. ``kwargs`` are static (sizes, ``implementation``)."""
+    leaves, treedef = jax.tree.flatten(args)
+    is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in leaves]
+    arrays = [a for a, k in zip(leaves, is_array) if k]
+
+    def body(*local):
+        it = iter(local)
+        full = [next(it) if k else a for a, k in zip(leaves, is_array)]  # Python scalars stay static
+        return fn(*jax.tree.unflatten(treedef, full), **kwargs)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*arrays)
 
 
 def row_parallel_out_sharding(o: jax.Array):
