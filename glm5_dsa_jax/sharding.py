@@ -416,7 +416,7 @@ class TpPlan:
             f"local bytes      {_fmt_bytes(self.local_bytes)} ({self.local_bytes:,} B)",
             f"full bytes       {_fmt_bytes(self.full_bytes)} ({self.full_bytes:,} B)",
             f"replicated bytes {_fmt_bytes(self.replicated_bytes)} ({self.replicated_bytes:,} B),"
-            f" of which indexer {_fmt_bytes(self.indexer_bytes)}",
+            f" of which indexer {_fmt_bytes(self.indexer_bytes)} ({self.indexer_bytes / 1e6:.1f} MB)",
             f"output all-reduce: {ar}",
         ]
 
@@ -727,7 +727,8 @@ def _plan_main(args) -> int:
         print(f"  rank {p.tp_rank}: {_fmt_bytes(p.local_bytes):>10}  ({p.local_bytes:,} B, "
               f"{p.local_heads} heads)")
     print(f"  all ranks: {_fmt_bytes(sum(p.local_bytes for p in plans))} "
-          f"(full layer {_fmt_bytes(plan.full_bytes)}, replicated x{args.tp})")
+          f"(full layer {_fmt_bytes(plan.full_bytes)}; its {_fmt_bytes(plan.replicated_bytes)} "
+          f"replicated part is held by each of the {args.tp} ranks)")
     print(
         f"indexer all-reduce avoided: {_fmt_bytes(plan.indexer_allreduce_bytes(context))} per "
         f"decode token per layer at {context:,} tokens "
