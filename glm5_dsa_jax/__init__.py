@@ -10,12 +10,17 @@ Public API (see README.md)::
 """
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
+from glm5_dsa_jax.checkpoint import (
+    CheckpointError, load_hf_checkpoint, restore_checkpoint, save_checkpoint,
+)
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.sharding import TpPlan, partition_specs, shard_layer
 from glm5_dsa_jax.layer import DsaAttention, DsaIndexer, absorb_o, absorb_q, hf_weight_shapes
 from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
 
 __all__ = [
+    "CheckpointError", "load_hf_checkpoint", "restore_checkpoint", "save_checkpoint",
     "DsaCache", "init_cache", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
-    "hf_weight_shapes", "WeightError", "hf_to_params", "params_to_hf",
+    "hf_weight_shapes", "TpPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
 ]
 __version__ = "0.1.0"

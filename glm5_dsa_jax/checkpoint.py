@@ -438,10 +438,16 @@ def _check_mesh(cfg: DsaConfig, mesh, axis: str) -> None:
         )
 
 
-def _fill_layer(abstract, arrays: dict) -> DsaAttention:
+def _fill_layer(abstract, arrays: dict, mesh=None, axis: str = "tp") -> DsaAttention:
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, arrays)
     nnx.update(abstract, state)
+    if mesh is not None:
+        # Records the mesh on the layer (sharded attention, placed caches); the parameters
+        # are already there, so this adopts them without a copy.
+        from glm5_dsa_jax.sharding import shard_layer
+
+        shard_layer(abstract, mesh, axis=axis)
     return abstract
 
 
@@ -662,7 +668,7 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                     ok = False
                 bar.update(1)
             if ok:
-                built[i] = _fill_layer(abstract, arrays)
+                built[i] = _fill_layer(abstract, arrays, mesh, axis)
             del arrays
     finally:
         bar.close()
@@ -796,7 +802,7 @@ def restore_checkpoint(
             path / _PARAMS_DIR,
             args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
         )
-    return {i: _fill_layer(abstracts[i], restored[f"layer_{i}"]) for i in wanted}
+    return {i: _fill_layer(abstracts[i], restored[f"layer_{i}"], mesh, axis) for i in wanted}
 
 
 # ============================================================================ demo / CLI

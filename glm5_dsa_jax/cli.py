@@ -10,27 +10,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from glm5_dsa_jax import demo
+    from glm5_dsa_jax import bench, checkpoint, demo, sharding
 
-    demo.add_parser(sub)
-    try:
-        from glm5_dsa_jax import bench
-
-        bench.add_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from glm5_dsa_jax import sharding
-
-        sharding.add_parser(sub)
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from glm5_dsa_jax import checkpoint
-
-        checkpoint.add_parser(sub)
-    except (ImportError, AttributeError):
-        pass
+    for module in (demo, bench, sharding, checkpoint):
+        module.add_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

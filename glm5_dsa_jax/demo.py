@@ -44,9 +44,7 @@ def build_layers(args):
     if args.checkpoint:
         from glm5_dsa_jax.checkpoint import load_for_demo
 
-        cfg, layers = load_for_demo(args.checkpoint)
-        for layer in layers.values():
-            layer.implementation = args.implementation
+        cfg, layers = load_for_demo(args.checkpoint, implementation=args.implementation)
     else:
         cfg = DsaConfig.preset(args.preset)
         dtype = jnp.float32 if args.preset == "tiny" else jnp.bfloat16

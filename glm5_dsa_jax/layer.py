@@ -73,6 +73,19 @@ def absorb_o(
     return out if bias is None else out + bias.astype(out.dtype)
 
 
+def _write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Array) -> jax.Array:
+    """``buf[:, start:start+S] = rows`` in place, or nothing at all when not ``fits``.
+
+    ``lax.cond`` rather than a masked scatter or a ``where`` over the old rows: both of
+    those made XLA:CPU rewrite (or copy) the whole buffer, an O(cache) pass per step.
+    16-bit floats are written through their bits, or XLA:CPU turns
+    ``DUS(buf, convert(rows))`` into ``convert(DUS(convert(buf), rows))``.
+    """
+    idx = (jnp.zeros((), jnp.int32), start) + (jnp.zeros((), jnp.int32),) * (buf.ndim - 2)
+    rows = rows.astype(buf.dtype)
+    return jax.lax.cond(fits, lambda b: jax.lax.dynamic_update_slice(b, rows, idx), lambda b: b, buf)
+
+
 def _dense(x, w):
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=_HI)
 
@@ -254,6 +267,26 @@ class DsaAttention(nnx.Module):
             cache = place_cache(cache, self.mesh)
         return cache
 
+    def _place_inputs(self, *arrays):
+        """Inputs of a layer placed by ``shard_layer`` that are not on its mesh yet,
+        replicated on it (``Explicit`` meshes need every operand there; see
+        ``sharding.place_inputs``). Before ``shard_layer`` this is a no-op."""
+        if getattr(self, "mesh", None) is None:
+            return arrays
+        from glm5_dsa_jax.sharding import place_inputs
+
+        return place_inputs(self.mesh, *arrays)
+
+    def _kernel(self, fn, *args, **kwargs):
+        """Run an indexer pipeline kernel. On a layer placed by ``shard_layer`` a Pallas
+        kernel runs on every device over its replicated inputs under ``shard_map``
+        (``sharding.replicated_call``); otherwise, and for ``"xla"``, a plain call."""
+        if getattr(self, "mesh", None) is None or self.implementation == "xla":
+            return fn(*args, **kwargs)
+        from glm5_dsa_jax.sharding import replicated_call
+
+        return replicated_call(self.mesh, fn, *args, **kwargs)
+
     # ------------------------------------------------------------------ forward
     def __call__(
         self,
@@ -264,6 +297,7 @@ class DsaAttention(nnx.Module):
         prev_topk: jax.Array | None = None,
     ):
         x, mask = self._check_inputs(hidden_states, attention_mask, prev_topk)
+        x, mask, prev_topk = self._place_inputs(x, mask, prev_topk)
         b, s, _ = x.shape
         if cache is None:
             out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk)
@@ -288,15 +322,16 @@ class DsaAttention(nnx.Module):
         if self.indexer is None:
             raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
         x, mask = self._check_inputs(hidden_states, attention_mask, None)
+        x, mask = self._place_inputs(x, mask)
         x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
         q_resid, _, _ = self.project(x)
         qi, w, ki, gate = self.indexer.project(x, q_resid)
-        pooled, first_key, pool_valid = pk.kpool_compress(
-            ki, gate, mask, self.indexer.kpool_ape[...], implementation=self.implementation
+        pooled, first_key, pool_valid = self._kernel(
+            pk.kpool_compress, ki, gate, mask, self.indexer.kpool_ape[...], implementation=self.implementation
         )
         q_pos = jnp.where(mask, jnp.arange(x.shape[1], dtype=jnp.int32)[None], -1)
-        scores = pk.index_scores(
-            qi, w, pooled, pool_valid, first_key, q_pos, kpool=self.cfg.index_kpool,
+        scores = self._kernel(
+            pk.index_scores, qi, w, pooled, pool_valid, first_key, q_pos, kpool=self.cfg.index_kpool,
             implementation=self.implementation,
         )
         return scores, first_key
@@ -359,14 +394,12 @@ class DsaAttention(nnx.Module):
         x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
         length = cache.length
         fits = length + s <= cache.max_length
-        slots = jnp.where(fits, length + jnp.arange(s, dtype=jnp.int32), cache.max_length)
 
         q_resid, q_lat, latent = self.project(x)
 
-        # Out-of-range slots (a chunk that does not fit) are dropped, not clamped.
         cache = cache.replace(
-            latent=cache.latent.at[:, slots].set(latent.astype(cache.latent.dtype), mode="drop"),
-            key_valid=cache.key_valid.at[:, slots].set(mask, mode="drop"),
+            latent=_write_rows(cache.latent, latent, length, fits),
+            key_valid=_write_rows(cache.key_valid, mask, length, fits),
         )
         q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
 
@@ -424,7 +457,8 @@ class DsaAttention(nnx.Module):
         rel = first_key - win_start
         # Start of the first whole pool inside the window, on first_key's pool grid.
         wfirst = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
-        pooled, _, pvalid = pk.kpool_compress(
+        pooled, _, pvalid = self._kernel(
+            pk.kpool_compress,
             win_k, win_g, win_v, self.indexer.kpool_ape[...], wfirst.astype(jnp.int32),
             implementation=self.implementation,
         )
@@ -482,16 +516,16 @@ class DsaAttention(nnx.Module):
         def one_tile(args):
             t_qlat, t_pos, t_qi, t_w, t_nvis, t_topk = args
             if t_topk is None:
-                scores = pk.index_scores(
-                    t_qi, t_w, cache.pooled, cache.pool_valid, cache.first_key, t_pos,
+                scores = self._kernel(
+                    pk.index_scores, t_qi, t_w, cache.pooled, cache.pool_valid, cache.first_key, t_pos,
                     kpool=cfg.index_kpool, implementation=impl,
                 )
-                pools = pk.topk_pools(scores, select_k, implementation=impl)
+                pools = self._kernel(pk.topk_pools, scores, select_k, implementation=impl)
                 tail = None
                 if cfg.tail_width:
                     tail = pk.visible_tail(cache.first_key, t_nvis, t_pos, cache.key_valid, cfg.index_kpool)
-                t_topk = pk.expand_selection(
-                    pools, cache.first_key, tail, kpool=cfg.index_kpool,
+                t_topk = self._kernel(
+                    pk.expand_selection, pools, cache.first_key, tail, kpool=cfg.index_kpool,
                     out_width=cfg.out_width, implementation=impl,
                 )
                 t_topk = jnp.where(t_pos[..., None] >= 0, t_topk, -1)

@@ -56,6 +56,19 @@ def masked_softmax(s, valid):
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
+def gather_rows(latent: jax.Array, ids: jax.Array) -> jax.Array:
+    """``latent [B, L, C]``, in-range ``ids [B, Q, W]`` -> ``[B, Q, W, C]``.
+
+    16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
+    ``[B, L, C]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
+    """
+    take = jax.vmap(lambda lat, i: lat[i])
+    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type
+        return bits(take(bits(latent, jnp.uint16), ids), latent.dtype)
+    return take(latent, ids)
+
+
 def sparse_mla_reference(
     q_lat: jax.Array, latent: jax.Array, token_ids: jax.Array, *, scale: float
 ) -> jax.Array:
@@ -73,7 +86,7 @@ def sparse_mla_reference(
     length = latent.shape[1]
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
-    kv = jax.vmap(lambda lat, ids: lat[ids])(latent, safe).astype(jnp.float32)  # [B,Q,W,C]
+    kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,C]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     kv = jnp.where(valid[..., None], kv, 0.0)
     s = jnp.einsum("bqhc,bqwc->bqhw", q_lat.astype(jnp.float32), kv, precision=_HI) * scale

@@ -188,6 +188,7 @@ def test_mesh_of_8_devices(tiny):
     assert_same_params(layers, tiny.layers)
     for i in DSA:
         layer = layers[i]
+        assert layer.mesh == mesh  # placed for sharded execution, not only its arrays
         specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(layer, nnx.Param)))
         for name in ("q_b_proj", "w_uk", "w_uv", "o_proj"):
             arr = getattr(layer, name)[...]
@@ -208,6 +209,7 @@ def test_explicit_mesh_subset_and_bf16(tiny):
     layer = layers[2]
     assert layer.dtype == jnp.bfloat16 and layer.o_proj[...].dtype == jnp.bfloat16
     assert layer.o_proj[...].sharding.spec == jax.sharding.PartitionSpec("tp", None, None)
+    assert layer.mesh == mesh
     want = params_to_hf(tiny.layers[2])
     got = params_to_hf(layer)
     for k in want:

@@ -1,0 +1,47 @@
+"""The command line: the demo (default and from a checkpoint) and the decode benchmark."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+from flax import nnx
+
+import glm5_dsa_jax as gd
+from glm5_dsa_jax.cli import main
+
+
+def test_demo_default_runs_in_a_fresh_process():
+    env = dict(os.environ, XLA_FLAGS="")
+    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.cli", "demo", "--steps", "4"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "selected token slots" in out
+    assert "sparse kernel vs dense masked attention on the same tokens: max |diff|" in out
+    assert "tokens/s" in out
+
+
+def test_demo_from_an_orbax_checkpoint(tmp_path, capsys):
+    cfg = gd.DsaConfig.tiny()
+    layers = {i: gd.DsaAttention(cfg, i, rngs=nnx.Rngs(i), dtype=jnp.float32, param_dtype=jnp.float32)
+              for i in cfg.dsa_layers}
+    gd.save_checkpoint(layers, tmp_path / "ckpt")
+    assert main(["demo", "--checkpoint", str(tmp_path / "ckpt"), "--steps", "2", "--prompt", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1 (full indexer) + layer 2 (shared)" in out
+
+
+def test_bench_decode_json(capsys):
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,256", "--batch", "1",
+                 "--iters", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = res["rows"]
+    assert {r["impl"] for r in rows} >= {"sparse", "dense"}
+    for r in rows:
+        assert set(r) == {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes"}
+    sparse = [r for r in rows if r["impl"] == "sparse"]
+    assert [r["context"] for r in sparse] == [64, 256]
+    assert all(r["compiles"] == 1 for r in sparse)  # one compilation across contexts
+    assert 0 < res["cache_bytes_per_token"] < 200
