@@ -42,7 +42,17 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         module = nnx.merge(graphdef, params)
         return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
-    jitted = jax.jit(step_fn, donate_argnames=("cache",) if donate else ())
+    shardings = {}
+    mesh = getattr(layer, "mesh", None)
+    if mesh is not None:
+        # A placed layer: explicit shardings, so the parameters stay where shard_layer put
+        # them and the inputs, outputs and (replicated) cache never move between steps.
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shardings = dict(
+            in_shardings=(jax.tree.map(lambda a: a.sharding, params), rep, rep, rep, rep),
+            out_shardings=(rep, rep, rep),
+        )
+    jitted = jax.jit(step_fn, donate_argnames=("cache",) if donate else (), **shardings)
 
     class _Step:
         """The compiled step; ``traces`` is the number of compilations so far."""
