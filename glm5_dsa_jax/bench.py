@@ -139,7 +139,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         mask = jnp.ones((b, 1), bool)
         shapes = jax.eval_shape(lambda: filled_cache(layer, b, contexts[0], max_length))
         traces0, dense0 = step.traces, dense_traces["n"]
-        step_peak = _peak_bytes(step.__call__.lower(params, x, mask, shapes).compile())
+        step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
         for ctx in contexts:
             cache = filled_cache(layer, b, ctx, max_length)
             if bytes_per_token is None:

@@ -52,12 +52,18 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
             in_shardings=(jax.tree.map(lambda a: a.sharding, params), rep, rep, rep, rep),
             out_shardings=(rep, rep, rep),
         )
-    jitted = jax.jit(step_fn, donate_argnames=("cache",) if donate else (), **shardings)
+    jitted_fn = jax.jit(step_fn, donate_argnames=("cache",) if donate else (), **shardings)
 
     class _Step:
         """The compiled step; ``traces`` is the number of compilations so far."""
 
-        __call__ = staticmethod(jitted)
+        jitted = staticmethod(jitted_fn)
+
+        def __call__(self, params, hidden, mask, cache, prev_topk=None):
+            return jitted_fn(params, hidden, mask, cache, prev_topk)
+
+        def lower(self, params, hidden, mask, cache, prev_topk=None):
+            return jitted_fn.lower(params, hidden, mask, cache, prev_topk)
 
         @property
         def traces(self) -> int:

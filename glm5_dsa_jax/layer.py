@@ -547,11 +547,12 @@ class DsaAttention(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- HF names
-def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    """PyTorch-layout shapes of the HF tensors of one DSA layer (names after ``self_attn.``)."""
-    cfg.check_layer(layer_idx)
+def hf_tensor_shapes(cfg: DsaConfig) -> dict[str, tuple[int, ...]]:
+    """PyTorch-layout shapes of every HF tensor a DSA layer of ``cfg`` can have (names
+    after ``self_attn.``): biases and indexer included, whatever the layer."""
     h, nh = cfg.hidden_size, cfg.num_attention_heads
-    shapes = {
+    d, hi = cfg.index_head_dim, cfg.index_n_heads
+    return {
         "q_a_proj.weight": (cfg.q_lora_rank, h),
         "q_a_layernorm.weight": (cfg.q_lora_rank,),
         "q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
@@ -559,22 +560,26 @@ def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...
         "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
         "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
         "o_proj.weight": (h, nh * cfg.v_head_dim),
+        "q_a_proj.bias": (cfg.q_lora_rank,),
+        "kv_a_proj_with_mqa.bias": (cfg.kv_cache_dim,),
+        "o_proj.bias": (h,),
+        "indexer.wq_b.weight": (hi * d, cfg.q_lora_rank),
+        "indexer.wk.weight": (d, h),
+        "indexer.k_norm.weight": (d,),
+        "indexer.k_norm.bias": (d,),
+        "indexer.weights_proj.weight": (hi, h),
+        "indexer.index_kpool_compress_gate": (d, h),
+        "indexer.index_kpool_compress_ape": (cfg.index_kpool, d),
     }
-    if cfg.attention_bias:
-        shapes |= {
-            "q_a_proj.bias": (cfg.q_lora_rank,),
-            "kv_a_proj_with_mqa.bias": (cfg.kv_cache_dim,),
-            "o_proj.bias": (h,),
-        }
-    if cfg.has_indexer(layer_idx):
-        d, hi = cfg.index_head_dim, cfg.index_n_heads
-        shapes |= {
-            "indexer.wq_b.weight": (hi * d, cfg.q_lora_rank),
-            "indexer.wk.weight": (d, h),
-            "indexer.k_norm.weight": (d,),
-            "indexer.k_norm.bias": (d,),
-            "indexer.weights_proj.weight": (hi, h),
-            "indexer.index_kpool_compress_gate": (d, h),
-            "indexer.index_kpool_compress_ape": (cfg.index_kpool, d),
-        }
-    return shapes
+
+
+def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """PyTorch-layout shapes of the HF tensors of one DSA layer (names after ``self_attn.``):
+    biases only with ``attention_bias``, indexer tensors only on a ``"full"`` layer."""
+    cfg.check_layer(layer_idx)
+    indexer = cfg.has_indexer(layer_idx)
+    return {
+        name: shape for name, shape in hf_tensor_shapes(cfg).items()
+        if (cfg.attention_bias or not name.endswith(".bias") or name.startswith("indexer."))
+        and (indexer or not name.startswith("indexer."))
+    }

@@ -55,6 +55,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.layer import hf_tensor_shapes
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",
@@ -149,30 +150,6 @@ def _param_shapes(cfg: DsaConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
         ("indexer", "kpool_ape"): (cfg.index_kpool, d),
     }
     return s
-
-
-def _hf_shapes(cfg: DsaConfig) -> dict[str, tuple[int, ...]]:
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    d, hi = cfg.index_head_dim, cfg.index_n_heads
-    return {
-        "q_a_proj.weight": (cfg.q_lora_rank, h),
-        "q_a_layernorm.weight": (cfg.q_lora_rank,),
-        "q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
-        "kv_a_proj_with_mqa.weight": (cfg.kv_cache_dim, h),
-        "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-        "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        "o_proj.weight": (h, nh * cfg.v_head_dim),
-        "q_a_proj.bias": (cfg.q_lora_rank,),
-        "kv_a_proj_with_mqa.bias": (cfg.kv_cache_dim,),
-        "o_proj.bias": (h,),
-        "indexer.wq_b.weight": (hi * d, cfg.q_lora_rank),
-        "indexer.wk.weight": (d, h),
-        "indexer.k_norm.weight": (d,),
-        "indexer.k_norm.bias": (d,),
-        "indexer.weights_proj.weight": (hi, h),
-        "indexer.index_kpool_compress_gate": (d, h),
-        "indexer.index_kpool_compress_ape": (cfg.index_kpool, d),
-    }
 
 
 def _with_indexer(cfg: DsaConfig, layer_idx: int | None) -> bool:
@@ -286,7 +263,7 @@ class TpPlan:
         _check_sizes(cfg, tp_size)
         nh = cfg.num_attention_heads
         local_heads = nh // tp_size
-        hf = _hf_shapes(cfg)
+        hf = hf_tensor_shapes(cfg)
         specs = partition_specs(cfg, axis, layer_idx=layer_idx)
         tensors = []
         for e in _entries(cfg, _with_indexer(cfg, layer_idx)):

@@ -25,16 +25,21 @@ def hf_attention(cfg: gd.DsaConfig, layer_idx: int, seed: int = 0):
 
     torch.manual_seed(seed)
     attn = Glm5NextTextAttention(hf_text_config(cfg), layer_idx).float().eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in attn.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif p.ndim == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    randomize_(attn, torch.Generator().manual_seed(seed))
     return attn
+
+
+def randomize_(module, generator) -> None:
+    """Every parameter of ``module`` random, in place: norms ~1, vectors ~0.2, matrices
+    scaled by fan-in."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=generator))
+            elif p.ndim == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
 
 
 def state_dict_np(attn) -> dict[str, np.ndarray]:

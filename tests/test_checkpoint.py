@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.weights import params_to_hf
-from hf_oracle import hf_attend_on, hf_forward
+from hf_oracle import hf_attend_on, hf_forward, randomize_
 from test_hf_parity import check_selection
 
 ATOL = RTOL = 3e-5
@@ -64,15 +64,8 @@ def tiny(tmp_path_factory):
     torch.manual_seed(0)
     model = Glm5NextForConditionalGeneration(hf_cfg).float().eval()
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # as hf_oracle.hf_attention: random everything (HF init zeroes the APE)
-        for i in DSA:
-            for name, p in model.model.language_model.layers[i].self_attn.named_parameters():
-                if "norm" in name and name.endswith("weight"):
-                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-                elif p.ndim == 1:
-                    p.copy_(0.2 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    for i in DSA:  # random everything (HF init zeroes the APE)
+        randomize_(model.model.language_model.layers[i].self_attn, g)
     root = tmp_path_factory.mktemp("tiny_glm5")
     t = Tiny()
     t.single, t.sharded, t.flat = root / "single", root / "sharded", root / "flat"

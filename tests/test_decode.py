@@ -100,7 +100,7 @@ def test_long_prefill_stays_within_its_memory_budget():
         cache = jax.eval_shape(lambda: layer.init_cache(1, s))
         x = jax.ShapeDtypeStruct((1, s, cfg.hidden_size), jnp.float32)
         m = jax.ShapeDtypeStruct((1, s), jnp.bool_)
-        return jax.jit(step.__call__).lower(params, x, m, cache).compile().memory_analysis().temp_size_in_bytes
+        return step.lower(params, x, m, cache).compile().memory_analysis().temp_size_in_bytes
 
     small, large = temp_bytes(2048), temp_bytes(4096)
     assert large < 16 * 2**20, large
