@@ -67,9 +67,13 @@ def index_scores_reference(
       ``[B, Q, P]`` float32 scores, ``-inf`` where the pool is not a candidate.
     """
     d = q.shape[-1]
+    # Products of 16-bit floats are exact in float32, so a dot in the inputs' dtype with a
+    # float32 accumulator is the float32 computation (up to summation order) without
+    # converting the whole pooled cache to float32 on every step.
+    dt = jnp.promote_types(q.dtype, pooled.dtype)
     s = jnp.einsum(
-        "bqhd,bpd->bqhp", q.astype(jnp.float32), pooled.astype(jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
+        "bqhd,bpd->bqhp", q.astype(dt), pooled.astype(dt),
+        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
     )
     s = jax.nn.relu(s * (d**-0.5))
     score = jnp.einsum(

@@ -14,7 +14,8 @@ The tie rule (the same for every implementation and every TP size):
 Equivalently: the selected set is ``{p : key(p) > T} ∪ {the lowest-indexed pools with
 key(p) == T, as many as fit}``, where ``key`` is the order-preserving int32 image of the
 float score and ``T`` the ``select_k``-th largest key. That is the form a radix select
-computes without sorting; the reference below uses ``lax.sort`` on ``(key desc, index)``.
+computes without sorting, and the form the reference below computes too (``T`` from
+``lax.top_k``'s values). The property tests check it against a plain Python sort.
 
 The Pallas kernel (``implementation="pallas"``, Triton) is that radix select: one program
 per query row streams the row in tiles, finds ``T`` in ``32 / radix_bits`` counting passes
@@ -41,6 +42,13 @@ __all__ = [
 ]
 
 
+def _canonical_bits(scores: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    mag = bits & jnp.int32(0x7FFFFFFF)
+    bits = jnp.where(mag < jnp.int32(0x00800000), jnp.int32(0), bits)  # -0, denormals -> +0
+    return jnp.where(mag > jnp.int32(0x7F800000), jnp.int32(-8388608), bits)  # NaN -> -inf
+
+
 def order_key(scores: jax.Array) -> jax.Array:
     """float32 -> int32 whose signed order is the float order, by integer ops only.
 
@@ -48,31 +56,50 @@ def order_key(scores: jax.Array) -> jax.Array:
     Integer ops make the rule the same on every backend: a float compare would flush
     denormals on some (XLA:CPU) and not on others.
     """
-    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    mag = bits & jnp.int32(0x7FFFFFFF)
-    bits = jnp.where(mag < jnp.int32(0x00800000), jnp.int32(0), bits)
-    bits = jnp.where(mag > jnp.int32(0x7F800000), jnp.int32(-8388608), bits)  # NaN -> -inf
+    bits = _canonical_bits(scores)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def canonical_scores(scores: jax.Array) -> jax.Array:
+    """The scores with ``-0``/denormals made ``+0`` and NaN made ``-inf``: floats whose
+    order is exactly ``order_key``'s, so a float ``top_k`` finds the same threshold."""
+    return jax.lax.bitcast_convert_type(_canonical_bits(scores), jnp.float32)
 
 
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 
 
 def topk_pools_reference(scores: jax.Array, select_k: int) -> jax.Array:
-    """``[..., P]`` float32 scores -> ``[..., select_k]`` int32 pool ids (see module doc)."""
+    """``[..., P]`` float32 scores -> ``[..., select_k]`` int32 pool ids (see module doc).
+
+    The threshold form, as the kernel computes it: ``T``, the ``select_k``-th largest key,
+    comes from ``lax.top_k`` on the integer keys (its *values* do not depend on how it
+    orders ties); then every key above ``T`` is taken, plus the lowest-indexed pools whose
+    key equals ``T``, as many as fit (a ``cumsum`` rank), never a ``-inf``. A stream
+    compaction writes them in ascending pool order. No sort of the row.
+    """
     n_pools = scores.shape[-1]
     if not 0 <= select_k <= n_pools:
         raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
+    batch = scores.shape[:-1]
+    if select_k == 0:
+        return jnp.zeros(batch + (0,), jnp.int32)
     key = order_key(scores)
-    idx = jnp.broadcast_to(jnp.arange(n_pools, dtype=jnp.int32), key.shape)
-    # ~key reverses the order without overflow; sorting (~key, idx) ascending ranks by
-    # score descending, then pool index ascending.
-    _, order = jax.lax.sort((~key, idx), dimension=-1, num_keys=2)
-    picked = order[..., :select_k]
-    picked_key = jnp.take_along_axis(key, picked, axis=-1)
-    picked = jnp.where(picked_key > NEG_INF_KEY, picked, n_pools)
-    picked = jnp.sort(picked, axis=-1)
-    return jnp.where(picked < n_pools, picked, -1).astype(jnp.int32)
+    # The k-th largest canonical float, as a key. (A float top_k is the fast one on CPUs,
+    # and ``min`` rather than ``[..., -1]``: XLA:CPU turns a slice of a top_k into a sort.)
+    kth = jax.lax.top_k(canonical_scores(scores), select_k)[0].min(-1, keepdims=True)
+    threshold = order_key(kth)
+    above = key > threshold
+    at = key == threshold
+    room = select_k - above.sum(-1, keepdims=True, dtype=jnp.int32)
+    take = (above | (at & (jnp.cumsum(at, axis=-1, dtype=jnp.int32) <= room))) & (key > NEG_INF_KEY)
+    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, select_k)
+    rows = take.reshape(-1, n_pools).shape[0]
+    out = jnp.full((rows, select_k), -1, jnp.int32)
+    out = out.at[jnp.arange(rows)[:, None], slot.reshape(rows, n_pools)].set(
+        jnp.broadcast_to(jnp.arange(n_pools, dtype=jnp.int32), (rows, n_pools)), mode="drop"
+    )
+    return out.reshape(batch + (select_k,))
 
 
 def topk_pools(
