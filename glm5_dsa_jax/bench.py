@@ -15,7 +15,7 @@ on a CPU, and the step's cost does not depend on the values), then times
 Per row: the median step time, the number of compilations (1 means the step replayed
 without re-tracing as the context moved), and the peak bytes XLA reports for the compiled
 step (arguments + outputs + scratch, minus donated aliases). ``cache_bytes_per_token`` is
-the cache's size divided by its length.
+the cache's size divided by its batch size and length.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         for ctx in contexts:
             cache = filled_cache(layer, b, ctx, max_length)
             if bytes_per_token is None:
-                bytes_per_token = cache.nbytes() / cache.max_length
+                bytes_per_token = cache.nbytes() / (cache.batch_size * cache.max_length)
             rows.extend(_attention_rows(layer, cache, b, ctx, iters, log))
             # Dense gets its best case: a cache sized to this context (so it re-compiles
             # per context, where the sparse step replays one compilation).

@@ -86,6 +86,32 @@ def _write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Arr
     return jax.lax.cond(fits, lambda b: jax.lax.dynamic_update_slice(b, rows, idx), lambda b: b, buf)
 
 
+def _write_pools(buf, valid_buf, rows, valid_rows, pool_ids, new):
+    """``buf[b, pool_ids[b, i]] = rows[b, i]`` (and the validity) where ``new[b, i]``.
+
+    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place. A masked
+    scatter is the natural form, but XLA:CPU has no 16-bit-float scatter and converts the
+    whole ``[B, max_pools, D]`` cache to float32 and back around it on every step.
+    """
+    b, n = pool_ids.shape
+    rows = rows.astype(buf.dtype)
+    zero = jnp.zeros((), jnp.int32)
+
+    def body(i, carry):
+        r, j = i // n, i % n
+
+        def write(c):
+            buf, vbuf = c
+            p = pool_ids[r, j]
+            buf = jax.lax.dynamic_update_slice(buf, rows[r, j][None, None], (r, p, zero))
+            vbuf = jax.lax.dynamic_update_slice(vbuf, valid_rows[r, j][None, None], (r, p))
+            return buf, vbuf
+
+        return jax.lax.cond(new[r, j], write, lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, b * n, body, (buf, valid_buf))
+
+
 def _dense(x, w):
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=_HI)
 
@@ -467,11 +493,11 @@ class DsaAttention(nnx.Module):
         last = win_start + wfirst[:, None] + (q + 1) * kp - 1  # timeline slot of each pool's end
         gp = (win_start + wfirst[:, None] - first_key[:, None]) // kp + q  # pool id on the grid
         new = (last >= length) & (last < length + s) & (wfirst[:, None] < kp + s) & fits
-        gp = jnp.where(new, gp, cache.max_pools)  # dropped
-        bidx = jnp.arange(b)[:, None]
+        new &= gp < cache.max_pools
+        pooled_cache, pool_valid = _write_pools(cache.pooled, cache.pool_valid, pooled, pvalid, gp, new)
         return cache.replace(
-            pooled=cache.pooled.at[bidx, gp].set(pooled.astype(cache.pooled.dtype), mode="drop"),
-            pool_valid=cache.pool_valid.at[bidx, gp].set(pvalid, mode="drop"),
+            pooled=pooled_cache,
+            pool_valid=pool_valid,
             stage_keys=jnp.where(fits, win_k[:, s:], cache.stage_keys),
             stage_gate=jnp.where(fits, win_g[:, s:], cache.stage_gate),
             stage_valid=jnp.where(fits, win_v[:, s:], cache.stage_valid),
