@@ -453,6 +453,12 @@ def test_convert_cli(tiny, tmp_path, capsys):
     assert_same_params(layers, tiny.layers)
     cfg2, layers2 = ck.load_for_demo(tiny.single, dtype=jnp.float32, progress=False)
     assert cfg2 == cfg and sorted(layers2) == DSA
+    # the demo runs on both kinds of directory, through the real command line
+    from glm5_dsa_jax.cli import main
+
+    for ckpt in (out, tiny.single):
+        assert main(["demo", "--checkpoint", str(ckpt), "--steps", "2", "--prompt", "10"]) == 0
+        assert "layer 1 (full indexer) + layer 2 (shared)" in capsys.readouterr().out
 
     assert run("convert", str(tiny.single), str(out), "--no-progress") == 1  # exists
     assert "exists and is not empty" in capsys.readouterr().err
