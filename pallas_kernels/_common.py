@@ -41,3 +41,57 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
 def check_rank(name: str, x, rank: int, layout: str) -> None:
     if x.ndim != rank:
         raise ValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(x.shape)}")
+
+
+# GPU kinds whose compute capability jax's Pallas lowering reads from an abstract device.
+CUDA_DEVICE_KINDS = {"a100": "NVIDIA A100-SXM4-80GB", "h100": "NVIDIA H100", "h200": "NVIDIA H200"}
+
+
+def cuda_lowering(gpu: str = "h100"):
+    """A context in which ``jit(...).lower(lowering_platforms=("cuda",))`` works on a host
+    without a GPU.
+
+    Pallas' GPU lowering needs a compute capability. jax 0.10 assumed 9.0 when no GPU was
+    present; jax >= 0.11 reads it from the device of the current mesh and, with none, raises
+    "No supported GPU devices found". An abstract mesh of one abstract CUDA device supplies
+    it (the API exists from 0.10.2 on). Its axis is ``Auto``: the layer's cache updates fail
+    jax's sharding-in-types check under the default (Explicit) axis type.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    kind = CUDA_DEVICE_KINDS.get(gpu.lower())
+    if kind is None:
+        raise ValueError(f"gpu must be one of {sorted(CUDA_DEVICE_KINDS)}, got {gpu!r}")
+    device = AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
+    mesh = AbstractMesh((1,), ("cuda",), axis_types=(AxisType.Auto,), abstract_device=device)
+    return use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn, *avals, gpu: str = "h100"):
+    """``jax.jit(fn)`` traced on ``avals`` and lowered for CUDA without a GPU (see
+    ``cuda_lowering``); returns the ``Lowered`` object."""
+    import jax
+
+    with cuda_lowering(gpu):
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+
+
+def triton_calls(lowered) -> list[dict]:
+    """The Triton kernel launches in a module lowered for CUDA, in program order: for each,
+    its ``name``, ``grid`` ``(x, y, z)``, ``num_warps`` and ``num_stages`` (read from the
+    ``__gpu$xla.gpu.triton`` custom calls' backend config)."""
+    import re
+
+    calls = []
+    text = lowered.as_text() if hasattr(lowered, "as_text") else str(lowered)
+    for line in text.splitlines():
+        if "__gpu$xla.gpu.triton" not in line:
+            continue
+        line = re.sub(r'ir = "(?:\\.|[^"\\])*"', "ir = ...", line)  # the kernel's bytecode
+        field = lambda key: int(re.search(rf"\b{key} = (\d+)", line).group(1))
+        calls.append(dict(
+            name=re.search(r'\bname = "([^"]*)"', line).group(1),
+            grid=(field("grid_x"), field("grid_y"), field("grid_z")),
+            num_warps=field("num_warps"), num_stages=field("num_stages"),
+        ))
+    return calls

@@ -193,6 +193,21 @@ _MIN_BLOCKS_PER_SPLIT = 4  # ... but never splits a row into shares of fewer id 
 _BLOCK_KWARGS = ("block_h", "block_w", "block_c", "num_splits", "num_warps", "num_stages")
 
 
+def _scan_block(width: int) -> int:
+    return min(next_power_of_two(width), _SCAN_BLOCK)
+
+
+def _padded_width(width: int, block_w: int) -> int:
+    """The id row's width in the kernel: a multiple of the scan tile and of ``block_w``.
+
+    Every load of the id row then lies inside it. jax >= 0.12 bounds-checks a static slice
+    of a Ref even when the load is masked, so a row of 2051 ids read in a tile of 4096 is
+    refused at trace time; padding with -1 (never a token) keeps the loads whole and unmasked.
+    """
+    step = max(_scan_block(width), block_w)  # both powers of two
+    return -(-width // step) * step
+
+
 def _default_block_c(c: int) -> int:
     """Power-of-two chunk of the latent width: whole C up to 512 when C is a power of two;
     otherwise the chunk that wastes the fewest padded columns (a small cost per chunk)."""
@@ -229,20 +244,17 @@ def _sparse_mla_kernel(
     split = pl.program_id(1)
     f32 = jnp.float32
 
-    # 1. n_end: one past the last valid slot of the row.
-    scan = min(next_power_of_two(width), _SCAN_BLOCK)
+    # 1. n_end: one past the last valid slot of the row. ``width`` is a multiple of ``scan``
+    # and of ``block_w`` (the wrapper pads the id row with -1), so every load is in bounds.
+    scan = _scan_block(width)
 
     def scan_tile(t, n_end):
         pos = t * scan + jnp.arange(scan, dtype=jnp.int32)
-        ids = plgpu.load(ids_ref.at[pl.ds(t * scan, scan)], mask=pos < width, other=-1)
+        ids = ids_ref[pl.ds(t * scan, scan)]
         ok = (ids >= 0) & (ids < length)
         return jnp.maximum(n_end, jnp.max(jnp.where(ok, pos + 1, 0)))
 
-    n_scan = -(-width // scan)
-    if n_scan == 1:
-        n_end = scan_tile(0, jnp.int32(0))
-    else:
-        n_end = lax.fori_loop(0, n_scan, scan_tile, jnp.int32(0))
+    n_end = lax.fori_loop(0, width // scan, scan_tile, jnp.int32(0))
 
     # 2. This split's share of the id blocks that hold valid ids.
     n_blocks = (n_end + block_w - 1) // block_w
@@ -258,8 +270,7 @@ def _sparse_mla_kernel(
     # 3. Online softmax over the id blocks.
     def body(j, carry):
         m_prev, l_prev, accs = carry
-        pos = j * block_w + jnp.arange(block_w, dtype=jnp.int32)
-        ids = plgpu.load(ids_ref.at[pl.ds(j * block_w, block_w)], mask=pos < width, other=-1)
+        ids = ids_ref[pl.ds(j * block_w, block_w)]
         ok = (ids >= 0) & (ids < length)
         rows = jnp.where(ok, ids, 0)  # a safe index even where the load is masked
         kvs = []
@@ -360,6 +371,10 @@ def _sparse_mla_pallas(
     if (h_pad, c_pad) != (h, c):
         q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, c_pad - c)))
     ids = token_ids.reshape(rows, width).astype(jnp.int32)
+    padded = _padded_width(width, block_w)
+    if padded != width:
+        ids = jnp.pad(ids, ((0, 0), (0, padded - width)), constant_values=-1)
+    width = padded
 
     try:
         scale = float(scale)

@@ -22,8 +22,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels._common import lower_for_cuda, triton_calls
 from pallas_kernels.sparse_mla import (
-    mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
+    mla_masked_attention, sparse_mla, sparse_mla_block_sizes, sparse_mla_reference,
+    topk_to_mask,
 )
 
 # The module itself (the package re-exports a function of the same name).
@@ -221,12 +223,20 @@ _REAL = [
 def test_lowers_for_cuda_at_real_shapes(b, nq, length):
     sds = jax.ShapeDtypeStruct
     fn = lambda q, lat, ids: sparse_mla(q, lat, ids, scale=256**-0.5, implementation="pallas")
-    lowered = jax.jit(fn).trace(
+    lowered = lower_for_cuda(
+        fn,
         sds((b, nq, 64, 512), jnp.bfloat16),
         sds((b, length, 512), jnp.bfloat16),
         sds((b, nq, 2051), jnp.int32),
-    ).lower(lowering_platforms=("cuda",))
-    assert "sparse_mla" in lowered.as_text()
+    )
+    # One launch: a program per (row, block of 16 heads) and per split of the id blocks.
+    blocks = sparse_mla_block_sizes((b, nq, 64, 512), 2051)
+    (call,) = triton_calls(lowered)
+    assert call["name"] == "sparse_mla"
+    assert call["grid"] == (b * nq * 64 // blocks["block_h"], blocks["num_splits"], 1)
+    assert (call["num_warps"], call["num_stages"]) == (blocks["num_warps"], blocks["num_stages"])
+    # A decode row is split (flash-decoding) so that it fills the GPU; a prefill tile is not.
+    assert (blocks["num_splits"] > 1) == (b * nq * 4 < 256)
 
 
 def test_gpu_check_smoke_runs_on_cpu():

@@ -23,6 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels._common import lower_for_cuda, triton_calls
+
 # The package re-exports functions under the module names; import the modules themselves.
 kc = importlib.import_module("pallas_kernels.kpool_compress")
 isc = importlib.import_module("pallas_kernels.index_scores")
@@ -273,11 +275,11 @@ OUT_WIDTH = INDEX_TOPK + KPOOL - 1  # 2051
 S = jax.ShapeDtypeStruct
 
 
-def _lower_cuda(fn, *avals):
-    lowered = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert "triton" in text.lower(), "expected a Triton kernel call in the lowered module"
-    return text
+def _lower_cuda(fn, *avals, name, grid):
+    """Lower for CUDA without a GPU; exactly one Triton launch named ``name`` over ``grid``."""
+    (call,) = triton_calls(lower_for_cuda(fn, *avals))
+    assert (call["name"], call["grid"]) == (name, grid), call
+    return call
 
 
 @pytest.mark.parametrize("length", [8192, 1 << 20])
@@ -289,6 +291,8 @@ def test_kpool_compress_lowers_for_cuda(length):
         S((b, length, INDEX_DIM), jnp.float32),  # gate logits (float32 in the layer)
         S((b, length), jnp.bool_),
         S((KPOOL, INDEX_DIM), jnp.bfloat16),  # index_kpool_compress_ape
+        # 32 pools of 128 channels per program (one 4096-element tile).
+        name="kpool_compress", grid=(b, length // KPOOL // 32, 1),
     )
 
 
@@ -312,6 +316,8 @@ def test_index_scores_lowers_for_cuda(context, n_q, dtype):
         S((b, n_pools), jnp.bool_),
         S((b,), jnp.int32),
         S((b, n_q), jnp.int32),
+        # Tiles of up to 16 queries x 64 pools; every pool of the context is scored.
+        name="index_scores", grid=(-(-n_q // 16), b, n_pools // 64),
     )
 
 
@@ -329,7 +335,7 @@ def test_expand_selection_lowers_for_cuda(with_tail, n_q):
         fn = lambda p, fk: es.expand_selection(
             p, fk, None, kpool=KPOOL, out_width=INDEX_TOPK, implementation="pallas"
         )
-    _lower_cuda(fn, *avals)
+    _lower_cuda(fn, *avals, name="expand_selection", grid=(b, -(-n_q // 4), 1))  # 4 rows a program
 
 
 # ------------------------------------------------------------------------------------

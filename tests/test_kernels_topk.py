@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels._common import lower_for_cuda, triton_calls
 from pallas_kernels.topk_pools import (
     DEFAULT_BLOCK_SIZES, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
 )
@@ -136,20 +137,22 @@ def test_lax_baseline_shape():
 # Decode (Q=1) at 8K, 128K and 1M-token contexts with index_kpool 4, and a prefill tile.
 @pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 1, 32768), (1, 1, 262144), (1, 64, 2048)])
 def test_lowers_for_cuda(shape):
-    fn = jax.jit(lambda s: topk_pools(s, 512, implementation="pallas"))
-    lowered = fn.trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
-        lowering_platforms=("cuda",)
+    lowered = lower_for_cuda(
+        lambda s: topk_pools(s, 512, implementation="pallas"),
+        jax.ShapeDtypeStruct(shape, jnp.float32),
     )
-    assert "triton" in lowered.as_text()
+    calls = triton_calls(lowered)
+    assert calls and all(c["name"].startswith("topk_pools") for c in calls), calls
 
 
 def test_lowers_for_cuda_odd_width_and_all_radixes():
     for radix_bits, block_p in [(1, 2048), (2, 2048), (8, 256)]:
-        fn = jax.jit(lambda s: topk_pools(
-            s, 300, implementation="pallas", radix_bits=radix_bits, block_p=block_p))
-        fn.trace(jax.ShapeDtypeStruct((2, 3, 1000), jnp.float32)).lower(
-            lowering_platforms=("cuda",)
+        lowered = lower_for_cuda(
+            lambda s: topk_pools(
+                s, 300, implementation="pallas", radix_bits=radix_bits, block_p=block_p),
+            jax.ShapeDtypeStruct((2, 3, 1000), jnp.float32),
         )
+        assert triton_calls(lowered), (radix_bits, block_p)
 
 
 def test_default_block_sizes_are_powers_of_two():
