@@ -27,7 +27,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, randomize_
-from test_hf_parity import check_selection
+from helpers import check_selection
 
 ATOL = RTOL = 3e-5
 PFX = "model.language_model.layers."

@@ -18,7 +18,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, make_step
 from hf_oracle import hf_attention, hf_stepped, state_dict_np
-from test_hf_parity import ATOL, RTOL, check_selection
+from helpers import ATOL, RTOL, check_selection
 
 CHUNKS = [6, 3, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 29 tokens: prefill chunks, then decode
 

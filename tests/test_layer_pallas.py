@@ -9,7 +9,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder
-from test_hf_parity import padded_batch
+from helpers import padded_batch
 
 # Kernels sum in another order than the references (tiles, online softmax): 2e-5 covers
 # that reassociation at these widths in float32; a wrong selection or mask is O(0.1).
