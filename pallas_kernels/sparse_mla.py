@@ -169,8 +169,9 @@ def sparse_mla(
 # contiguous shares of that row's id blocks (flash-decoding split; a decode step has too
 # few rows to fill the GPU otherwise). Per program:
 #
-# 1. ``n_end`` = 1 + the last slot holding a valid id (0 if none), from one masked load of
-#    the id row (tiles of ``_SCAN_BLOCK`` for very wide rows). Valid ids form a prefix of
+# 1. ``n_end`` = 1 + the last slot holding a valid id (0 if none), from loads of the id row
+#    in tiles of up to ``_SCAN_BLOCK`` (the wrapper pads the row with -1 to a whole number of
+#    tiles and of ``block_w``, so no load of the id row is masked or out of bounds). Valid ids form a prefix of
 #    the row, so ``n_end`` is their count; but ``n_end`` is exact for any layout, and
 #    every slot below it is still masked on its own.
 # 2. The ``ceil(n_end / block_w)`` id blocks are divided evenly among the splits, so a
