@@ -17,9 +17,24 @@ float score and ``T`` the ``select_k``-th largest key. That is the form a radix 
 computes without sorting, and the form the reference below computes too (``T`` from
 ``lax.top_k``'s values). The property tests check it against a plain Python sort.
 
-The Pallas kernel (``implementation="pallas"``, Triton) is that radix select: one program
-per query row streams the row in tiles, finds ``T`` in ``32 / radix_bits`` counting passes
-and writes the ascending row in one compaction pass; it matches the reference bit for bit.
+The Pallas kernels (``implementation="pallas"``, Triton) are that radix select: ``T`` in
+``32 / radix_bits`` counting passes over the row, then the ascending row in one compaction
+pass; they match the reference bit for bit. Two paths, chosen by row length ``P``:
+
+* ``P < 4 * split_p`` (short rows: decode up to 32K tokens, prefill tiles): **one program
+  per query row** does every pass (one launch, no work between passes).
+* ``P >= 4 * split_p`` (long rows: 128K and 1M-token decode): **one program per
+  ``split_p``-pool segment** of every row. One program per row would leave the GPU idle
+  at batch-1 decode (at 1M tokens one program would stream 1 MiB nine times while the other
+  SMs wait); here every pass is a launch of ``rows * cdiv(P, split_p)`` programs (128 per
+  row at 262,144 pools) that each count their segment, and small XLA ops merge the
+  per-segment counts between launches. The threshold's per-segment split (how many keys
+  above ``T`` and equal to ``T`` each segment holds) falls out of the passes' own counts,
+  so the compaction is also one parallel launch, each segment writing its ids from its own
+  output slot and tie rank (exclusive prefix sums in pool order). That keeps the tie rule
+  exact: the same ``T``, the same "first ``select_k - #above`` ties in pool order", the same
+  ascending slots as the one-program path, with no candidate list or second selection.
+
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
