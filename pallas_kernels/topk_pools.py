@@ -174,13 +174,10 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
 # (the least real key is ``order_key(-inf)``): ``count[0]`` may include them, which is
 # harmless, and no other candidate, ``T`` or the compaction ever matches them.
 #
-# Denormals: ``order_key`` tests ``s == 0.0`` in float, so a denormal score's key follows
-# the platform's denormal mode. XLA on CPU compares with denormals-are-zero (checked: the
-# key of -1e-45 is 0 there, so it ties with 0.0); XLA on GPU keeps denormals unless
-# ``--xla_gpu_ftz``; Triton's plain float compare is expected not to flush either (not
-# checked on a GPU here). Using the reference's own float ops in the kernel keeps kernel
-# and reference identical per platform; an integer-only key would differ from the
-# reference on CPU (interpret mode) for denormal scores.
+# Denormals: ``order_key`` maps every denormal (and ``-0.0``) to the key of ``+0.0`` by
+# integer ops on the float's bits, so no float compare and no platform denormal mode
+# (XLA:CPU flushes, GPUs need not) enters the key; both paths call ``order_key`` itself,
+# so kernel and reference agree on every platform.
 #
 # Lanes not taken in the scatter point one past the row end (``select_k``) with the mask
 # off: on a GPU a masked lane stores nothing; interpret mode re-stores the old value of

@@ -188,14 +188,14 @@ def test_multi_program_ties_at_threshold_across_segments():
     s[0, :, [5, 30, 63]] = 2.0
     s[0, :, [3, 10, 17, 25, 26, 40, 50]] = 1.0
     s[0, 1, 26] = np.nan  # row 1: one threshold pool fewer, so the ties reach further
-    got = _check_split(s, 7, split_p=8, block_p=4)
+    got = _check_split(s, 7, split_p=8, block_p=4, radix_bits=8)
     assert got[0, 0].tolist() == [3, 5, 10, 17, 25, 30, 63]
     assert got[0, 1].tolist() == [3, 5, 10, 17, 25, 30, 63]
     got = _check_split(s, 9, split_p=8, block_p=4)
     assert got[0, 0].tolist() == [3, 5, 10, 17, 25, 26, 30, 40, 63]
     assert got[0, 1].tolist() == [3, 5, 10, 17, 25, 30, 40, 50, 63]
     # all pools tie: the row is the first select_k pools, whatever the segments
-    got = _check_split(np.zeros((2, 1, 37), np.float32), 20, split_p=8, block_p=8)
+    got = _check_split(np.zeros((2, 1, 37), np.float32), 20, split_p=8, block_p=8, radix_bits=8)
     assert (got == np.arange(20)).all()
 
 
