@@ -17,9 +17,24 @@ float score and ``T`` the ``select_k``-th largest key. That is the form a radix 
 computes without sorting, and the form the reference below computes too (``T`` from
 ``lax.top_k``'s values). The property tests check it against a plain Python sort.
 
-The Pallas kernel (``implementation="pallas"``, Triton) is that radix select: one program
-per query row streams the row in tiles, finds ``T`` in ``32 / radix_bits`` counting passes
-and writes the ascending row in one compaction pass; it matches the reference bit for bit.
+The Pallas kernels (``implementation="pallas"``, Triton) are that radix select: ``T`` in
+``32 / radix_bits`` counting passes over the row, then the ascending row in one compaction
+pass; they match the reference bit for bit. Two paths, chosen by row length ``P``:
+
+* ``P < 4 * split_p`` (short rows: decode up to 32K tokens, prefill tiles): **one program
+  per query row** does every pass (one launch, no work between passes).
+* ``P >= 4 * split_p`` (long rows: 128K and 1M-token decode): **one program per
+  ``split_p``-pool segment** of every row. One program per row would leave the GPU idle
+  at batch-1 decode (at 1M tokens one program would stream 1 MiB nine times while the other
+  SMs wait); here every pass is a launch of ``rows * cdiv(P, split_p)`` programs (128 per
+  row at 262,144 pools) that each count their segment, and small XLA ops merge the
+  per-segment counts between launches. The threshold's per-segment split (how many keys
+  above ``T`` and equal to ``T`` each segment holds) falls out of the passes' own counts,
+  so the compaction is also one parallel launch, each segment writing its ids from its own
+  output slot and tie rank (exclusive prefix sums in pool order). That keeps the tie rule
+  exact: the same ``T``, the same "first ``select_k - #above`` ties in pool order", the same
+  ascending slots as the one-program path, with no candidate list or second selection.
+
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
@@ -159,13 +174,10 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
 # (the least real key is ``order_key(-inf)``): ``count[0]`` may include them, which is
 # harmless, and no other candidate, ``T`` or the compaction ever matches them.
 #
-# Denormals: ``order_key`` tests ``s == 0.0`` in float, so a denormal score's key follows
-# the platform's denormal mode. XLA on CPU compares with denormals-are-zero (checked: the
-# key of -1e-45 is 0 there, so it ties with 0.0); XLA on GPU keeps denormals unless
-# ``--xla_gpu_ftz``; Triton's plain float compare is expected not to flush either (not
-# checked on a GPU here). Using the reference's own float ops in the kernel keeps kernel
-# and reference identical per platform; an integer-only key would differ from the
-# reference on CPU (interpret mode) for denormal scores.
+# Denormals: ``order_key`` maps every denormal (and ``-0.0``) to the key of ``+0.0`` by
+# integer ops on the float's bits, so no float compare and no platform denormal mode
+# (XLA:CPU flushes, GPUs need not) enters the key; both paths call ``order_key`` itself,
+# so kernel and reference agree on every platform.
 #
 # Lanes not taken in the scatter point one past the row end (``select_k``) with the mask
 # off: on a GPU a masked lane stores nothing; interpret mode re-stores the old value of
@@ -173,7 +185,10 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
 # its out-of-bounds scatter updates are dropped.
 # --------------------------------------------------------------------------------------
 
-DEFAULT_BLOCK_SIZES = {"block_p": 1024, "radix_bits": 4, "num_warps": 4, "num_stages": 2}
+DEFAULT_BLOCK_SIZES = {
+    "block_p": 1024, "radix_bits": 4, "num_warps": 4, "num_stages": 2, "split_p": 2048,
+}
+_SPLIT_MIN_SEGMENTS = 4  # rows of >= this many split_p segments take the multi-program path
 _MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
 _MAX_FLAT_INDEX = 2**31 - 1  # Triton's int32 element offsets into a whole-array ref
 
@@ -253,19 +268,163 @@ def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, rad
         )
 
 
+
+# --------------------------------------------------------------------------------------
+# The multi-program path (long rows): the same radix select, with each row cut into
+# ``split_p``-pool segments, one program per (row, segment), and the per-row decisions
+# between passes made by small XLA ops on per-segment counts.
+#
+# * ``_count_kernel`` (one launch per radix pass, ``32 / radix_bits`` launches): program
+#   (r, s) streams segment s of row r in ``block_p`` tiles and writes, for each of the
+#   ``2**radix_bits`` candidate keys of row r (computed by XLA from the prefix found so
+#   far, exactly as the one-program kernel does), the number of its keys >= the
+#   candidate. XLA sums over segments and picks the digit by the one-program rule.
+# * Per-segment split of the threshold ``T``: the per-segment count of ``key > T`` is the
+#   largest per-segment count of any tested candidate whose *row* count is < select_k
+#   (those candidates are exactly the tested ones above ``T``, the smallest of them is
+#   ``T + 1``, and counts fall as the candidate rises), and the per-segment count of
+#   ``key >= T`` is the last pass's count at ``T`` itself (the last pass tests ``T``).
+#   So the per-segment counts of ``key > T`` and ``key == T`` come free with the passes.
+# * XLA turns them into per-segment bases, by exclusive ``cumsum`` over segments in pool
+#   order: the number of ``== T`` keys before the segment (their tie rank) and the number
+#   of pools the row takes before the segment (its first output slot).
+# * ``_compact_kernel`` (one launch): program (r, s) does the one-program compaction on its
+#   segment, starting from those bases, into an output prefilled with ``-1`` (aliased:
+#   every slot below the row's taken count is written by exactly one lane, the rest keep
+#   ``-1``). So the ids come out ascending and the selected set is the reference's, tie
+#   rule included, bit for bit.
+#
+# Passes over the scores: ``32 / radix_bits`` counting + 1 compaction, as on the
+# one-program path, but spread over ``rows * cdiv(P, split_p)`` programs per launch.
+# Tiles past the row end load as ``INT_MIN`` keys (see above); every load is in bounds
+# or masked, with a dynamic start (jax >= 0.12 bounds-checks static slices).
+# --------------------------------------------------------------------------------------
+
+
+def _segment_tiles(n_pools, split_p, block_p):
+    """(first pool of this program's segment, number of block_p tiles it holds)."""
+    seg_start = pl.program_id(1) * split_p
+    seg_len = jnp.minimum(split_p, n_pools - seg_start)
+    return seg_start, (seg_len + block_p - 1) // block_p
+
+
+def _load_tile_keys(s_ref, row, start, n_pools, block_p, **load_kw):
+    pool = start + jnp.arange(block_p, dtype=jnp.int32)
+    valid = pool < n_pools
+    s = plgpu.load(s_ref.at[row, pl.ds(start, block_p)], mask=valid, other=0.0, **load_kw)
+    return pool, jnp.where(valid, order_key(s), jnp.int32(_INT_MIN))
+
+
+def _count_kernel(s_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n_digits):
+    row = pl.program_id(0)
+    seg_start, n_tiles = _segment_tiles(n_pools, split_p, block_p)
+    cand = c_ref[row, pl.ds(0, n_digits)]
+
+    def count_tile(t, counts):
+        # evict_last: the next launch reads the same scores (a 1M-token row is 1 MiB: L2)
+        _, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, n_pools, block_p,
+                                 eviction_policy="evict_last")
+        return counts + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
+
+    counts = jax.lax.fori_loop(0, n_tiles, count_tile, jnp.zeros((n_digits,), jnp.int32))
+    o_ref[row, pl.program_id(1), pl.ds(0, n_digits)] = counts
+
+
+def _compact_kernel(s_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p, block_p,
+                    select_k):
+    row = pl.program_id(0)
+    seg = pl.program_id(1)
+    seg_start, n_tiles = _segment_tiles(n_pools, split_p, block_p)
+    thresh = t_ref[row, 0]
+    n_take_eq = t_ref[row, 1]
+
+    def compact_tile(t, carry):
+        n_sel, n_eq = carry
+        pool, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, n_pools, block_p)
+        eq = (key == thresh).astype(jnp.int32)
+        eq_rank = n_eq + jnp.cumsum(eq) - eq
+        take = (key > thresh) | ((eq == 1) & (eq_rank < n_take_eq))
+        take = take & (key > jnp.int32(NEG_INF_KEY))
+        take_i = take.astype(jnp.int32)
+        slot = jnp.where(take, n_sel + jnp.cumsum(take_i) - take_i, select_k)
+        plgpu.store(o_ref.at[row, slot], pool, mask=take)
+        return n_sel + jnp.sum(take_i), n_eq + jnp.sum(eq)
+
+    jax.lax.fori_loop(0, n_tiles, compact_tile, (b_ref[row, seg, 0], b_ref[row, seg, 1]))
+
+
+def _topk_split(flat, select_k, *, interpret, block_p, split_p, radix_bits, compiler_params):
+    """The multi-program path on ``flat [rows, P]`` -> ``[rows, select_k]``."""
+    n_rows, n_pools = flat.shape
+    n_seg = pl.cdiv(n_pools, split_p)
+    n_digits = 1 << radix_bits
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+    common = dict(n_pools=n_pools, split_p=split_p, block_p=block_p)
+    count_call = pl.pallas_call(
+        functools.partial(_count_kernel, n_digits=n_digits, **common),
+        grid=(n_rows, n_seg),
+        out_shape=jax.ShapeDtypeStruct((n_rows, n_seg, n_digits), jnp.int32),
+        compiler_params=compiler_params, interpret=interpret, name="topk_pools_count",
+    )
+
+    prefix = jnp.zeros((n_rows, 1), jnp.int32)  # the threshold's biased bits found so far
+    n_gt = jnp.zeros((n_rows, 1), jnp.int32)  # the row's count of key > T
+    gt_seg = jnp.zeros((n_rows, n_seg), jnp.int32)  # the same per segment
+    for i in range(32 // radix_bits):
+        shift = 32 - radix_bits * (i + 1)
+        cand = (prefix | (digits << shift)[None, :]) ^ jnp.int32(_INT_MIN)
+        seg_counts = count_call(flat, cand)  # [rows, n_seg, n_digits]
+        counts = jnp.sum(seg_counts, axis=1)
+        enough = counts >= select_k  # candidate <= T
+        digit = jnp.sum(enough.astype(jnp.int32), axis=-1, keepdims=True) - 1
+        n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts), -1, keepdims=True))
+        gt_seg = jnp.maximum(gt_seg, jnp.max(jnp.where(enough[:, None, :], 0, seg_counts), -1))
+        prefix = prefix | (digit << shift)
+    thresh = prefix ^ jnp.int32(_INT_MIN)
+    ge_seg = jnp.take_along_axis(seg_counts, digit[:, :, None], axis=-1)[..., 0]  # key >= T
+    eq_seg = ge_seg - gt_seg
+    eq_before = jnp.cumsum(eq_seg, axis=1) - eq_seg
+    n_take_eq = select_k - n_gt
+    take_eq = jnp.clip(n_take_eq - eq_before, 0, eq_seg)
+    take_eq = jnp.where(thresh > NEG_INF_KEY, take_eq, 0)  # -inf / NaN are never taken
+    take_seg = gt_seg + take_eq
+    slot_before = jnp.cumsum(take_seg, axis=1) - take_seg
+
+    return pl.pallas_call(
+        functools.partial(_compact_kernel, select_k=select_k, **common),
+        grid=(n_rows, n_seg),
+        out_shape=jax.ShapeDtypeStruct((n_rows, select_k), jnp.int32),
+        input_output_aliases={3: 0},
+        compiler_params=compiler_params, interpret=interpret, name="topk_pools_compact",
+    )(
+        flat,
+        jnp.concatenate([thresh, n_take_eq], axis=1),
+        jnp.stack([slot_before, eq_before], axis=-1),
+        jnp.full((n_rows, select_k), -1, jnp.int32),
+    )
+
+
 def _topk_pools_pallas(
     scores, select_k, *, interpret, block_p=None, radix_bits=None, num_warps=None,
-    num_stages=None,
+    num_stages=None, split_p=None,
 ):
-    """Pallas path of ``topk_pools``; see the comment above for the algorithm.
+    """Pallas path of ``topk_pools``; see the comments above for the algorithms.
+
+    Which path: a row of ``P >= 4 * split_p`` pools takes the multi-program path (``32 /
+    radix_bits + 1`` launches of ``rows * cdiv(P, split_p)`` programs each), a shorter row
+    the one-program path (one launch of ``rows`` programs, no XLA work between passes:
+    cheaper when a row is only a few tiles long).
 
     Block sizes (defaults in ``DEFAULT_BLOCK_SIZES``):
 
     * ``block_p``: pools per streamed tile, a power of two; clamped to the row length
-      rounded up to a power of two. ``block_p * 2**radix_bits`` (the per-tile compare) must
-      be <= 65,536; the default shrinks to fit when ``radix_bits`` is 8.
+      rounded up to a power of two, and to ``split_p`` on the multi-program path.
+      ``block_p * 2**radix_bits`` (the per-tile compare) must be <= 65,536; the default
+      shrinks to fit when ``radix_bits`` is 8.
     * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
       passes over the row, plus one compaction pass.
+    * ``split_p``: pools per program on the multi-program path, a power of two; also sets
+      which rows take it (above).
     * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton.
     """
     radix_bits = DEFAULT_BLOCK_SIZES["radix_bits"] if radix_bits is None else radix_bits
@@ -280,6 +439,8 @@ def _topk_pools_pallas(
             f"block_p * 2**radix_bits must be <= {_MAX_COMPARE} (the per-tile compare), "
             f"got block_p={block_p}, radix_bits={radix_bits}"
         )
+    split_p = DEFAULT_BLOCK_SIZES["split_p"] if split_p is None else split_p
+    check_power_of_two("split_p", split_p)
     num_warps = DEFAULT_BLOCK_SIZES["num_warps"] if num_warps is None else num_warps
     check_power_of_two("num_warps", num_warps)
     num_stages = DEFAULT_BLOCK_SIZES["num_stages"] if num_stages is None else num_stages
@@ -289,24 +450,34 @@ def _topk_pools_pallas(
     batch, n_q, n_pools = scores.shape
     if select_k == 0 or batch * n_q == 0:
         return jnp.full((batch, n_q, select_k), -1, jnp.int32)
-    block_p = min(block_p, next_power_of_two(n_pools))
-    block_k = min(max(block_p, 16), next_power_of_two(select_k))
+    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     n_rows = batch * n_q
 
-    kernel = functools.partial(
-        _topk_pools_kernel, n_pools=n_pools, select_k=select_k, block_p=block_p,
-        block_k=block_k, radix_bits=radix_bits,
-    )
+    if n_pools >= _SPLIT_MIN_SEGMENTS * split_p:
+        block_p = min(block_p, split_p)
 
-    def launch(rows):
-        return pl.pallas_call(
-            kernel,
-            grid=(rows.shape[0],),
-            out_shape=jax.ShapeDtypeStruct((rows.shape[0], select_k), jnp.int32),
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=interpret,
-            name="topk_pools",
-        )(rows)
+        def launch(rows):
+            return _topk_split(
+                rows, select_k, interpret=interpret, block_p=block_p, split_p=split_p,
+                radix_bits=radix_bits, compiler_params=compiler_params,
+            )
+    else:
+        block_p = min(block_p, next_power_of_two(n_pools))
+        block_k = min(max(block_p, 16), next_power_of_two(select_k))
+        kernel = functools.partial(
+            _topk_pools_kernel, n_pools=n_pools, select_k=select_k, block_p=block_p,
+            block_k=block_k, radix_bits=radix_bits,
+        )
+
+        def launch(rows):
+            return pl.pallas_call(
+                kernel,
+                grid=(rows.shape[0],),
+                out_shape=jax.ShapeDtypeStruct((rows.shape[0], select_k), jnp.int32),
+                compiler_params=compiler_params,
+                interpret=interpret,
+                name="topk_pools",
+            )(rows)
 
     flat = scores.reshape(n_rows, n_pools)
     # Triton addresses whole-array refs with int32 offsets (row * P + pool): launch at

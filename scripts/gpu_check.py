@@ -22,6 +22,10 @@ missing kernel never hides another one. Per step, per case, rows for:
   ``MISMATCH ..``, ``not implemented`` when it still raises NotImplementedError, or
   ``error: ..``);
 * ``lax.top_k``: next to ``topk_pools``, a speed baseline only (its tie rule differs);
+* ``pallas one-program`` / ``pallas split_p=N``: ``topk_pools`` on the path its defaults
+  do not take for that row length (checked too): the one-program path where the
+  multi-program one is the default (128K and 1M tokens), the multi-program one in
+  quarter-row segments where it is not (8K tokens; the smoke run's short rows);
 * a short block-size sweep of ``sparse_mla`` at the end, while time is left.
 
 Time = median over ``--reps`` runs of ``--inner`` back-to-back asynchronous calls, after a
@@ -195,6 +199,25 @@ def _compare_tuple(got, want, checks) -> tuple[bool, str]:
     return ok, msgs[0] if ok else "; ".join(m for m in msgs if not m.startswith("ok"))
 
 
+def _topk_other_path(n_pools: int):
+    """(label, block sizes) that run ``topk_pools`` on the path its defaults do not take
+    for rows of ``n_pools``: the one-program path for long rows (the multi-program path
+    is the default there, e.g. 262,144 pools at 1M tokens), the multi-program path in
+    segments of a quarter row for short ones; None when the module has one path only."""
+    defaults = getattr(_topk_module, "DEFAULT_BLOCK_SIZES", {})
+    min_segments = getattr(_topk_module, "_SPLIT_MIN_SEGMENTS", None)
+    if "split_p" not in defaults or min_segments is None:
+        return None
+    if n_pools >= min_segments * defaults["split_p"]:
+        split_p = 1 << max(n_pools - 1, 1).bit_length()  # one segment: one program per row
+        return "one-program", dict(split_p=split_p)
+    split_p = 1 << max((n_pools // min_segments).bit_length() - 1, 0)
+    if split_p < 2:
+        return None
+    block_p = min(defaults["block_p"], split_p)
+    return f"split_p={split_p}", dict(split_p=split_p, block_p=block_p)
+
+
 # ------------------------------------------------------------------------------ inputs
 def _make_inputs(geom: Geometry, case: Case, seed: int = 0) -> dict:
     b, length, nq = case.batch, case.length, case.nq
@@ -345,6 +368,14 @@ class Runner:
             self.measure(case, "topk_pools", "lax.top_k (baseline)",
                          lambda s: baseline(s, select_k), (scores,), nbytes=nbytes,
                          extra="speed baseline only (other tie rule)")
+            # The other topk_pools path, checked too: the row above took the default one.
+            other = _topk_other_path(scores.shape[-1])
+            if other is not None:
+                label, blocks = other
+                self.measure(case, "topk_pools", f"pallas {label}",
+                             lambda s: pk.topk_pools(s, select_k, implementation=self.pallas_impl,
+                                                     **blocks),
+                             (scores,), nbytes=nbytes, want=pools, compare=_compare_equal)
 
         # 4. expand_selection (tail = the incomplete visible pool)
         n_vis = jnp.maximum(inp["q_pos"] + 1 - first_key[:, None], 0).astype(jnp.int32)

@@ -9,6 +9,7 @@ CUDA lowering is checked at the real decode and prefill shapes without a GPU.
 from __future__ import annotations
 
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,21 @@ def _check(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
     return got
 
 
+def _draw_scores(mode: str, rng: np.random.Generator, shape: tuple) -> np.ndarray:
+    if mode == "ties":
+        s = rng.integers(-2, 3, size=shape).astype(np.float32)
+        s[rng.random(s.shape) < 0.3] = -0.0
+        s[rng.random(s.shape) < 0.2] = -np.inf
+    elif mode == "special":
+        s = rng.choice(_SPECIAL, size=shape)
+    else:
+        s = rng.standard_normal(shape).astype(np.float32)
+        s = np.where(rng.random(s.shape) < 0.5, np.round(s), s).astype(np.float32)
+        s[rng.random(s.shape) < 0.15] = -np.inf
+        s[rng.random(s.shape) < 0.05] = np.nan
+    return s
+
+
 @st.composite
 def _case(draw):
     b = draw(st.integers(1, 2))
@@ -49,18 +65,7 @@ def _case(draw):
     k = draw(st.integers(0, p))
     seed = draw(st.integers(0, 2**32 - 1))
     mode = draw(st.sampled_from(["ties", "special", "mixed"]))
-    rng = np.random.default_rng(seed)
-    if mode == "ties":
-        s = rng.integers(-2, 3, size=(b, q, p)).astype(np.float32)
-        s[rng.random(s.shape) < 0.3] = -0.0
-        s[rng.random(s.shape) < 0.2] = -np.inf
-    elif mode == "special":
-        s = rng.choice(_SPECIAL, size=(b, q, p))
-    else:
-        s = rng.standard_normal((b, q, p)).astype(np.float32)
-        s = np.where(rng.random(s.shape) < 0.5, np.round(s), s).astype(np.float32)
-        s[rng.random(s.shape) < 0.15] = -np.inf
-        s[rng.random(s.shape) < 0.05] = np.nan
+    s = _draw_scores(mode, np.random.default_rng(seed), (b, q, p))
     blocks = draw(st.sampled_from([
         {},
         {"block_p": 16, "radix_bits": 8},
@@ -134,29 +139,143 @@ def test_lax_baseline_shape():
     assert sorted(np.asarray(out).ravel().tolist()) == [9, 10, 11]
 
 
-# Decode (Q=1) at 8K, 128K and 1M-token contexts with index_kpool 4, and a prefill tile.
-@pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 1, 32768), (1, 1, 262144), (1, 64, 2048)])
-def test_lowers_for_cuda(shape):
+# -- the multi-program path (rows of >= 4 * split_p pools), forced onto small rows by a
+# small split_p; jitted so each shape compiles once.
+
+def _check_split(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
+    x = jnp.asarray(scores, jnp.float32)
+    assert scores.shape[-1] >= 4 * block_sizes["split_p"]  # else it is the one-program path
+    fn = jax.jit(lambda s: topk_pools(s, select_k, implementation="pallas_interpret", **block_sizes))
+    got = np.asarray(fn(x))
+    want = np.asarray(topk_pools_reference(x, select_k))
+    assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    return got
+
+
+@st.composite
+def _split_case(draw):
+    blocks = draw(st.sampled_from([
+        {"split_p": 4, "block_p": 4, "radix_bits": 8},
+        {"split_p": 8, "block_p": 4, "radix_bits": 4},
+        {"split_p": 8, "block_p": 8, "radix_bits": 8},
+        {"split_p": 16, "block_p": 4, "radix_bits": 8},
+        {"split_p": 4, "block_p": 2, "radix_bits": 2},
+    ]))
+    b = draw(st.integers(1, 2))
+    q = draw(st.integers(1, 2))
+    p = draw(st.integers(4 * blocks["split_p"], 4 * blocks["split_p"] + 40))
+    k = draw(st.sampled_from([1, p // 3, p // 2, p - 1, p, draw(st.integers(1, p))]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    mode = draw(st.sampled_from(["ties", "special", "mixed"]))
+    return _draw_scores(mode, np.random.default_rng(seed), (b, q, p)), k, blocks
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(_split_case())
+def test_multi_program_matches_reference(case):
+    scores, select_k, blocks = case
+    _check_split(scores, select_k, **blocks)
+
+
+def test_multi_program_ties_at_threshold_across_segments():
+    """The threshold value (1.0, with -0.0/+0.0 noise below) sits in several segments of 8;
+    the lowest-indexed ones fill the row, so some segments take all of theirs, one part,
+    the rest none."""
+    s = np.full((1, 2, 64), -0.0, np.float32)
+    s[..., ::2] = 0.0
+    s[0, :, [5, 30, 63]] = 2.0
+    s[0, :, [3, 10, 17, 25, 26, 40, 50]] = 1.0
+    s[0, 1, 26] = np.nan  # row 1: one threshold pool fewer, so the ties reach further
+    got = _check_split(s, 7, split_p=8, block_p=4, radix_bits=8)
+    assert got[0, 0].tolist() == [3, 5, 10, 17, 25, 30, 63]
+    assert got[0, 1].tolist() == [3, 5, 10, 17, 25, 30, 63]
+    got = _check_split(s, 9, split_p=8, block_p=4)
+    assert got[0, 0].tolist() == [3, 5, 10, 17, 25, 26, 30, 40, 63]
+    assert got[0, 1].tolist() == [3, 5, 10, 17, 25, 30, 40, 50, 63]
+    # all pools tie: the row is the first select_k pools, whatever the segments
+    got = _check_split(np.zeros((2, 1, 37), np.float32), 20, split_p=8, block_p=8, radix_bits=8)
+    assert (got == np.arange(20)).all()
+
+
+def test_multi_program_all_neg_inf_and_partly_neg_inf_rows():
+    s = np.full((1, 3, 40), -np.inf, np.float32)
+    s[0, 1, :] = np.nan
+    s[0, 2, [7, 33]] = [1.0, -3.0]  # two candidates only
+    got = _check_split(s, 5, split_p=8, block_p=4, radix_bits=8)
+    assert (got[0, :2] == -1).all()
+    assert got[0, 2].tolist() == [7, 33, -1, -1, -1]
+
+
+def test_multi_program_select_zero_and_all():
+    rng = np.random.default_rng(5)
+    s = rng.integers(-1, 2, size=(2, 1, 33)).astype(np.float32)
+    s[1, 0, [0, 32]] = -np.inf
+    got = _check_split(s, 33, split_p=8, block_p=8, radix_bits=8)
+    assert got[0, 0].tolist() == list(range(33))
+    assert got[1, 0].tolist() == list(range(1, 32)) + [-1, -1]
+    assert _check_split(s, 0, split_p=8, block_p=8).shape == (2, 1, 0)
+
+
+def test_multi_program_rows_split_into_int32_addressable_launches(monkeypatch):
+    tp = importlib.import_module("pallas_kernels.topk_pools")
+    monkeypatch.setattr(tp, "_MAX_FLAT_INDEX", 2 * (36 + 4))
+    rng = np.random.default_rng(6)
+    s = rng.integers(-2, 3, size=(1, 3, 36)).astype(np.float32)
+    _check_split(s, 10, split_p=8, block_p=4, radix_bits=8)
+
+
+def _launches(shape, select_k=512, **block_sizes):
     lowered = lower_for_cuda(
-        lambda s: topk_pools(s, 512, implementation="pallas"),
+        lambda s: topk_pools(s, select_k, implementation="pallas", **block_sizes),
         jax.ShapeDtypeStruct(shape, jnp.float32),
     )
-    calls = triton_calls(lowered)
-    assert calls and all(c["name"].startswith("topk_pools") for c in calls), calls
+    return [(c["name"], c["grid"], c["num_warps"], c["num_stages"]) for c in triton_calls(lowered)]
+
+
+def _split_launches(rows, n_seg, radix_bits=4, warps=4, stages=2):
+    count = ("topk_pools_count", (rows, n_seg, 1), warps, stages)
+    return [count] * (32 // radix_bits) + [("topk_pools_compact", (rows, n_seg, 1), warps, stages)]
+
+
+# Decode (Q=1) at 8K, 32K, 128K and 1M-token contexts (index_kpool 4), batch 1 and 8, and
+# prefill tiles; rows of >= 4 * split_p (default 2,048) pools take the multi-program path:
+# 8 counting launches (radix_bits 4) and one compaction, each of rows x P / 2,048 programs.
+@pytest.mark.parametrize("shape, want", [
+    ((1, 1, 2048), [("topk_pools", (1, 1, 1), 4, 2)]),
+    ((1, 64, 2048), [("topk_pools", (64, 1, 1), 4, 2)]),
+    ((1, 1, 8191), [("topk_pools", (1, 1, 1), 4, 2)]),
+    ((1, 1, 8192), _split_launches(1, 4)),
+    ((1, 1, 32768), _split_launches(1, 16)),
+    ((1, 1, 262144), _split_launches(1, 128)),
+    ((8, 1, 262144), _split_launches(8, 128)),
+    ((1, 64, 32768), _split_launches(64, 16)),
+])
+def test_lowers_for_cuda(shape, want):
+    assert _launches(shape) == want
+
+
+def test_one_long_row_spreads_over_at_least_32_programs():
+    """Batch-1 decode at 1M tokens (262,144 pools): every launch has >= 32 programs."""
+    launches = _launches((1, 1, 262144))
+    programs = [math.prod(grid) for _, grid, _, _ in launches]
+    assert len(launches) == 9 and min(programs) >= 32, launches
 
 
 def test_lowers_for_cuda_odd_width_and_all_radixes():
     for radix_bits, block_p in [(1, 2048), (2, 2048), (8, 256)]:
-        lowered = lower_for_cuda(
-            lambda s: topk_pools(
-                s, 300, implementation="pallas", radix_bits=radix_bits, block_p=block_p),
-            jax.ShapeDtypeStruct((2, 3, 1000), jnp.float32),
-        )
-        assert triton_calls(lowered), (radix_bits, block_p)
+        assert _launches((2, 3, 1000), 300, radix_bits=radix_bits, block_p=block_p) == [
+            ("topk_pools", (6, 1, 1), 4, 2)], (radix_bits, block_p)
+        # the same rows on the multi-program path: 1000 pools in 8 segments of 128
+        assert _launches(
+            (2, 3, 1000), 300, radix_bits=radix_bits, block_p=block_p, split_p=128,
+            num_warps=8, num_stages=1,
+        ) == _split_launches(6, 8, radix_bits, 8, 1), (radix_bits, block_p)
 
 
 def test_default_block_sizes_are_powers_of_two():
-    for name in ("block_p", "radix_bits", "num_warps"):
+    for name in ("block_p", "radix_bits", "num_warps", "split_p"):
         value = DEFAULT_BLOCK_SIZES[name]
         assert value > 0 and value & (value - 1) == 0, name
 
@@ -174,6 +293,9 @@ def test_radix_bits_8_shrinks_default_block():
     ({"num_warps": 6}, "num_warps"),
     ({"num_stages": 0}, "num_stages"),
     ({"block_p": 1024, "radix_bits": 8}, "block_p"),
+    ({"split_p": 1000}, "split_p"),
+    ({"split_p": 0}, "split_p"),
+    ({"split_p": 2.0}, "split_p"),
 ])
 def test_bad_block_sizes(kwargs, name):
     with pytest.raises(ValueError, match=name):
