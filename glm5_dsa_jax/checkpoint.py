@@ -182,6 +182,11 @@ class SafetensorsFile:
             self.tensors[name] = info
             if rng is not None:
                 ranges.append(rng + (name,))
+        malformed = [i.problem for i in self.tensors.values() if i.dtype == "?"]
+        if malformed:  # an entry without a usable range: the layout cannot be trusted either
+            self.error = "is not a valid safetensors file: " + "; ".join(malformed[:6]) + (
+                f"; and {len(malformed) - 6} more" if len(malformed) > 6 else "")
+            return
         self.error = self._layout_error(ranges, self.size - start)
 
     def _layout_error(self, ranges: list[tuple[int, int, str]], data_len: int) -> str | None:
@@ -195,6 +200,9 @@ class SafetensorsFile:
                 bad.append(f"{b - end} bytes before tensor {name!r} (data_offsets [{b}, {e}]) belong to no tensor")
             if e >= end:
                 end, prev = e, (b, e, name)
+        if bad:  # say which ranges also run past the end (a truncated file on top of it)
+            bad += [f"tensor {name!r} (data_offsets [{b}, {e}]) ends past the {data_len}-byte data "
+                    "section (file truncated?)" for b, e, name in sorted(ranges) if e > data_len]
         if end < data_len and not bad:
             bad.append(f"{data_len - end} bytes after the last tensor's data belong to no tensor")
         if not bad:
