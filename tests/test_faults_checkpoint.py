@@ -581,8 +581,7 @@ def test_convert_overwrite_replaces(base, saved, tmp_path):
     src = _hf_dir(tmp_path / "hf_new", _tensors(_layers(21)))
     assert main(["convert", str(src), str(d), "--overwrite", "--no-progress", "--dtype", "float32"]) == 0
     _assert_same(ck.restore_checkpoint(d), _layers(21))
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt", "hf_new"] or sorted(
-        p.name for p in tmp_path.iterdir()) == ["ckpt", "hf_new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf_new"]
 
 
 def test_convert_into_non_empty_dir_names_the_flag(base, saved, tmp_path, capsys):
