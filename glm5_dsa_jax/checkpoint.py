@@ -38,7 +38,11 @@ Why not ``safetensors.safe_open(..., "numpy").get_slice``: in safetensors 0.8 th
 backend cannot return ``F8_E4M3`` tensors (NVFP4 block scales, fp8 weights), and it reads
 through an mmap. The headers are parsed here (the format is an 8-byte length, a JSON
 header and raw little-endian data) and each slice is read with ``pread``; the tests check
-the parsed headers against ``safe_open``.
+the parsed headers against ``safe_open``. Because the reader replaces the library, it also
+validates at least what the library does (header length, JSON, duplicate names, dtype x
+shape = byte count, ranges that tile the data section exactly): a file the library refuses
+is refused here, never read with aliased or shifted tensors. Shard names from an index must
+stay inside the checkpoint directory.
 """
 
 from __future__ import annotations
