@@ -1068,7 +1068,7 @@ def read_checkpoint_meta(path: str | os.PathLike) -> tuple[dict, DsaConfig]:
     for key, val in [("dtype", meta.get("dtype"))] + [
             (f"param_dtype[{i}]", pdt.get(str(i))) for i in layers if isinstance(pdt, dict)]:
         try:
-            if not jnp.issubdtype(jnp.dtype(val), jnp.floating):
+            if not (isinstance(val, str) and jnp.issubdtype(jnp.dtype(val), jnp.floating)):
                 raise TypeError
         except TypeError:
             problems.append(f"{META_FILE} {key} is {val!r}, expected a float dtype name")

@@ -463,6 +463,7 @@ def test_orbax_meta_problems(base, saved, tmp_path):
         ({"version": 1}, "version"),
         ({"checksums": None}, "'checksums'"),
         ({"param_dtype": {"1": "int8", "2": "float32"}}, "param_dtype[1]"),
+        ({"param_dtype": {"1": "float32"}}, "param_dtype[2] is None"),
         ({"format": "x"}, "format"),
     ]:
         (d / ck.META_FILE).write_text(json.dumps(meta | change))
