@@ -54,7 +54,7 @@ def nonfinite_problem(name: str, n: int, overflow: int, dtype, how: str = "") ->
     if not n:
         return None
     dt = np.dtype(dtype).name
-    msg = f"tensor {name!r} holds {n} non-finite values (as {how}{dt})"
+    msg = f"tensor {name!r} holds {n} non-finite values ({how}as {dt})"
     if overflow:
         msg += f"; {overflow} of them are finite in the checkpoint but outside the range of {dt}"
     return msg
