@@ -38,7 +38,11 @@ Why not ``safetensors.safe_open(..., "numpy").get_slice``: in safetensors 0.8 th
 backend cannot return ``F8_E4M3`` tensors (NVFP4 block scales, fp8 weights), and it reads
 through an mmap. The headers are parsed here (the format is an 8-byte length, a JSON
 header and raw little-endian data) and each slice is read with ``pread``; the tests check
-the parsed headers against ``safe_open``.
+the parsed headers against ``safe_open``. Because the reader replaces the library, it also
+validates at least what the library does (header length, JSON, duplicate names, dtype x
+shape = byte count, ranges that tile the data section exactly): a file the library refuses
+is refused here, never read with aliased or shifted tensors. Shard names from an index must
+stay inside the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -65,7 +71,7 @@ from pallas_kernels._common import check_implementation
 from glm5_dsa_jax import quant
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention, hf_weight_shapes
-from glm5_dsa_jax.weights import WeightError
+from glm5_dsa_jax.weights import WeightError, cast_to, count_nonfinite, nonfinite_problem
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "save_checkpoint", "restore_checkpoint",
@@ -125,6 +131,12 @@ class SafetensorsFile:
             self.error = f"cannot be read ({e.strerror or e})"
 
     def _parse(self) -> None:
+        # What ``safetensors`` (0.8) itself refuses is refused here too: a header length past
+        # the file (or absurd, e.g. 2**63), a header that is not a UTF-8 JSON object, a
+        # duplicate tensor name, a dtype/shape that does not match its byte range, and
+        # ``data_offsets`` that do not tile the data section exactly (overlapping, gapped or
+        # duplicate ranges, trailing bytes). A range past the end of the file is reported per
+        # tensor ("truncated"), so a cut file names exactly the tensors it lost.
         with open(self.path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -133,34 +145,85 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", head)
             if n > min(self.size - 8, _MAX_HEADER):
                 self.error = (
-                    f"is not a valid safetensors file: its header claims {n} bytes but the "
-                    f"file has {self.size} (truncated or corrupt)"
+                    f"is not a valid safetensors file: its header length field says {n} bytes but "
+                    f"the file has {self.size}"
+                    + (f" and a header may be at most {_MAX_HEADER}" if n > _MAX_HEADER else "")
+                    + " (truncated or corrupt)"
                 )
                 return
             raw = f.read(n)
+        dups: list[str] = []
+
+        def pairs(items):
+            d = {}
+            for k, v in items:
+                if k in d:
+                    dups.append(k)
+                d[k] = v
+            return d
+
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=pairs)
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             self.error = f"is not a valid safetensors file: corrupt header ({e})"
             return
+        if dups:
+            self.error = (f"is not a valid safetensors file: its header lists "
+                          + ", ".join(repr(d) for d in sorted(set(dups))) + " more than once")
+            return
+        meta = header.get("__metadata__")
+        if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            self.error = "is not a valid safetensors file: __metadata__ is not a map of strings"
+            return
         start = 8 + n
+        ranges: list[tuple[int, int, str]] = []
         for name, e in header.items():
             if name == "__metadata__":
                 continue
-            self.tensors[name] = self._entry(name, e, start)
+            info, rng = self._entry(name, e, start)
+            self.tensors[name] = info
+            if rng is not None:
+                ranges.append(rng + (name,))
+        malformed = [i.problem for i in self.tensors.values() if i.dtype == "?"]
+        if malformed:  # an entry without a usable range: the layout cannot be trusted either
+            self.error = "is not a valid safetensors file: " + "; ".join(malformed[:6]) + (
+                f"; and {len(malformed) - 6} more" if len(malformed) > 6 else "")
+            return
+        self.error = self._layout_error(ranges, self.size - start)
 
-    def _entry(self, name: str, e: Any, start: int) -> TensorInfo:
-        bad = lambda msg: TensorInfo(name, self, "?", (), 0, f"tensor {name!r} in {self.path.name}: {msg}")
+    def _layout_error(self, ranges: list[tuple[int, int, str]], data_len: int) -> str | None:
+        """The tensors' byte ranges must tile ``[0, data_len)`` exactly, in any header order."""
+        bad: list[str] = []
+        end, prev = 0, None
+        for b, e, name in sorted(ranges):
+            if b < end:
+                bad.append(f"tensor {name!r} data_offsets [{b}, {e}] overlap tensor {prev[2]!r} [{prev[0]}, {prev[1]}]")
+            elif b > end:
+                bad.append(f"{b - end} bytes before tensor {name!r} (data_offsets [{b}, {e}]) belong to no tensor")
+            if e >= end:
+                end, prev = e, (b, e, name)
+        if bad:  # say which ranges also run past the end (a truncated file on top of it)
+            bad += [f"tensor {name!r} (data_offsets [{b}, {e}]) ends past the {data_len}-byte data "
+                    "section (file truncated?)" for b, e, name in sorted(ranges) if e > data_len]
+        if end < data_len and not bad:
+            bad.append(f"{data_len - end} bytes after the last tensor's data belong to no tensor")
+        if not bad:
+            return None
+        shown = "; ".join(bad[:6]) + (f"; and {len(bad) - 6} more" if len(bad) > 6 else "")
+        return f"is not a valid safetensors file: its data_offsets do not tile the data section ({shown})"
+
+    def _entry(self, name: str, e: Any, start: int) -> tuple[TensorInfo, tuple[int, int] | None]:
+        bad = lambda msg: (TensorInfo(name, self, "?", (), 0, f"tensor {name!r} in {self.path.name}: {msg}"), None)
         if not isinstance(e, dict):
-            return bad("corrupt header entry")
+            return bad(f"corrupt header entry {str(e)[:80]}")
         dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if dtype not in _ST_DTYPES:
             return bad(f"unsupported dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             return bad(f"corrupt shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             return bad(f"corrupt data_offsets {offs!r}")
         shape = tuple(shape)
@@ -169,12 +232,12 @@ class SafetensorsFile:
         if offs[1] - offs[0] != want:
             return dataclasses.replace(info, problem=(
                 f"tensor {name!r} in {self.path.name}: header gives {offs[1] - offs[0]} bytes for "
-                f"{dtype} {list(shape)}, which needs {want} (corrupt)"))
+                f"{dtype} {list(shape)}, which needs {want} (corrupt)")), (offs[0], offs[1])
         if start + offs[1] > self.size:
             return dataclasses.replace(info, problem=(
                 f"tensor {name!r}: its data ends at byte {start + offs[1]} but {self.path.name} "
-                f"has {self.size} bytes (file truncated)"))
-        return info
+                f"has {self.size} bytes (file truncated)")), (offs[0], offs[1])
+        return info, (offs[0], offs[1])
 
     # ------------------------------------------------------------------ reading
     def _pread_into(self, arr: np.ndarray, offset: int) -> None:
@@ -251,6 +314,13 @@ def _check_dir(path: Path) -> None:
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise NotADirectoryError(f"checkpoint path {str(path)!r} is not a directory")
+
+
+def _inside(fname: str) -> bool:
+    """``fname`` (from an index) names a file below the checkpoint directory."""
+    parts = fname.replace("\\", "/").split("/")
+    return bool(fname) and not fname.startswith(("/", "\\")) and ":" not in parts[0] \
+        and all(p not in ("", ".", "..") for p in parts)
 
 
 def _weight_files(path: Path) -> tuple[Path | None, Path | None]:
@@ -497,7 +567,10 @@ def load_hf_checkpoint(
 
     files: dict[str, SafetensorsFile] = {}
     try:
-        sources = _plan(path, cfg, wanted, spec, index_path, single_path, files)
+        sources, problems = _plan(path, cfg, wanted, spec, index_path, single_path, files)
+        if problems:  # structural problems: add the bad values of what is readable, then raise
+            problems += _scan_nonfinite(sources, np.dtype(jnp.dtype(param_dtype)))
+            raise CheckpointError(f"checkpoint {path}", problems)
         return _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation, axis,
                             progress, where=f"checkpoint {path}")
     finally:
@@ -505,7 +578,9 @@ def load_hf_checkpoint(
             f.close()
 
 
-def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> dict[int, dict[str, _Source]]:
+def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> tuple[dict[int, dict[str, _Source]], list[str]]:
+    """The sources of every requested layer's tensors and every structural problem found
+    (raises at once only when nothing more can be checked: no usable index or file)."""
     where = f"checkpoint {path}"
     problems: list[str] = list(spec.problems)
 
@@ -522,6 +597,17 @@ def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> dict[int, 
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(where, [f"{index_path.name} has no valid 'weight_map' (name -> file)"])
         locate = dict(wm)
+        # A shard is a plain file name (or a relative path below the checkpoint): an entry
+        # like "../other/model.safetensors" or "/abs/x.safetensors" would read weights from
+        # outside the directory the user pointed at. Checked on the names, not on resolved
+        # paths, so symlinked shards (the Hugging Face cache layout) still load.
+        escaping = sorted({f for f in locate.values() if not _inside(f)})
+        if escaping:
+            names = {f: [n for n, g in locate.items() if g == f] for f in escaping}
+            raise CheckpointError(where, [
+                f"{index_path.name} maps {names[f][0]!r}" + (f" (and {len(names[f]) - 1} more)" if len(names[f]) > 1 else "")
+                + f" to {f!r}, a path outside the checkpoint directory (shards must be relative file names)"
+                for f in escaping])
     else:
         f = open_file(single_path.name)
         if f.error:
@@ -597,9 +683,34 @@ def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> dict[int, 
                 hint = f" (config.json makes layer {i} a 'shared' indexer layer: it has no indexer weights)"
             problems.append(f"unexpected tensor {present[rel]!r}{hint}")
         sources[i] = layer_sources
-    if problems:
-        raise CheckpointError(where, problems)
-    return sources
+    return sources, problems
+
+
+def _scan_nonfinite(sources: dict[int, dict[str, _Source]], np_dtype) -> list[str]:
+    """Non-finite problems of every readable tensor (as ``np_dtype``), read in row blocks of
+    at most ~8 MiB: run only when the structural check failed, so that one error lists the
+    structural problems and the bad values together."""
+    out: list[str] = []
+    for layer_sources in sources.values():
+        for src in layer_sources.values():
+            n = over = 0
+            try:
+                if len(src.shape) < 2:
+                    blocks = [src.read()]
+                else:
+                    rows = src.shape[0]
+                    step = max(1, _CHUNK_BYTES // max(1, 4 * math.prod(src.shape[1:])))
+                    blocks = (src.read((r, min(r + step, rows))) for r in range(0, rows, step))
+                for raw in blocks:
+                    a, b = count_nonfinite(raw, cast_to(raw, np_dtype))
+                    n, over = n + a, over + b
+            except OSError as e:
+                out.append(f"tensor {src.full!r}: read failed ({e})")
+                continue
+            p = nonfinite_problem(src.full, n, over, np_dtype, "" if src.fmt is None else f"dequantized {src.fmt}, ")
+            if p:
+                out.append(p)
+    return out
 
 
 def _qualify(problem: str, prefix: str, layer_idx: int) -> str:
@@ -626,7 +737,7 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
             for rel, params in _param_plan(cfg, i):
                 src = sources[i][rel]
                 bar.set_postfix_str(src.full, refresh=False)
-                nonfinite = 0
+                nonfinite = overflow = 0
                 for ppath, kind, kw in params:
                     shape = tuple(_get(shapes, ppath).shape)
                     sharding = shardings[ppath]
@@ -639,13 +750,15 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                     memo: dict = {}
 
                     def callback(idx, src=src, kind=kind, kw=kw, shape=shape, memo=memo, pending=pending):
-                        nonlocal nonfinite
+                        nonlocal nonfinite, overflow
                         b = _bounds(idx, shape)
                         key = tuple(b)
                         x = memo.pop(key, None)
                         if x is None:
-                            x = np.ascontiguousarray(_slice_param(src, kind, kw, b), dtype=np_dtype)
-                            nonfinite += x.size - int(np.count_nonzero(np.isfinite(x)))
+                            raw = _slice_param(src, kind, kw, b)
+                            x = np.ascontiguousarray(cast_to(raw, np_dtype))
+                            n, o = count_nonfinite(raw, x)
+                            nonfinite, overflow = nonfinite + n, overflow + o
                         pending[key] = pending.get(key, 1) - 1
                         if pending[key] > 0:
                             memo[key] = x
@@ -661,10 +774,8 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                         memo.clear()
                     _set(arrays, ppath, arr)
                 if nonfinite:
-                    problems.append(
-                        f"tensor {src.full!r} holds {nonfinite} non-finite values"
-                        + (f" (as {np_dtype.name})" if src.fmt is None else f" (dequantized {src.fmt}, as {np_dtype.name})")
-                    )
+                    problems.append(nonfinite_problem(
+                        src.full, nonfinite, overflow, np_dtype, "" if src.fmt is None else f"dequantized {src.fmt}, "))
                     ok = False
                 bar.update(1)
             if ok:
@@ -679,6 +790,27 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
 
 
 # ============================================================================ orbax
+# Orbax checkpoints (``save_checkpoint`` / ``restore_checkpoint``). Invariants:
+#
+# * **Never a lost or partial checkpoint.** Everything is written into a hidden sibling
+#   directory ``.<name>.partial-<id>`` (orbax tree first, then the metadata file, fsynced),
+#   and only a complete directory is moved to ``path``: by rename when ``path`` does not
+#   exist, by an atomic ``renameat2(RENAME_EXCHANGE)`` swap when it does (Linux; elsewhere two
+#   renames). An interruption before the swap leaves the previous checkpoint untouched (and
+#   the partial sibling is removed on an exception, Ctrl-C included); after it, the new one
+#   is complete. The metadata file is the completion marker: it is written last, and a
+#   directory holding ``params/`` without it is refused as an interrupted save.
+# * **Integrity.** The metadata records, per array, a 64-bit digest (two position-dependent
+#   sums of mixed 32-bit element bits, computed under ``jit`` so it is the same for any
+#   sharding and device count) of the values as saved. ``restore_checkpoint`` restores in
+#   the saved dtype, recomputes the digests and the non-finite counts, and raises one
+#   ``CheckpointError`` (every problem: metadata, missing/misshaped arrays, unreadable data
+#   files, digest mismatches, non-finite values) before any layer is returned. Orbax/
+#   TensorStore errors are caught and reported per array. ``save_checkpoint`` refuses a
+#   layer holding NaN/inf before writing anything.
+_META_VERSION = 2
+
+
 def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
     if not layers:
         raise ValueError("save_checkpoint needs at least one layer")
@@ -692,7 +824,7 @@ def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
             raise ValueError(f"layer {idx} has a different DsaConfig than layer {first.layer_idx}")
     return {
         "format": _FORMAT,
-        "version": 1,
+        "version": _META_VERSION,
         "config": dataclasses.asdict(first.cfg),
         "layers": sorted(int(i) for i in layers),
         "dtype": jnp.dtype(first.dtype).name,
@@ -701,48 +833,257 @@ def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
     }
 
 
+def _digest_one(x):
+    """``(uint32[2] digest, int32 non-finite count)`` of one array (see the invariants)."""
+    if x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif x.dtype.itemsize == 1:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+    else:
+        raise TypeError(f"cannot digest {x.dtype} arrays")
+    # Flat position of every element, built from per-axis iotas (no reshape of ``x``, which a
+    # mesh with Explicit axes would need an output sharding for).
+    pos = jnp.zeros((1,) * x.ndim, jnp.uint32)
+    stride = 1
+    for ax in reversed(range(x.ndim)):
+        shape = [1] * x.ndim
+        shape[ax] = x.shape[ax]
+        pos = pos + jax.lax.iota(jnp.uint32, x.shape[ax]).reshape(shape) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= x.shape[ax]
+
+    def mix(seed):
+        h = bits * jnp.uint32(0x9E3779B1) ^ (pos * jnp.uint32(0x85EBCA77) + jnp.uint32(seed))
+        h = h ^ (h >> 16)
+        h = h * jnp.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * jnp.uint32(0xC2B2AE35)
+        return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
+
+    bad = jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+    return jnp.stack([mix(0x2545F491), mix(0x68E31DA4)]), bad
+
+
+@jax.jit
+def _digests(tree):
+    return jax.tree.map(_digest_one, tree)
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _digest_report(tree: dict) -> tuple[dict[str, str], dict[str, int]]:
+    """``({"layer_i.param": digest hex}, {"layer_i.param": non-finite count > 0})``."""
+    got = jax.device_get(_digests(tree))
+    digests, bad = {}, {}
+    for name, (d, n) in _flat_pairs(got).items():
+        digests[name] = "%08x%08x" % (int(d[0]), int(d[1]))
+        if int(n):
+            bad[name] = int(n)
+    return digests, bad
+
+
+def _flat_pairs(tree: Mapping, prefix: str = "") -> dict[str, tuple]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, tuple):
+            out[prefix + k] = v
+        else:
+            out |= _flat_pairs(v, f"{prefix}{k}.")
+    return out
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return (path / META_FILE).is_file() or (path / _PARAMS_DIR).is_dir()
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_meta(directory: Path, meta: dict) -> None:
+    """The metadata file, written last (it marks the directory complete)."""
+    tmp = directory / (META_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(directory / META_FILE)
+    _fsync(directory)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem/kernel cannot
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _swap_into(tmp: Path, path: Path) -> None:
+    """Move the complete directory ``tmp`` to ``path``; a previous ``path`` is replaced
+    atomically where the OS allows it, and deleted only once the new one is in place."""
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+    if not path.exists():
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # ``tmp`` now holds the previous checkpoint
+    else:  # two renames: a crash between them leaves the old one at ``.<name>.old-*``
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(path.parent)
+
+
 def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Save ``{layer_idx: DsaAttention}`` as an orbax checkpoint directory.
 
     Layout: ``path/params`` (an ``ocp.StandardCheckpointer`` tree ``{"layer_<i>": params}``,
     written shard by shard from wherever the arrays live) and ``path/glm5_dsa_jax.json``
-    (the ``DsaConfig``, the layer indices and dtypes), written last.
+    (the ``DsaConfig``, the layer indices, dtypes and a digest per array), written last.
+    The directory is written beside ``path`` and moved there complete (see above), so an
+    interrupted save leaves any previous checkpoint at ``path`` as it was.
+
+    Raises ``FileExistsError`` if ``path`` is a non-empty directory and ``overwrite`` is
+    false (or it is not a checkpoint directory: ``overwrite`` replaces only checkpoints),
+    and ``CheckpointError`` if a parameter holds NaN/inf (nothing is written).
     """
     import orbax.checkpoint as ocp
 
     meta = _layer_meta(layers)
     path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{str(path)!r} exists and is not a directory")
     if path.exists() and any(path.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{str(path)!r} exists and is not empty (pass overwrite=True)")
-        (path / META_FILE).unlink(missing_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
+            raise FileExistsError(f"{str(path)!r} exists and is not empty (pass overwrite=True to replace it)")
+        if not _is_checkpoint_dir(path):
+            raise FileExistsError(
+                f"{str(path)!r} is not empty and is not a glm5_dsa_jax checkpoint (no {META_FILE} or "
+                f"{_PARAMS_DIR}/): overwrite replaces only checkpoints; remove it yourself")
     tree = {f"layer_{i}": nnx.to_pure_dict(nnx.state(l, nnx.Param)) for i, l in layers.items()}
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / _PARAMS_DIR, tree, force=overwrite)
-    ckptr.wait_until_finished()
-    if jax.process_index() == 0:
-        tmp = path / (META_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.replace(path / META_FILE)
+    digests, bad = _digest_report(tree)
+    if bad:
+        raise CheckpointError(f"save_checkpoint to {path}", [
+            f"{name} holds {n} non-finite values (nothing was written)" for name, n in sorted(bad.items())])
+    meta["checksums"] = digests
+    if jax.process_count() > 1:  # every process must name the same directory
+        tmp = path.with_name(f".{path.name}.partial")
+    else:
+        tmp = path.with_name(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    lead = jax.process_index() == 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if lead and tmp.exists():
+            shutil.rmtree(tmp)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp / _PARAMS_DIR, tree)
+        ckptr.wait_until_finished()
+        if lead:
+            _write_meta(tmp, meta)
+            _swap_into(tmp, path)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"glm5_dsa_jax save {path}")
+    except BaseException:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> tuple[dict, DsaConfig]:
-    """The metadata ``save_checkpoint`` wrote, and its ``DsaConfig``."""
+    """The metadata ``save_checkpoint`` wrote, and its ``DsaConfig``; every problem of the
+    metadata (format, version, config, layer list, dtypes, digests) in one ``CheckpointError``."""
     path = Path(path)
     _check_dir(path)
     mfile = path / META_FILE
+    where = f"checkpoint {path}"
     if not mfile.is_file():
+        if (path / _PARAMS_DIR).exists():
+            raise CheckpointError(where, [
+                f"{_PARAMS_DIR}/ is there but {META_FILE} is not: an incomplete (interrupted) save, "
+                "not loaded; save again"])
         raise FileNotFoundError(f"{str(path)!r} is not a glm5_dsa_jax orbax checkpoint: no {META_FILE}")
     meta = _read_json(mfile, "metadata")
     if meta.get("format") != _FORMAT:
-        raise CheckpointError(f"checkpoint {path}", [f"{META_FILE} format is {meta.get('format')!r}, expected {_FORMAT!r}"])
+        raise CheckpointError(where, [f"{META_FILE} format is {meta.get('format')!r}, expected {_FORMAT!r}"])
+    if meta.get("version") != _META_VERSION:
+        raise CheckpointError(where, [
+            f"{META_FILE} version is {meta.get('version')!r}, expected {_META_VERSION} (a checkpoint "
+            "written before per-array digests: convert or save it again)"])
     try:
         cfg = DsaConfig(**meta["config"]).validate()
     except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}", [f"{META_FILE} config: {e}"]) from None
+        raise CheckpointError(where, [f"{META_FILE} config: {e}"]) from None
+    problems: list[str] = []
+    layers = meta.get("layers")
+    if not (isinstance(layers, list) and layers and all(type(i) is int for i in layers)
+            and len(set(layers)) == len(layers)):
+        raise CheckpointError(where, [f"{META_FILE} 'layers' is {layers!r}, expected a list of distinct layer indices"])
+    for i in layers:
+        try:
+            cfg.check_layer(i)
+        except ValueError as e:
+            problems.append(f"{META_FILE} lists layer {i}: {e}")
+    pdt = meta.get("param_dtype")
+    sums = meta.get("checksums")
+    if not isinstance(pdt, dict):
+        problems.append(f"{META_FILE} 'param_dtype' is not a map of layer -> dtype")
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        problems.append(f"{META_FILE} 'checksums' is not a map of array -> digest")
+    for key, val in [("dtype", meta.get("dtype"))] + [
+            (f"param_dtype[{i}]", pdt.get(str(i))) for i in layers if isinstance(pdt, dict)]:
+        try:
+            if not (isinstance(val, str) and jnp.issubdtype(jnp.dtype(val), jnp.floating)):
+                raise TypeError
+        except TypeError:
+            problems.append(f"{META_FILE} {key} is {val!r}, expected a float dtype name")
+    if problems:
+        raise CheckpointError(where, problems)
     return meta, cfg
+
+
+def _restore_tree(path: Path, target: dict):
+    import orbax.checkpoint as ocp
+
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target)
+    return ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
 
 
 def restore_checkpoint(
@@ -757,11 +1098,16 @@ def restore_checkpoint(
 ) -> dict[int, DsaAttention]:
     """Restore ``save_checkpoint``'s layers onto ``mesh`` (any device count that divides the
     head count; ``None`` = the default device), each parameter directly into its target
-    sharding. ``dtype``/``param_dtype`` default to the saved ones (``param_dtype`` casts)."""
+    sharding. ``dtype``/``param_dtype`` default to the saved ones (``param_dtype`` casts).
+
+    Every array is verified against the digest recorded at save and for finiteness; every
+    problem (metadata, missing or misshaped arrays, unreadable or corrupted data files,
+    non-finite values) is raised in one ``CheckpointError`` and no layer is returned."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     meta, cfg = read_checkpoint_meta(path)
+    where = f"checkpoint {path}"
     saved = list(meta["layers"])
     wanted = saved if layers is None else sorted({int(i) for i in layers})
     missing = [i for i in wanted if i not in saved]
@@ -769,40 +1115,86 @@ def restore_checkpoint(
         raise ValueError(f"layers {missing} are not in the checkpoint (it holds {saved})")
     _check_mesh(cfg, mesh, axis)
     dtype = meta.get("dtype", "bfloat16") if dtype is None else dtype
-    ckptr = ocp.StandardCheckpointer()
-    stored = ckptr.metadata(path / _PARAMS_DIR)
-    stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
+    try:
+        stored = ocp.StandardCheckpointer().metadata(path / _PARAMS_DIR)
+        stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
+        if not isinstance(stored, Mapping):
+            raise ValueError(f"unexpected orbax metadata {type(stored).__name__}")
+    except Exception as e:  # orbax / TensorStore raise plain Exceptions
+        raise CheckpointError(where, [f"{_PARAMS_DIR}/ cannot be read by orbax: {_short(e)}"]) from None
 
-    abstracts, target, problems = {}, {}, []
+    abstracts, target, want_dt, problems = {}, {}, {}, []
+    sums = meta["checksums"]
     for i in wanted:
-        pd = param_dtype if param_dtype is not None else meta["param_dtype"][str(i)]
-        abstract = _abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=pd, axis=axis)
+        saved_dt = jnp.dtype(meta["param_dtype"][str(i)])
+        want_dt[i] = jnp.dtype(param_dtype) if param_dtype is not None else saved_dt
+        abstract = _abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=want_dt[i], axis=axis)
         shardings = _target_shardings(abstract, mesh, axis)
         shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         tree: dict = {}
         for ppath, sh in shardings.items():
             s = _get(shapes, ppath)
+            name = f"layer_{i}.{'.'.join(ppath)}"
             try:
                 got = _get(stored[f"layer_{i}"], ppath)
-                if tuple(got.shape) != tuple(s.shape):
-                    problems.append(f"layer_{i}.{'.'.join(ppath)}: stored shape {tuple(got.shape)}, expected {tuple(s.shape)}")
-            except (KeyError, TypeError):
-                problems.append(f"layer_{i}.{'.'.join(ppath)}: not in the checkpoint")
-            _set(tree, ppath, jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh))
+                shape, gdt = tuple(got.shape), getattr(got, "dtype", saved_dt)
+            except (KeyError, TypeError, AttributeError):
+                problems.append(f"{name}: not in the checkpoint")
+                continue
+            if shape != tuple(s.shape):
+                problems.append(f"{name}: stored shape {shape}, expected {tuple(s.shape)}")
+                continue
+            if gdt is not None and jnp.dtype(gdt) != saved_dt:
+                problems.append(f"{name}: stored dtype {jnp.dtype(gdt).name}, {META_FILE} says {saved_dt.name}")
+                continue
+            if name not in sums:
+                problems.append(f"{name}: no digest in {META_FILE}")
+                continue
+            _set(tree, ppath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
         abstracts[i], target[f"layer_{i}"] = abstract, tree
+    target = {k: v for k, v in target.items() if v}
+
+    restored: dict = {}
+    if target:
+        try:
+            restored = _restore_tree(path / _PARAMS_DIR, target)
+        except Exception:  # find which arrays cannot be read, one by one
+            restored = {}
+            for name, leaf in _flat(target).items():
+                layer, *ppath = name.split(".")
+                try:
+                    one = _restore_tree(path / _PARAMS_DIR, {layer: _nest(ppath, leaf)})
+                    _set(restored, [layer] + ppath, _get(one[layer], ppath))
+                except Exception as e:
+                    problems.append(f"{name}: the data cannot be read ({_short(e)})")
+        if restored:
+            digests, bad = _digest_report(restored)
+            for name in sorted(digests):
+                if digests[name] != sums[name]:
+                    problems.append(f"{name}: digest {digests[name]} does not match {sums[name]} recorded at "
+                                    "save (the data files are corrupted)")
+            for name, n in sorted(bad.items()):
+                problems.append(f"{name} holds {n} non-finite values")
     if problems:
-        raise CheckpointError(f"checkpoint {path}", problems)
-    if set(wanted) == set(saved):
-        restored = ckptr.restore(path / _PARAMS_DIR, target)
-    else:  # a subset: the other layers' arrays are not read (same on-disk format)
-        restore_args = jax.tree.map(
-            lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target
-        )
-        restored = ocp.PyTreeCheckpointer().restore(
-            path / _PARAMS_DIR,
-            args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-        )
-    return {i: _fill_layer(abstracts[i], restored[f"layer_{i}"], mesh, axis) for i in wanted}
+        raise CheckpointError(where, problems)
+    out = {}
+    for i in wanted:
+        arrays = restored[f"layer_{i}"]
+        if want_dt[i] != jnp.dtype(meta["param_dtype"][str(i)]):
+            arrays = jax.tree.map(lambda a: a.astype(want_dt[i]), arrays)
+        out[i] = _fill_layer(abstracts[i], arrays, mesh, axis)
+    return out
+
+
+def _nest(path: Sequence[str], leaf) -> dict:
+    tree: dict = {}
+    _set(tree, path, leaf)
+    return tree
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return msg if len(msg) <= n else msg[:n] + "..."
 
 
 # ============================================================================ demo / CLI
@@ -813,8 +1205,8 @@ def load_for_demo(path: str | os.PathLike, **kwargs) -> tuple[DsaConfig, dict[in
     ``implementation``, ``axis``, ``dtype``, ``layers``...)."""
     path = Path(path)
     _check_dir(path)
-    if (path / META_FILE).is_file():
-        cfg = read_checkpoint_meta(path)[1]
+    if (path / META_FILE).is_file() or (path / _PARAMS_DIR).is_dir():
+        cfg = read_checkpoint_meta(path)[1]  # (an incomplete save without META_FILE: refused)
         return cfg, restore_checkpoint(path, **kwargs)
     if (path / "config.json").is_file():
         cfg = _read_config(path)[1]
@@ -848,7 +1240,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="parameter and compute dtype (default bfloat16)")
     p.add_argument("--layers", type=_int_list, default=None, help="DSA layer indices, e.g. 3,7 (default all)")
     p.add_argument("--axis", default="tp", help="mesh axis name of tensor parallelism (default tp)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint at OUT_DIR (written beside it, then swapped in: "
+                   "an interrupted convert leaves the old one intact)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_convert_main)
     return p
@@ -867,7 +1261,11 @@ def _convert_main(args) -> int:
         layers = load_hf_checkpoint(args.hf_dir, mesh=mesh, layers=args.layers, dtype=dt,
                                     axis=args.axis, progress=not args.no_progress)
         out = save_checkpoint(layers, args.out_dir, overwrite=args.overwrite)
-    except (CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError) as e:
+    except FileExistsError as e:
+        msg = str(e).replace("pass overwrite=True", "pass --overwrite").replace("overwrite replaces", "--overwrite replaces")
+        print(f"glm5-dsa convert: {msg}", file=sys.stderr)
+        return 1
+    except (CheckpointError, FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"glm5-dsa convert: {e}", file=sys.stderr)
         return 1
     n_bytes = sum(

@@ -10,6 +10,10 @@ Invariants:
 * ``hf_to_params`` checks everything first (missing, unexpected, misshaped, non-float,
   non-finite tensors) and raises one ``ValueError`` listing every problem, so a caller
   that assigns only after it returns never half-loads a layer.
+* Finiteness is checked on the values *as the layer will hold them*, i.e. after the cast
+  to its parameter dtype: a finite float32 ``1e6`` becomes ``inf`` in float16 and is
+  refused. ``count_nonfinite``/``nonfinite_problem`` are the one rule that both
+  ``DsaAttention.load_hf_weights`` and ``checkpoint.load_hf_checkpoint`` apply.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["hf_to_params", "params_to_hf", "WeightError"]
+__all__ = ["hf_to_params", "params_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
 
 
 class WeightError(ValueError):
@@ -30,6 +34,36 @@ class WeightError(ValueError):
     def __init__(self, where: str, problems: list[str]):
         self.problems = problems
         super().__init__(f"{where}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+def count_nonfinite(src: np.ndarray, cast: np.ndarray) -> tuple[int, int]:
+    """``(non-finite values of cast, how many of them were finite in src)``: ``cast`` is
+    ``src`` converted to the parameter dtype; the second count is values out of its range."""
+    bad = ~np.isfinite(cast)
+    n = int(np.count_nonzero(bad))
+    if not n:
+        return 0, 0
+    with np.errstate(invalid="ignore"):
+        over = int(np.count_nonzero(bad & np.isfinite(np.asarray(src, np.float32))))
+    return n, over
+
+
+def nonfinite_problem(name: str, n: int, overflow: int, dtype, how: str = "") -> str | None:
+    """The problem line for a tensor with ``n`` non-finite values after the cast to ``dtype``
+    (``overflow`` of them finite before it), or ``None`` when ``n == 0``."""
+    if not n:
+        return None
+    dt = np.dtype(dtype).name
+    msg = f"tensor {name!r} holds {n} non-finite values ({how}as {dt})"
+    if overflow:
+        msg += f"; {overflow} of them are finite in the checkpoint but outside the range of {dt}"
+    return msg
+
+
+def cast_to(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as ``dtype`` (values out of range become inf, without a numpy warning)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(a).astype(np.dtype(dtype))
 
 
 def _as_numpy(t: Any) -> np.ndarray:
@@ -66,8 +100,9 @@ def hf_to_params(
             problems.append(f"tensor {name!r} has dtype {a.dtype}, expected a float dtype")
             continue
         a = a.astype(np.float32)
-        if not np.isfinite(a).all():
-            problems.append(f"tensor {name!r} holds {int((~np.isfinite(a)).sum())} non-finite values")
+        n, over = count_nonfinite(a, cast_to(a, jnp.dtype(param_dtype)))
+        if n:
+            problems.append(nonfinite_problem(name, n, over, jnp.dtype(param_dtype)))
             continue
         arrays[name] = a
     if problems:

@@ -273,7 +273,8 @@ def test_bad_quantized_tensors_in_one_error(tmp_path):
     with pytest.raises(ck.CheckpointError) as ei:
         ck.load_hf_checkpoint(d, progress=False)
     msg = "\n".join(ei.value.problems)
-    assert len(ei.value.problems) == 4, msg
+    assert len(ei.value.problems) == 5, msg  # the NaN scale too, in the same error
+    assert f"'{PFX}1.self_attn.o_proj.weight' holds 16 non-finite values (dequantized nvfp4" in msg
     assert f"'{PFX}1.self_attn.q_b_proj.weight_scale' is missing" in msg
     assert f"'{PFX}2.self_attn.o_proj.weight_scale' has shape (48, 5), expected (48, 6)" in msg
     assert f"'{PFX}2.self_attn.kv_b_proj.weight_scale_2' has dtype F16" in msg
