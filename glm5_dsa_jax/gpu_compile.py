@@ -157,6 +157,7 @@ PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of a
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
 BATCHES = (1, 8)
 STEPS = ("decode", "prefill", "prompt")
+DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other compute dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,10 +285,9 @@ def _tokens(n: int) -> str:
 
 
 def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, batches=BATCHES,
-                  steps=STEPS) -> list[Case]:
-    """Every kernel at every step, context and batch in bfloat16 (the serving dtype), plus
-    decode and prefill at 128K tokens, batch 1, in float32 (the layer's other compute dtype:
-    IEEE dots and twice the shared memory)."""
+                  steps=STEPS, dtypes=DTYPES) -> list[Case]:
+    """Every kernel at every step, context, batch and dtype (by default bfloat16, the
+    serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8)."""
     kernels = list(KERNELS) if kernels is None else list(kernels)
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
@@ -295,12 +295,12 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
     for name, values in (("contexts", contexts), ("batches", batches)):
         if not values or any(not isinstance(v, int) or v <= 0 for v in values):
             raise ValueError(f"{name} must be positive ints, got {list(values)}")
-    if set(steps) - set(STEPS) or not steps:
+    if not steps or set(steps) - set(STEPS):
         raise ValueError(f"steps must be among {STEPS}, got {list(steps)}")
-    steps_all = [Step(kind, b, n) for n in contexts for kind in steps for b in batches]
-    steps_all += [Step(kind, 1, 131072, "float32") for kind in ("decode", "prefill")
-                  if kind in steps and 131072 in contexts]
-    return [Case(k, s) for k in kernels for s in steps_all]
+    if not dtypes or set(dtypes) - {"bfloat16", "float32"}:
+        raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
+    return [Case(k, Step(kind, b, n, dt)) for k in kernels for dt in dtypes for n in contexts
+            for kind in steps for b in batches]
 
 
 def _build(cfg, case: Case):
@@ -383,10 +383,6 @@ def _triton_signature(lowered) -> tuple:
 
 def _worker(target_name: str, dump_root: str) -> int:
     """Compile the cases read from stdin for one target; one JSON line per case."""
-    try:
-        os.nice(5)  # CI machines are shared
-    except OSError:
-        pass
     import jax
     from jax.experimental import topologies
 
@@ -429,7 +425,9 @@ def _worker(target_name: str, dump_root: str) -> int:
                 rec["dump"] = dump
                 lowered.compile(compiler_options={
                     "xla_dump_to": dump,
-                    "xla_dump_emitter_re": ".*",  # jax >= 0.11 dumps Triton's PTX only with it
+                    # jax >= 0.11 dumps Triton's PTX only when its emitter is named ("ptx":
+                    # only the PTX, not the per-pass IR that ".*" also writes).
+                    "xla_dump_emitter_re": "ptx",
                     "xla_gpu_force_compilation_parallelism": 1,
                 })
                 compiled_as[sig] = case.id
@@ -481,8 +479,8 @@ _THUNK_RE = re.compile(
 
 
 def parse_thunks(text: str) -> list[dict]:
-    """Kernel launches of an XLA ``*.thunk_sequence.txt``: kind (Triton kernels are
-    ``kCustomKernel``), name, grid, threads per block and dynamic shared memory."""
+    """Kernel launches of an XLA ``*.thunk_sequence.txt``: kind, name, grid, threads per
+    block and dynamic shared memory."""
     out = []
     for line in text.splitlines():
         m = _THUNK_RE.match(line)
@@ -649,12 +647,16 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
             compiled = {}
             for rec in records.values():
                 if rec.get("dump") and os.path.isdir(rec["dump"]):
+                    # The Triton launches: thunks named after a Triton call of the lowered
+                    # module (XLA may add "_1"...; its own fusions are kCustomKernel on 0.12).
+                    triton = {c["name"] for c in rec["calls"]}
                     launches = []
                     for fn in sorted(os.listdir(rec["dump"])):
                         if fn.endswith(".thunk_sequence.txt"):
                             with open(os.path.join(rec["dump"], fn)) as f:
                                 launches += [t for t in parse_thunks(f.read())
-                                             if t["kind"] == "kCustomKernel"]
+                                             if re.sub(r"(_\d+)+$", "", t["name"]) in triton
+                                             or t["name"] in triton]
                     launches = list({t["name"]: t for t in launches}.values())
                     stats, errors = _ptxas_stats(info["ptxas"], rec["dump"],
                                                  {t["name"] for t in launches})
@@ -705,9 +707,14 @@ def format_table(reports: list[Report], *, compact: bool = False) -> str:
                    r.blocks_per_sm, r.limiter, r.problems)
             groups.setdefault(key, []).append(r)
         for key, rs in groups.items():
-            batches = sorted({int(r.case.split()[2][1:]) for r in rs if len(r.case.split()) > 3})
-            ctxs = list(dict.fromkeys(r.case.split()[3] for r in rs if len(r.case.split()) > 3))
-            label = f"{key[2]} b{','.join(map(str, batches))} {','.join(ctxs)}".strip()
+            by_batch: dict = {}  # batch -> contexts, in case order
+            for r in rs:
+                parts = r.case.split()
+                by_batch.setdefault(parts[2], []).append(parts[3])
+            merged: dict = {}  # contexts -> batches with exactly those contexts
+            for b, ctxs in by_batch.items():
+                merged.setdefault(",".join(ctxs), []).append(b[1:])
+            label = f"{key[2]} " + " / ".join(f"b{','.join(bs)} {c}" for c, bs in merged.items())
             row = list(_row(dataclasses.replace(rs[0], grid=None), label))
             del row[3]
             rows.append(tuple(row))
@@ -743,6 +750,8 @@ def main(argv=None) -> int:
                     help="cache lengths in tokens (default 4096,131072,1048576)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="default 1,8")
     ap.add_argument("--steps", default=",".join(STEPS), help="decode,prefill,prompt (default all)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES),
+                    help="bfloat16 (default; the serving dtype), float32, or both")
     ap.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
     ap.add_argument("--json", help="write every report here")
     ap.add_argument("--dump-dir", help="keep XLA's dumps (HLO, PTX, thunk sequence) here")
@@ -754,7 +763,7 @@ def main(argv=None) -> int:
     try:
         cases = default_cases(split(args.kernels), contexts=[int(x) for x in split(args.contexts)],
                               batches=[int(x) for x in split(args.batches)],
-                              steps=split(args.steps))
+                              steps=split(args.steps), dtypes=split(args.dtypes))
         info = toolchain()
         print(f"jax {info['jax']}, jaxlib {info['jaxlib']}, jax-cuda12-plugin "
               f"{info['jax-cuda12-plugin']}, ptxas {info['ptxas_version']}", flush=True)

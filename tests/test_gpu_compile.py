@@ -113,6 +113,7 @@ def test_default_cases_cover_decode_prefill_1m_and_batches():
         (dict(contexts=[0]), "contexts must be positive"),
         (dict(batches=[]), "batches must be positive"),
         (dict(steps=["train"]), "steps must be among"),
+        (dict(dtypes=["float16"]), "dtypes must be among"),
     ],
 )
 def test_default_cases_reject_bad_input(kwargs, match):
