@@ -5,7 +5,8 @@ The compile tests need the ``gpu-compile`` extra (``jax[cuda12-local]`` + ptxas)
 skipped, naming it, only when it is not installed; a plugin whose version differs from
 jaxlib's fails. Their table (registers, spills, stack, shared memory, blocks per SM) is
 printed in pytest's terminal summary and written as JSON to
-``.pytest_cache/d/gpu-compile/report.json`` (or ``$GLM5_GPU_COMPILE_REPORT``).
+``.pytest_cache/d/gpu-compile/report.json`` (a pytest temporary folder without the cache
+plugin; ``$GLM5_GPU_COMPILE_REPORT`` if set).
 The occupancy rules, the parsers and the case table are checked without the extra.
 """
 
@@ -161,12 +162,12 @@ class _Summary:
             terminalreporter.write_line(line)
 
 
-def _publish(request, toolchain, reports, seconds):
+def _publish(request, tmp_path_factory, toolchain, reports, seconds):
     path = os.environ.get("GLM5_GPU_COMPILE_REPORT")
     if not path:
-        cache = getattr(request.config, "cache", None)
-        path = (str(cache.mkdir("gpu-compile") / "report.json") if cache is not None
-                else os.path.join(str(request.config.rootpath), "gpu-compile-report.json"))
+        cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+        folder = cache.mkdir("gpu-compile") if cache is not None else tmp_path_factory.mktemp("gpu-compile")
+        path = str(folder / "report.json")
     with open(path, "w") as f:
         json.dump(dict(toolchain=toolchain, seconds=round(seconds),
                        reports=[dict(dataclasses.asdict(r), ok=r.ok) for r in reports]), f, indent=1)
@@ -178,13 +179,13 @@ def _publish(request, toolchain, reports, seconds):
         _Summary("deviceless GPU compile (sm_80, sm_90)", text + ("\n\n" + bad if bad else "")))
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request):
+def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request, tmp_path_factory):
     import time
 
     cases = gc.default_cases()
     t0 = time.time()
     reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
-    _publish(request, toolchain, reports, time.time() - t0)
+    _publish(request, tmp_path_factory, toolchain, reports, time.time() - t0)
     bad = [r for r in reports if not r.ok]
     assert not bad, "\n" + gc.failures(reports)
     # Every case of every kernel on both targets reported at least one Triton launch.
