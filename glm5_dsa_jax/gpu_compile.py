@@ -177,9 +177,18 @@ class Step:
     dtype: str = "bfloat16"  # the layer's compute and cache dtype
     block_q: int = 64
 
+    def __post_init__(self):
+        if self.kind not in STEPS:
+            raise ValueError(f"Step.kind must be one of {STEPS}, got {self.kind!r}")
+        for name in ("batch", "context", "block_q"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Step.{name} must be a positive int, got {v!r}")
+
     @property
     def chunk(self) -> int:
-        return {"decode": 1, "prefill": min(PREFILL_CHUNK, self.context), "prompt": self.context}[self.kind]
+        return {"decode": 1, "prefill": min(PREFILL_CHUNK, self.context),
+                "prompt": self.context}[self.kind]
 
     @property
     def queries(self) -> int:
@@ -191,7 +200,8 @@ def _kpool_compress(cfg, s: Step, blocks: dict):
     from pallas_kernels import kpool_compress
 
     b, w, d, dt = s.batch, s.chunk + cfg.index_kpool, cfg.index_head_dim, jnp.dtype(s.dtype)
-    fn = lambda k, g, v, ape, first: kpool_compress(k, g, v, ape, first, implementation="pallas", **blocks)  # noqa: E731
+    fn = lambda k, g, v, ape, first: kpool_compress(  # noqa: E731
+        k, g, v, ape, first, implementation="pallas", **blocks)
     return fn, [((b, w, d), dt), ((b, w, d), jnp.float32), ((b, w), jnp.bool_),
                 ((cfg.index_kpool, d), dt), ((b,), jnp.int32)]
 
@@ -241,7 +251,8 @@ def _sparse_mla(cfg, s: Step, blocks: dict):
 
     b, q, dt, c = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_lora_rank
     scale = cfg.softmax_scale
-    fn = lambda ql, lat, ids: sparse_mla(ql, lat, ids, scale=scale, implementation="pallas", **blocks)  # noqa: E731
+    fn = lambda ql, lat, ids: sparse_mla(  # noqa: E731
+        ql, lat, ids, scale=scale, implementation="pallas", **blocks)
     return fn, [((b, q, cfg.num_attention_heads, c), dt), ((b, s.context, c), dt),
                 ((b, q, cfg.out_width), jnp.int32)]
 

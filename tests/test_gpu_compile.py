@@ -122,6 +122,13 @@ def test_default_cases_reject_bad_input(kwargs, match):
         gc.default_cases(**kwargs)
 
 
+def test_step_rejects_bad_fields():
+    with pytest.raises(ValueError, match="Step.kind must be one of"):
+        gc.Step("train", 1, 4096)
+    with pytest.raises(ValueError, match="Step.context must be a positive int"):
+        gc.Step("decode", 1, 0)
+
+
 def test_toolchain_says_which_extra_is_missing(monkeypatch):
     monkeypatch.setattr(gc, "_version", lambda dist: None)
     with pytest.raises(gc.ToolchainMissing, match=r"jax-cuda12-plugin.*'gpu-compile' extra"):
