@@ -1,0 +1,216 @@
+"""Deviceless GPU compile (``glm5_dsa_jax.gpu_compile``): every Pallas kernel at the
+GLM-5.3-Flash shapes compiled to cubin for sm_80 and sm_90 on this CPU host.
+
+The compile tests need the ``gpu-compile`` extra (``jax[cuda12-local]`` + ptxas) and are
+skipped, naming it, only when it is not installed; a plugin whose version differs from
+jaxlib's fails. Their table (registers, spills, stack, shared memory, blocks per SM) is
+printed in pytest's terminal summary and written as JSON to
+``.pytest_cache/d/gpu-compile/report.json`` (a pytest temporary folder without the cache
+plugin; ``$GLM5_GPU_COMPILE_REPORT`` if set).
+The occupancy rules, the parsers and the case table are checked without the extra.
+"""
+
+import dataclasses
+import json
+import os
+import re
+
+import pytest
+
+from glm5_dsa_jax import gpu_compile as gc
+
+# ------------------------------------------------------------------------------------
+# Without the toolchain
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target, threads, regs, smem, expect",
+    [
+        # CUDA occupancy calculator values for 4-warp blocks.
+        ("sm_80", 128, 250, 57472, (2, "regs")),  # 8192 regs a warp: 2 warps a partition
+        ("sm_80", 128, 160, 8192, (3, "regs")),  # 5120 a warp: 3 a partition, 12 warps
+        ("sm_80", 128, 96, 8192, (5, "regs")),  # 3072: 5 a partition (not 65536 // 3072 = 21)
+        ("sm_80", 128, 72, 24576, (6, "smem")),  # 167936 // (24576 + 1 KiB reserved)
+        ("sm_90", 128, 72, 24576, (7, "regs")),  # 228 KiB of shared memory: 9 would fit
+        ("sm_90", 128, 24, 0, (16, "threads")),
+        ("sm_90", 32, 16, 0, (32, "blocks")),
+        ("sm_90", 1024, 255, 0, (0, "regs")),  # 32 warps x 8192 > 65536 registers a block
+        ("sm_80", 128, 32, 166913, (0, "smem")),  # one byte over the opt-in limit
+    ],
+)
+def test_blocks_per_sm(target, threads, regs, smem, expect):
+    assert gc.TARGETS[target].blocks_per_sm(threads, regs, smem) == expect
+
+
+def test_target_config_names_the_gpu_and_its_limits():
+    for t in gc.TARGETS.values():
+        text = t.target_config()
+        major, minor = t.compute_capability
+        assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text
+        assert f"shared_memory_per_block_optin: {t.smem_per_block_optin}" in text
+        assert f'device_description_str: "{t.device}"' in text
+        assert t.name == f"sm_{major}{minor}"
+
+
+def test_parse_ptxas_and_thunks():
+    ptxas = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'topk_pools' for 'sm_80'
+ptxas info    : Function properties for topk_pools
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 70 registers, used 1 barriers, 368 bytes cmem[0]
+ptxas info    : Compiling entry function 'sparse_mla' for 'sm_90a'
+ptxas info    : Function properties for sparse_mla
+    16 bytes stack frame, 12 bytes spill stores, 8 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 4096 bytes smem
+"""
+    assert gc.parse_ptxas(ptxas) == {
+        "topk_pools": dict(regs=70, stack=0, spill_stores=0, spill_loads=0, smem_static=0),
+        "sparse_mla": dict(regs=255, stack=16, spill_stores=12, spill_loads=8, smem_static=4096),
+    }
+    thunks = (
+        "001: kKernel [source] loop_pad_fusion grid: [2, 1, 1] threads: [128, 1, 1]  "
+        "shared_memory: 0 bytes\n"
+        "002: kCustomKernel [source | sink] sparse_mla grid: [4, 16, 1] threads: [128, 1, 1]  "
+        "shared_memory: 57472 bytes"
+    )
+    assert gc.parse_thunks(thunks) == [
+        dict(kind="kKernel", name="loop_pad_fusion", grid=(2, 1, 1), threads=128, smem=0),
+        dict(kind="kCustomKernel", name="sparse_mla", grid=(4, 16, 1), threads=128, smem=57472),
+    ]
+
+
+def test_every_pallas_module_has_a_case():
+    """A kernel module that launches a ``pallas_call`` without a ``KERNELS`` entry would
+    never be compiled here."""
+    import pallas_kernels
+
+    root = os.path.dirname(pallas_kernels.__file__)
+    launching = {
+        f[:-3] for f in os.listdir(root)
+        if f.endswith(".py") and re.search(r"\bpallas_call\(", open(os.path.join(root, f)).read())
+    }
+    covered = set(gc.KERNELS) | {m for m, k in gc.REACHED_THROUGH.items() if k in gc.KERNELS}
+    assert launching and launching <= covered, (
+        f"{sorted(launching - covered)} launch pallas_call but have no gpu_compile.KERNELS "
+        "entry (nor a gpu_compile.REACHED_THROUGH one)")
+
+
+def test_default_cases_cover_decode_prefill_1m_and_batches():
+    cases = gc.default_cases()
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids))
+    for kernel in gc.KERNELS:
+        for kind in ("decode", "prefill"):
+            for b in (1, 8):
+                for ctx in ("4K", "128K", "1M"):
+                    assert f"{kernel} {kind} b{b} {ctx}" in ids
+    step = gc.Step("decode", 1, 1 << 20)
+    assert (step.chunk, step.queries) == (1, 1)
+    assert (gc.Step("prefill", 8, 4096).queries, gc.Step("prompt", 1, 1 << 20).chunk) == (64, 1 << 20)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kernels=["nope"]), "unknown kernel"),
+        (dict(contexts=[0]), "contexts must be positive"),
+        (dict(batches=[]), "batches must be positive"),
+        (dict(steps=["train"]), "steps must be among"),
+        (dict(dtypes=["float16"]), "dtypes must be among"),
+    ],
+)
+def test_default_cases_reject_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gc.default_cases(**kwargs)
+
+
+def test_step_rejects_bad_fields():
+    with pytest.raises(ValueError, match="Step.kind must be one of"):
+        gc.Step("train", 1, 4096)
+    with pytest.raises(ValueError, match="Step.context must be a positive int"):
+        gc.Step("decode", 1, 0)
+
+
+def test_toolchain_says_which_extra_is_missing(monkeypatch):
+    monkeypatch.setattr(gc, "_version", lambda dist: None)
+    with pytest.raises(gc.ToolchainMissing, match=r"jax-cuda12-plugin.*'gpu-compile' extra"):
+        gc.toolchain()
+
+
+def test_toolchain_refuses_a_plugin_of_another_jaxlib(monkeypatch):
+    versions = {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda12-plugin": "0.12.0",
+                "jax-cuda12-pjrt": "0.12.0"}
+    monkeypatch.setattr(gc, "_version", versions.get)
+    monkeypatch.setattr(gc, "find_ptxas", lambda: "/bin/true")
+    with pytest.raises(RuntimeError, match="does not match jaxlib 0.10.2"):
+        gc.toolchain()
+
+
+# ------------------------------------------------------------------------------------
+# With the toolchain: compile for sm_80 and sm_90
+# ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    try:
+        return gc.toolchain()
+    except gc.ToolchainMissing as e:
+        pytest.skip(f"deviceless GPU compile: {e}")
+
+
+class _Summary:
+    """Prints the compile table in pytest's terminal summary (shown without ``-s``)."""
+
+    def __init__(self, title, text):
+        self.title, self.text = title, text
+
+    def pytest_terminal_summary(self, terminalreporter):
+        terminalreporter.write_sep("=", self.title)
+        for line in self.text.splitlines():
+            terminalreporter.write_line(line)
+
+
+def _publish(request, tmp_path_factory, toolchain, reports, seconds):
+    path = os.environ.get("GLM5_GPU_COMPILE_REPORT")
+    if not path:
+        cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+        folder = cache.mkdir("gpu-compile") if cache is not None else tmp_path_factory.mktemp("gpu-compile")
+        path = str(folder / "report.json")
+    with open(path, "w") as f:
+        json.dump(dict(toolchain=toolchain, seconds=round(seconds),
+                       reports=[dict(dataclasses.asdict(r), ok=r.ok) for r in reports]), f, indent=1)
+    text = (f"jax {toolchain['jax']}, jax-cuda12-plugin {toolchain['jax-cuda12-plugin']}, "
+            f"ptxas {toolchain['ptxas_version']}; {len(reports)} launches in {seconds:.0f} s; "
+            f"every row: {path}\n" + gc.format_table(reports, compact=True))
+    bad = gc.failures(reports)
+    request.config.pluginmanager.register(
+        _Summary("deviceless GPU compile (sm_80, sm_90)", text + ("\n\n" + bad if bad else "")))
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request, tmp_path_factory):
+    import time
+
+    cases = gc.default_cases()
+    t0 = time.time()
+    reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
+    _publish(request, tmp_path_factory, toolchain, reports, time.time() - t0)
+    bad = [r for r in reports if not r.ok]
+    assert not bad, "\n" + gc.failures(reports)
+    # Every case of every kernel on both targets reported at least one Triton launch.
+    seen = {(r.target, r.case) for r in reports}
+    assert seen == {(t, c.id) for t in ("sm_80", "sm_90") for c in cases}
+    assert all(r.regs and r.blocks_per_sm >= 1 and r.smem is not None for r in reports)
+
+
+def test_spills_and_shared_memory_over_the_limit_fail(toolchain):
+    """The check can fail: sparse_mla with blocks of 64 ids spills (255 registers are not
+    enough), with blocks of 256 it asks for more shared memory than an SM has, and XLA
+    refuses to compile it."""
+    spill, smem = (gc.Case("sparse_mla", gc.Step("decode", 1, 131072), (("block_w", w),))
+                   for w in (64, 256))
+    reports = {r.case: r for r in gc.compile_cases([spill, smem], ("sm_90",))}
+    assert "SPILL" in reports[spill.id].problems and reports[spill.id].spill_stores > 0
+    assert reports[smem.id].problems == ("COMPILE",)
+    assert "Shared memory size limit exceeded" in reports[smem.id].error
