@@ -104,13 +104,15 @@ def matmul_weights(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[
 
 
 def weight_bytes(cfg: DsaConfig, elem_bytes: int = 2, has_indexer: bool = True) -> int:
-    """Bytes of every parameter of one layer (matmul weights, norms, biases, pool APE)."""
-    from glm5_dsa_jax.layer import hf_weight_shapes
+    """Bytes of every parameter of one layer (matmul weights, norms, biases when
+    ``attention_bias``, the indexer's tensors when ``has_indexer``) at ``elem_bytes``."""
+    from glm5_dsa_jax.layer import hf_tensor_shapes
 
-    layer_idx = next((i for i in cfg.dsa_layers if cfg.has_indexer(i) == has_indexer), None)
-    if layer_idx is None:
-        raise ValueError(f"the config has no DSA layer with has_indexer={has_indexer}")
-    return elem_bytes * sum(math.prod(s) for s in hf_weight_shapes(cfg, layer_idx).values())
+    return elem_bytes * sum(
+        math.prod(shape) for name, shape in hf_tensor_shapes(cfg).items()
+        if (cfg.attention_bias or not name.endswith(".bias") or name.startswith("indexer."))
+        and (has_indexer or not name.startswith("indexer."))
+    )
 
 
 def selected_ids(cfg: DsaConfig, visible: int) -> int:
