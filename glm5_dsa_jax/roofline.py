@@ -47,8 +47,8 @@ import sys
 
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "weight_bytes", "matmul_weights",
-           "step_read_bytes", "selected_ids", "add_parser"]
+__all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
+           "weight_bytes", "matmul_weights", "step_read_bytes", "selected_ids", "add_parser"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,6 +252,26 @@ def rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
         result.append(RooflineRow(phase, "total", int(tb), int(tf), 0, tt,
                                   "memory" if tb / spec.bandwidth >= tf / spec.peak_flops else "compute"))
     return result
+
+
+def kernel_bounds(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int, queries: int, *,
+                  elem_bytes: int = 2) -> dict[str, RooflineRow]:
+    """The pipeline kernels alone (no projections), ``queries`` queries per sequence over a
+    cache of ``context`` tokens: ``{kernel: RooflineRow}`` (phase ``"q{queries}"``). What
+    ``scripts/gpu_check.py`` prints beside its measured times."""
+    spec = GPUS[gpu] if isinstance(gpu, str) else gpu
+    out = {}
+    for kernel, by, fl, progs in _kernel_rows(cfg, context, batch, queries, elem_bytes):
+        tm, tc = by / spec.bandwidth, fl / spec.peak_flops
+        out[kernel] = RooflineRow(f"q{queries}", kernel, int(by), int(fl), int(progs), max(tm, tc),
+                                  "memory" if tm >= tc else "compute")
+    return out
+
+
+def gpu_for_device_kind(kind: str) -> str | None:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; None for a device not in ``GPUS``."""
+    k = kind.lower()
+    return next((g for g in GPUS if g in k), None)
 
 
 # ---------------------------------------------------------------------------- CLI
