@@ -420,7 +420,7 @@ def _table(rows) -> str:
     for r in rows:
         lines.append([
             r["case"], str(r["context"]), str(r["batch"]), str(r["q"]), r["kernel"], r["impl"],
-            _fmt(r["time_us"], "{:.1f} us"), _fmt(r.get("bound_us"), "{:.2f} us"),
+            _fmt(r["time_us"], "{:.1f} us"), _fmt(r.get("bound_us"), "{:.3g} us"),
             _fmt(r["time_us"] / r["bound_us"] if r["time_us"] and r.get("bound_us") else None,
                  "{:.1f}"),
             _fmt(r["gbps"], "{:.0f}"),

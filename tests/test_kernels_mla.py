@@ -243,3 +243,7 @@ def test_gpu_check_smoke_runs_on_cpu():
             "sparse_mla"} <= kernels
     mla = [r for r in rows if r["kernel"] == "sparse_mla" and r["impl"] != "xla"]
     assert mla and all(r["check"].startswith("ok") for r in mla), mla
+    # the roofline column: a bound for every modelled kernel of the main table
+    assert report["roofline_gpu"] == "h100"
+    assert all(r["bound_us"] > 0 for r in rows
+               if r["kernel"] in ("index_scores", "topk_pools", "expand_selection")), rows
