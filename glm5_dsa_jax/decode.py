@@ -10,7 +10,7 @@ Invariants:
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
 * On a CPU (``layer.float32_compute()``) the step multiplies by cached float32 copies of
-  the parameters it is given (``layer.float32_params``): the caller's ``params`` are the
+  the parameters it is given (``glm5_dsa_jax.layer.float32_params``): the caller's ``params`` are the
   layer's own, in their own dtype; only the arrays handed to the compiled function differ.
 * ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
   cache is refused before anything is launched or donated: the cache is left exactly as
