@@ -15,12 +15,16 @@ from glm5_dsa_jax.checkpoint import (
 )
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.sharding import TpPlan, partition_specs, shard_layer
-from glm5_dsa_jax.layer import DsaAttention, DsaIndexer, absorb_o, absorb_q, hf_weight_shapes
+from glm5_dsa_jax.layer import (
+    DsaAttention, DsaIndexer, absorb_o, absorb_q, clear_float32_copies, float32_params,
+    hf_weight_shapes,
+)
 from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "restore_checkpoint", "save_checkpoint",
     "DsaCache", "init_cache", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
-    "hf_weight_shapes", "TpPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
+    "hf_weight_shapes", "float32_params", "clear_float32_copies",
+    "TpPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
 ]
 __version__ = "0.1.0"

@@ -12,10 +12,24 @@ on a CPU, and the step's cost does not depend on the values), then times
 * ``sparse_attn`` / ``dense_attn``: the attention part alone (selection + sparse MLA,
   against masked MLA over all tokens), given the absorbed queries.
 
+and, at batch 1 and contexts up to ``--hf-max-context``, ``hf``: Hugging Face's eager
+``Glm5NextTextAttention`` (bf16) stepping one token on a ``DynamicCache`` already holding
+``context`` tokens (random latent rows and indexer keys), when ``transformers`` is
+installed.
+
 Per row: the median step time, the number of compilations (1 means the step replayed
 without re-tracing as the context moved), and the peak bytes XLA reports for the compiled
 step (arguments + outputs + scratch, minus donated aliases). ``cache_bytes_per_token`` is
 the cache's size divided by its batch size and length.
+
+The weight-read floor: ``floor_bytes`` is what the row must read at least
+(``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
+float32 copies on a CPU; the pooled keys of the visible pools and the selected latent
+rows; dense rows: the non-indexer weights and every cached latent row), ``floor_ms`` that
+over ``read_gb_s``, a read bandwidth measured in the same run (a jitted sum over a
+``_BW_BYTES`` float32 array, the best of several), and ``x_floor`` the ratio of the row's
+time to it. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj``
+every step; its floor is not the same fact).
 """
 
 from __future__ import annotations
@@ -34,7 +48,10 @@ from flax import nnx
 import pallas_kernels as pk
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.layer import DsaAttention, float32_params
+from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
+
+_BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
 
 __all__ = ["filled_cache", "run", "add_parser"]
 
@@ -98,14 +115,33 @@ def _time(fn, args, iters: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def _dense_layer_step(layer: DsaAttention):
-    """The decode step with dense absorbed MLA over all cached tokens (no indexer)."""
+def read_bandwidth(n_bytes: int = _BW_BYTES, iters: int = 5) -> float:
+    """Bytes per second a jitted ``jnp.sum`` reads from a ``n_bytes`` float32 array (the
+    best of ``iters``: the floor is what the machine can do, not its noise)."""
+    a = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    del a
+    return n_bytes / best
+
+
+def _dense_layer_step(layer: DsaAttention, wide: bool = False):
+    """The decode step with dense absorbed MLA over all cached tokens (no indexer);
+    ``wide``: float32 products on float32 copies, like ``make_step`` on a CPU."""
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
+    if wide:
+        params = float32_params(params)
 
     def step(params, x, cache):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
+        m._wide = wide
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length
@@ -115,19 +151,77 @@ def _dense_layer_step(layer: DsaAttention):
         o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
         from glm5_dsa_jax.layer import absorb_o
 
-        out = absorb_o(o, m.w_uv[...], m.o_proj[...])
+        out = absorb_o(o, m.w_uv[...], m.o_proj[...], wide=wide)
         return out, cache.replace(latent=lat, key_valid=valid, length=pos + x.shape[1])
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces
 
 
+def _hf_step_ms(cfg: DsaConfig, layer_idx: int, context: int, iters: int, seed: int = 0):
+    """Median ms of HF's eager ``Glm5NextTextAttention`` (bf16, batch 1) stepping one token
+    on a ``DynamicCache`` pre-filled with ``context`` random tokens; None without
+    ``transformers``."""
+    try:
+        import torch
+        from transformers import DynamicCache
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+    except ImportError:
+        return None
+    d = cfg.to_hf_dict()
+    d.pop("model_type", None)
+    hf_cfg = Glm5NextTextConfig(**d)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    attn = Glm5NextTextAttention(hf_cfg, layer_idx).to(torch.bfloat16).eval()
+    cache = DynamicCache(config=hf_cfg)
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    with torch.no_grad():
+        lat = torch.randn(1, 1, context, cfg.kv_lora_rank, generator=g).to(bf)
+        cache.update(lat, torch.zeros(1, 1, context, cfg.qk_rope_head_dim, dtype=bf), layer_idx)
+        d_i = cfg.index_head_dim
+        packed = torch.cat([torch.randn(1, context, 2 * d_i, generator=g),
+                            torch.ones(1, context, 1)], dim=-1).to(bf)
+        cache.update_indexer(packed, layer_idx)
+        x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(bf)
+        mask = torch.ones(1, 1, dtype=torch.bool)
+        times = []
+        for i in range(iters + 1):
+            t0 = time.perf_counter()
+            attn(hidden_states=x, attention_mask=mask, past_key_values=cache)
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
-        log=print) -> dict:
+        log=print, hf_max_context: int = 16384) -> dict:
     cfg = DsaConfig.preset(preset)
     layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
     layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation)
     step, params = make_step(layer)
-    dense_step, dense_params, dense_traces = _dense_layer_step(layer)
+    dense_step, dense_params, dense_traces = _dense_layer_step(layer, wide=step.float32)
+    # The weights as the step reads them (the float32 copies on a CPU).
+    w_eb = max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step.compute_params(params)))
+    cache_eb = jnp.dtype(layer.dtype).itemsize
+    bw = read_bandwidth()
+    log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); step weights "
+        f"{weight_bytes(cfg, w_eb) / 1e6:.1f} MB ({'float32 copies' if step.float32 else layer.param_dtype})")
+
+    def floor(impl, b, ctx):
+        if impl == "sparse":
+            n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
+        elif impl == "dense":
+            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_lora_rank * cache_eb
+        elif impl == "sparse_attn":
+            n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
+        elif impl == "dense_attn":
+            n = b * ctx * cfg.kv_lora_rank * cache_eb
+        else:
+            return {}
+        return dict(floor_bytes=int(n), floor_ms=n / bw * 1e3)
+
     rows = []
     key = jax.random.key(1)
     max_ctx = max(contexts)
@@ -159,8 +253,23 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                              compiles=step.traces - traces0, peak_bytes=step_peak))
             log(f"sparse  B={b:<2} ctx={ctx:<7} {t_sparse:9.2f} ms  compiles={step.traces - traces0}")
             del cache
+        if b == 1:
+            for ctx in [c for c in contexts if c <= hf_max_context]:
+                t_hf = _hf_step_ms(cfg, layer_idx, ctx, iters)
+                if t_hf is None:
+                    log("hf      skipped: transformers (torch) is not installed")
+                    break
+                rows.append(dict(impl="hf", batch=1, context=ctx, median_ms=t_hf, compiles=0, peak_bytes=-1))
+                log(f"hf      B=1  ctx={ctx:<7} {t_hf:9.2f} ms  (eager Glm5NextTextAttention, bf16)")
+    for r in rows:
+        r.update(floor(r["impl"], r["batch"], r["context"]))
+        if "floor_ms" in r:
+            r["x_floor"] = r["median_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset,
-            "implementation": implementation, "device": str(jax.devices()[0].platform)}
+            "implementation": implementation, "device": str(jax.devices()[0].platform),
+            "read_gb_s": bw / 1e9, "float32_compute": bool(step.float32),
+            "weight_bytes_step": weight_bytes(cfg, w_eb),
+            "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
 
 def _attention_rows(layer, cache, b, ctx, iters, log):
@@ -210,16 +319,25 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
     p.add_argument("--iters", type=int, default=5, help="timed steps per row (median)")
     p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
+    p.add_argument("--hf-max-context", type=int, default=16384,
+                   help="HF eager rows at batch 1 for contexts up to this (0: none)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    res = run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log)
+    res = run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
+              hf_max_context=args.hf_max_context)
     if args.json:
         print(json.dumps(res))
         return 0
+    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
+          f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
+    print(f"{'impl':<12} {'batch':>5} {'context':>8} {'median ms':>10} {'floor ms':>9} {'x floor':>8}")
+    for r in res["rows"]:
+        fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
+        print(f"{r['impl']:<12} {r['batch']:>5} {r['context']:>8} {r['median_ms']:10.2f} {fl}")
     print(f"\ncache bytes per token: {res['cache_bytes_per_token']:.1f}")
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
     for b in args.batch:
@@ -227,4 +345,7 @@ def main(args) -> int:
         print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
               f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
               f"whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x")
+    for (impl, b, c), t in by.items():
+        if impl == "hf":
+            print(f"B=1: HF eager / sparse step at {c} = {t / by[('sparse', 1, c)]:.1f}x")
     return 0

@@ -10,9 +10,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from glm5_dsa_jax import bench, checkpoint, demo, sharding
+    from glm5_dsa_jax import bench, checkpoint, demo, roofline, sharding
 
-    for module in (demo, bench, sharding, checkpoint):
+    for module in (demo, bench, sharding, checkpoint, roofline):
         module.add_parser(sub)
 
     args = parser.parse_args(argv)

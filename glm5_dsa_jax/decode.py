@@ -9,6 +9,9 @@ Invariants:
 * No shape depends on the current length (``cache.length`` is a traced scalar), so a
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
+* On a CPU (``layer.float32_compute()``) the step multiplies by cached float32 copies of
+  the parameters it is given (``glm5_dsa_jax.layer.float32_params``): the caller's ``params`` are the
+  layer's own, in their own dtype; only the arrays handed to the compiled function differ.
 * ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
   cache is refused before anything is launched or donated: the cache is left exactly as
   it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.layer import DsaAttention, float32_params
 
 __all__ = ["make_step", "DsaDecoder"]
 
@@ -33,13 +36,18 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     ``step(params, hidden [B, S, hidden], mask [B, S] bool, cache, prev_topk=None)`` returns
     ``(out [B, S, hidden], topk [B, S, out_width] int32, cache)``; it is ``jax.jit``-compiled
     with ``cache`` donated. ``step.traces`` counts how many times it was traced (compiled).
+    Whether it computes in float32 on a CPU is decided here, from where the layer's
+    parameters are (``layer.float32_compute()``); ``step.float32`` says which.
     """
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
+    wide = layer.float32_compute()
+    compute = float32_params if wide else (lambda p: p)
 
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
         module = nnx.merge(graphdef, params)
+        module._wide = wide
         return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
     shardings = {}
@@ -60,10 +68,13 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         jitted = staticmethod(jitted_fn)
 
         def __call__(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn(params, hidden, mask, cache, prev_topk)
+            return jitted_fn(compute(params), hidden, mask, cache, prev_topk)
 
         def lower(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn.lower(params, hidden, mask, cache, prev_topk)
+            return jitted_fn.lower(compute(params), hidden, mask, cache, prev_topk)
+
+        float32 = wide
+        compute_params = staticmethod(compute)
 
         @property
         def traces(self) -> int:

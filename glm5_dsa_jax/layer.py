@@ -15,11 +15,20 @@ Invariants:
   ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
 * A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
+* On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
+  parameters: XLA:CPU runs a bf16 matrix-vector product more than ten times slower than
+  the float32 one. Each copy is a cached value derived from one parameter array
+  (``float32_params``), never written back: the layer's parameters, ``param_dtype``,
+  ``params_to_hf`` and checkpoints keep the user's dtype. Each product still rounds its
+  output to the activation dtype, so only the float32 accumulation order can differ
+  (bf16 -> float32 is exact). ``cpu_float32=False`` opts out; other platforms never
+  use the copies.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Mapping
 
 import jax
@@ -32,7 +41,8 @@ from pallas_kernels._common import check_implementation
 from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o"]
+__all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
+           "float32_params", "clear_float32_copies"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -54,22 +64,32 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def absorb_q(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
+def _mm(spec: str, x: jax.Array, w: jax.Array, wide: bool = False, **kwargs) -> jax.Array:
+    """``einsum(spec, x, w)`` in ``x``'s dtype. ``wide``: both operands in float32 and the
+    output rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed);
+    otherwise ``w`` is cast to ``x.dtype`` (the GPU path)."""
+    if wide:
+        f32 = jnp.float32
+        return jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI, **kwargs).astype(x.dtype)
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=_HI, **kwargs)
+
+
+def absorb_q(q_nope: jax.Array, w_uk: jax.Array, *, wide: bool = False) -> jax.Array:
     """``[B, S, H, qk_nope] x [H, qk_nope, C] -> [B, S, H, C]``: the query in latent space."""
-    return jnp.einsum("bshd,hdc->bshc", q_nope, w_uk.astype(q_nope.dtype), precision=_HI)
+    return _mm("bshd,hdc->bshc", q_nope, w_uk, wide)
 
 
 def absorb_o(
-    o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None
+    o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None,
+    *, wide: bool = False,
 ) -> jax.Array:
     """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``."""
     from glm5_dsa_jax.sharding import row_parallel_out_sharding
 
-    o = jnp.einsum("bshc,hvc->bshv", o_lat, w_uv.astype(o_lat.dtype), precision=_HI)
+    o = _mm("bshc,hvc->bshv", o_lat, w_uv, wide)
     # Row-parallel under TP: the head axis contracted here may be sharded; the partial sums
     # are all-reduced once. Explicit mesh axes need the output sharding spelled out.
-    out = jnp.einsum("bshv,hvo->bso", o, o_proj.astype(o.dtype), precision=_HI,
-                     out_sharding=row_parallel_out_sharding(o))
+    out = _mm("bshv,hvo->bso", o, o_proj, wide, out_sharding=row_parallel_out_sharding(o))
     return out if bias is None else out + bias.astype(out.dtype)
 
 
@@ -112,8 +132,58 @@ def _write_pools(buf, valid_buf, rows, valid_rows, pool_ids, new):
     return jax.lax.fori_loop(0, b * n, body, (buf, valid_buf))
 
 
-def _dense(x, w):
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), precision=_HI)
+def _dense(x, w, wide=False):
+    return _mm("...i,io->...o", x, w, wide)
+
+
+# ---------------------------------------------------------------------------- CPU float32 copies
+# id(source array) -> (weak reference to the source, its float32 copy). Keyed by identity and
+# checked through the weak reference, so a parameter that is replaced (a load, a restore,
+# ``shard_layer``, ``set_value``) gets a fresh copy, and a copy lives as long as its source.
+_F32_COPIES: dict[int, tuple[weakref.ref, jax.Array]] = {}
+
+
+def _drop_copy(key: int, ref: weakref.ref) -> None:
+    hit = _F32_COPIES.get(key)
+    if hit is not None and hit[0] is ref:
+        del _F32_COPIES[key]
+
+
+def _float32_copy(a):
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return a.astype(jnp.float32)  # inside a trace: nothing to cache
+    key = id(a)
+    hit = _F32_COPIES.get(key)
+    if hit is not None and hit[0]() is a:
+        return hit[1]
+    copy = a.astype(jnp.float32)
+    if copy.sharding != a.sharding:
+        copy = jax.device_put(copy, a.sharding)
+    ref = weakref.ref(a, lambda r, k=key: _drop_copy(k, r))
+    _F32_COPIES[key] = (ref, copy)
+    return copy
+
+
+def float32_params(params):
+    """``params`` (any pytree, e.g. ``nnx.split(layer)[1]``) with every floating leaf
+    narrower than float32 replaced by its float32 copy, placed like it.
+
+    The copy of an array is made once and cached for as long as that array lives; the
+    tree given is not changed. Costs 4 bytes per parameter on top of the stored ones
+    (GLM-5.3-Flash: 500 MB per layer beside its 250 MB of bf16).
+    """
+    def up(a):
+        dt = getattr(a, "dtype", None)
+        if dt is not None and jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize < 4:
+            return _float32_copy(a)
+        return a
+
+    return jax.tree.map(up, params)
+
+
+def clear_float32_copies() -> None:
+    """Drop every cached float32 copy now (they are otherwise freed with their source)."""
+    _F32_COPIES.clear()
 
 
 def _mesh_has(axis: str | None) -> bool:
@@ -170,13 +240,14 @@ class DsaIndexer(nnx.Module):
         self.eps = cfg.index_norm_eps
         self.index_heads = hi
 
-    def project(self, x: jax.Array, q_resid: jax.Array):
+    def project(self, x: jax.Array, q_resid: jax.Array, *, wide: bool = False):
         """``x [B, S, hidden]``, ``q_resid [B, S, q_lora]`` -> queries ``[B, S, Hi, D]``,
-        weights ``[B, S, Hi]`` float32, keys ``[B, S, D]``, gate logits ``[B, S, D]`` float32."""
-        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.wq_b[...].astype(q_resid.dtype), precision=_HI)
-        k = layer_norm(_dense(x, self.wk[...]), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
-        gate = _dense(x, self.kpool_gate[...]).astype(jnp.float32)
-        w = _dense(x, self.weights_proj[...]).astype(jnp.float32) * (self.index_heads**-0.5)
+        weights ``[B, S, Hi]`` float32, keys ``[B, S, D]``, gate logits ``[B, S, D]`` float32.
+        ``wide``: float32 products (see ``_mm``)."""
+        q = _mm("bsr,rhd->bshd", q_resid, self.wq_b[...], wide)
+        k = layer_norm(_dense(x, self.wk[...], wide), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
+        gate = _dense(x, self.kpool_gate[...], wide).astype(jnp.float32)
+        w = _dense(x, self.weights_proj[...], wide).astype(jnp.float32) * (self.index_heads**-0.5)
         return q, w, k, gate
 
 
@@ -195,6 +266,9 @@ class DsaAttention(nnx.Module):
       tp_axis: mesh axis name the head axis is sharded over (metadata only until the
         layer is placed on a mesh).
       block_q: queries per prefill tile (bounds the ``[block_q, pools]`` score tile).
+      cpu_float32: let the compiled step (``decode.make_step``) multiply by cached float32
+        copies of 16-bit parameters when every parameter lives on a CPU device (see the
+        module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
 
     Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
     ``out, topk, cache = layer(x, attention_mask=mask, cache=cache)`` with one. ``x`` is
@@ -213,6 +287,7 @@ class DsaAttention(nnx.Module):
         param_dtype=jnp.bfloat16,
         tp_axis: str | None = "tp",
         block_q: int = 64,
+        cpu_float32: bool = True,
     ):
         cfg.validate()
         cfg.check_layer(layer_idx)
@@ -226,6 +301,9 @@ class DsaAttention(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.tp_axis = tp_axis
         self.block_q = block_q
+        self.cpu_float32 = bool(cpu_float32)
+        # True only on the copy a compiled step merges (make_step): float32 products.
+        self._wide = False
         mk = _ParamFactory(rngs, param_dtype, tp_axis)
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         c = cfg.kv_lora_rank
@@ -279,6 +357,17 @@ class DsaAttention(nnx.Module):
             ):
                 value = jax.device_put(value, old.sharding)
             var.set_value(value)
+
+    def float32_compute(self) -> bool:
+        """Whether ``make_step`` runs this layer's products in float32 (on cached float32
+        copies of 16-bit parameters): ``cpu_float32`` is set and every parameter lives on
+        CPU devices only (decided by where the parameters are, e.g. a ``shard_layer``
+        mesh, not by which backends exist)."""
+        if not self.cpu_float32:
+            return False
+        leaves = jax.tree.leaves(nnx.state(self, nnx.Param))
+        platforms = {d.platform for a in leaves if isinstance(a, jax.Array) for d in a.devices()}
+        return platforms == {"cpu"}
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
@@ -430,7 +519,7 @@ class DsaAttention(nnx.Module):
         q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
 
         if self.indexer is not None:
-            qi, w, ki, gate = self.indexer.project(x, q_resid)
+            qi, w, ki, gate = self.indexer.project(x, q_resid, wide=self._wide)
             cache = self._update_pools(cache, ki, gate, mask, fits)
             n_vis = cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
             topk, o_lat = self._select_and_attend(q_lat, cache, q_pos, qi=qi, w=w, n_vis=n_vis)
@@ -440,7 +529,7 @@ class DsaAttention(nnx.Module):
             _, o_lat = self._select_and_attend(q_lat, cache, q_pos, topk=topk)
 
         out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...],
-                       None if self.o_proj_bias is None else self.o_proj_bias[...])
+                       None if self.o_proj_bias is None else self.o_proj_bias[...], wide=self._wide)
         out = jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
         cache = cache.replace(length=jnp.where(fits, length + s, length).astype(jnp.int32))
         return out, topk, cache
@@ -451,14 +540,14 @@ class DsaAttention(nnx.Module):
         stores), all in ``x``'s dtype."""
         cfg = self.cfg
         q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
-        q = jnp.einsum("bsr,rhd->bshd", q_resid, self.q_b_proj[...].astype(x.dtype), precision=_HI)
-        q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
+        q = _mm("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self._wide)
+        q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self._wide)
         kv = self._dense(x, self.kv_a_proj_with_mqa, self.kv_a_proj_bias)
         latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
         return q_resid, q_lat, latent
 
     def _dense(self, x, w, bias):
-        y = _dense(x, w[...])
+        y = _dense(x, w[...], self._wide)
         return y if bias is None else y + bias[...].astype(y.dtype)
 
     def _update_pools(self, cache: DsaCache, ki, gate, mask, fits) -> DsaCache:

@@ -31,7 +31,11 @@ missing kernel never hides another one. Per step, per case, rows for:
 Time = median over ``--reps`` runs of ``--inner`` back-to-back asynchronous calls, after a
 warm-up call (so it includes launch overhead, which is what a decode step pays). GB/s is
 the bytes the step must move at least (gathered latent rows counted once per query row),
-divided by that time; TF/s counts the matmul FLOPs. ``--budget`` seconds (default 180) caps
+divided by that time; TF/s counts the matmul FLOPs. ``bound`` is the roofline time of the
+kernel at that case (``glm5_dsa_jax.roofline.kernel_bounds``: its bytes and FLOPs from the
+kernels' tiling, at the GPU's datasheet bandwidth and bf16 peak; the GPU found by device
+kind, or ``--roofline-gpu``) and ``x bound`` the measured time over it. ``kpool_compress``
+has none: here it pools the whole context, in a layer step only a window. ``--budget`` seconds (default 180) caps
 the whole run: cases left when it is spent are reported as skipped.
 
 Exit status: 0 when no check failed (``not implemented`` and skipped rows are not
@@ -58,6 +62,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from glm5_dsa_jax import roofline  # noqa: E402
+from glm5_dsa_jax.config import DsaConfig  # noqa: E402
 # The module (the package re-exports a function of the same name).
 _topk_module = importlib.import_module("pallas_kernels.topk_pools")
 
@@ -248,6 +254,19 @@ class Runner:
         self.t0 = time.monotonic()
         self.rows: list[dict] = []
         self.failed = False
+        # The config whose dims the geometry has (the roofline reads its kernels' tiling).
+        self.roofline_cfg = DsaConfig.tiny() if args.smoke else DsaConfig.glm53_flash()
+
+    def bound_us(self, case: Case, kernel: str, impl: str = ""):
+        """The roofline time of ``kernel`` at this case, in microseconds (None if unmodelled;
+        the sweep's rows run other block sizes than the model's defaults)."""
+        if kernel == "kpool_compress" or impl.startswith("pallas[") or self.roofline_cfg is None:
+            return None
+        rows = roofline.kernel_bounds(self.roofline_cfg, self.args.roofline_gpu, case.length,
+                                      case.batch, case.nq,
+                                      elem_bytes=jnp.dtype(self.geom.dtype).itemsize)
+        row = rows.get(kernel)
+        return None if row is None else row.bound_s * 1e6
 
     def out_of_time(self) -> bool:
         return time.monotonic() - self.t0 > self.args.budget
@@ -255,7 +274,7 @@ class Runner:
     def add(self, case: Case, kernel: str, impl: str, **fields):
         row = dict(case=case.name, context=case.length, batch=case.batch, q=case.nq,
                    kernel=kernel, impl=impl, time_us=None, gbps=None, tflops=None,
-                   compile_s=None, check="")
+                   compile_s=None, check="", bound_us=self.bound_us(case, kernel, impl))
         row.update(fields)
         self.rows.append(row)
         _log(f"  {kernel:<16} {impl:<28} {_fmt(row['time_us'], '{:.1f} us'):>12}  {row['check']}")
@@ -426,13 +445,16 @@ def _fmt(v, spec):
 
 
 def _table(rows) -> str:
-    head = ["case", "context", "B", "Q", "kernel", "impl", "time", "GB/s", "TF/s", "compile",
-            "check"]
+    head = ["case", "context", "B", "Q", "kernel", "impl", "time", "bound", "x bound", "GB/s",
+            "TF/s", "compile", "check"]
     lines = [head]
     for r in rows:
         lines.append([
             r["case"], str(r["context"]), str(r["batch"]), str(r["q"]), r["kernel"], r["impl"],
-            _fmt(r["time_us"], "{:.1f} us"), _fmt(r["gbps"], "{:.0f}"),
+            _fmt(r["time_us"], "{:.1f} us"), _fmt(r.get("bound_us"), "{:.3g} us"),
+            _fmt(r["time_us"] / r["bound_us"] if r["time_us"] and r.get("bound_us") else None,
+                 "{:.1f}"),
+            _fmt(r["gbps"], "{:.0f}"),
             _fmt(r["tflops"], "{:.1f}"), _fmt(r["compile_s"], "{:.1f} s"), r["check"],
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
@@ -457,6 +479,9 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("pallas", "pallas_interpret"), default=None,
                     help="kernel implementation (default: pallas; pallas_interpret with --smoke)")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    ap.add_argument("--roofline-gpu", choices=sorted(roofline.GPUS), default=None,
+                    help="GPU whose datasheet numbers the bound column uses (default: found "
+                         "from the device kind, else h100)")
     args = ap.parse_args(argv)
     if args.budget is None:
         args.budget = 120.0 if args.smoke else 180.0
@@ -477,10 +502,12 @@ def main(argv=None) -> int:
         cases = [c for c in cases if c.length in wanted]
 
     dev = jax.devices()[0]
+    if args.roofline_gpu is None:
+        args.roofline_gpu = roofline.gpu_for_device_kind(getattr(dev, "device_kind", "")) or "h100"
     meta = dict(jax=jax.__version__, backend=jax.default_backend(),
                 device=getattr(dev, "device_kind", str(dev)), smoke=args.smoke,
                 geometry=dataclasses.asdict(geom), reps=args.reps, inner=args.inner,
-                budget_s=args.budget)
+                budget_s=args.budget, roofline_gpu=args.roofline_gpu)
     _log(f"jax {meta['jax']} on {meta['backend']} ({meta['device']}), budget {args.budget:.0f} s")
     if not args.smoke and meta["backend"] != "gpu":
         _log("warning: no GPU backend; implementation='pallas' will not run here (use --smoke)")

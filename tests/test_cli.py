@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
@@ -39,8 +40,16 @@ def test_bench_decode_json(capsys):
     res = json.loads(capsys.readouterr().out)
     rows = res["rows"]
     assert {r["impl"] for r in rows} >= {"sparse", "dense"}
+    base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes"}
+    floor = {"floor_bytes", "floor_ms", "x_floor"}
     for r in rows:
-        assert set(r) == {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes"}
+        assert set(r) == (base if r["impl"] == "hf" else base | floor)
+        if "floor_ms" in r:
+            assert r["x_floor"] == r["median_ms"] / r["floor_ms"]
+            assert r["floor_ms"] == pytest.approx(r["floor_bytes"] / (res["read_gb_s"] * 1e9) * 1e3)
+    assert res["read_gb_s"] > 0 and res["float32_compute"]  # a CPU: the float32 copies
+    assert res["weight_bytes_step"] == 2 * res["weight_bytes_stored"]
+    assert [r["context"] for r in rows if r["impl"] == "hf"] == [64, 256]  # HF eager rows
     sparse = [r for r in rows if r["impl"] == "sparse"]
     assert [r["context"] for r in sparse] == [64, 256]
     assert all(r["compiles"] == 1 for r in sparse)  # one compilation across contexts

@@ -256,3 +256,7 @@ def test_gpu_check_smoke_runs_on_cpu():
     # topk_pools on both paths (the smoke rows are short: the multi-program one is forced)
     topk = {r["impl"]: r["check"] for r in rows if r["kernel"] == "topk_pools"}
     assert topk["pallas"].startswith("ok") and topk["pallas split_p=2"].startswith("ok"), topk
+    # the roofline column: a bound for every modelled kernel of the main table
+    assert report["roofline_gpu"] == "h100"
+    assert all(r["bound_us"] > 0 for r in rows
+               if r["kernel"] in ("index_scores", "topk_pools", "expand_selection")), rows
