@@ -562,6 +562,12 @@ class DsaAttention(nnx.Module):
                 tail = None
                 if cfg.tail_width:
                     tail = pk.visible_tail(cache.first_key, t_nvis, t_pos, cache.key_valid, cfg.index_kpool)
+                    # With holes in the mask the tail (HF's rule: from first_key + visible
+                    # - visible % kpool) can fall inside a complete pool that is selected
+                    # too; drop those ids so no token is attended twice (HF builds a mask
+                    # from the ids, so it counts such a token once).
+                    t_pool = jnp.where(tail >= 0, (tail - cache.first_key[:, None, None]) // cfg.index_kpool, -2)
+                    tail = jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
                 t_topk = self._kernel(
                     pk.expand_selection, pools, cache.first_key, tail, kpool=cfg.index_kpool,
                     out_width=cfg.out_width, implementation=impl,
