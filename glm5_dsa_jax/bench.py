@@ -307,17 +307,15 @@ def _attention_rows(layer, cache, b, ctx, iters, log):
             dict(impl="dense_attn", batch=b, context=ctx, median_ms=td, compiles=1, peak_bytes=-1)]
 
 
-def _ints(s: str) -> list[int]:
-    return [int(v) for v in s.split(",") if v]
-
-
 def add_parser(sub) -> None:
+    from glm5_dsa_jax.cli import positive_int, positive_int_list
+
     p = sub.add_parser("bench", help="benchmarks (decode)")
     p.add_argument("what", choices=["decode"])
-    p.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536, 131072])
-    p.add_argument("--batch", type=_ints, default=[1, 8])
+    p.add_argument("--contexts", type=positive_int_list, default=[4096, 16384, 65536, 131072])
+    p.add_argument("--batch", type=positive_int_list, default=[1, 8])
     p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
-    p.add_argument("--iters", type=int, default=5, help="timed steps per row (median)")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
     p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
     p.add_argument("--hf-max-context", type=int, default=16384,
                    help="HF eager rows at batch 1 for contexts up to this (0: none)")

@@ -18,6 +18,11 @@ Invariants:
 * Shared-indexer layers hold no indexer state (those fields are ``None``).
 
 Shapes never depend on ``length``, so one compiled step serves every step of a decode.
+
+The cache ``dtype`` must be a 16- or 32-bit float (``bfloat16``, ``float16``, ``float32``):
+the latent and pooled keys are activations written by a float projection, so an integer
+or bool cache would silently round them (``int8`` gave outputs off by 4), and ``float64``
+is not a compute dtype of this project (it would promote the attention to double).
 """
 
 from __future__ import annotations
@@ -28,7 +33,26 @@ from flax import struct
 
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["DsaCache", "init_cache"]
+__all__ = ["DsaCache", "init_cache", "CACHE_DTYPES"]
+
+#: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers.
+CACHE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_cache_dtype(dtype):
+    """``jnp.dtype(dtype)`` if it is one of ``CACHE_DTYPES``, else ``ValueError``."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(
+            f"cache dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}"
+        ) from None
+    if dt.name not in CACHE_DTYPES:
+        raise ValueError(
+            f"cache dtype must be a 16- or 32-bit float, one of {list(CACHE_DTYPES)}; got "
+            f"{dt.name} (an integer or bool cache would silently round the latent rows)"
+        )
+    return dt
 
 
 @struct.dataclass
@@ -99,10 +123,15 @@ def init_cache(
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
 ) -> DsaCache:
-    """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots."""
-    if not isinstance(batch_size, int) or batch_size <= 0:
+    """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
+
+    ``dtype`` (of the latent and pooled keys) must be one of ``CACHE_DTYPES``; anything
+    else raises ``ValueError`` naming ``dtype``.
+    """
+    dtype = check_cache_dtype(dtype)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if not isinstance(max_length, int) or max_length <= 0:
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
     if max_length > cfg.max_position_embeddings:
         raise ValueError(

@@ -6,6 +6,12 @@ Invariants:
   ``index_topk`` is a nonzero multiple of ``index_kpool``, every width and head count is
   positive, ``q_lora_rank`` is set, ``qk_rope_head_dim == 0`` and ``indexer_types`` /
   ``layer_types`` have one entry per layer.
+* ``from_hf_config`` reads every field with its JSON type and refuses anything else with a
+  ``ValueError`` naming the file (or ``config`` for a dict) and the field: integers must be
+  JSON integers, booleans JSON ``true``/``false`` (the string ``"false"`` is refused, not
+  read: ``bool("false")`` is True), floats finite numbers. Sizes are checked positive before
+  any cross-field rule, so ``num_attention_heads: 0`` says "must be positive". A file that
+  is not JSON, or not a JSON object, is a ``ValueError`` naming the file.
 * Head counts are the *full* model's: this config never holds a per-rank head count (the
   CUDA seed did). The tensor-parallel split lives in ``glm5_dsa_jax.sharding``.
 
@@ -19,8 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
+
+import numpy as np
 
 __all__ = ["DsaConfig"]
 
@@ -115,11 +124,7 @@ class DsaConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "DsaConfig":
         """Check the model's rules; raise ``ValueError`` naming the field and its value."""
-        positive = (
-            "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
-            "v_head_dim", "index_n_heads", "index_head_dim", "index_kpool", "index_topk",
-        )
-        for name in positive:
+        for name in _POSITIVE_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"DsaConfig.{name} must be a positive integer, got {v!r}")
@@ -128,8 +133,19 @@ class DsaConfig:
                 "DsaConfig.q_lora_rank is None: DSA needs the low-rank query path "
                 "(the indexer reads q_resid = q_a_layernorm(q_a_proj(x)))"
             )
-        if not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0:
+        if not isinstance(self.q_lora_rank, int) or isinstance(self.q_lora_rank, bool) or self.q_lora_rank <= 0:
             raise ValueError(f"DsaConfig.q_lora_rank must be a positive integer, got {self.q_lora_rank!r}")
+        for name in ("index_kpool_always_select_tail", "attention_bias"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"DsaConfig.{name} must be a bool (true/false), got {v!r}")
+        for name in ("rms_norm_eps", "index_norm_eps"):
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float, np.floating)) or isinstance(v, bool)
+                    or not math.isfinite(v) or v <= 0):
+                raise ValueError(f"DsaConfig.{name} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.qk_rope_head_dim, int) or isinstance(self.qk_rope_head_dim, bool):
+            raise ValueError(f"DsaConfig.qk_rope_head_dim must be an integer, got {self.qk_rope_head_dim!r}")
         if self.qk_rope_head_dim != 0:
             raise ValueError(
                 f"DsaConfig.qk_rope_head_dim is {self.qk_rope_head_dim}: GLM-5.3 DSA is NoPE and "
@@ -140,8 +156,6 @@ class DsaConfig:
                 f"DsaConfig.index_topk ({self.index_topk}) must be a multiple of index_kpool "
                 f"({self.index_kpool}): the pool budget is index_topk // index_kpool"
             )
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"DsaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if len(self.indexer_types) != len(self.layer_types):
             raise ValueError(
                 f"DsaConfig.indexer_types has {len(self.indexer_types)} entries but layer_types "
@@ -174,68 +188,74 @@ class DsaConfig:
         ``layer_types`` and ``indexer_types`` when they are absent.
         """
         if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
+            raw, where = dict(path_or_dict), "config"
         else:
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no glm5_next config.json at {path!r}")
-            with open(path) as f:
-                raw = json.load(f)
+            where = f"config {path!r}"
+            try:
+                with open(path, encoding="utf-8") as f:
+                    raw = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where} is not valid JSON: {e}") from None
+            if not isinstance(raw, Mapping):
+                raise ValueError(
+                    f"{where} must hold a JSON object (a dict of config fields), got "
+                    f"{'null' if raw is None else type(raw).__name__}"
+                )
         text = raw.get("text_config") or raw
         if not isinstance(text, Mapping):
-            raise ValueError(f"config text_config must be a dict, got {type(text).__name__}")
+            raise ValueError(f"{where}: text_config must be a dict, got {type(text).__name__}")
         d = _HF_DEFAULTS | {k: v for k, v in text.items() if v is not None or k == "q_lora_rank"}
-        n_layers = int(d["num_hidden_layers"])
-        layer_types = d.get("layer_types")
+        n_layers = _read_int(d, "num_hidden_layers", where)
+        if n_layers <= 0:
+            raise ValueError(f"{where}: num_hidden_layers must be a positive integer, got {n_layers}")
+        layer_types = _read_str_list(d, "layer_types", where)
         if layer_types is None:
             layer_types = [
                 "indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n_layers)
             ]
         layer_types = ["indexed_attention" if t == "full_attention" else t for t in layer_types]
-        indexer_types = d.get("indexer_types")
+        indexer_types = _read_str_list(d, "indexer_types", where)
         if indexer_types is None:
             pattern = d.get("index_topk_pattern")
             if pattern is not None:
-                indexer_types = (
-                    [{"F": "full", "S": "shared"}[c] for c in pattern]
-                    if isinstance(pattern, str) else list(pattern)
-                )
+                indexer_types = _read_pattern(pattern, n_layers, where)
             else:
-                freq = max(int(d.get("index_topk_freq", 1)), 1)
-                offset = int(d.get("index_skip_topk_offset", 2))
+                freq = max(_read_int(d, "index_topk_freq", where, 1), 1)
+                offset = _read_int(d, "index_skip_topk_offset", where, 2)
                 indexer_types = [
                     "full" if (max(i - offset + 1, 0) % freq) == 0 else "shared"
                     for i in range(n_layers)
                 ]
         if len(layer_types) != n_layers:
             raise ValueError(
-                f"config layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}"
+                f"{where}: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}"
             )
+        ints = {name: _read_int(d, name, where) for name in _INT_FIELDS}
+        q_lora = d["q_lora_rank"]
+        if q_lora is not None:
+            q_lora = _read_int(d, "q_lora_rank", where)
+        for name in _POSITIVE_FIELDS:  # before any cross-field rule, so 0 heads says so
+            if ints[name] <= 0:
+                raise ValueError(f"{where}: {name} must be a positive integer, got {ints[name]}")
         cfg = cls(
-            hidden_size=d["hidden_size"],
-            num_attention_heads=d["num_attention_heads"],
-            q_lora_rank=d["q_lora_rank"],
-            kv_lora_rank=d["kv_lora_rank"],
-            qk_nope_head_dim=d["qk_nope_head_dim"],
-            qk_rope_head_dim=d["qk_rope_head_dim"],
-            v_head_dim=d["v_head_dim"],
-            index_n_heads=d["index_n_heads"],
-            index_head_dim=d["index_head_dim"],
-            index_topk=d["index_topk"],
-            index_kpool=d["index_kpool"],
-            index_kpool_always_select_tail=bool(d["index_kpool_always_select_tail"]),
+            **ints,
+            q_lora_rank=q_lora,
+            index_kpool_always_select_tail=_read_bool(d, "index_kpool_always_select_tail", where),
             layer_types=tuple(layer_types),
             indexer_types=tuple(indexer_types),
-            rms_norm_eps=float(d["rms_norm_eps"]),
-            max_position_embeddings=int(d["max_position_embeddings"]),
-            attention_bias=bool(d["attention_bias"]),
+            rms_norm_eps=_read_float(d, "rms_norm_eps", where),
+            attention_bias=_read_bool(d, "attention_bias", where),
         )
-        heads_kv = text.get("num_key_value_heads") or cfg.num_attention_heads
+        heads_kv = text.get("num_key_value_heads")
+        heads_kv = cfg.num_attention_heads if heads_kv is None else _read_int(text, "num_key_value_heads", where)
         if heads_kv != cfg.num_attention_heads:
             raise ValueError(
-                f"config num_key_value_heads ({heads_kv}) must equal num_attention_heads "
+                f"{where}: num_key_value_heads ({heads_kv}) must equal num_attention_heads "
                 f"({cfg.num_attention_heads}): MLA has one latent shared by all heads"
             )
         return cfg.validate()
@@ -335,3 +355,86 @@ _HF_DEFAULTS: dict[str, Any] = dict(
     max_position_embeddings=1_048_576,
     attention_bias=False,
 )
+
+
+# ------------------------------------------------------------------ reading config.json fields
+# HF config.json files are JSON, so every field has a JSON type: a string where a number or
+# a boolean belongs is a user error (``bool("false")`` is True), refused here with the field
+# named, never coerced.
+
+#: Integer fields of ``DsaConfig`` read from a config (all but ``qk_rope_head_dim`` positive).
+_INT_FIELDS = (
+    "hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "index_n_heads", "index_head_dim", "index_topk", "index_kpool",
+    "max_position_embeddings",
+)
+_POSITIVE_FIELDS = tuple(n for n in _INT_FIELDS if n != "qk_rope_head_dim")
+#: The letters of ``index_topk_pattern``: one per layer.
+_PATTERN_LETTERS = {"F": "full", "S": "shared"}
+
+
+def _read_int(d: Mapping[str, Any], name: str, where: str, default: Any = None) -> int:
+    v = d.get(name, default)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{where}: {name} must be an integer, got {v!r} ({type(v).__name__})")
+    return int(v)
+
+
+def _read_float(d: Mapping[str, Any], name: str, where: str) -> float:
+    v = d.get(name)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{where}: {name} must be a number, got {v!r} ({type(v).__name__})")
+    v = float(v)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}: {name} must be a finite number > 0, got {v!r}")
+    return v
+
+
+def _read_bool(d: Mapping[str, Any], name: str, where: str) -> bool:
+    v = d.get(name)
+    if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(
+            f"{where}: {name} must be a JSON boolean (true or false), got {v!r} "
+            f"({type(v).__name__}); a string such as \"false\" is not read as a boolean"
+        )
+    return bool(v)
+
+
+def _read_str_list(d: Mapping[str, Any], name: str, where: str) -> list[str] | None:
+    v = d.get(name)
+    if v is None:
+        return None
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not all(
+        isinstance(t, str) for t in v
+    ):
+        raise ValueError(f"{where}: {name} must be a list of strings, got {v!r}")
+    return list(v)
+
+
+def _read_pattern(pattern: Any, n_layers: int, where: str) -> list[str]:
+    """``index_topk_pattern``: a string of one letter per layer (``F`` full, ``S`` shared)
+    or a list of ``"full"`` / ``"shared"``."""
+    if isinstance(pattern, str):
+        bad = sorted({c for c in pattern if c not in _PATTERN_LETTERS})
+        if bad:
+            raise ValueError(
+                f"{where}: index_topk_pattern {pattern!r} has unknown letters {bad}; allowed "
+                f"letters are {sorted(_PATTERN_LETTERS)} (F = full indexer, S = shared)"
+            )
+        types = [_PATTERN_LETTERS[c] for c in pattern]
+    elif isinstance(pattern, (list, tuple)):
+        types = list(pattern)
+        bad = [t for t in types if t not in ("full", "shared")]
+        if bad:
+            raise ValueError(
+                f"{where}: index_topk_pattern entries must be 'full' or 'shared', got {bad[:3]}"
+            )
+    else:
+        raise ValueError(
+            f"{where}: index_topk_pattern must be a string of F/S letters or a list, got {pattern!r}"
+        )
+    if len(types) != n_layers:
+        raise ValueError(
+            f"{where}: index_topk_pattern has {len(types)} entries, num_hidden_layers is {n_layers}"
+        )
+    return types

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache
-from glm5_dsa_jax.layer import DsaAttention, float32_params
+from glm5_dsa_jax.layer import DsaAttention, as_index_array, float32_params
 
 __all__ = ["make_step", "DsaDecoder"]
 
@@ -117,7 +117,8 @@ class DsaDecoder:
         if mask is None:
             mask = jnp.ones((b, s), bool)
         # Checks that need concrete values (0/1 masks, shapes) run eagerly, before donation.
-        x, mask = self.layer._check_inputs(hidden, mask, prev_topk)
+        prev_topk = as_index_array(prev_topk)
+        x, mask = self.layer._check_inputs(hidden, mask, prev_topk, start=self.length)
         self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         self.length += s

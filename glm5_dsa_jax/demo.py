@@ -9,6 +9,7 @@ With no arguments it runs the tiny preset with random weights on the CPU in seco
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -53,7 +54,14 @@ def build_layers(args):
                             dtype=dtype, param_dtype=dtype)
             for i in cfg.dsa_layers[:2]
         }
-    full_idx = next(i for i in sorted(layers) if cfg.has_indexer(i))
+    fulls = [i for i in sorted(layers) if cfg.has_indexer(i)]
+    if not fulls:
+        where = f"checkpoint {args.checkpoint!r}" if args.checkpoint else "this config"
+        raise ValueError(
+            f"{where} holds no full-indexer DSA layer (only shared layers {sorted(layers)}): the "
+            "demo needs a 'full' layer, whose top-k a shared layer reuses"
+        )
+    full_idx = fulls[0]
     nxt = [i for i in cfg.dsa_layers if i > full_idx]
     shared = layers.get(nxt[0]) if nxt and not cfg.has_indexer(nxt[0]) else None
     return cfg, layers[full_idx], shared
@@ -61,8 +69,16 @@ def build_layers(args):
 
 def main(args) -> int:
     t_start = time.perf_counter()
-    cfg, full, shared = build_layers(args)
+    try:
+        cfg, full, shared = build_layers(args)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        print(f"glm5-dsa demo: error: {e}", file=sys.stderr)
+        return 2
     prompt = args.prompt or (48 if cfg.hidden_size < 1024 else 256)
+    if prompt + args.steps > cfg.max_position_embeddings:
+        print(f"glm5-dsa demo: error: --prompt {prompt} + --steps {args.steps} exceeds the "
+              f"model's max_position_embeddings {cfg.max_position_embeddings}", file=sys.stderr)
+        return 2
     lengths = [prompt, max(1, prompt - 7), max(1, prompt - 19)]
     b = len(lengths)
     rng = np.random.default_rng(args.seed)
@@ -141,6 +157,10 @@ def main(args) -> int:
         print(f"\ndecode: {steps} steps, {rate:.1f} tokens/s after the first (compiling) step, "
               f"{1e3 * (t_end - t_first) / (steps - 1):.1f} ms per step, batch {b}, "
               f"compilations {dec.step.traces}")
+    if steps == 0:
+        print("\ndecode: 0 steps (prefill only)")
+        print(f"\ndone in {time.perf_counter() - t_start:.1f} s")
+        return 0
     row = np.asarray(t)[0, -1]
     print(f"last decode step, seq 0 at slot {dec.length - 1}: {describe_row(row, cfg.index_kpool, int(first_key[0]))}")
     print(f"\ndone in {time.perf_counter() - t_start:.1f} s")
@@ -148,11 +168,14 @@ def main(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from glm5_dsa_jax.cli import nonnegative_int
+
     p = sub.add_parser("demo", help="run a padded batch through a DSA layer, prefill then decode")
     p.add_argument("--preset", default="tiny", choices=["tiny", "glm53-flash"])
     p.add_argument("--checkpoint", help="an HF checkpoint dir or an orbax dir from `glm5-dsa convert`")
-    p.add_argument("--prompt", type=int, default=0, help="prompt length (default 48 tiny, 256 real)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps")
+    p.add_argument("--prompt", type=nonnegative_int, default=0,
+                   help="prompt length (default, or 0: 48 tiny, 256 real)")
+    p.add_argument("--steps", type=nonnegative_int, default=16, help="decode steps (0: prefill only)")
     p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.set_defaults(func=main)

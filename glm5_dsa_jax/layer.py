@@ -411,7 +411,9 @@ class DsaAttention(nnx.Module):
         cache: DsaCache | None = None,
         prev_topk: jax.Array | None = None,
     ):
-        x, mask = self._check_inputs(hidden_states, attention_mask, prev_topk)
+        prev_topk = as_index_array(prev_topk)
+        start = 0 if cache is None else cache.length
+        x, mask = self._check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         x, mask, prev_topk = self._place_inputs(x, mask, prev_topk)
         b, s, _ = x.shape
         if cache is None:
@@ -451,7 +453,9 @@ class DsaAttention(nnx.Module):
         )
         return scores, first_key
 
-    def _check_inputs(self, hidden_states, attention_mask, prev_topk):
+    def _check_inputs(self, hidden_states, attention_mask, prev_topk, start=None):
+        """``(x, mask)`` after checking every input. ``start`` is the slot of the first
+        query (the cache's length): with it, a concrete ``prev_topk`` is checked causal."""
         cfg = self.cfg
         x = jnp.asarray(hidden_states)
         if x.ndim != 3 or x.shape[-1] != cfg.hidden_size:
@@ -495,11 +499,15 @@ class DsaAttention(nnx.Module):
                     f"layer {self.layer_idx} is a 'shared' indexer layer: pass prev_topk, the "
                     "top-k of the previous 'full' layer"
                 )
+            prev_topk = as_index_array(prev_topk)
             if prev_topk.shape != (b, s, cfg.out_width) or not jnp.issubdtype(prev_topk.dtype, jnp.integer):
                 raise ValueError(
                     f"prev_topk must be integer [B, S, out_width] = {(b, s, cfg.out_width)}, "
                     f"got {prev_topk.dtype} {tuple(prev_topk.shape)}"
                 )
+            concrete = not any(isinstance(a, jax.core.Tracer) for a in (prev_topk, mask, start))
+            if start is not None and concrete:
+                _check_causal_topk(np.asarray(prev_topk), np.asarray(mask), int(start))
         return x.astype(self.dtype), mask
 
     def _step(self, x, mask, cache: DsaCache, prev_topk):
@@ -525,7 +533,11 @@ class DsaAttention(nnx.Module):
             topk, o_lat = self._select_and_attend(q_lat, cache, q_pos, qi=qi, w=w, n_vis=n_vis)
             cache = cache.replace(n_valid=jnp.where(fits, n_vis[:, -1], cache.n_valid))
         else:
-            topk = jnp.where(mask[..., None], prev_topk.astype(jnp.int32), -1)
+            # Only slots at or before the query's own (q_pos is -1 for padding): a shared
+            # layer never attends to the future, even when a traced prev_topk (which
+            # _check_inputs cannot see) points there.
+            prev = prev_topk.astype(jnp.int32)
+            topk = jnp.where((prev >= 0) & (prev <= q_pos[..., None]), prev, -1)
             _, o_lat = self._select_and_attend(q_lat, cache, q_pos, topk=topk)
 
         out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...],
@@ -639,6 +651,12 @@ class DsaAttention(nnx.Module):
                 tail = None
                 if cfg.tail_width:
                     tail = pk.visible_tail(cache.first_key, t_nvis, t_pos, cache.key_valid, cfg.index_kpool)
+                    # With holes in the mask the tail (HF's rule: from first_key + visible
+                    # - visible % kpool) can fall inside a complete pool that is selected
+                    # too; drop those ids so no token is attended twice (HF builds a mask
+                    # from the ids, so it counts such a token once).
+                    t_pool = jnp.where(tail >= 0, (tail - cache.first_key[:, None, None]) // cfg.index_kpool, -2)
+                    tail = jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
                 t_topk = self._kernel(
                     pk.expand_selection, pools, cache.first_key, tail, kpool=cfg.index_kpool,
                     out_width=cfg.out_width, implementation=impl,
@@ -659,6 +677,36 @@ class DsaAttention(nnx.Module):
             return a[:, :s]
 
         return untile(t_topk), untile(o)
+
+
+# ---------------------------------------------------------------------------- input checks
+def as_index_array(prev_topk):
+    """``prev_topk`` (a list, numpy or jax array, or None) as a jax array, or ``ValueError``."""
+    if prev_topk is None or isinstance(prev_topk, jax.Array):
+        return prev_topk
+    try:
+        arr = np.asarray(prev_topk)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"prev_topk must be an integer array [B, S, out_width]: {e}") from None
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"prev_topk must be an integer array [B, S, out_width], got dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("prev_topk holds values outside int32")
+    return jnp.asarray(arr, jnp.int32)
+
+
+def _check_causal_topk(ids: np.ndarray, mask: np.ndarray, start: int) -> None:
+    """Refuse a ``prev_topk`` whose valid queries name a slot after their own (the future)
+    or a negative id other than ``-1`` (no token). Padding queries' rows are ignored."""
+    pos = start + np.arange(ids.shape[1])
+    bad = mask[..., None] & ((ids > pos[None, :, None]) | (ids < -1))
+    if bad.any():
+        b, q, j = (int(v[0]) for v in np.nonzero(bad))
+        raise ValueError(
+            f"prev_topk[{b}, {q}, {j}] = {int(ids[b, q, j])} but query {q} sits at slot "
+            f"{start + q}: ids must be -1 (no token) or a slot <= the query's own (a shared "
+            f"layer never attends to the future); {int(bad.sum())} such entries"
+        )
 
 
 # ---------------------------------------------------------------------------- HF names

@@ -662,17 +662,19 @@ def row_parallel_out_sharding(o: jax.Array):
 # ------------------------------------------------------------------------------- CLI
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``glm5-dsa plan``: print the TP plan table and per-rank totals."""
+    from glm5_dsa_jax.cli import nonnegative_int, positive_int
+
     p = subparsers.add_parser(
         "plan", help="print the tensor-parallel shard plan of one DSA layer",
         description=add_parser.__doc__,
     )
-    p.add_argument("--tp", type=int, default=8, help="TP size (default 8)")
-    p.add_argument("--rank", type=int, default=0, help="rank whose tensor table is shown (default 0)")
+    p.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8)")
+    p.add_argument("--rank", type=nonnegative_int, default=0, help="rank whose tensor table is shown (default 0)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=("glm53-flash", "tiny"), default="glm53-flash")
     src.add_argument("--config", help="a glm5_next config.json (or its directory)")
-    p.add_argument("--elem-bytes", type=int, default=BF16_BYTES, help="bytes per element (bf16: 2)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--elem-bytes", type=positive_int, default=BF16_BYTES, help="bytes per element (bf16: 2)")
+    p.add_argument("--context", type=positive_int, default=None,
                    help="context for the indexer all-reduce figure (default max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan_main)

@@ -79,3 +79,73 @@ def test_mismatched_kv_heads_refused():
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):
         gd.DsaConfig.preset("big")
+
+
+# --------------------------------------------------------------------- typed fields
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(index_kpool_always_select_tail="false"), "index_kpool_always_select_tail must be a JSON boolean"),
+        (dict(attention_bias="false"), "attention_bias must be a JSON boolean"),
+        (dict(attention_bias=1), "attention_bias must be a JSON boolean"),
+        (dict(num_hidden_layers="abc"), "num_hidden_layers must be an integer"),
+        (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
+        (dict(hidden_size="48"), "hidden_size must be an integer"),
+        (dict(hidden_size=48.0), "hidden_size must be an integer"),
+        (dict(index_topk=True), "index_topk must be an integer"),
+        (dict(q_lora_rank="24"), "q_lora_rank must be an integer"),
+        (dict(num_attention_heads=0), "num_attention_heads must be a positive integer"),
+        (dict(num_attention_heads=0, num_key_value_heads=4), "num_attention_heads must be a positive"),
+        (dict(max_position_embeddings=0), "max_position_embeddings must be a positive integer"),
+        (dict(max_position_embeddings=-5), "max_position_embeddings must be a positive integer"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a number"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0"),
+        (dict(rms_norm_eps=-1.0), "rms_norm_eps must be a finite number > 0"),
+        (dict(num_key_value_heads="4"), "num_key_value_heads must be an integer"),
+        (dict(layer_types="linear_attention"), "layer_types must be a list of strings"),
+        (dict(indexer_types=[1, 2, 3, 4]), "indexer_types must be a list of strings"),
+        (dict(indexer_types=None, index_topk_pattern="FSXF"), r"unknown letters \['X'\]; allowed letters are \['F', 'S'\]"),
+        (dict(indexer_types=None, index_topk_pattern="FS"), "index_topk_pattern has 2 entries"),
+        (dict(indexer_types=None, index_topk_pattern=7), "index_topk_pattern must be a string"),
+        (dict(indexer_types=None, index_topk_freq="2"), "index_topk_freq must be an integer"),
+    ],
+)
+def test_typed_fields_are_refused_with_their_name(change, needle):
+    d = gd.DsaConfig.tiny().to_hf_dict() | change
+    d = {k: v for k, v in d.items() if v is not None}
+    with pytest.raises(ValueError, match=needle):
+        gd.DsaConfig.from_hf_config(d)
+
+
+def test_real_booleans_and_pattern_are_read():
+    d = gd.DsaConfig.tiny().to_hf_dict()
+    del d["indexer_types"]
+    cfg = gd.DsaConfig.from_hf_config(d | dict(attention_bias=True, index_kpool_always_select_tail=False,
+                                                index_topk_pattern="FFSF"))
+    assert cfg.attention_bias is True and cfg.index_kpool_always_select_tail is False
+    assert cfg.indexer_types == ("full", "full", "shared", "full")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[1, 2]", "must hold a JSON object.*got list"),
+    ("null", "must hold a JSON object.*got null"),
+    ('{"hidden_size": 48,', "is not valid JSON"),
+    ("", "is not valid JSON"),
+])
+def test_bad_config_files_name_the_file(tmp_path, text, needle):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=needle) as e:
+        gd.DsaConfig.from_hf_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(attention_bias="false"), "attention_bias"),
+    (dict(index_kpool_always_select_tail=1), "index_kpool_always_select_tail"),
+    (dict(max_position_embeddings=0), "max_position_embeddings"),
+    (dict(index_norm_eps=float("inf")), "index_norm_eps"),
+    (dict(q_lora_rank=True), "q_lora_rank"),
+])
+def test_direct_construction_is_validated_too(change, field):
+    with pytest.raises(ValueError, match=field):
+        gd.DsaConfig.tiny().replace(**change)

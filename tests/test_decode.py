@@ -23,12 +23,18 @@ from helpers import ATOL, RTOL, check_selection
 CHUNKS = [6, 3, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 29 tokens: prefill chunks, then decode
 
 
-def batch(cfg, seq=29, seed=0):
+def batch(cfg, seq=29, seed=0, kind="left"):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((3, seq, cfg.hidden_size)).astype(np.float32)
     mask = np.ones((3, seq), bool)
-    mask[1, :5] = False  # left padding of different depths: sequences of different lengths
-    mask[2, :13] = False
+    if kind == "left":
+        mask[1, :5] = False  # left padding of different depths: sequences of different lengths
+        mask[2, :13] = False
+    else:  # holes inside prefill chunks and decode steps, right padding, left + holes
+        mask[0, [2, 7, 8, 17, 22]] = False
+        mask[1, 20:] = False
+        mask[2, :5] = False
+        mask[2, [11, 19]] = False
     return x, mask
 
 
@@ -43,10 +49,13 @@ def run_chunks(dec, x, mask, chunks, prev=None):
     return np.concatenate(outs, 1), np.concatenate(tops, 1)
 
 
-@pytest.mark.parametrize("kpool,topk,tail", [(1, 5, False), (1, 5, True), (4, 8, True), (4, 8, False)])
-def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail):
+@pytest.mark.parametrize("kpool,topk,tail,kind", [
+    (1, 5, False, "left"), (1, 5, True, "left"), (4, 8, True, "left"), (4, 8, False, "left"),
+    (4, 8, True, "gaps"),  # holes and right padding: HF reads them like the one-shot call
+])
+def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail, kind):
     cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
-    x, mask = batch(cfg, seed=kpool)
+    x, mask = batch(cfg, seed=kpool, kind=kind)
     attn, attn2 = hf_attention(cfg, 1, seed=5), hf_attention(cfg, 2, seed=6)
     layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
     layer.load_hf_weights(state_dict_np(attn))

@@ -50,13 +50,56 @@ CASES = [
 def test_full_then_shared_layer_match_hf(kpool, topk, tail, seq, pads):
     cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
     x, mask = padded_batch(cfg, pads, seq, seed=kpool * 100 + seq)
+    _full_then_shared_match_hf(cfg, x, mask)
+
+
+def _mask_rows(seq: int, kinds) -> np.ndarray:
+    """Masks beyond left padding: ``"right"`` (the last third padding), ``"gaps"`` (holes
+    inside and between pools), ``"both"`` (left and right padding and a hole)."""
+    rows = []
+    for kind in kinds:
+        m = np.ones(seq, bool)
+        if kind == "right":
+            m[seq - seq // 3:] = False
+        elif kind == "gaps":
+            m[[2, 5, 6, seq // 2, seq - 2]] = False
+        elif kind == "both":
+            m[:3] = False
+            m[seq - 4:] = False
+            m[seq // 2] = False
+        rows.append(m)
+    return np.stack(rows)
+
+
+# HF's glm5_next reads the mask the same way for any pattern: pools are laid on a grid from
+# the first valid key (``first_key``); a pool holding any padding key is not a candidate;
+# the tail starts at ``first_key + visible - visible % kpool`` and drops padding slots;
+# padding queries select nothing. So right padding and holes are compared with HF itself.
+MASK_CASES = [
+    # kpool, topk, tail, seq, kinds
+    (1, 4, True, 13, ("right", "gaps", "none")),
+    (4, 8, True, 23, ("right", "gaps", "both")),
+    (4, 12, False, 23, ("gaps", "both")),
+]
+
+
+@pytest.mark.parametrize("kpool,topk,tail,seq,kinds", MASK_CASES)
+def test_right_padding_and_gaps_match_hf(kpool, topk, tail, seq, kinds):
+    cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
+    rng = np.random.default_rng(kpool * 10 + seq)
+    x = rng.standard_normal((len(kinds), seq, cfg.hidden_size)).astype(np.float32)
+    _full_then_shared_match_hf(cfg, x, _mask_rows(seq, kinds))
+
+
+def _full_then_shared_match_hf(cfg, x, mask):
+    n_seq, seq = mask.shape
     attn_full, attn_shared = hf_attention(cfg, 1, seed=1), hf_attention(cfg, 2, seed=2)
     full, shared = make_layer(cfg, 1, attn_full), make_layer(cfg, 2, attn_shared)
 
     hf_out, hf_topk = hf_forward(attn_full, x, mask)
     out, ours = full(jnp.asarray(x), attention_mask=jnp.asarray(mask))
     out, ours = np.asarray(out), np.asarray(ours)
-    assert ours.shape == hf_topk.shape == (len(pads), seq, cfg.out_width)
+    assert ours.shape == hf_topk.shape == (n_seq, seq, cfg.out_width)
     check_selection(cfg, full, x, mask, ours, hf_topk)
 
     # A row that selects nothing (no complete visible pool, no tail) is zeros here; HF
@@ -68,7 +111,7 @@ def test_full_then_shared_layer_match_hf(kpool, topk, tail, seq, pads):
     ref = hf_attend_on(attn_full, x, mask, ours)
     np.testing.assert_allclose(out[live], ref[live], atol=ATOL, rtol=RTOL)
     same = np.array([[set(ours[b, t][ours[b, t] >= 0]) == set(hf_topk[b, t][hf_topk[b, t] >= 0])
-                      for t in range(seq)] for b in range(len(pads))]) & live
+                      for t in range(seq)] for b in range(n_seq)]) & live
     assert same.sum() > live.sum() // 2
     np.testing.assert_allclose(out[same], hf_out[same], atol=ATOL, rtol=RTOL)
 
