@@ -26,8 +26,8 @@ Invariants and assumptions (why the numbers are what they are):
   roughly (one per operation) and never dominates. The bound is
   ``max(bytes / bandwidth, flops / peak)`` at the GPU's HBM bandwidth and dense bf16
   tensor-core peak (``GPUS``): a lower bound on the kernel's time, assuming full occupancy
-  (the ``programs`` column says how many programs a kernel launches; ``topk_pools`` runs
-  one per query row, so at batch-1 decode it cannot use the whole GPU).
+  (the ``programs`` column says how many programs a kernel launches per pass; ``topk_pools``
+  runs one per query row up to 32K-token contexts and one per 2,048-pool segment beyond).
 * The projections are XLA matmuls: each reads its weight once per call and its input and
   output activations once.
 
@@ -179,12 +179,16 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
     fl = b * s * pools * hi * (2 * d + 3)
     out.append(("index_scores", by, fl, q_tiles * b * p_tiles))
 
-    # topk_pools: one program per query row; 32 / radix_bits counting passes and one
-    # compaction pass over the row's float32 scores, then the ids written.
-    passes = 32 // tk.DEFAULT_BLOCK_SIZES["radix_bits"] + 1
+    # topk_pools: 32 / radix_bits counting passes and one compaction pass over the row's
+    # float32 scores, then the ids written; one program per query row, or (a row of at
+    # least _SPLIT_MIN_SEGMENTS segments) one per split_p-pool segment of it.
+    blocks = tk.DEFAULT_BLOCK_SIZES
+    passes = 32 // blocks["radix_bits"] + 1
     by = b * s * (passes * pools * 4 + select_k * 4)
-    fl = b * s * pools * (passes - 1) * (2 ** tk.DEFAULT_BLOCK_SIZES["radix_bits"]) * 2
-    out.append(("topk_pools", by, fl, b * s))
+    fl = b * s * pools * (passes - 1) * (2 ** blocks["radix_bits"]) * 2
+    segments = -(-pools // blocks["split_p"])
+    per_row = segments if segments >= tk._SPLIT_MIN_SEGMENTS else 1
+    out.append(("topk_pools", by, fl, b * s * per_row))
 
     # expand_selection: the pool ids (+ tail ids) in, out_width token ids out.
     ebq = min(_default(ex._expand_selection_pallas, "block_q"), _pow2(s))

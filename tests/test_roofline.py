@@ -66,10 +66,25 @@ def test_weight_bytes_are_the_layers_and_the_projections_read_them():
     assert floor["cache"] == 4096 * 128 * 2 + 2048 * 512 * 2
 
 
-def test_programs_follow_the_kernels_grids():
-    dec = _by(rl.rows(CFG, "h200", 1 << 20, 1, phases=("decode",)), "decode")
-    assert dec["topk_pools"].programs == 1  # one program per query row
-    assert dec["index_scores"].programs == (1 << 18) // 64  # block_p = 64 pools per program
+@pytest.mark.parametrize("context", [4096, 1 << 20])
+def test_programs_follow_the_kernels_grids(context):
+    """The programs column equals the grid the kernel really launches (lowered for CUDA)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels._common import lower_for_cuda, triton_calls
+    from pallas_kernels.topk_pools import topk_pools
+
+    dec = _by(rl.rows(CFG, "h200", context, 1, phases=("decode",)), "decode")
+    pools = context // CFG.index_kpool
+    calls = triton_calls(lower_for_cuda(
+        lambda s: topk_pools(s, CFG.select_k(pools), implementation="pallas"),
+        jax.ShapeDtypeStruct((1, 1, pools), jnp.float32),
+    ))
+    grid = lambda c: c["grid"][0] * c["grid"][1] * c["grid"][2]
+    assert dec["topk_pools"].programs == max(grid(c) for c in calls)
+    assert dec["topk_pools"].programs == (1 if context == 4096 else 128)
+    assert dec["index_scores"].programs == pools // 64  # block_p = 64 pools per program
     assert dec["sparse_mla"].programs >= 4  # at least the 64 / 16 head blocks
 
 
