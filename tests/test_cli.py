@@ -1,5 +1,6 @@
 """The command line: the demo (default and from a checkpoint) and the decode benchmark."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -49,7 +50,9 @@ def test_bench_decode_json(capsys):
             assert r["floor_ms"] == pytest.approx(r["floor_bytes"] / (res["read_gb_s"] * 1e9) * 1e3)
     assert res["read_gb_s"] > 0 and res["float32_compute"]  # a CPU: the float32 copies
     assert res["weight_bytes_step"] == 2 * res["weight_bytes_stored"]
-    assert [r["context"] for r in rows if r["impl"] == "hf"] == [64, 256]  # HF eager rows
+    # HF eager rows need torch (absent on the Python 3.12 leg, where the bench says so).
+    want_hf = [64, 256] if importlib.util.find_spec("torch") else []
+    assert [r["context"] for r in rows if r["impl"] == "hf"] == want_hf
     sparse = [r for r in rows if r["impl"] == "sparse"]
     assert [r["context"] for r in sparse] == [64, 256]
     assert all(r["compiles"] == 1 for r in sparse)  # one compilation across contexts

@@ -33,25 +33,33 @@ def _run(layer, x, mask, chunks):
 
 
 def test_float32_step_matches_the_bf16_step():
+    """Same selection; outputs as accurate as the bf16 step's, or more.
+
+    The float32 products compute exactly what a bf16 product accumulating in float32 does
+    (bf16 -> float32 is exact; each product rounds its output to bf16). jax 0.10's XLA:CPU
+    bf16 dot accumulates in float32, and there the two steps are equal; jax 0.12's does
+    not, and there the float32 step is the closer of the two to the float32 computation on
+    the same bf16 weights. So: against that float32 oracle, the float32 step's error is no
+    larger than the bf16 step's, and within the bf16 budget of a few roundings.
+    """
     wide, narrow = _bf16_layer(True), _bf16_layer(False)
+    graphdef, params = nnx.split(_bf16_layer(False))
+    oracle = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), params))
+    oracle.dtype = jnp.dtype(jnp.float32)
     x = jax.random.normal(jax.random.key(3), (2, 20, wide.cfg.hidden_size), jnp.float32)
     mask = jnp.ones((2, 20), bool).at[1, :3].set(False)
     chunks = [13, 1, 1, 5]  # a prefill chunk, then decode steps
     out_w, topk_w, dec_w = _run(wide, x, mask, chunks)
     out_n, topk_n, dec_n = _run(narrow, x, mask, chunks)
+    out_f, topk_f, _ = _run(oracle, x, mask, chunks)
     assert dec_w.step.float32 and not dec_n.step.float32
-    assert out_w.dtype == out_n.dtype == jnp.bfloat16
+    assert out_w.dtype == out_n.dtype == jnp.bfloat16 and out_f.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_n))
-    a, b = np.asarray(out_w, np.float32), np.asarray(out_n, np.float32)
-    # bf16 outputs of the same float32 sums: equal, or one bf16 ulp apart where the
-    # accumulation order moved a value across a rounding boundary.
-    ulp = np.maximum(np.abs(b), 1e-30) * 2.0**-7
-    assert np.all(np.abs(a - b) <= ulp), np.max(np.abs(a - b) / ulp)
-    assert np.mean(a == b) > 0.95
-    for f in ("latent", "pooled"):
-        np.testing.assert_array_equal(np.asarray(getattr(dec_w.cache, f), np.float32),
-                                      np.asarray(getattr(dec_n.cache, f), np.float32))
-
+    np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_f))
+    ref = np.asarray(out_f, np.float64)
+    err = lambda o: np.linalg.norm(np.asarray(o, np.float64) - ref) / np.linalg.norm(ref)
+    assert err(out_w) <= err(out_n) * (1 + 1e-6), (err(out_w), err(out_n))
+    assert err(out_w) < 8 * 2.0**-9, err(out_w)  # ~8 bf16 roundings in a row
 
 def test_parameters_and_checkpoints_keep_their_dtype(tmp_path):
     layer = _bf16_layer()
