@@ -308,7 +308,7 @@ def _attention_rows(layer, cache, b, ctx, iters, log):
 
 
 def add_parser(sub) -> None:
-    from glm5_dsa_jax.cli import positive_int, positive_int_list
+    from glm5_dsa_jax.cli.args import positive_int, positive_int_list
 
     p = sub.add_parser("bench", help="benchmarks (decode)")
     p.add_argument("what", choices=["decode"])

@@ -168,7 +168,7 @@ def main(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from glm5_dsa_jax.cli import nonnegative_int
+    from glm5_dsa_jax.cli.args import nonnegative_int
 
     p = sub.add_parser("demo", help="run a padded batch through a DSA layer, prefill then decode")
     p.add_argument("--preset", default="tiny", choices=["tiny", "glm53-flash"])

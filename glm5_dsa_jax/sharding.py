@@ -662,7 +662,7 @@ def row_parallel_out_sharding(o: jax.Array):
 # ------------------------------------------------------------------------------- CLI
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """``glm5-dsa plan``: print the TP plan table and per-rank totals."""
-    from glm5_dsa_jax.cli import nonnegative_int, positive_int
+    from glm5_dsa_jax.cli.args import nonnegative_int, positive_int
 
     p = subparsers.add_parser(
         "plan", help="print the tensor-parallel shard plan of one DSA layer",

@@ -1,6 +1,6 @@
-"""``glm5-dsa``: the command line. Each subcommand lives with the code it drives.
+"""Argument types shared by the ``glm5-dsa`` subcommands.
 
-Every numeric flag is parsed by one of the validating types below, so a bad value (``0``
+Every numeric flag is parsed by one of these validating types, so a bad value (``0``
 iterations, a negative size) is an argparse usage error, exit status 2, before any work
 starts, never a traceback or a negative figure printed with status 0.
 """
@@ -8,7 +8,6 @@ starts, never a traceback or a negative figure printed with status 0.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def _int(s: str) -> int:
@@ -40,20 +39,3 @@ def positive_int_list(s: str) -> list[int]:
     if not vals:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
     return vals
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    from glm5_dsa_jax import bench, checkpoint, demo, roofline, sharding
-
-    for module in (demo, bench, sharding, checkpoint, roofline):
-        module.add_parser(sub)
-
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
