@@ -14,10 +14,11 @@ from glm5_dsa_jax.checkpoint import (
     CheckpointError, load_hf_checkpoint, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.sharding import TpPlan, partition_specs, shard_layer
+from glm5_dsa_jax.layout import hf_weight_shapes
+from glm5_dsa_jax.plan import TpPlan, partition_specs
+from glm5_dsa_jax.sharding import shard_layer
 from glm5_dsa_jax.layer import (
     DsaAttention, DsaIndexer, absorb_o, absorb_q, clear_float32_copies, float32_params,
-    hf_weight_shapes,
 )
 from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
 

@@ -5,7 +5,7 @@ Invariants:
 * All sequences of a batch share one timeline: slot ``i`` of every row is the ``i``-th
   token fed to the layer, padding included (as in Hugging Face's ``DynamicCache``).
   ``length`` is the number of slots written; token ids in a top-k row are slots.
-* ``latent[b, i]`` is ``kv_a_layernorm(kv_a_proj_with_mqa(x_i))``, the only per-token
+* ``latent[b, i]`` is ``kv_a_layernorm(kv_a_proj(x_i))``, the only per-token
   tensor attention reads; ``key_valid[b, i]`` is False for padding.
 * The indexer keeps *pooled* keys: ``pooled[b, p]`` is written once, when the last token
   of pool ``p`` arrives, and never recomputed. Only the last ``index_kpool`` tokens' keys

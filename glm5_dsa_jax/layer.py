@@ -2,10 +2,11 @@
 
 Invariants:
 
-* Parameters are stored in JAX layout (``[in, out]``, heads as their own axis) and carry
-  their tensor-parallel placement as ``out_sharding`` metadata: the head axis of
-  ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything else,
-  the whole indexer included, is replicated (see ``glm5_dsa_jax.sharding`` for why).
+* Parameters are the rows of the layout table (``glm5_dsa_jax.layout``: names, shapes,
+  initialisers, creation order), stored in JAX layout (``[in, out]``, heads as their own
+  axis), and carry their tensor-parallel placement as ``out_sharding`` metadata: the head
+  axis of ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything
+  else, the whole indexer included, is replicated (see ``glm5_dsa_jax.plan`` for why).
 * ``kv_b_proj`` is split once, at load, into ``w_uk [heads, qk_nope, kv_lora]`` and
   ``w_uv [heads, v_head, kv_lora]``; attention then runs in the ``kv_lora_rank``-wide
   latent space (``absorb_q`` before, ``absorb_o`` after), reading one latent row per
@@ -38,8 +39,11 @@ from flax import nnx
 
 import pallas_kernels as pk
 from pallas_kernels._common import check_implementation
+from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.layout import hf_weight_shapes
+from glm5_dsa_jax.weights import hf_to_params
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
            "float32_params", "clear_float32_copies"]
@@ -192,29 +196,36 @@ def _mesh_has(axis: str | None) -> bool:
 
 
 class _ParamFactory:
-    """Makes ``nnx.Param``s with ``out_sharding`` metadata.
+    """Makes the ``nnx.Param`` of a ``layout.Param`` row, with ``out_sharding`` metadata.
 
-    The metadata is kept even with no mesh in context (eager sharding is then switched off
-    for the creation), so ``shard_layer`` or a user's ``nnx.get_partition_spec`` can place
-    the parameters later.
+    The shape, initialiser and head axis come from the layout table. The metadata is kept
+    even with no mesh in context (eager sharding is then switched off for the creation),
+    so ``shard_layer`` or a user's ``nnx.get_partition_spec`` can place the parameters later.
     """
 
-    def __init__(self, rngs: nnx.Rngs, param_dtype, tp_axis: str | None):
-        self.rngs, self.param_dtype, self.tp_axis = rngs, param_dtype, tp_axis
+    def __init__(self, cfg: DsaConfig, rngs: nnx.Rngs, param_dtype, tp_axis: str | None):
+        self.cfg, self.rngs, self.param_dtype, self.tp_axis = cfg, rngs, param_dtype, tp_axis
 
-    def __call__(self, shape, axes, init="normal", fan_in=None):
-        if init == "ones":
+    def __call__(self, p: layout.Param) -> nnx.Param:
+        shape = p.shape(self.cfg)
+        if p.init == "ones":
             value = jnp.ones(shape, self.param_dtype)
-        elif init == "zeros":
+        elif p.init == "zeros":
             value = jnp.zeros(shape, self.param_dtype)
         else:
-            std = (fan_in or shape[0]) ** -0.5
+            std = p.init_std(self.cfg)
             value = (jax.random.normal(self.rngs.params(), shape, jnp.float32) * std).astype(self.param_dtype)
-        spec = tuple(self.tp_axis if a == "heads" else None for a in axes)
+        spec = p.spec(self.tp_axis)
         if _mesh_has(self.tp_axis):
             return nnx.Param(value, out_sharding=spec)
         with nnx.use_eager_sharding(False):
             return nnx.Param(value, out_sharding=spec)
+
+    def create(self, module: nnx.Module, tensors) -> None:
+        """Set ``module.<name>`` for every parameter of ``tensors`` (table order: the order
+        the random inits are drawn in)."""
+        for _, p in layout.iter_params(tensors):
+            setattr(module, p.path[-1], self(p))
 
 
 # ---------------------------------------------------------------------------- indexer
@@ -228,17 +239,10 @@ class DsaIndexer(nnx.Module):
     """
 
     def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
-        mk = _ParamFactory(rngs, param_dtype, tp_axis)
-        h, d, hi = cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads
-        self.wq_b = mk((cfg.q_lora_rank, hi, d), (None, None, None))
-        self.wk = mk((h, d), (None, None))
-        self.k_norm_scale = mk((d,), (None,), "ones")
-        self.k_norm_bias = mk((d,), (None,), "zeros")
-        self.weights_proj = mk((h, hi), (None, None))
-        self.kpool_gate = mk((h, d), (None, None))
-        self.kpool_ape = mk((cfg.index_kpool, d), (None, None), "zeros")
+        _ParamFactory(cfg, rngs, param_dtype, tp_axis).create(
+            self, [t for t in layout.TENSORS if t.indexer])
         self.eps = cfg.index_norm_eps
-        self.index_heads = hi
+        self.index_heads = cfg.index_n_heads
 
     def project(self, x: jax.Array, q_resid: jax.Array, *, wide: bool = False):
         """``x [B, S, hidden]``, ``q_resid [B, S, q_lora]`` -> queries ``[B, S, Hi, D]``,
@@ -304,23 +308,12 @@ class DsaAttention(nnx.Module):
         self.cpu_float32 = bool(cpu_float32)
         # True only on the copy a compiled step merges (make_step): float32 products.
         self._wide = False
-        mk = _ParamFactory(rngs, param_dtype, tp_axis)
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        c = cfg.kv_lora_rank
-        self.q_a_proj = mk((h, cfg.q_lora_rank), (None, None))
-        self.q_a_layernorm = mk((cfg.q_lora_rank,), (None,), "ones")
-        self.q_b_proj = mk((cfg.q_lora_rank, nh, cfg.qk_head_dim), (None, "heads", None))
-        self.kv_a_proj_with_mqa = mk((h, cfg.kv_cache_dim), (None, None))
-        self.kv_a_layernorm = mk((c,), (None,), "ones")
-        self.w_uk = mk((nh, cfg.qk_nope_head_dim, c), ("heads", None, None), fan_in=c)
-        self.w_uv = mk((nh, cfg.v_head_dim, c), ("heads", None, None), fan_in=c)
-        self.o_proj = mk((nh, cfg.v_head_dim, h), ("heads", None, None), fan_in=nh * cfg.v_head_dim)
-        if cfg.attention_bias:
-            self.q_a_proj_bias = mk((cfg.q_lora_rank,), (None,), "zeros")
-            self.kv_a_proj_bias = mk((cfg.kv_cache_dim,), (None,), "zeros")
-            self.o_proj_bias = mk((h,), (None,), "zeros")
-        else:
-            self.q_a_proj_bias = self.kv_a_proj_bias = self.o_proj_bias = None
+        # The attention's own tensors (the indexer's are DsaIndexer's); without
+        # attention_bias the bias attributes are None.
+        _ParamFactory(cfg, rngs, param_dtype, tp_axis).create(self, layout.layer_tensors(cfg, indexer=False))
+        for t in layout.TENSORS:
+            if t.bias and not cfg.attention_bias:
+                setattr(self, t.params[0].path[-1], None)
         self.indexer = (
             DsaIndexer(cfg, rngs=rngs, param_dtype=param_dtype, tp_axis=tp_axis)
             if cfg.has_indexer(layer_idx)
@@ -343,8 +336,6 @@ class DsaAttention(nnx.Module):
         as one ``ValueError`` before any parameter changes, so a failed load leaves the
         layer as it was.
         """
-        from glm5_dsa_jax.weights import hf_to_params
-
         params = hf_to_params(self.cfg, self.layer_idx, weights, self.param_dtype)
         for path, value in params.items():
             obj = self
@@ -554,7 +545,7 @@ class DsaAttention(nnx.Module):
         q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
         q = _mm("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self._wide)
         q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self._wide)
-        kv = self._dense(x, self.kv_a_proj_with_mqa, self.kv_a_proj_bias)
+        kv = self._dense(x, self.kv_a_proj, self.kv_a_proj_bias)
         latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
         return q_resid, q_lat, latent
 
@@ -707,42 +698,3 @@ def _check_causal_topk(ids: np.ndarray, mask: np.ndarray, start: int) -> None:
             f"{start + q}: ids must be -1 (no token) or a slot <= the query's own (a shared "
             f"layer never attends to the future); {int(bad.sum())} such entries"
         )
-
-
-# ---------------------------------------------------------------------------- HF names
-def hf_tensor_shapes(cfg: DsaConfig) -> dict[str, tuple[int, ...]]:
-    """PyTorch-layout shapes of every HF tensor a DSA layer of ``cfg`` can have (names
-    after ``self_attn.``): biases and indexer included, whatever the layer."""
-    h, nh = cfg.hidden_size, cfg.num_attention_heads
-    d, hi = cfg.index_head_dim, cfg.index_n_heads
-    return {
-        "q_a_proj.weight": (cfg.q_lora_rank, h),
-        "q_a_layernorm.weight": (cfg.q_lora_rank,),
-        "q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank),
-        "kv_a_proj_with_mqa.weight": (cfg.kv_cache_dim, h),
-        "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-        "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        "o_proj.weight": (h, nh * cfg.v_head_dim),
-        "q_a_proj.bias": (cfg.q_lora_rank,),
-        "kv_a_proj_with_mqa.bias": (cfg.kv_cache_dim,),
-        "o_proj.bias": (h,),
-        "indexer.wq_b.weight": (hi * d, cfg.q_lora_rank),
-        "indexer.wk.weight": (d, h),
-        "indexer.k_norm.weight": (d,),
-        "indexer.k_norm.bias": (d,),
-        "indexer.weights_proj.weight": (hi, h),
-        "indexer.index_kpool_compress_gate": (d, h),
-        "indexer.index_kpool_compress_ape": (cfg.index_kpool, d),
-    }
-
-
-def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
-    """PyTorch-layout shapes of the HF tensors of one DSA layer (names after ``self_attn.``):
-    biases only with ``attention_bias``, indexer tensors only on a ``"full"`` layer."""
-    cfg.check_layer(layer_idx)
-    indexer = cfg.has_indexer(layer_idx)
-    return {
-        name: shape for name, shape in hf_tensor_shapes(cfg).items()
-        if (cfg.attention_bias or not name.endswith(".bias") or name.startswith("indexer."))
-        and (indexer or not name.startswith("indexer."))
-    }

@@ -45,6 +45,7 @@ import json
 import math
 import sys
 
+from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
@@ -88,11 +89,12 @@ def matmul_weights(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[
     (per token; ``w_uk``/``w_uv`` are per-head products, block-diagonal over the heads)."""
     h, nh, c = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
     nope, v, ql = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    # Named after the HF modules (the layout table's names), w_uk/w_uv by their product.
     w = {
         "q_a_proj": (h * ql, h, ql),
         "q_b_proj": (ql * nh * cfg.qk_head_dim, ql, nh * cfg.qk_head_dim),
         "w_uk (absorb_q)": (nh * nope * c, nh * nope, nh * c),
-        "kv_a_proj_with_mqa": (h * cfg.kv_cache_dim, h, cfg.kv_cache_dim),
+        layout.find_param(("kv_a_proj",))[0].name: (h * cfg.kv_cache_dim, h, cfg.kv_cache_dim),
         "w_uv (absorb_o)": (nh * v * c, nh * c, nh * v),
         "o_proj": (nh * v * h, nh * v, h),
     }
@@ -106,13 +108,7 @@ def matmul_weights(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[
 def weight_bytes(cfg: DsaConfig, elem_bytes: int = 2, has_indexer: bool = True) -> int:
     """Bytes of every parameter of one layer (matmul weights, norms, biases when
     ``attention_bias``, the indexer's tensors when ``has_indexer``) at ``elem_bytes``."""
-    from glm5_dsa_jax.layer import hf_tensor_shapes
-
-    return elem_bytes * sum(
-        math.prod(shape) for name, shape in hf_tensor_shapes(cfg).items()
-        if (cfg.attention_bias or not name.endswith(".bias") or name.startswith("indexer."))
-        and (has_indexer or not name.startswith("indexer."))
-    )
+    return elem_bytes * sum(math.prod(t.hf_shape(cfg)) for t in layout.layer_tensors(cfg, indexer=has_indexer))
 
 
 def selected_ids(cfg: DsaConfig, visible: int) -> int:

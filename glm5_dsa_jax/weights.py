@@ -1,12 +1,12 @@
-"""Hugging Face tensor layout <-> this project's parameter layout, for one DSA layer.
+"""Hugging Face tensors <-> this project's parameters for one DSA layer, both directions
+derived from the layout table (``glm5_dsa_jax.layout``), plus the checks a load applies.
 
 Invariants:
 
-* HF tensors are PyTorch ``[out, in]``; ours are ``[in, out]`` with heads as an axis:
-  ``q_b_proj [q_lora, heads, qk_head]``, ``w_uk [heads, qk_nope, kv_lora]``,
-  ``w_uv [heads, v_head, kv_lora]``, ``o_proj [heads, v_head, hidden]``.
-* ``kv_b_proj`` rows are ``heads`` groups of ``qk_nope + v_head`` rows: the first
-  ``qk_nope`` of each group are ``W_UK``, the rest ``W_UV``. The split happens here, once.
+* Which tensors, their shapes and the transform (transpose, heads as an axis,
+  ``kv_b_proj -> w_uk + w_uv``) come from ``layout`` only; ``hf_to_params`` is
+  ``layout.read_param`` with full bounds (the sliced checkpoint import is the same call
+  with a shard's bounds) and ``params_to_hf`` is ``layout.assemble_hf``.
 * ``hf_to_params`` checks everything first (missing, unexpected, misshaped, non-float,
   non-finite tensors) and raises one ``ValueError`` listing every problem, so a caller
   that assigns only after it returns never half-loads a layer.
@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 
 __all__ = ["hf_to_params", "params_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
@@ -81,9 +82,7 @@ def hf_to_params(
     cfg: DsaConfig, layer_idx: int, weights: Mapping[str, Any], param_dtype=jnp.bfloat16
 ) -> dict[tuple[str, ...], Any]:
     """HF tensors (names relative to ``self_attn.``) -> ``{param path: array}``."""
-    from glm5_dsa_jax.layer import hf_weight_shapes
-
-    want = hf_weight_shapes(cfg, layer_idx)
+    want = layout.hf_weight_shapes(cfg, layer_idx)
     problems: list[str] = []
     arrays: dict[str, np.ndarray] = {}
     for name in sorted(set(weights) - set(want)):
@@ -107,72 +106,24 @@ def hf_to_params(
         arrays[name] = a
     if problems:
         raise WeightError(f"weights for DSA layer {layer_idx}", problems)
-
-    nh, r = cfg.num_attention_heads, cfg.kv_lora_rank
-    nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
-    kvb = arrays["kv_b_proj.weight"].reshape(nh, nope + v, r)
-    out: dict[tuple[str, ...], np.ndarray] = {
-        ("q_a_proj",): arrays["q_a_proj.weight"].T,
-        ("q_a_layernorm",): arrays["q_a_layernorm.weight"],
-        ("q_b_proj",): arrays["q_b_proj.weight"].reshape(nh, cfg.qk_head_dim, -1).transpose(2, 0, 1),
-        ("kv_a_proj_with_mqa",): arrays["kv_a_proj_with_mqa.weight"].T,
-        ("kv_a_layernorm",): arrays["kv_a_layernorm.weight"],
-        ("w_uk",): kvb[:, :nope],
-        ("w_uv",): kvb[:, nope:],
-        ("o_proj",): arrays["o_proj.weight"].T.reshape(nh, v, cfg.hidden_size),
+    return {
+        p.path: jnp.asarray(np.ascontiguousarray(
+            layout.read_param(cfg, t, p, layout.array_reader(arrays[t.hf_name]))), dtype=param_dtype)
+        for t, p in layout.iter_params(layout.layer_tensors(cfg, layer_idx))
     }
-    if cfg.attention_bias:
-        out[("q_a_proj_bias",)] = arrays["q_a_proj.bias"]
-        out[("kv_a_proj_bias",)] = arrays["kv_a_proj_with_mqa.bias"]
-        out[("o_proj_bias",)] = arrays["o_proj.bias"]
-    if cfg.has_indexer(layer_idx):
-        hi, d = cfg.index_n_heads, cfg.index_head_dim
-        out |= {
-            ("indexer", "wq_b"): arrays["indexer.wq_b.weight"].reshape(hi, d, -1).transpose(2, 0, 1),
-            ("indexer", "wk"): arrays["indexer.wk.weight"].T,
-            ("indexer", "k_norm_scale"): arrays["indexer.k_norm.weight"],
-            ("indexer", "k_norm_bias"): arrays["indexer.k_norm.bias"],
-            ("indexer", "weights_proj"): arrays["indexer.weights_proj.weight"].T,
-            ("indexer", "kpool_gate"): arrays["indexer.index_kpool_compress_gate"].T,
-            ("indexer", "kpool_ape"): arrays["indexer.index_kpool_compress_ape"],
-        }
-    return {k: jnp.asarray(np.ascontiguousarray(a), dtype=param_dtype) for k, a in out.items()}
 
 
 def params_to_hf(layer) -> dict[str, np.ndarray]:
     """The inverse of ``hf_to_params``: a ``DsaAttention``'s parameters as HF tensors
     (float32 numpy, PyTorch layout, names relative to ``self_attn.``)."""
-    cfg = layer.cfg
-
-    def g(*path):
+    def value(path):
         obj = layer
         for p in path:
             obj = getattr(obj, p)
         return np.asarray(obj[...], dtype=np.float32)
 
-    nh = cfg.num_attention_heads
-    out = {
-        "q_a_proj.weight": g("q_a_proj").T,
-        "q_a_layernorm.weight": g("q_a_layernorm"),
-        "q_b_proj.weight": g("q_b_proj").transpose(1, 2, 0).reshape(nh * cfg.qk_head_dim, -1),
-        "kv_a_proj_with_mqa.weight": g("kv_a_proj_with_mqa").T,
-        "kv_a_layernorm.weight": g("kv_a_layernorm"),
-        "kv_b_proj.weight": np.concatenate([g("w_uk"), g("w_uv")], axis=1).reshape(-1, cfg.kv_lora_rank),
-        "o_proj.weight": g("o_proj").reshape(nh * cfg.v_head_dim, cfg.hidden_size).T,
+    cfg = layer.cfg
+    return {
+        t.hf_name: np.ascontiguousarray(layout.assemble_hf(cfg, t, {p.path: value(p.path) for p in t.params}))
+        for t in layout.layer_tensors(cfg, indexer=layer.indexer is not None)
     }
-    if cfg.attention_bias:
-        out["q_a_proj.bias"] = g("q_a_proj_bias")
-        out["kv_a_proj_with_mqa.bias"] = g("kv_a_proj_bias")
-        out["o_proj.bias"] = g("o_proj_bias")
-    if layer.indexer is not None:
-        hi, d = cfg.index_n_heads, cfg.index_head_dim
-        out |= {
-            "indexer.wq_b.weight": g("indexer", "wq_b").transpose(1, 2, 0).reshape(hi * d, -1),
-            "indexer.wk.weight": g("indexer", "wk").T,
-            "indexer.k_norm.weight": g("indexer", "k_norm_scale"),
-            "indexer.k_norm.bias": g("indexer", "k_norm_bias"),
-            "indexer.weights_proj.weight": g("indexer", "weights_proj").T,
-            "indexer.index_kpool_compress_gate": g("indexer", "kpool_gate").T,
-            "indexer.index_kpool_compress_ape": g("indexer", "kpool_ape"),
-        }
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}

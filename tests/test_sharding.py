@@ -116,11 +116,11 @@ def test_plan_figures_glm53_flash():
     assert plan.needs_output_all_reduce
     assert not sh.TpPlan.build(cfg, 0, 1).needs_output_all_reduce
     assert plan.output_allreduce_bytes(tokens=1) == h * 2
-    # Every indexer tensor, kv_a_proj_with_mqa and the down-projections are replicated.
+    # Every indexer tensor, kv_a_proj and the down-projections are replicated.
     kinds = {t.name: t.kind for t in plan.tensors}
     assert all(k is sh.ShardKind.REPLICATED for n, k in kinds.items() if n.startswith("indexer."))
-    for n in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
-        assert kinds[n] is sh.ShardKind.REPLICATED
+    for n in ("q_a_proj", "q_a_layernorm", "kv_a_proj", "kv_a_layernorm"):  # our parameter names
+        assert plan[n].kind is sh.ShardKind.REPLICATED
     assert kinds["q_b_proj"] is kinds["kv_b_proj"] is sh.ShardKind.HEAD_ROWS
     assert kinds["o_proj"] is sh.ShardKind.HEAD_COLS
 
