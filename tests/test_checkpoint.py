@@ -25,6 +25,8 @@ from safetensors.numpy import save_file
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
+from glm5_dsa_jax.checkpoint import safetensors_file
+from glm5_dsa_jax.cli import convert
 from glm5_dsa_jax.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, randomize_
 from helpers import check_selection
@@ -310,7 +312,7 @@ def test_truncated_and_corrupt_files(tiny):
     cut = int(size * 0.6)
     with open(f, "r+b") as fh:
         fh.truncate(cut)
-    ends = {n: i.offset + int(np.prod(i.shape)) * np.dtype(ck._ST_DTYPES[i.dtype]).itemsize
+    ends = {n: i.offset + int(np.prod(i.shape)) * np.dtype(safetensors_file._ST_DTYPES[i.dtype]).itemsize
             for n, i in header.tensors.items()}
     header.close()
     lost = sorted(n for n, end in ends.items() if end > cut and any(n.startswith(f"{PFX}{i}.self_attn.") for i in DSA))
@@ -446,7 +448,7 @@ def test_convert_cli(tiny, tmp_path, capsys):
 
     def run(*argv):
         parser = argparse.ArgumentParser(prog="glm5-dsa")
-        ck.add_parser(parser.add_subparsers(dest="command", required=True))
+        convert.add_parser(parser.add_subparsers(dest="command", required=True))
         args = parser.parse_args(list(argv))
         return args.func(args)
 

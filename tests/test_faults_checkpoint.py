@@ -33,6 +33,7 @@ from safetensors.numpy import save_file
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
+from glm5_dsa_jax.checkpoint import orbax_io
 from glm5_dsa_jax.weights import WeightError, params_to_hf
 
 PFX = "model.language_model.layers."
@@ -420,7 +421,7 @@ def test_orbax_round_trip_and_meta_digests(base, saved):
     _assert_same(ck.restore_checkpoint(saved), base.layers)
     meta = json.loads((saved / ck.META_FILE).read_text())
     assert meta["version"] == 2
-    assert set(meta["checksums"]) == {f"layer_{i}.{k}" for i in DSA for k in ck._flat(_params(base.layers[i]))}
+    assert set(meta["checksums"]) == {f"layer_{i}.{k}" for i in DSA for k in orbax_io._flat(_params(base.layers[i]))}
     assert not [p for p in saved.parent.iterdir() if p.name.startswith(".")]  # no partial sibling left
 
 
@@ -447,8 +448,8 @@ def test_orbax_value_changed_in_place_is_caught_by_digest(base, saved, tmp_path)
     shutil.rmtree(d / "params")
     shutil.copytree(tmp_path / "other" / "params", d / "params")  # same shapes, other values
     e = _restore_refused(d, "digest", "layer_1.q_a_proj", "layer_2.o_proj")
-    differ = sorted(f"layer_{i}.{k}" for i in DSA for k, v in ck._flat(_params(other[i])).items()
-                    if not np.array_equal(v, ck._flat(_params(base.layers[i]))[k]))  # norms init equal
+    differ = sorted(f"layer_{i}.{k}" for i in DSA for k, v in orbax_io._flat(_params(other[i])).items()
+                    if not np.array_equal(v, orbax_io._flat(_params(base.layers[i]))[k]))  # norms init equal
     assert len(differ) > 10
     assert sorted(p.split(":")[0] for p in e.problems) == differ
 
@@ -513,16 +514,16 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(base, saved, tmp_path, 
     elif stage == "wait":
         monkeypatch.setattr(ocp.StandardCheckpointer, "wait_until_finished", _boom)
     elif stage == "meta":
-        monkeypatch.setattr(ck, "_write_meta", _boom)
+        monkeypatch.setattr(orbax_io, "_write_meta", _boom)
     elif stage == "swap":
-        monkeypatch.setattr(ck, "_swap_into", _boom)
+        monkeypatch.setattr(orbax_io, "_swap_into", _boom)
     elif stage == "exchange":
-        monkeypatch.setattr(ck, "_exchange", _boom)
+        monkeypatch.setattr(orbax_io, "_exchange", _boom)
     else:
         def interrupt(*a, **k):
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(ck, "_write_meta", interrupt)
+        monkeypatch.setattr(orbax_io, "_write_meta", interrupt)
         exc = KeyboardInterrupt
     with pytest.raises(exc):
         ck.save_checkpoint(new, d, overwrite=True)
@@ -535,7 +536,7 @@ def test_interrupted_overwrite_keeps_previous_checkpoint(base, saved, tmp_path, 
 
 
 def test_interrupted_first_save_leaves_nothing_loadable(base, tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_write_meta", _boom)
+    monkeypatch.setattr(orbax_io, "_write_meta", _boom)
     with pytest.raises(RuntimeError):
         ck.save_checkpoint(base.layers, tmp_path / "fresh")
     assert not list(tmp_path.iterdir())
