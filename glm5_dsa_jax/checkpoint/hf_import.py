@@ -48,14 +48,15 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels._common import check_implementation
-from glm5_dsa_jax import quant
+from glm5_dsa_jax import layout, quant
 from glm5_dsa_jax.checkpoint.assembly import (
     _abstract_layer, _check_dir, _check_mesh, _fill_layer, _get, _read_json, _set, _target_shardings,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.checkpoint.safetensors_file import _CHUNK_BYTES, SafetensorsFile, TensorInfo
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.layer import DsaAttention, hf_weight_shapes
+from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.weights import cast_to, count_nonfinite, nonfinite_problem
 
 __all__ = ["LAYER_PREFIXES", "load_hf_checkpoint"]
@@ -110,10 +111,10 @@ def _read_config(path: Path) -> tuple[dict, DsaConfig]:
 
 
 # ============================================================================ sliced reading
-# From here to "end of sliced reading": how each HF tensor of a layer maps to our parameters
-# (``_param_plan``: HF name -> parameter paths and slice kinds) and how one device's block of
-# a parameter is read from it (``_slice_param``, ``_bounds``). The rest of this module uses
-# only ``_Source``, ``_param_plan``, ``_slice_param`` and ``_bounds`` from this section.
+# From here to "end of sliced reading": a logical HF tensor as a reader of row/column ranges
+# (``_Source.read``, the ``layout.Reader`` that ``layout.read_param`` calls for one device's
+# block of a parameter) and a device index as per-axis bounds (``_bounds``). Which tensors a
+# layer has, and how each becomes our parameters, is the layout table's (``layout``).
 @dataclasses.dataclass
 class _Source:
     """One logical HF tensor of a layer (``rel`` relative to ``self_attn.``), possibly
@@ -138,62 +139,6 @@ class _Source:
             self.fmt, names, self.shape, reader,
             rows if rows is not None else (0, out), cols if cols is not None else (0, inn), self.spec,
         )
-
-
-# (HF name relative to self_attn., param path, kind, kind arguments)
-def _param_plan(cfg: DsaConfig, layer_idx: int) -> list[tuple[str, list[tuple[tuple[str, ...], str, dict]]]]:
-    nope, v, g = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
-    plan = [
-        ("q_a_proj.weight", [(("q_a_proj",), "T", {})]),
-        ("q_a_layernorm.weight", [(("q_a_layernorm",), "id", {})]),
-        ("q_b_proj.weight", [(("q_b_proj",), "heads_in", {"d": cfg.qk_head_dim})]),
-        ("kv_a_proj_with_mqa.weight", [(("kv_a_proj_with_mqa",), "T", {})]),
-        ("kv_a_layernorm.weight", [(("kv_a_layernorm",), "id", {})]),
-        ("kv_b_proj.weight", [(("w_uk",), "kvb", {"g": g, "off": 0}),
-                              (("w_uv",), "kvb", {"g": g, "off": nope})]),
-        ("o_proj.weight", [(("o_proj",), "o", {"v": v})]),
-    ]
-    if cfg.attention_bias:
-        plan += [
-            ("q_a_proj.bias", [(("q_a_proj_bias",), "id", {})]),
-            ("kv_a_proj_with_mqa.bias", [(("kv_a_proj_bias",), "id", {})]),
-            ("o_proj.bias", [(("o_proj_bias",), "id", {})]),
-        ]
-    if cfg.has_indexer(layer_idx):
-        plan += [
-            ("indexer.wq_b.weight", [(("indexer", "wq_b"), "heads_in", {"d": cfg.index_head_dim})]),
-            ("indexer.wk.weight", [(("indexer", "wk"), "T", {})]),
-            ("indexer.k_norm.weight", [(("indexer", "k_norm_scale"), "id", {})]),
-            ("indexer.k_norm.bias", [(("indexer", "k_norm_bias"), "id", {})]),
-            ("indexer.weights_proj.weight", [(("indexer", "weights_proj"), "T", {})]),
-            ("indexer.index_kpool_compress_gate", [(("indexer", "kpool_gate"), "T", {})]),
-            ("indexer.index_kpool_compress_ape", [(("indexer", "kpool_ape"), "id", {})]),
-        ]
-    return plan
-
-
-def _slice_param(src: _Source, kind: str, kw: dict, b: list[tuple[int, int]]) -> np.ndarray:
-    """Our parameter's block ``b`` (one ``(start, stop)`` per axis), read from ``src``."""
-    if kind == "id":
-        return src.read(b[0], b[1] if len(b) > 1 else None)
-    if kind == "T":  # ours [in, out] = HF [out, in].T
-        return src.read(b[1], b[0]).T
-    if kind == "heads_in":  # ours [r, H, D] = HF [H*D, r] viewed [H, D, r], transposed
-        (r0, r1), (h0, h1), (d0, d1) = b
-        d = kw["d"]
-        x = src.read((h0 * d, h1 * d), (r0, r1)).reshape(h1 - h0, d, r1 - r0)
-        return x[:, d0:d1].transpose(2, 0, 1)
-    if kind == "kvb":  # ours [H, k, C] = rows off:off+k of each head's g-row group of HF [H*g, C]
-        (h0, h1), (k0, k1), (c0, c1) = b
-        g, off = kw["g"], kw["off"]
-        x = src.read((h0 * g, h1 * g), (c0, c1)).reshape(h1 - h0, g, c1 - c0)
-        return x[:, off + k0:off + k1]
-    if kind == "o":  # ours [H, V, O] = HF [O, H*V].T viewed [H, V, O]
-        (h0, h1), (v0, v1), (o0, o1) = b
-        v = kw["v"]
-        x = src.read((o0, o1), (h0 * v, h1 * v)).T.reshape(h1 - h0, v, o1 - o0)
-        return x[:, v0:v1]
-    raise AssertionError(kind)
 
 
 def _bounds(idx: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -422,11 +367,12 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
             shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
             arrays: dict = {}
             ok = True
-            for rel, params in _param_plan(cfg, i):
-                src = sources[i][rel]
+            for tensor in layout.layer_tensors(cfg, i):
+                src = sources[i][tensor.hf_name]
                 bar.set_postfix_str(src.full, refresh=False)
                 nonfinite = overflow = 0
-                for ppath, kind, kw in params:
+                for param in tensor.params:
+                    ppath = param.path
                     shape = tuple(_get(shapes, ppath).shape)
                     sharding = shardings[ppath]
                     # A slice is read once and handed to every device that holds the same
@@ -437,13 +383,14 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                         pending[k] = pending.get(k, 0) + 1
                     memo: dict = {}
 
-                    def callback(idx, src=src, kind=kind, kw=kw, shape=shape, memo=memo, pending=pending):
+                    def callback(idx, src=src, tensor=tensor, param=param, shape=shape, memo=memo,
+                                 pending=pending):
                         nonlocal nonfinite, overflow
                         b = _bounds(idx, shape)
                         key = tuple(b)
                         x = memo.pop(key, None)
                         if x is None:
-                            raw = _slice_param(src, kind, kw, b)
+                            raw = layout.read_param(cfg, tensor, param, src.read, b)
                             x = np.ascontiguousarray(cast_to(raw, np_dtype))
                             n, o = count_nonfinite(raw, x)
                             nonfinite, overflow = nonfinite + n, overflow + o

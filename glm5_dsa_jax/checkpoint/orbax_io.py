@@ -23,6 +23,9 @@ Invariants:
   files, digest mismatches, non-finite values) before any layer is returned. Orbax/
   TensorStore errors are caught and reported per array. ``save_checkpoint`` refuses a
   layer holding NaN/inf before writing anything.
+* A parameter renamed since a checkpoint was written is found under its earlier path
+  (``layout.Param.aliases``: ``kv_a_proj`` was once saved under its HF name), checked
+  against the digest recorded under that name, and restored under its current one.
 * Restored layers go straight into their target shardings on any mesh whose axis divides
   the head count (``assembly``), whatever the mesh they were saved from.
 """
@@ -46,6 +49,7 @@ from glm5_dsa_jax.checkpoint.assembly import (
     _abstract_layer, _check_dir, _check_mesh, _fill_layer, _get, _read_json, _set, _target_shardings,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
+from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
 
@@ -370,7 +374,7 @@ def restore_checkpoint(
     except Exception as e:  # orbax / TensorStore raise plain Exceptions
         raise CheckpointError(where, [f"{_PARAMS_DIR}/ cannot be read by orbax: {_short(e)}"]) from None
 
-    abstracts, target, want_dt, problems = {}, {}, {}, []
+    abstracts, target, want_dt, renamed, problems = {}, {}, {}, {}, []
     sums = meta["checksums"]
     for i in wanted:
         saved_dt = jnp.dtype(meta["param_dtype"][str(i)])
@@ -379,11 +383,15 @@ def restore_checkpoint(
         shardings = _target_shardings(abstract, mesh, axis)
         shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         tree: dict = {}
+        renamed[i] = []
         for ppath, sh in shardings.items():
             s = _get(shapes, ppath)
-            name = f"layer_{i}.{'.'.join(ppath)}"
+            spath = _stored_path(stored.get(f"layer_{i}"), ppath)
+            if spath != ppath:
+                renamed[i].append((spath, ppath))
+            name = f"layer_{i}.{'.'.join(spath)}"
             try:
-                got = _get(stored[f"layer_{i}"], ppath)
+                got = _get(stored[f"layer_{i}"], spath)
                 shape, gdt = tuple(got.shape), getattr(got, "dtype", saved_dt)
             except (KeyError, TypeError, AttributeError):
                 problems.append(f"{name}: not in the checkpoint")
@@ -397,7 +405,7 @@ def restore_checkpoint(
             if name not in sums:
                 problems.append(f"{name}: no digest in {META_FILE}")
                 continue
-            _set(tree, ppath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
+            _set(tree, spath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
         abstracts[i], target[f"layer_{i}"] = abstract, tree
     target = {k: v for k, v in target.items() if v}
 
@@ -427,10 +435,25 @@ def restore_checkpoint(
     out = {}
     for i in wanted:
         arrays = restored[f"layer_{i}"]
+        for spath, ppath in renamed[i]:  # saved under an earlier name: ours from now on
+            _set(arrays, ppath, _get(arrays, spath))
+            _get(arrays, spath[:-1]).pop(spath[-1])
         if want_dt[i] != jnp.dtype(meta["param_dtype"][str(i)]):
             arrays = jax.tree.map(lambda a: a.astype(want_dt[i]), arrays)
         out[i] = _fill_layer(abstracts[i], arrays, mesh, axis)
     return out
+
+
+def _stored_path(tree, ppath: tuple[str, ...]) -> tuple[str, ...]:
+    """Where ``tree`` (one stored layer) holds parameter ``ppath``: its path, or the first
+    of its earlier paths (``layout.Param.aliases``) found there; ``ppath`` if neither."""
+    for cand in (ppath, *layout.find_param(ppath)[1].aliases):
+        try:
+            _get(tree, cand)
+            return cand
+        except (KeyError, TypeError):
+            continue
+    return ppath
 
 
 def _nest(path: Sequence[str], leaf) -> dict:
