@@ -232,10 +232,10 @@ class _ParamFactory:
 class DsaIndexer(nnx.Module):
     """The lightning indexer of one full DSA layer (replicated under TP).
 
-    Parameters (JAX layout): ``wq_b [q_lora, index_heads, D]``, ``wk [hidden, D]``,
-    ``k_norm_scale/k_norm_bias [D]``, ``weights_proj [hidden, index_heads]``,
-    ``kpool_gate [hidden, D]`` (HF ``index_kpool_compress_gate`` transposed),
-    ``kpool_ape [KP, D]``.
+    Parameters (the layout table's indexer rows, JAX layout): ``wq_b [q_lora, index_heads,
+    D]``, ``wk [hidden, D]``, ``k_norm_scale/k_norm_bias [D]``, ``weights_proj [hidden,
+    index_heads]``, ``kpool_gate [hidden, D]`` (HF ``index_kpool_compress_gate``
+    transposed), ``kpool_ape [KP, D]``.
     """
 
     def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
