@@ -34,8 +34,8 @@ Invariants:
 * Biases (``Tensor.bias``) exist only with ``attention_bias``; indexer tensors only on a
   layer with its own (``"full"``) indexer. ``layer_tensors`` applies both rules.
 * ``Param.aliases`` are paths under which earlier versions of this project stored the
-  parameter (``kv_a_proj`` was ``kv_a_proj_with_mqa`` before the HF name was kept to this
-  table): orbax checkpoints written then still restore.
+  parameter (``kv_a_proj`` was stored under its HF name, ``kv_a_proj_with_mqa``, until HF
+  names were confined to this table): orbax checkpoints written then still restore.
 
 RoPE parts (GLM-5 / DeepSeek-V3.2, ``qk_rope_head_dim > 0``, refused by ``DsaConfig`` today):
 they are parts of existing view axes. ``q_b_proj``'s per-head axis becomes
