@@ -1,6 +1,7 @@
 """Pallas GPU kernels of the DSA pipeline, one module per step.
 
-Axis letters, used by every kernel doc, shape comment and error message of this package:
+Axis letters, used by every kernel doc, shape comment and error message of this package
+(``T`` in ``selection`` / ``radix_select`` is not an axis: the threshold key):
 
 * ``B``: batch (sequences).
 * ``S``: chunk tokens, the new tokens of one layer step (1 for a decode step).
@@ -8,10 +9,10 @@ Axis letters, used by every kernel doc, shape comment and error message of this 
 * ``L``: token slots of a row (the cache length, or the pooled window).
 * ``P``: pools of a row, ``max(1, L // KP)``.
 * ``KP``: kpool width, the tokens of one pool (``index_kpool``).
-* ``K``: pools selected per query (``select_k``); ``T``: tail slots (``KP - 1``).
+* ``K``: pools selected per query (``select_k``); ``TW``: tail slots (``KP - 1``, or 0).
 * ``H``: attention heads; ``Hi``: indexer heads.
 * ``C``: latent width (``kv_lora_rank``); ``D``: indexer head dim.
-* ``W``: width of a selected-id row (``out_width = K*KP + T``).
+* ``W``: width of a selected-id row (``out_width = K*KP + TW``).
 
 A row of selected token ids is called ``token_ids`` everywhere (``[B, Q, W]`` int32, ``-1``
 = no token).

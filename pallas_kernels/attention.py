@@ -307,7 +307,8 @@ def _sparse_mla_kernel(
 
 
 def _combine_splits(acc, m, l):
-    """Merge per-split partials ``acc [..., S, H, C]``, ``m, l [..., S, H]`` (f32)."""
+    """Merge per-split partials ``acc [..., num_splits, H, C]``, ``m, l [..., num_splits, H]``
+    (f32)."""
     m_all = jnp.max(m, axis=-2, keepdims=True)
     m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
     w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)

@@ -1,7 +1,7 @@
 """``expand_selection``: selected pools -> ``token_ids``, the row of token ids attention reads.
 
 Axis letters as in the package glossary (``pallas_kernels``; ``K = select_k`` selected pools,
-``T = KP - 1`` tail slots, ``W = out_width``). Invariants:
+``TW`` tail slots, ``W = out_width``). Invariants:
 
 * Pool ``p`` expands to tokens ``first_key + p*KP + [0, KP)``; a ``-1`` pool expands to
   nothing.
@@ -124,7 +124,7 @@ def expand_selection_reference(
     kpool: int,
     out_width: int,
 ) -> jax.Array:
-    """``pool_ids [B, Q, K]`` (ascending, ``-1`` after) and ``tail [B, Q, T]`` (or None)
+    """``pool_ids [B, Q, K]`` (ascending, ``-1`` after) and ``tail [B, Q, TW]`` (or None)
     -> ``token_ids [B, Q, W]`` int32 (``W = out_width``)."""
     b, nq, k = pool_ids.shape
     tok = first_key[:, None, None, None] + pool_ids[..., None] * kpool + jnp.arange(kpool, dtype=jnp.int32)
@@ -159,7 +159,7 @@ def expand_selection(
             f"{width - k * kpool} = {width}"
         )
     if tail is not None and tail.shape[:2] != (b, nq):
-        raise ValueError(f"tail must be [B, Q, T] with B, Q = {(b, nq)}, got {tuple(tail.shape)}")
+        raise ValueError(f"tail must be [B, Q, TW] with B, Q = {(b, nq)}, got {tuple(tail.shape)}")
     if implementation == "xla":
         return expand_selection_reference(pool_ids, first_key, tail, kpool=kpool, out_width=out_width)
     return _expand_selection_pallas(
@@ -173,15 +173,16 @@ def expand_selection(
 # --------------------------------------------------------------------------------------
 #
 # The kernel computes ``compact_row`` of the concatenated source row ``src = [expanded
-# pools (K*KP ids) | tail (T ids)]`` without sorting, as a permutation scatter. One
+# pools (K*KP ids) | tail (TW ids)]`` without sorting, as a permutation scatter. One
 # program per (batch row, tile of ``block_q`` query rows) walks ``src`` in chunks of
 # ``block_w`` ids, carrying per-row counts of valid and invalid ids seen so far:
 #
 # * a valid id (``>= 0``) goes to ``valid_rank`` (its rank among the valid ids, a cumsum):
 #   the valid ids land at the front in their order;
-# * an invalid one writes ``-1`` at ``S - 1 - invalid_rank``: the invalid ids fill
-#   ``[n_valid, S)`` from the back, so the positions form a permutation of ``[0, S)``;
-# * a second loop writes ``-1`` over ``[S, out_width)``.
+# * an invalid one writes ``-1`` at ``n_src - 1 - invalid_rank``: the invalid ids
+#   fill ``[n_valid, n_src)`` from the back, so the positions form a permutation of
+#   ``[0, n_src)`` (``n_src = K*KP + TW``, the source row's length);
+# * a second loop writes ``-1`` over ``[n_src, out_width)``.
 #
 # Every output element is written exactly once (no two stores of a program overlap, so
 # there is no ordering question between GPU threads), and no assumption is made about
@@ -275,7 +276,7 @@ def _expand_selection_pallas(
         if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
     if tail is not None and tail.ndim != 3:
-        raise ValueError(f"tail must be [B, Q, T] (rank 3), got shape {tuple(tail.shape)}")
+        raise ValueError(f"tail must be [B, Q, TW] (rank 3), got shape {tuple(tail.shape)}")
     n_tail = 0 if tail is None else tail.shape[-1]
     if b == 0 or n_q == 0 or out_width == 0:
         return jnp.full((b, n_q, out_width), -1, jnp.int32)

@@ -44,6 +44,7 @@ __all__ = ["order_key", "canonical_scores", "NEG_INF_KEY", "MAX_COMPARE",
 MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
 _INT_MIN = -(2**31)
 
+
 def _canonical_bits(scores: jax.Array) -> jax.Array:
     bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
     mag = bits & jnp.int32(0x7FFFFFFF)
@@ -69,7 +70,6 @@ def canonical_scores(scores: jax.Array) -> jax.Array:
 
 
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
-
 
 
 # --------------------------------------------------------------------------------------

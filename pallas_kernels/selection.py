@@ -189,7 +189,6 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
     return jax.lax.top_k(scores, select_k)[1]
 
 
-
 def _topk_pools_pallas(scores, select_k, *, interpret, block_sizes: TopkPoolsBlockSizes):
     """Pallas path of ``topk_pools``: ``32 / radix_bits + 1`` launches of ``rows *
     cdiv(P, split_p)`` programs each on the multi-program path, else one launch of ``rows``

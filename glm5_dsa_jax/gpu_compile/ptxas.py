@@ -25,7 +25,6 @@ INSTALL_HINT = (
 )
 
 
-
 class ToolchainMissing(RuntimeError):
     """The compile toolchain (the ``gpu-compile`` extra) is not installed."""
 
