@@ -20,8 +20,9 @@ Invariants and assumptions (why the numbers are what they are):
   bound is the kernels' as written, not an ideal of the layer. Small operands a kernel
   re-reads per program (the query tile of ``index_scores``) are counted once: they are
   cache-resident.
-* The block sizes are read from the kernels themselves (their defaults and
-  ``sparse_mla_block_sizes``), so a change of tiling changes the model.
+* The block sizes are read from the kernels themselves (the defaults of their block-size
+  dataclasses, resolved for the shapes as the wrappers resolve them), so a change of
+  tiling changes the model.
 * FLOPs count multiply-adds as 2; element-wise work (softmax, ReLU, masks) is counted
   roughly (one per operation) and never dominates. The bound is
   ``max(bytes / bandwidth, flops / peak)`` at the GPU's HBM bandwidth and dense bf16
@@ -39,14 +40,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 import json
 import math
 import sys
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
+from pallas_kernels import (
+    ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
+    SparseMlaBlockSizes, TopkPoolsBlockSizes,
+)
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
            "weight_bytes", "matmul_weights", "step_read_bytes", "selected_ids", "add_parser"]
@@ -134,21 +137,9 @@ def step_read_bytes(cfg: DsaConfig, context: int, batch: int, *, weight_elem_byt
 
 
 # ---------------------------------------------------------------------------- kernel tiling
-def _default(fn, name):
-    return inspect.signature(fn).parameters[name].default
-
-
-def _pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
 def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int):
     """(kernel, bytes, flops, programs) of the pipeline kernels for ``queries`` queries per
     sequence at positions ``context - queries .. context - 1``."""
-    # The modules, not the same-named functions ``pallas_kernels`` re-exports.
-    ex, isc, kpc, sm, tk = (importlib.import_module(f"pallas_kernels.{m}") for m in (
-        "expand_selection", "index_scores", "kpool_compress", "sparse_mla", "topk_pools"))
-
     b, s, n = batch, queries, context
     kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
     nh, c = cfg.num_attention_heads, cfg.kv_lora_rank
@@ -161,15 +152,14 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
     # logits (f32) of every window slot once, the pooled keys written.
     win = kp + s
     n_win = max(1, win // kp)
-    bd = _pow2(d)
-    block_pools = min(_pow2(n_win), max(1, kpc._KPOOL_TILE_ELEMENTS // bd))
+    block_pools = KpoolCompressBlockSizes().resolve(n_win, d).block_pools
     by = b * (win * d * (eb + 4) + win + kp * d * eb + n_win * d * eb)
     fl = b * n_win * kp * d * 8  # add APE, max, sub, exp, sum, div, mul, add per slot
     out.append(("kpool_compress", by, fl, b * -(-n_win // block_pools)))
 
     # index_scores: grid (query tiles, B, pool tiles); each program loads its key tile once.
-    bq = min(_default(isc._index_scores_pallas, "block_q"), _pow2(s))
-    bp = min(_default(isc._index_scores_pallas, "block_p"), _pow2(pools, 16))
+    scores_blocks = IndexScoresBlockSizes().resolve(s, pools)
+    bq, bp = scores_blocks.block_q, scores_blocks.block_p
     q_tiles, p_tiles = -(-s // bq), -(-pools // bp)
     by = b * (q_tiles * pools * (d * eb + 1) + s * hi * (d * eb + 4) + s * pools * 4)
     fl = b * s * pools * hi * (2 * d + 3)
@@ -177,31 +167,30 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
 
     # topk_pools: 32 / radix_bits counting passes and one compaction pass over the row's
     # float32 scores, then the ids written; one program per query row, or (a row of at
-    # least _SPLIT_MIN_SEGMENTS segments) one per split_p-pool segment of it.
-    blocks = tk.DEFAULT_BLOCK_SIZES
-    passes = 32 // blocks["radix_bits"] + 1
+    # least TopkPoolsBlockSizes.MIN_SEGMENTS segments) one per split_p-pool segment of it.
+    topk_blocks = TopkPoolsBlockSizes()
+    passes = 32 // topk_blocks.radix_bits + 1
     by = b * s * (passes * pools * 4 + select_k * 4)
-    fl = b * s * pools * (passes - 1) * (2 ** blocks["radix_bits"]) * 2
-    segments = -(-pools // blocks["split_p"])
-    per_row = segments if segments >= tk._SPLIT_MIN_SEGMENTS else 1
-    out.append(("topk_pools", by, fl, b * s * per_row))
+    fl = b * s * pools * (passes - 1) * (2 ** topk_blocks.radix_bits) * 2
+    out.append(("topk_pools", by, fl, b * s * topk_blocks.programs_per_row(pools)))
 
     # expand_selection: the pool ids (+ tail ids) in, out_width token ids out.
-    ebq = min(_default(ex._expand_selection_pallas, "block_q"), _pow2(s))
+    n_src = select_k * kp + cfg.tail_width
+    ebq = ExpandSelectionBlockSizes().resolve(s, n_src, width).block_q
     by = b * s * (select_k * 4 + cfg.tail_width * 4 + width * 4)
     fl = b * s * (select_k * kp + cfg.tail_width) * 4
     out.append(("expand_selection", by, fl, b * -(-s // ebq)))
 
     # sparse_mla: grid (B*Q*head blocks, splits); each program scans the id row and
     # gathers its share of the valid latent rows, so every head block gathers them all.
-    blk = sm.sparse_mla_block_sizes((b, s, nh, c), width)
-    n_hb = -(-nh // blk["block_h"])
+    blk = SparseMlaBlockSizes().resolve((b, s, nh, c), width)
+    n_hb = -(-nh // blk.block_h)
     ids = sum(selected_ids(cfg, n - s + 1 + t) for t in range(s))  # valid ids over the chunk
     by = b * (n_hb * ids * c * eb + s * n_hb * width * 4 + 2 * s * nh * c * eb)
-    if blk["num_splits"] > 1:  # float32 partials (acc, max, sum) written and merged
-        by += 2 * b * s * blk["num_splits"] * nh * (c + 2) * 4
+    if blk.num_splits > 1:  # float32 partials (acc, max, sum) written and merged
+        by += 2 * b * s * blk.num_splits * nh * (c + 2) * 4
     fl = b * nh * ids * (4 * c + 5)
-    out.append(("sparse_mla", by, fl, b * s * n_hb * blk["num_splits"]))
+    out.append(("sparse_mla", by, fl, b * s * n_hb * blk.num_splits))
     return out
 
 

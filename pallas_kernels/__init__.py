@@ -1,34 +1,63 @@
-"""Pallas GPU kernels of the DSA pipeline, one file per step.
+"""Pallas GPU kernels of the DSA pipeline, one module per step.
 
-Each file holds the Pallas kernel (Triton backend), its public wrapper, which takes
-``implementation`` (``"xla"``, ``"pallas"``, ``"pallas_interpret"``) and block sizes, and the
-plain-jnp reference that ``implementation="xla"`` runs::
+Axis letters, used by every kernel doc, shape comment and error message of this package
+(``T`` in ``selection`` / ``radix_select`` is not an axis: the threshold key):
 
-    k, gate, valid, ape -> kpool_compress   -> pooled keys [B, P, D], first_key, pool valid
-                        -> index_scores     -> [B, Q, P] float32 scores (-inf = no candidate)
-                        -> topk_pools       -> [B, Q, select_k] pool ids (ascending, -1 after)
-                        -> expand_selection -> [B, Q, out_width] token ids (-1 = none)
-                        -> sparse_mla       -> absorbed MLA over those tokens
+* ``B``: batch (sequences).
+* ``S``: chunk tokens, the new tokens of one layer step (1 for a decode step).
+* ``Q``: queries a kernel call sees (the chunk, or a tile of ``block_q`` of it).
+* ``L``: token slots of a row (the cache length, or the pooled window).
+* ``P``: pools of a row, ``max(1, L // KP)``.
+* ``KP``: kpool width, the tokens of one pool (``index_kpool``).
+* ``K``: pools selected per query (``select_k``); ``TW``: tail slots (``KP - 1``, or 0).
+* ``H``: attention heads; ``Hi``: indexer heads.
+* ``C``: latent width (``kv_lora_rank``); ``D``: indexer head dim.
+* ``W``: width of a selected-id row (``out_width = K*KP + TW``).
+
+A row of selected token ids is called ``token_ids`` everywhere (``[B, Q, W]`` int32, ``-1``
+= no token).
+
+Each step module holds the Pallas kernel (Triton backend), its public wrapper and the
+plain-jnp reference that ``implementation="xla"`` runs. Every wrapper takes
+``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``)
+and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``None``: its
+defaults), validated under every implementation::
+
+    k, gate, valid, ape -> kpool_compress   (pooling)   -> pooled keys [B, P, D], first_key, pool valid
+                        -> index_scores     (scoring)   -> [B, Q, P] float32 scores (-inf = no candidate)
+                        -> topk_pools       (selection) -> [B, Q, K] pool ids (ascending, -1 after)
+                        -> expand_selection (expansion) -> token_ids [B, Q, W] (-1 = none)
+                        -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, C]
+
+``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
+``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
 """
 
-from pallas_kernels._common import IMPLEMENTATIONS
-from pallas_kernels.expand_selection import (
-    compact_row, expand_selection, expand_selection_reference, visible_tail,
+from pallas_kernels._common import IMPLEMENTATIONS, Implementation
+from pallas_kernels.attention import (
+    SparseMlaBlockSizes, mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
 )
-from pallas_kernels.index_scores import index_scores, index_scores_reference, pool_last_token
-from pallas_kernels.kpool_compress import (
-    first_valid, kpool_compress, kpool_compress_reference, num_pools,
+from pallas_kernels.expansion import (
+    ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference,
+    visible_tail,
 )
-from pallas_kernels.sparse_mla import (
-    mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
+from pallas_kernels.pooling import (
+    KpoolCompressBlockSizes, first_valid, kpool_compress, kpool_compress_reference, num_pools,
 )
-from pallas_kernels.topk_pools import order_key, topk_pools, topk_pools_reference
+from pallas_kernels.radix_select import order_key
+from pallas_kernels.scoring import (
+    IndexScoresBlockSizes, index_scores, index_scores_reference, pool_last_token,
+)
+from pallas_kernels.selection import TopkPoolsBlockSizes, topk_pools, topk_pools_reference
 
 __all__ = [
-    "IMPLEMENTATIONS",
-    "compact_row", "expand_selection", "expand_selection_reference", "visible_tail",
-    "index_scores", "index_scores_reference", "pool_last_token",
-    "first_valid", "kpool_compress", "kpool_compress_reference", "num_pools",
-    "mla_masked_attention", "sparse_mla", "sparse_mla_reference", "topk_to_mask",
-    "order_key", "topk_pools", "topk_pools_reference",
+    "IMPLEMENTATIONS", "Implementation",
+    "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
+    "visible_tail",
+    "IndexScoresBlockSizes", "index_scores", "index_scores_reference", "pool_last_token",
+    "KpoolCompressBlockSizes", "first_valid", "kpool_compress", "kpool_compress_reference",
+    "num_pools",
+    "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla", "sparse_mla_reference",
+    "topk_to_mask",
+    "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
 ]

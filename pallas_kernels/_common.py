@@ -1,22 +1,32 @@
-"""Shared argument checks for the kernel wrappers.
+"""What the kernel wrappers share: the ``Implementation`` type, argument and block-size checks,
+and the CUDA lowering helpers the tests and ``glm5_dsa_jax.gpu_compile`` use.
 
-Every wrapper takes ``implementation``:
+Every wrapper takes ``implementation`` (an ``Implementation``):
 
 * ``"xla"``: the plain-jnp reference in the same file (any device);
 * ``"pallas"``: the Pallas kernel, Triton backend (NVIDIA Ampere and newer);
 * ``"pallas_interpret"``: the same kernel in Pallas interpret mode (any device; how the
   tests run it on a CPU).
 
-Checks run at trace time, before any launch, and raise ``ValueError`` naming the limit and
-the value.
+and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``None``: its
+defaults). Invariants:
+
+* Checks run at trace time, before any launch, and raise ``ValueError`` naming the field (or
+  argument), the limit and the value.
+* Block sizes are validated under **every** implementation, ``"xla"`` included: a bad block
+  size is an error whatever runs, so a CPU test run catches what a GPU run would refuse.
 """
 
 from __future__ import annotations
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+import typing
+from typing import Literal
+
+Implementation = Literal["xla", "pallas", "pallas_interpret"]
+IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
 
 
-def check_implementation(implementation: str) -> str:
+def check_implementation(implementation: str) -> Implementation:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
@@ -24,9 +34,37 @@ def check_implementation(implementation: str) -> str:
     return implementation
 
 
+_B = typing.TypeVar("_B")
+
+
+def check_block_sizes(block_sizes: _B | None, cls: type[_B]) -> _B:
+    """``block_sizes`` validated (``cls()``, the defaults, when ``None``); a ``TypeError`` for
+    anything but an instance of ``cls``, the kernel's block-size dataclass."""
+    if block_sizes is None:
+        block_sizes = cls()
+    elif not isinstance(block_sizes, cls):
+        raise TypeError(
+            f"block_sizes must be a {cls.__name__} (or None for its defaults), "
+            f"got {type(block_sizes).__name__}"
+        )
+    return block_sizes.validate()
+
+
+def check_positive_int(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_triton_params(owner: str, num_warps: int, num_stages: int) -> None:
+    """``num_warps`` a power of two, ``num_stages`` an int >= 1 (Triton's launch parameters)."""
+    check_power_of_two(f"{owner}.num_warps", num_warps)
+    check_positive_int(f"{owner}.num_stages", num_stages)
+
+
 def check_power_of_two(name: str, value: int, *, minimum: int = 1) -> int:
     """Triton blocks must be powers of two; ``dot`` operands at least 16 wide."""
-    if not isinstance(value, int) or value < minimum or value & (value - 1):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value & (value - 1):
         raise ValueError(
             f"{name} must be a power of two >= {minimum} (a Triton block constraint), got {value!r}"
         )

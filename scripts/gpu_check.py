@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -64,8 +63,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from glm5_dsa_jax import roofline  # noqa: E402
 from glm5_dsa_jax.config import DsaConfig  # noqa: E402
-# The module (the package re-exports a function of the same name).
-_topk_module = importlib.import_module("pallas_kernels.topk_pools")
+from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,19 +207,17 @@ def _topk_other_path(n_pools: int):
     """(label, block sizes) that run ``topk_pools`` on the path its defaults do not take
     for rows of ``n_pools``: the one-program path for long rows (the multi-program path
     is the default there, e.g. 262,144 pools at 1M tokens), the multi-program path in
-    segments of a quarter row for short ones; None when the module has one path only."""
-    defaults = getattr(_topk_module, "DEFAULT_BLOCK_SIZES", {})
-    min_segments = getattr(_topk_module, "_SPLIT_MIN_SEGMENTS", None)
-    if "split_p" not in defaults or min_segments is None:
-        return None
-    if n_pools >= min_segments * defaults["split_p"]:
+    segments of a quarter row for short ones; None when the row is too short to split."""
+    defaults = pk.TopkPoolsBlockSizes()
+    min_segments = defaults.MIN_SEGMENTS
+    if defaults.multi_program(n_pools):
         split_p = 1 << max(n_pools - 1, 1).bit_length()  # one segment: one program per row
-        return "one-program", dict(split_p=split_p)
+        return "one-program", pk.TopkPoolsBlockSizes(split_p=split_p)
     split_p = 1 << max((n_pools // min_segments).bit_length() - 1, 0)
     if split_p < 2:
         return None
-    block_p = min(defaults["block_p"], split_p)
-    return f"split_p={split_p}", dict(split_p=split_p, block_p=block_p)
+    block_p = min(defaults.resolve(n_pools).block_p, split_p)
+    return f"split_p={split_p}", pk.TopkPoolsBlockSizes(split_p=split_p, block_p=block_p)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -381,11 +377,8 @@ class Runner:
         if pools is None:
             return None
         if "topk_pools" in run:
-            baseline = getattr(_topk_module, "topk_pools_lax_baseline", None)
-            if baseline is None:
-                baseline = lambda s, k: jax.lax.top_k(s, k)[1]  # noqa: E731
             self.measure(case, "topk_pools", "lax.top_k (baseline)",
-                         lambda s: baseline(s, select_k), (scores,), nbytes=nbytes,
+                         lambda s: topk_pools_lax_baseline(s, select_k), (scores,), nbytes=nbytes,
                          extra="speed baseline only (other tie rule)")
             # The other topk_pools path, checked too: the row above took the default one.
             other = _topk_other_path(scores.shape[-1])
@@ -393,7 +386,7 @@ class Runner:
                 label, blocks = other
                 self.measure(case, "topk_pools", f"pallas {label}",
                              lambda s: pk.topk_pools(s, select_k, implementation=self.pallas_impl,
-                                                     **blocks),
+                                                     block_sizes=blocks),
                              (scores,), nbytes=nbytes, want=pools, compare=_compare_equal)
 
         # 4. expand_selection (tail = the incomplete visible pool)
@@ -429,7 +422,8 @@ class Runner:
         args = (inp["q_lat"], inp["latent"], ids)
         close = lambda x, y: _compare_close(x, y, rtol=2e-2, atol=2e-2)  # noqa: E731
         make = lambda impl, **bs: (  # noqa: E731
-            lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, implementation=impl, **bs))
+            lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, implementation=impl,
+                                            block_sizes=pk.SparseMlaBlockSizes(**bs)))
         if sweep is None:
             self.step(case, "sparse_mla", make, args, nbytes=nbytes, flops=flops, compare=close)
             return

@@ -18,6 +18,7 @@ import re
 import pytest
 
 from glm5_dsa_jax import gpu_compile as gc
+from glm5_dsa_jax.gpu_compile import ptxas
 
 # ------------------------------------------------------------------------------------
 # Without the toolchain
@@ -90,10 +91,11 @@ def test_every_pallas_module_has_a_case():
         f[:-3] for f in os.listdir(root)
         if f.endswith(".py") and re.search(r"\bpallas_call\(", open(os.path.join(root, f)).read())
     }
-    covered = set(gc.KERNELS) | {m for m, k in gc.REACHED_THROUGH.items() if k in gc.KERNELS}
+    covered = {m for m, k in gc.KERNEL_MODULES.items() if k in gc.KERNELS}
     assert launching and launching <= covered, (
-        f"{sorted(launching - covered)} launch pallas_call but have no gpu_compile.KERNELS "
-        "entry (nor a gpu_compile.REACHED_THROUGH one)")
+        f"{sorted(launching - covered)} launch pallas_call but have no "
+        "gpu_compile.KERNEL_MODULES entry naming a gpu_compile.KERNELS one")
+    assert set(gc.KERNEL_MODULES.values()) == set(gc.KERNELS)
 
 
 def test_default_cases_cover_decode_prefill_1m_and_batches():
@@ -133,7 +135,7 @@ def test_step_rejects_bad_fields():
 
 
 def test_toolchain_says_which_extra_is_missing(monkeypatch):
-    monkeypatch.setattr(gc, "_version", lambda dist: None)
+    monkeypatch.setattr(ptxas, "_version", lambda dist: None)
     with pytest.raises(gc.ToolchainMissing, match=r"jax-cuda12-plugin.*'gpu-compile' extra"):
         gc.toolchain()
 
@@ -141,8 +143,8 @@ def test_toolchain_says_which_extra_is_missing(monkeypatch):
 def test_toolchain_refuses_a_plugin_of_another_jaxlib(monkeypatch):
     versions = {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda12-plugin": "0.12.0",
                 "jax-cuda12-pjrt": "0.12.0"}
-    monkeypatch.setattr(gc, "_version", versions.get)
-    monkeypatch.setattr(gc, "find_ptxas", lambda: "/bin/true")
+    monkeypatch.setattr(ptxas, "_version", versions.get)
+    monkeypatch.setattr(ptxas, "find_ptxas", lambda: "/bin/true")
     with pytest.raises(RuntimeError, match="does not match jaxlib 0.10.2"):
         gc.toolchain()
 

@@ -25,16 +25,11 @@ dropped (``32 // radix_bits - 1`` passes); the compaction taking one tie too man
 
 from __future__ import annotations
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_kernels as pk
-
-tp = importlib.import_module("pallas_kernels.topk_pools")
-sm = importlib.import_module("pallas_kernels.sparse_mla")
 
 
 # ------------------------------------------------------------------------- topk_pools
@@ -110,7 +105,7 @@ def _special_rows() -> tuple[np.ndarray, int]:
 
 
 _TOPK_BLOCKS = [{}] + [
-    {"radix_bits": r, "block_p": 4} for r in (1, 2, 8) if "radix_bits" in tp.DEFAULT_BLOCK_SIZES
+    {"radix_bits": r, "block_p": 4} for r in (1, 2, 8)
 ]
 
 
@@ -121,7 +116,8 @@ def test_topk_fixed_rows(case, blocks):
     want = _np_topk(scores, k)
     x = jnp.asarray(scores)
     np.testing.assert_array_equal(np.asarray(pk.topk_pools_reference(x, k)), want)
-    got = np.asarray(pk.topk_pools(x, k, implementation="pallas_interpret", **blocks))
+    got = np.asarray(pk.topk_pools(x, k, implementation="pallas_interpret",
+                                   block_sizes=pk.TopkPoolsBlockSizes(**blocks)))
     np.testing.assert_array_equal(got, want)
 
 
@@ -182,7 +178,8 @@ def test_sparse_mla_split_merge_with_very_different_maxima(num_splits):
     ref = np.asarray(pk.sparse_mla_reference(jnp.asarray(q), jnp.asarray(lat), jnp.asarray(ids), scale=scale))
     np.testing.assert_allclose(ref, want, **MLA_TOL)
     got = np.asarray(pk.sparse_mla(jnp.asarray(q), jnp.asarray(lat), jnp.asarray(ids), scale=scale,
-                                   implementation="pallas_interpret", num_splits=num_splits, block_w=16))
+                                   implementation="pallas_interpret",
+                                   block_sizes=pk.SparseMlaBlockSizes(num_splits=num_splits, block_w=16)))
     np.testing.assert_allclose(got, want, **MLA_TOL)
 
 
@@ -197,7 +194,8 @@ def test_sparse_mla_one_split_empty_others_not():
     ids[0, 0, 20] = 5  # one valid id in the first half too: n_end is past block 3
     want = _np_attention(q, lat, ids, 1.0)
     got = np.asarray(pk.sparse_mla(jnp.asarray(q), jnp.asarray(lat), jnp.asarray(ids), scale=1.0,
-                                   implementation="pallas_interpret", num_splits=4, block_w=16))
+                                   implementation="pallas_interpret",
+                                   block_sizes=pk.SparseMlaBlockSizes(num_splits=4, block_w=16)))
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, **MLA_TOL)
 

@@ -9,7 +9,6 @@ early stop (``n_end``) and the zero output of an empty row are all exercised.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -22,14 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pallas_kernels.attention as attention
 from pallas_kernels._common import lower_for_cuda, triton_calls
-from pallas_kernels.sparse_mla import (
-    mla_masked_attention, sparse_mla, sparse_mla_block_sizes, sparse_mla_reference,
-    topk_to_mask,
+from pallas_kernels.attention import (
+    SparseMlaBlockSizes, mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
 )
-
-# The module itself (the package re-exports a function of the same name).
-sparse_mla_module = importlib.import_module("pallas_kernels.sparse_mla")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -85,7 +81,8 @@ def test_pallas_matches_reference_f32(case):
     ids = jnp.asarray(ids_np)
     scale = c**-0.5
     blocks = {k: case[k] for k in ("num_splits", "block_w") if case[k] is not None}
-    got = sparse_mla(q, lat, ids, scale=scale, implementation="pallas_interpret", **blocks)
+    got = sparse_mla(q, lat, ids, scale=scale, implementation="pallas_interpret",
+                     block_sizes=SparseMlaBlockSizes(**blocks))
     want = sparse_mla_reference(q, lat, ids, scale=scale)
     assert got.shape == want.shape and got.dtype == jnp.float32
     got = np.asarray(got)
@@ -109,7 +106,8 @@ def test_all_invalid_rows_are_exact_zeros():
     ids[0, 1, :5] = [3, 1, 4, 15, 9]  # one real row, so empty and full rows coexist
     for num_splits in (1, 4):
         out = np.asarray(sparse_mla(q, lat, jnp.asarray(ids), scale=0.1,
-                                    implementation="pallas_interpret", num_splits=num_splits))
+                                    implementation="pallas_interpret",
+                                    block_sizes=SparseMlaBlockSizes(num_splits=num_splits)))
         assert not np.isnan(out).any()
         assert (out[0, 0] == 0).all() and (out[1] == 0).all()
         np.testing.assert_allclose(
@@ -135,7 +133,8 @@ def test_invalid_ids_are_never_read():
     mask[chosen] = False
     poisoned[:, mask] = np.nan
     got = np.asarray(sparse_mla(q, jnp.asarray(poisoned), jnp.asarray(ids), scale=0.125,
-                                implementation="pallas_interpret", num_splits=2))
+                                implementation="pallas_interpret",
+                                block_sizes=SparseMlaBlockSizes(num_splits=2)))
     want = np.asarray(sparse_mla_reference(q, jnp.asarray(lat), jnp.asarray(ids), scale=0.125))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
@@ -144,7 +143,7 @@ def test_invalid_ids_are_never_read():
 def test_wide_row_scanned_in_tiles(monkeypatch):
     # Rows wider than the single-load scan limit find n_end with a loop of tiles; shrink
     # the limit so a 40-wide row takes three tiles, with its last valid id in the last one.
-    monkeypatch.setattr(sparse_mla_module, "_SCAN_BLOCK", 16)
+    monkeypatch.setattr(attention, "_SCAN_BLOCK", 16)
     rng = np.random.default_rng(3)
     b, nq, h, c, length, width = 1, 2, 16, 16, 50, 40
     q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
@@ -197,17 +196,20 @@ def test_reference_equals_dense_oracle(b, nq, h, length, width, seed):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
-def test_bad_block_sizes_raise():
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_bad_block_sizes_raise(impl):
     q = jnp.zeros((1, 1, 4, 16), jnp.float32)
     lat = jnp.zeros((1, 8, 16), jnp.float32)
     ids = jnp.zeros((1, 1, 4), jnp.int32)
-    for name, value in [("block_w", 24), ("block_h", 8), ("block_c", 48), ("num_warps", 3)]:
-        with pytest.raises(ValueError, match=name):
-            sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", **{name: value})
-    with pytest.raises(ValueError, match="num_splits"):
-        sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", num_splits=0)
+    for name, value in [("block_w", 24), ("block_h", 8), ("block_c", 48), ("num_warps", 3),
+                        ("num_splits", 0), ("num_stages", 0)]:
+        with pytest.raises(ValueError, match=f"SparseMlaBlockSizes.{name}"):
+            sparse_mla(q, lat, ids, scale=1.0, implementation=impl,
+                       block_sizes=SparseMlaBlockSizes(**{name: value}))
     with pytest.raises(TypeError, match="block_k"):
-        sparse_mla(q, lat, ids, scale=1.0, implementation="pallas_interpret", block_k=16)
+        SparseMlaBlockSizes(block_k=16)
+    with pytest.raises(TypeError, match="SparseMlaBlockSizes"):
+        sparse_mla(q, lat, ids, scale=1.0, implementation=impl, block_sizes={"block_w": 16})
 
 
 # Real GLM-5.3-Flash shapes: 64 heads, kv_lora_rank 512, out_width 2048 + kpool - 1.
@@ -230,13 +232,13 @@ def test_lowers_for_cuda_at_real_shapes(b, nq, length):
         sds((b, nq, 2051), jnp.int32),
     )
     # One launch: a program per (row, block of 16 heads) and per split of the id blocks.
-    blocks = sparse_mla_block_sizes((b, nq, 64, 512), 2051)
+    blocks = SparseMlaBlockSizes().resolve((b, nq, 64, 512), 2051)
     (call,) = triton_calls(lowered)
     assert call["name"] == "sparse_mla"
-    assert call["grid"] == (b * nq * 64 // blocks["block_h"], blocks["num_splits"], 1)
-    assert (call["num_warps"], call["num_stages"]) == (blocks["num_warps"], blocks["num_stages"])
+    assert call["grid"] == (b * nq * 64 // blocks.block_h, blocks.num_splits, 1)
+    assert (call["num_warps"], call["num_stages"]) == (blocks.num_warps, blocks.num_stages)
     # A decode row is split (flash-decoding) so that it fills the GPU; a prefill tile is not.
-    assert (blocks["num_splits"] > 1) == (b * nq * 4 < 256)
+    assert (blocks.num_splits > 1) == (b * nq * 4 < 256)
 
 
 def test_gpu_check_smoke_runs_on_cpu():

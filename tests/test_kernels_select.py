@@ -4,7 +4,8 @@
   on hypothesis-drawn small shapes: integers and booleans must match exactly; float32
   values within ``rtol=1e-5, atol=1e-6``.
 * CUDA lowering (Pallas -> Triton IR, no GPU needed) at the GLM-5.3-Flash shapes.
-* Bad block sizes are rejected with a ``ValueError`` that names the argument.
+* Bad block sizes are rejected, under every implementation, with a ``ValueError`` that
+  names the field of the kernel's block-size dataclass.
 
 Why a float tolerance at all: the kernels sum in a different order than the references
 (a sequential loop over pool slots vs. XLA's reduction; a tree sum over heads vs. the
@@ -14,8 +15,6 @@ Exact zeros, the ``-inf`` pattern, ids and validity flags are compared exactly.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +22,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import pallas_kernels as pk
 from pallas_kernels._common import lower_for_cuda, triton_calls
-
-# The package re-exports functions under the module names; import the modules themselves.
-kc = importlib.import_module("pallas_kernels.kpool_compress")
-isc = importlib.import_module("pallas_kernels.index_scores")
-es = importlib.import_module("pallas_kernels.expand_selection")
 
 SETTINGS = settings(
     max_examples=12, deadline=None, derandomize=True,
@@ -86,11 +81,11 @@ def test_kpool_compress_matches_reference(
     first_key = (
         jnp.asarray(rng.integers(0, length + kpool + 1, b), jnp.int32) if explicit_first_key else None
     )
-    blocks = {} if block_pools is None else {"block_pools": block_pools}
-    got = kc.kpool_compress(
-        keys, gate, valid, ape, first_key, implementation="pallas_interpret", **blocks
+    got = pk.kpool_compress(
+        keys, gate, valid, ape, first_key, implementation="pallas_interpret",
+        block_sizes=pk.KpoolCompressBlockSizes(block_pools=block_pools),
     )
-    want = kc.kpool_compress(keys, gate, valid, ape, first_key)
+    want = pk.kpool_compress(keys, gate, valid, ape, first_key)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
     assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
@@ -108,8 +103,8 @@ def test_kpool_compress_bf16_keys():
     gate = jnp.asarray(rng.standard_normal((b, length, d)) * 3, jnp.float32)
     ape = jnp.asarray(rng.standard_normal((kpool, d)), jnp.bfloat16)
     valid = jnp.asarray(rng.random((b, length)) < 0.9)
-    got = kc.kpool_compress(keys, gate, valid, ape, implementation="pallas_interpret")
-    want = kc.kpool_compress(keys, gate, valid, ape)
+    got = pk.kpool_compress(keys, gate, valid, ape, implementation="pallas_interpret")
+    want = pk.kpool_compress(keys, gate, valid, ape)
     assert got[0].dtype == jnp.bfloat16
     np.testing.assert_array_equal(got[2], want[2])
     np.testing.assert_allclose(
@@ -163,10 +158,11 @@ def test_index_scores_matches_reference(b, n_q, heads, d, n_pools, kpool, dtype,
     q_pos[rng.random((b, n_q)) < 0.2] = -1  # padding queries: no candidate
     q_pos = jnp.asarray(q_pos, jnp.int32)
     args = (q, w, pooled, pool_valid, first_key, q_pos)
-    got = isc.index_scores(
-        *args, kpool=kpool, implementation="pallas_interpret", block_q=block_q, block_p=16
+    got = pk.index_scores(
+        *args, kpool=kpool, implementation="pallas_interpret",
+        block_sizes=pk.IndexScoresBlockSizes(block_q=block_q, block_p=16),
     )
-    want = isc.index_scores(*args, kpool=kpool)
+    want = pk.index_scores(*args, kpool=kpool)
     _assert_scores_equal(got, want)
 
 
@@ -186,8 +182,9 @@ def test_index_scores_all_ties_and_nan():
         jnp.ones((b, n_pools), bool), jnp.zeros((b,), jnp.int32),
         jnp.full((b, n_q), n_pools * kpool, jnp.int32),
     )
-    got = isc.index_scores(*args, kpool=kpool, implementation="pallas_interpret", block_p=16)
-    want = isc.index_scores(*args, kpool=kpool)
+    got = pk.index_scores(*args, kpool=kpool, implementation="pallas_interpret",
+                          block_sizes=pk.IndexScoresBlockSizes(block_p=16))
+    want = pk.index_scores(*args, kpool=kpool)
     _assert_scores_equal(got, want)
     assert np.isneginf(np.asarray(got)[0, :, 7]).all()
     assert (np.asarray(got)[0, 2][np.arange(n_pools) != 7] == 0).all()
@@ -235,11 +232,11 @@ def test_expand_selection_matches_reference(
     if out_width == 0:
         out_width = 1
     args = (jnp.asarray(pool_ids), first_key, tail)
-    got = es.expand_selection(
+    got = pk.expand_selection(
         *args, kpool=kpool, out_width=out_width, implementation="pallas_interpret",
-        block_q=block_q, block_w=block_w,
+        block_sizes=pk.ExpandSelectionBlockSizes(block_q=block_q, block_w=block_w),
     )
-    want = es.expand_selection(*args, kpool=kpool, out_width=out_width)
+    want = pk.expand_selection(*args, kpool=kpool, out_width=out_width)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(got, want)
 
@@ -249,18 +246,18 @@ def test_expand_selection_visible_tail():
     b, n_q, kpool, select_k = 2, 4, 4, 3
     rng = np.random.default_rng(5)
     key_valid = jnp.asarray(_padding_mask(rng, b, 30, "mixed"))
-    first_key = kc.first_valid(key_valid)
+    first_key = pk.first_valid(key_valid)
     q_pos = jnp.asarray([[5, 17, 29, -1], [0, 3, 12, 28]], jnp.int32)
     n_vis = jnp.cumsum(key_valid, axis=1, dtype=jnp.int32)[jnp.arange(b)[:, None], jnp.maximum(q_pos, 0)]
     n_vis = jnp.where(q_pos >= 0, n_vis, 0)
-    tail = es.visible_tail(first_key, n_vis, q_pos, key_valid, kpool)
+    tail = pk.visible_tail(first_key, n_vis, q_pos, key_valid, kpool)
     pool_ids = jnp.asarray([[[0, 2, -1]] * n_q, [[1, -1, -1]] * n_q], jnp.int32)
     out_width = select_k * kpool + kpool - 1
-    got = es.expand_selection(
+    got = pk.expand_selection(
         pool_ids, first_key, tail, kpool=kpool, out_width=out_width,
         implementation="pallas_interpret",
     )
-    want = es.expand_selection(pool_ids, first_key, tail, kpool=kpool, out_width=out_width)
+    want = pk.expand_selection(pool_ids, first_key, tail, kpool=kpool, out_width=out_width)
     np.testing.assert_array_equal(got, want)
 
 
@@ -286,7 +283,7 @@ def _lower_cuda(fn, *avals, name, grid):
 def test_kpool_compress_lowers_for_cuda(length):
     b = 1
     _lower_cuda(
-        lambda k, g, v, a: kc.kpool_compress(k, g, v, a, implementation="pallas"),
+        lambda k, g, v, a: pk.kpool_compress(k, g, v, a, implementation="pallas"),
         S((b, length, INDEX_DIM), jnp.bfloat16),  # LayerNorm'd keys, model dtype
         S((b, length, INDEX_DIM), jnp.float32),  # gate logits (float32 in the layer)
         S((b, length), jnp.bool_),
@@ -307,7 +304,7 @@ def test_kpool_compress_lowers_for_cuda(length):
 def test_index_scores_lowers_for_cuda(context, n_q, dtype):
     b, n_pools = 2, context // KPOOL
     _lower_cuda(
-        lambda q, w, p, pv, fk, qp: isc.index_scores(
+        lambda q, w, p, pv, fk, qp: pk.index_scores(
             q, w, p, pv, fk, qp, kpool=KPOOL, implementation="pallas"
         ),
         S((b, n_q, INDEX_HEADS, INDEX_DIM), dtype),
@@ -328,11 +325,11 @@ def test_expand_selection_lowers_for_cuda(with_tail, n_q):
     avals = [S((b, n_q, SELECT_K), jnp.int32), S((b,), jnp.int32)]
     if with_tail:
         avals.append(S((b, n_q, KPOOL - 1), jnp.int32))
-        fn = lambda p, fk, t: es.expand_selection(
+        fn = lambda p, fk, t: pk.expand_selection(
             p, fk, t, kpool=KPOOL, out_width=OUT_WIDTH, implementation="pallas"
         )
     else:
-        fn = lambda p, fk: es.expand_selection(
+        fn = lambda p, fk: pk.expand_selection(
             p, fk, None, kpool=KPOOL, out_width=INDEX_TOPK, implementation="pallas"
         )
     _lower_cuda(fn, *avals, name="expand_selection", grid=(b, -(-n_q // 4), 1))  # 4 rows a program
@@ -357,32 +354,42 @@ def _small_scores_args():
     )
 
 
-@pytest.mark.parametrize("impl", ["pallas", "pallas_interpret"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_interpret"])
 def test_bad_block_sizes_raise(impl):
-    with pytest.raises(ValueError, match="block_pools"):
-        kc.kpool_compress(*_small_kpool_args(), implementation=impl, block_pools=3)
-    with pytest.raises(ValueError, match="block_q"):
-        isc.index_scores(*_small_scores_args(), kpool=2, implementation=impl, block_q=6)
-    with pytest.raises(ValueError, match="block_p"):
-        isc.index_scores(*_small_scores_args(), kpool=2, implementation=impl, block_p=8)
-    with pytest.raises(ValueError, match="block_p"):
-        isc.index_scores(*_small_scores_args(), kpool=2, implementation=impl, block_p=48)
-    pool_ids = jnp.zeros((1, 2, 3), jnp.int32)
-    fk = jnp.zeros((1,), jnp.int32)
-    with pytest.raises(ValueError, match="block_w"):
-        es.expand_selection(pool_ids, fk, None, kpool=2, out_width=8, implementation=impl, block_w=12)
-    with pytest.raises(ValueError, match="block_q"):
-        es.expand_selection(pool_ids, fk, None, kpool=2, out_width=8, implementation=impl, block_q=0)
+    def kpool(**bad):
+        pk.kpool_compress(*_small_kpool_args(), implementation=impl,
+                          block_sizes=pk.KpoolCompressBlockSizes(**bad))
+
+    def scores(**bad):
+        pk.index_scores(*_small_scores_args(), kpool=2, implementation=impl,
+                        block_sizes=pk.IndexScoresBlockSizes(**bad))
+
+    def expand(**bad):
+        pk.expand_selection(jnp.zeros((1, 2, 3), jnp.int32), jnp.zeros((1,), jnp.int32), None,
+                            kpool=2, out_width=8, implementation=impl,
+                            block_sizes=pk.ExpandSelectionBlockSizes(**bad))
+
+    for call, field, value in [
+        (kpool, "block_pools", 3), (kpool, "num_warps", 3), (kpool, "num_stages", 0),
+        (scores, "block_q", 6), (scores, "block_p", 8), (scores, "block_p", 48),
+        (scores, "num_warps", 0), (expand, "block_w", 12), (expand, "block_q", 0),
+        (expand, "num_stages", 1.5),
+    ]:
+        with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+            call(**{field: value})
+    with pytest.raises(TypeError, match="KpoolCompressBlockSizes"):
+        pk.kpool_compress(*_small_kpool_args(), implementation=impl,
+                          block_sizes=pk.IndexScoresBlockSizes())
 
 
 def test_bad_dtypes_raise():
     keys, gate, valid, ape = _small_kpool_args()
     with pytest.raises(ValueError, match="key_valid"):
-        kc.kpool_compress(keys, gate, valid.astype(jnp.int32), ape, implementation="pallas_interpret")
+        pk.kpool_compress(keys, gate, valid.astype(jnp.int32), ape, implementation="pallas_interpret")
     q, w, pooled, pv, fk, qp = _small_scores_args()
     with pytest.raises(ValueError, match="q_pos"):
-        isc.index_scores(q, w, pooled, pv, fk, qp.astype(jnp.float32), kpool=2,
+        pk.index_scores(q, w, pooled, pv, fk, qp.astype(jnp.float32), kpool=2,
                          implementation="pallas_interpret")
     with pytest.raises(ValueError, match="pool_ids"):
-        es.expand_selection(jnp.zeros((1, 2, 3)), jnp.zeros((1,), jnp.int32), None, kpool=2,
+        pk.expand_selection(jnp.zeros((1, 2, 3)), jnp.zeros((1,), jnp.int32), None, kpool=2,
                             out_width=8, implementation="pallas_interpret")

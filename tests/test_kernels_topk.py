@@ -8,7 +8,6 @@ CUDA lowering is checked at the real decode and prefill shapes without a GPU.
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import jax
@@ -18,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pallas_kernels.selection as selection
 from pallas_kernels._common import lower_for_cuda, triton_calls
-from pallas_kernels.topk_pools import (
-    DEFAULT_BLOCK_SIZES, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
+from pallas_kernels.selection import (
+    TopkPoolsBlockSizes, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
 )
 
 # Values a score row is drawn from: exact ties, both zeros, non-candidates, NaN (both
@@ -34,7 +34,8 @@ _SPECIAL = np.array(
 
 def _check(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
     x = jnp.asarray(scores, jnp.float32)
-    got = np.asarray(topk_pools(x, select_k, implementation="pallas_interpret", **block_sizes))
+    got = np.asarray(topk_pools(x, select_k, implementation="pallas_interpret",
+                                block_sizes=TopkPoolsBlockSizes(**block_sizes)))
     want = np.asarray(topk_pools_reference(x, select_k))
     assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
     assert got.dtype == np.int32
@@ -125,8 +126,7 @@ def test_long_row_multi_tile():
 
 def test_rows_split_into_int32_addressable_launches(monkeypatch):
     """Past 2**31 elements, rows go in several launches (shrunk here to 3 rows each)."""
-    tp = importlib.import_module("pallas_kernels.topk_pools")  # the package re-exports the name
-    monkeypatch.setattr(tp, "_MAX_FLAT_INDEX", 3 * (20 + 32))
+    monkeypatch.setattr(selection, "_MAX_FLAT_INDEX", 3 * (20 + 32))
     rng = np.random.default_rng(4)
     s = rng.integers(-2, 3, size=(2, 4, 20)).astype(np.float32)
     _check(s, 6)
@@ -145,7 +145,9 @@ def test_lax_baseline_shape():
 def _check_split(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
     x = jnp.asarray(scores, jnp.float32)
     assert scores.shape[-1] >= 4 * block_sizes["split_p"]  # else it is the one-program path
-    fn = jax.jit(lambda s: topk_pools(s, select_k, implementation="pallas_interpret", **block_sizes))
+    blocks = TopkPoolsBlockSizes(**block_sizes)
+    fn = jax.jit(lambda s: topk_pools(s, select_k, implementation="pallas_interpret",
+                                      block_sizes=blocks))
     got = np.asarray(fn(x))
     want = np.asarray(topk_pools_reference(x, select_k))
     assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
@@ -219,8 +221,7 @@ def test_multi_program_select_zero_and_all():
 
 
 def test_multi_program_rows_split_into_int32_addressable_launches(monkeypatch):
-    tp = importlib.import_module("pallas_kernels.topk_pools")
-    monkeypatch.setattr(tp, "_MAX_FLAT_INDEX", 2 * (36 + 4))
+    monkeypatch.setattr(selection, "_MAX_FLAT_INDEX", 2 * (36 + 4))
     rng = np.random.default_rng(6)
     s = rng.integers(-2, 3, size=(1, 3, 36)).astype(np.float32)
     _check_split(s, 10, split_p=8, block_p=4, radix_bits=8)
@@ -228,7 +229,8 @@ def test_multi_program_rows_split_into_int32_addressable_launches(monkeypatch):
 
 def _launches(shape, select_k=512, **block_sizes):
     lowered = lower_for_cuda(
-        lambda s: topk_pools(s, select_k, implementation="pallas", **block_sizes),
+        lambda s: topk_pools(s, select_k, implementation="pallas",
+                             block_sizes=TopkPoolsBlockSizes(**block_sizes)),
         jax.ShapeDtypeStruct(shape, jnp.float32),
     )
     return [(c["name"], c["grid"], c["num_warps"], c["num_stages"]) for c in triton_calls(lowered)]
@@ -275,9 +277,12 @@ def test_lowers_for_cuda_odd_width_and_all_radixes():
 
 
 def test_default_block_sizes_are_powers_of_two():
+    blocks = TopkPoolsBlockSizes().resolve(1 << 20)
     for name in ("block_p", "radix_bits", "num_warps", "split_p"):
-        value = DEFAULT_BLOCK_SIZES[name]
+        value = getattr(blocks, name)
         assert value > 0 and value & (value - 1) == 0, name
+    assert TopkPoolsBlockSizes().resolve(100_000).block_p == 1024
+    assert TopkPoolsBlockSizes(radix_bits=8).resolve(100_000).block_p == 256
 
 
 def test_radix_bits_8_shrinks_default_block():
@@ -297,9 +302,11 @@ def test_radix_bits_8_shrinks_default_block():
     ({"split_p": 0}, "split_p"),
     ({"split_p": 2.0}, "split_p"),
 ])
-def test_bad_block_sizes(kwargs, name):
-    with pytest.raises(ValueError, match=name):
-        topk_pools(jnp.zeros((1, 1, 8)), 2, implementation="pallas_interpret", **kwargs)
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_bad_block_sizes(kwargs, name, impl):
+    with pytest.raises(ValueError, match=f"TopkPoolsBlockSizes.{name}"):
+        topk_pools(jnp.zeros((1, 1, 8)), 2, implementation=impl,
+                   block_sizes=TopkPoolsBlockSizes(**kwargs))
 
 
 def test_bad_inputs():

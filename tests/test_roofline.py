@@ -73,7 +73,7 @@ def test_programs_follow_the_kernels_grids(context):
     import jax.numpy as jnp
 
     from pallas_kernels._common import lower_for_cuda, triton_calls
-    from pallas_kernels.topk_pools import topk_pools
+    from pallas_kernels import topk_pools
 
     dec = _by(rl.rows(CFG, "h200", context, 1, phases=("decode",)), "decode")
     pools = context // CFG.index_kpool

@@ -1,10 +1,10 @@
 """``sparse_mla``: weight-absorbed MLA attention over the selected latent rows only.
 
-Invariants:
+Axis letters as in the package glossary (``pallas_kernels``). Invariants:
 
 * Queries are already absorbed (``q_lat = q_nope @ W_UK``, ``[B, Q, H, C]`` with ``C =
   kv_lora_rank``) and keys and values are the same latent rows ``latent[b, id]``, so one
-  gather of ``W`` rows of width ``C`` serves every head. The output is the latent
+  gather of the ``W`` rows named by ``token_ids`` serves every head. The output is the latent
   attention output ``[B, Q, H, C]``; ``absorb_o`` applies ``W_UV`` and ``o_proj``.
 * ``id < 0`` (and ``id >= L``) is not a token: it is never read and gets no weight.
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
@@ -12,8 +12,9 @@ Invariants:
 * A row must not repeat an id (the selection never does): the dense oracle
   ``topk_to_mask`` counts a repeated id once, the sparse path would weigh it twice.
 
-The dense oracle the seed keeps (``topk_to_mask`` + ``mla_masked_attention``) lives here
-too: the same attention computed over every key with a boolean mask.
+The dense oracle (``topk_to_mask`` + ``mla_masked_attention``: the same attention computed
+over every key with a boolean mask, as Hugging Face's ``glm5_next`` reference computes it)
+lives here too.
 
 The Pallas kernel (Triton backend; see the comment above ``_sparse_mla_kernel``): one
 program per (batch, query) row, block of ``block_h`` heads and share of the row's id
@@ -21,11 +22,14 @@ blocks; an online softmax over gathered blocks of ``block_w`` latent rows, each 
 once for both the scores and the values, with a masked load (an invalid id is really never
 read, whereas the reference reads the clamped row and gives it weight 0). The loop stops
 after the last valid id of the row, so short rows cost little. Any H and C work: heads are
-padded to ``block_h``, the latent width is processed in ``block_c`` chunks.
+padded to ``block_h``, the latent width is processed in ``block_c`` chunks. Block sizes
+(``SparseMlaBlockSizes``) change the tiling and the order of the sums, not the result
+beyond float rounding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,11 +39,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+    Implementation, check_block_sizes, check_implementation, check_positive_int,
+    check_power_of_two, check_rank, check_triton_params, next_power_of_two,
 )
 
 __all__ = [
-    "sparse_mla", "sparse_mla_reference", "sparse_mla_block_sizes", "topk_to_mask",
+    "sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "topk_to_mask",
     "mla_masked_attention",
 ]
 
@@ -56,8 +61,8 @@ def masked_softmax(s, valid):
     return p / jnp.where(denom > 0, denom, 1.0)
 
 
-def gather_rows(latent: jax.Array, ids: jax.Array) -> jax.Array:
-    """``latent [B, L, C]``, in-range ``ids [B, Q, W]`` -> ``[B, Q, W, C]``.
+def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """``latent [B, L, C]``, in-range ``token_ids [B, Q, W]`` -> ``[B, Q, W, C]``.
 
     16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
     ``[B, L, C]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
@@ -65,8 +70,8 @@ def gather_rows(latent: jax.Array, ids: jax.Array) -> jax.Array:
     take = jax.vmap(lambda lat, i: lat[i])
     if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize == 2:
         bits = jax.lax.bitcast_convert_type
-        return bits(take(bits(latent, jnp.uint16), ids), latent.dtype)
-    return take(latent, ids)
+        return bits(take(bits(latent, jnp.uint16), token_ids), latent.dtype)
+    return take(latent, token_ids)
 
 
 def sparse_mla_reference(
@@ -119,27 +124,14 @@ def sparse_mla(
     token_ids: jax.Array,
     *,
     scale: float,
-    implementation: str = "xla",
-    **block_sizes,
+    implementation: Implementation = "xla",
+    block_sizes: SparseMlaBlockSizes | None = None,
 ) -> jax.Array:
-    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``.
-
-    Block sizes (keyword arguments, used by the Pallas kernel, validated for every
-    implementation; each defaults to the value ``sparse_mla_block_sizes`` picks):
-
-    * ``block_h``: heads per program (power of two >= 16; default 16; fewer heads are
-      padded with zero queries).
-    * ``block_w``: selected ids per loop step (power of two >= 16; default 32, or 16 for
-      rows narrower than 17).
-    * ``block_c``: latent columns per chunk (power of two >= 16; default the whole width
-      up to 512 when it is a power of two, else the chunk wasting the fewest padded
-      columns); the kernel loops over ``ceil(C / block_c)`` chunks.
-    * ``num_splits``: shares each row's id blocks are split into (int >= 1; default: enough
-      for about 256 programs, each share at least 4 id blocks); partial results are merged
-      by a small XLA fusion.
-    * ``num_warps`` (power of two, default 4), ``num_stages`` (int >= 1, default 2): Triton.
-    """
+    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``;
+    ``block_sizes`` (validated under every implementation, see ``SparseMlaBlockSizes``)
+    tiles the Pallas kernel."""
     check_implementation(implementation)
+    blocks = check_block_sizes(block_sizes, SparseMlaBlockSizes)
     check_rank("q_lat", q_lat, 4, "[B, Q, H, C]")
     check_rank("latent", latent, 3, "[B, L, C]")
     check_rank("token_ids", token_ids, 3, "[B, Q, W]")
@@ -150,12 +142,12 @@ def sparse_mla(
         raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
-    blocks = sparse_mla_block_sizes(q_lat.shape, token_ids.shape[2], **block_sizes)
     if implementation == "xla":
         return sparse_mla_reference(q_lat, latent, token_ids, scale=scale)
     return _sparse_mla_pallas(
         q_lat, latent, token_ids, scale=scale,
-        interpret=implementation == "pallas_interpret", **blocks,
+        interpret=implementation == "pallas_interpret",
+        block_sizes=blocks.resolve(q_lat.shape, token_ids.shape[2]),
     )
 
 
@@ -191,7 +183,6 @@ def sparse_mla(
 _SCAN_BLOCK = 4096  # widest single load of the id row when computing n_end
 _TARGET_PROGRAMS = 256  # auto num_splits aims at about this many programs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4  # ... but never splits a row into shares of fewer id blocks
-_BLOCK_KWARGS = ("block_h", "block_w", "block_c", "num_splits", "num_warps", "num_stages")
 
 
 def _scan_block(width: int) -> int:
@@ -316,7 +307,8 @@ def _sparse_mla_kernel(
 
 
 def _combine_splits(acc, m, l):
-    """Merge per-split partials ``acc [..., S, H, C]``, ``m, l [..., S, H]`` (f32)."""
+    """Merge per-split partials ``acc [..., num_splits, H, C]``, ``m, l [..., num_splits, H]``
+    (f32)."""
     m_all = jnp.max(m, axis=-2, keepdims=True)
     m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
     w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
@@ -325,38 +317,68 @@ def _combine_splits(acc, m, l):
     return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def sparse_mla_block_sizes(q_shape, width: int, **block_sizes) -> dict:
-    """Resolve and validate the kernel's block sizes for ``q_lat`` of shape ``q_shape``
-    ``[B, Q, H, C]`` and id rows of ``width``; see ``sparse_mla``. Raises ``ValueError``
-    naming a bad size and ``TypeError`` for an unknown name."""
-    unknown = sorted(set(block_sizes) - set(_BLOCK_KWARGS))
-    if unknown:
-        raise TypeError(
-            f"sparse_mla got unknown block-size arguments {unknown}; known: {_BLOCK_KWARGS}"
+@dataclasses.dataclass(frozen=True)
+class SparseMlaBlockSizes:
+    """Tiling of the Pallas ``sparse_mla``; a ``None`` field takes its shape-dependent
+    default in ``resolve``.
+
+    * ``block_h``: heads per program (power of two >= 16; fewer heads are padded with zero
+      queries).
+    * ``block_w``: selected ids per loop step (power of two >= 16; default 32, or 16 for
+      rows narrower than 17).
+    * ``block_c``: latent columns per chunk (power of two >= 16; default the whole width
+      up to 512 when it is a power of two, else the chunk wasting the fewest padded
+      columns); the kernel loops over ``ceil(C / block_c)`` chunks.
+    * ``num_splits``: shares each row's id blocks are split into (int >= 1; default: enough
+      for about 256 programs, each share at least 4 id blocks); partial results are merged
+      by a small XLA fusion.
+    * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton's.
+    """
+
+    block_h: int = 16
+    block_w: int | None = None
+    block_c: int | None = None
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> "SparseMlaBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        name = "SparseMlaBlockSizes."
+        check_power_of_two(name + "block_h", self.block_h, minimum=16)
+        for field in ("block_w", "block_c"):
+            if getattr(self, field) is not None:
+                check_power_of_two(name + field, getattr(self, field), minimum=16)
+        if self.num_splits is not None:
+            check_positive_int(name + "num_splits", self.num_splits)
+        check_triton_params("SparseMlaBlockSizes", self.num_warps, self.num_stages)
+        return self
+
+    def resolve(self, q_shape, width: int) -> "SparseMlaBlockSizes":
+        """Every field set, for ``q_lat`` of shape ``q_shape`` ``[B, Q, H, C]`` and id rows
+        of width ``W = width``: the sizes the kernel launches with."""
+        self.validate()
+        b, nq, h, c = q_shape
+        block_w = self.block_w
+        if block_w is None:
+            block_w = min(next_power_of_two(width, 16), 32)
+        block_c = _default_block_c(c) if self.block_c is None else self.block_c
+        num_splits = self.num_splits
+        if num_splits is None:
+            num_splits = _auto_num_splits(
+                b * nq * -(-h // self.block_h), -(-max(width, 1) // block_w)
+            )
+        return dataclasses.replace(
+            self, block_w=block_w, block_c=block_c, num_splits=num_splits
         )
-    b, nq, h, c = q_shape
-    got = {k: v for k, v in block_sizes.items() if v is not None}
-    block_h = check_power_of_two("block_h", got.get("block_h", 16), minimum=16)
-    block_w = check_power_of_two(
-        "block_w", got.get("block_w", min(next_power_of_two(width, 16), 32)), minimum=16)
-    block_c = check_power_of_two("block_c", got.get("block_c", _default_block_c(c)), minimum=16)
-    num_warps = check_power_of_two("num_warps", got.get("num_warps", 4))
-    num_stages = got.get("num_stages", 2)
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    num_splits = got.get("num_splits")
-    if num_splits is None:
-        num_splits = _auto_num_splits(b * nq * -(-h // block_h), -(-max(width, 1) // block_w))
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-    return dict(block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits,
-                num_warps=num_warps, num_stages=num_stages)
 
 
 def _sparse_mla_pallas(
-    q_lat, latent, token_ids, *, scale, interpret,
-    block_h, block_w, block_c, num_splits, num_warps, num_stages,
+    q_lat, latent, token_ids, *, scale, interpret, block_sizes: SparseMlaBlockSizes,
 ):
+    """Pallas attention with the resolved ``block_sizes`` (every field set)."""
+    block_h, block_w, block_c = block_sizes.block_h, block_sizes.block_w, block_sizes.block_c
+    num_splits = block_sizes.num_splits
     b, nq, h, c = q_lat.shape
     length = latent.shape[1]
     width = token_ids.shape[2]
@@ -412,7 +434,9 @@ def _sparse_mla_pallas(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+        ),
         interpret=interpret,
         name="sparse_mla",
     )(ids, q, latent)

@@ -1,6 +1,6 @@
-"""``kpool_compress``: pool the indexer keys of every ``index_kpool`` consecutive tokens.
+"""``kpool_compress``: pool the indexer keys of every ``index_kpool`` (``KP``) consecutive tokens.
 
-Invariants:
+Axis letters as in the package glossary (``pallas_kernels``). Invariants:
 
 * Pools start at ``first_key``, the first valid token of the row (``L`` when the row has
   none). Pool ``p`` covers tokens ``first_key + p*KP + [0, KP)``.
@@ -12,10 +12,13 @@ Invariants:
   stored in the key dtype.
 * ``P = max(1, L // KP)`` pools are emitted, the most a row of ``L`` tokens can hold, so
   shapes are static; ``P`` is never 0 so that kernels never see an empty axis.
+* Block sizes (``KpoolCompressBlockSizes``) change the tiling, never a number: any valid
+  ``block_pools`` gives the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,10 +27,49 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    check_triton_params, next_power_of_two,
 )
 
-__all__ = ["kpool_compress", "kpool_compress_reference", "first_valid", "num_pools"]
+__all__ = [
+    "kpool_compress", "kpool_compress_reference", "KpoolCompressBlockSizes", "first_valid",
+    "num_pools",
+]
+
+_KPOOL_TILE_ELEMENTS = 4096  # default block_pools * D_pad: 32 pools at D = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KpoolCompressBlockSizes:
+    """Tiling of the Pallas ``kpool_compress``.
+
+    * ``block_pools``: pools per program, a power of two. ``None`` (the default) resolves to
+      ``min(next_pow2(P), max(1, 4096 // D_pad))`` (``D_pad``: D rounded up to a power of
+      two): 32 at ``D = 128``, a 4K-element float32 tile per live tensor, which four warps
+      hold in registers.
+    * ``num_warps`` (a power of two), ``num_stages`` (an int >= 1): Triton's.
+    """
+
+    block_pools: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> "KpoolCompressBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        if self.block_pools is not None:
+            check_power_of_two("KpoolCompressBlockSizes.block_pools", self.block_pools)
+        check_triton_params("KpoolCompressBlockSizes", self.num_warps, self.num_stages)
+        return self
+
+    def resolve(self, n_pools: int, dim: int) -> "KpoolCompressBlockSizes":
+        """The sizes the kernel launches with for ``P = n_pools`` pools of width ``D = dim``."""
+        self.validate()
+        if self.block_pools is not None:
+            return self
+        block_pools = min(
+            next_power_of_two(n_pools), max(1, _KPOOL_TILE_ELEMENTS // next_power_of_two(dim))
+        )
+        return dataclasses.replace(self, block_pools=block_pools)
 
 
 def num_pools(length: int, kpool: int) -> int:
@@ -98,11 +140,13 @@ def kpool_compress(
     ape: jax.Array,
     first_key: jax.Array | None = None,
     *,
-    implementation: str = "xla",
-    **block_sizes,
+    implementation: Implementation = "xla",
+    block_sizes: KpoolCompressBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pool the indexer keys; see the module doc. Shapes as ``kpool_compress_reference``."""
+    """Pool the indexer keys; see the module doc. Shapes as ``kpool_compress_reference``;
+    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
     check_implementation(implementation)
+    blocks = check_block_sizes(block_sizes, KpoolCompressBlockSizes)
     check_rank("keys", keys, 3, "[B, L, D]")
     if gate.shape != keys.shape:
         raise ValueError(f"gate must match keys {tuple(keys.shape)}, got {tuple(gate.shape)}")
@@ -116,7 +160,7 @@ def kpool_compress(
         return kpool_compress_reference(keys, gate, key_valid, ape, first_key)
     return _kpool_compress_pallas(
         keys, gate, key_valid, ape, first_key,
-        interpret=implementation == "pallas_interpret", **block_sizes,
+        interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
 
 
@@ -136,8 +180,6 @@ def kpool_compress(
 # Token rows are gathered at ``clip(first_key + p*KP + s, 0, L - 1)`` with ``slot valid =
 # key_valid[clipped] & (token < L)``, exactly the reference's ``safe`` / ``in_row``, so
 # every load is in bounds and the kernel agrees with the reference for any ``first_key``.
-
-_KPOOL_TILE_ELEMENTS = 4096  # default block_pools * D_pad: 32 pools at D = 128
 
 
 def _kpool_compress_kernel(
@@ -198,8 +240,9 @@ def _kpool_compress_kernel(
     pooled = jnp.where(pool_ok[:, None], acc, 0.0).astype(pooled_ref.dtype)
 
     # Lanes past the last pool / channel are masked; their indices are left unclamped
-    # (out of bounds), so no masked lane aliases a live element (see DESIGN.md: interpret
-    # mode writes masked lanes back).
+    # (out of bounds), so no masked lane aliases a live element: interpret mode stores the
+    # old value back at every masked lane's address, which would race a live lane storing
+    # to the same address (on a GPU a masked lane stores nothing).
     in_pools = pool < n_pools
     rows_out = jnp.broadcast_to(pool[:, None], shape2)
     ch_out = jnp.broadcast_to(ch[None, :], shape2)
@@ -211,11 +254,9 @@ def _kpool_compress_kernel(
 
 def _kpool_compress_pallas(
     keys, gate, key_valid, ape, first_key=None, *, interpret: bool,
-    block_pools: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    block_sizes: KpoolCompressBlockSizes,
 ):
-    """Pallas pooling. ``block_pools`` (a power of two) pools per program; by default
-    ``min(next_pow2(P), max(1, 4096 // D_pad))``, 32 at ``D = 128``: a 4K-element f32 tile
-    per live tensor, which four warps hold in registers."""
+    """Pallas pooling, ``block_sizes.block_pools`` pools per program."""
     b, length, d = keys.shape
     kpool = ape.shape[0]
     if length < 1 or d < 1 or kpool < 1:
@@ -231,12 +272,8 @@ def _kpool_compress_pallas(
         raise ValueError(f"first_key must be an integer array, got dtype {first_key.dtype}")
     n_pools = num_pools(length, kpool)
     block_d = next_power_of_two(d)
-    if block_pools is None:
-        block_pools = min(
-            next_power_of_two(n_pools), max(1, _KPOOL_TILE_ELEMENTS // block_d)
-        )
-    check_power_of_two("block_pools", block_pools)
-    check_power_of_two("num_warps", num_warps)
+    blocks = block_sizes.resolve(n_pools, d)
+    block_pools = blocks.block_pools
 
     fk_given = first_key
     fk = first_valid(key_valid) if first_key is None else first_key.astype(jnp.int32)
@@ -256,7 +293,9 @@ def _kpool_compress_pallas(
             jax.ShapeDtypeStruct((b, n_pools, d), keys.dtype),
             jax.ShapeDtypeStruct((b, n_pools), jnp.int8),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="kpool_compress",
     )(fk, keys, gate, key_valid.astype(jnp.int8), ape)

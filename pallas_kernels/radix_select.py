@@ -1,41 +1,30 @@
-"""``topk_pools``: the ``select_k`` best pools of every query row, by an explicit rule.
+"""The radix select behind ``topk_pools``: the order key and the Pallas kernels (Triton).
 
-The tie rule (the same for every implementation and every TP size):
+``order_key`` maps a float32 score to the int32 whose signed order is the float order,
+by integer ops only; ``topk_pools`` (``pallas_kernels.selection``) defines its tie rule on
+those keys. The kernels find ``T``, the ``select_k``-th largest key of a row, in
+``32 / radix_bits`` counting passes, then write the row's selected pool ids ascending in one
+compaction pass. Two paths, chosen by ``selection`` from the row length ``P``:
 
-* Pools are ranked by score, higher first; among exactly equal scores the **lower pool
-  index wins**. ``-0.0``, ``+0.0`` and denormals are one score (``order_key``).
-* A ``-inf`` score (not a candidate, see ``index_scores``) is never selected: its slot
-  is ``-1``.
-* The row lists the selected pool ids in **ascending pool order**, then ``-1`` for every
-  slot not filled. (The reference implementation's own order is by score; only the set is
-  compared, and an ascending row makes the expanded token ids ascending too, which is what
-  a sparse attention kernel wants to read.)
+* ``one_program_select``: **one program per query row** does every pass (one launch, no
+  work between passes): short rows (decode up to 32K tokens, prefill tiles).
+* ``segmented_select``: **one program per ``split_p``-pool segment** of every row. One
+  program per row would leave the GPU idle at batch-1 decode (at 1M tokens one program
+  would stream 1 MiB nine times while the other SMs wait); here every pass is a launch of
+  ``rows * cdiv(P, split_p)`` programs (128 per row at 262,144 pools) that each count their
+  segment, and small XLA ops merge the per-segment counts between launches. The
+  threshold's per-segment split (how many keys above ``T`` and equal to ``T`` each segment
+  holds) falls out of the passes' own counts, so the compaction is also one parallel
+  launch, each segment writing its ids from its own output slot and tie rank (exclusive
+  prefix sums in pool order).
 
-Equivalently: the selected set is ``{p : key(p) > T} ∪ {the lowest-indexed pools with
-key(p) == T, as many as fit}``, where ``key`` is the order-preserving int32 image of the
-float score and ``T`` the ``select_k``-th largest key. That is the form a radix select
-computes without sorting, and the form the reference below computes too (``T`` from
-``lax.top_k``'s values). The property tests check it against a plain Python sort.
-
-The Pallas kernels (``implementation="pallas"``, Triton) are that radix select: ``T`` in
-``32 / radix_bits`` counting passes over the row, then the ascending row in one compaction
-pass; they match the reference bit for bit. Two paths, chosen by row length ``P``:
-
-* ``P < 4 * split_p`` (short rows: decode up to 32K tokens, prefill tiles): **one program
-  per query row** does every pass (one launch, no work between passes).
-* ``P >= 4 * split_p`` (long rows: 128K and 1M-token decode): **one program per
-  ``split_p``-pool segment** of every row. One program per row would leave the GPU idle
-  at batch-1 decode (at 1M tokens one program would stream 1 MiB nine times while the other
-  SMs wait); here every pass is a launch of ``rows * cdiv(P, split_p)`` programs (128 per
-  row at 262,144 pools) that each count their segment, and small XLA ops merge the
-  per-segment counts between launches. The threshold's per-segment split (how many keys
-  above ``T`` and equal to ``T`` each segment holds) falls out of the passes' own counts,
-  so the compaction is also one parallel launch, each segment writing its ids from its own
-  output slot and tie rank (exclusive prefix sums in pool order). That keeps the tie rule
-  exact: the same ``T``, the same "first ``select_k - #above`` ties in pool order", the same
-  ascending slots as the one-program path, with no candidate list or second selection.
-
-``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
+Invariants: both paths compute the same ``T``, take the same "first ``select_k - #above``
+ties in pool order" and write the same ascending slots as ``topk_pools_reference``, bit for
+bit, with no candidate list or second selection; both call ``order_key`` itself, so no
+float compare (and no platform denormal mode) enters the key. Both take ``[rows, P]``
+float32 scores with ``rows * (P + block_p)`` below 2**31 (Triton's int32 offsets; the
+caller launches long batches in chunks) and block sizes already validated by
+``TopkPoolsBlockSizes``.
 """
 
 from __future__ import annotations
@@ -47,14 +36,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
-    check_implementation, check_power_of_two, check_rank, next_power_of_two,
-)
+from pallas_kernels._common import next_power_of_two
 
-__all__ = [
-    "topk_pools", "topk_pools_reference", "topk_pools_lax_baseline", "order_key",
-    "DEFAULT_BLOCK_SIZES",
-]
+__all__ = ["order_key", "canonical_scores", "NEG_INF_KEY", "MAX_COMPARE",
+           "one_program_select", "segmented_select"]
+
+MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
+_INT_MIN = -(2**31)
 
 
 def _canonical_bits(scores: jax.Array) -> jax.Array:
@@ -84,70 +72,8 @@ def canonical_scores(scores: jax.Array) -> jax.Array:
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 
 
-def topk_pools_reference(scores: jax.Array, select_k: int) -> jax.Array:
-    """``[..., P]`` float32 scores -> ``[..., select_k]`` int32 pool ids (see module doc).
-
-    The threshold form, as the kernel computes it: ``T``, the ``select_k``-th largest key,
-    comes from ``lax.top_k`` on the integer keys (its *values* do not depend on how it
-    orders ties); then every key above ``T`` is taken, plus the lowest-indexed pools whose
-    key equals ``T``, as many as fit (a ``cumsum`` rank), never a ``-inf``. A stream
-    compaction writes them in ascending pool order. No sort of the row.
-    """
-    n_pools = scores.shape[-1]
-    if not 0 <= select_k <= n_pools:
-        raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
-    batch = scores.shape[:-1]
-    if select_k == 0:
-        return jnp.zeros(batch + (0,), jnp.int32)
-    key = order_key(scores)
-    # The k-th largest canonical float, as a key. (A float top_k is the fast one on CPUs,
-    # and ``min`` rather than ``[..., -1]``: XLA:CPU turns a slice of a top_k into a sort.)
-    kth = jax.lax.top_k(canonical_scores(scores), select_k)[0].min(-1, keepdims=True)
-    threshold = order_key(kth)
-    above = key > threshold
-    at = key == threshold
-    room = select_k - above.sum(-1, keepdims=True, dtype=jnp.int32)
-    take = (above | (at & (jnp.cumsum(at, axis=-1, dtype=jnp.int32) <= room))) & (key > NEG_INF_KEY)
-    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, select_k)
-    rows = take.reshape(-1, n_pools).shape[0]
-    out = jnp.full((rows, select_k), -1, jnp.int32)
-    out = out.at[jnp.arange(rows)[:, None], slot.reshape(rows, n_pools)].set(
-        jnp.broadcast_to(jnp.arange(n_pools, dtype=jnp.int32), (rows, n_pools)), mode="drop"
-    )
-    return out.reshape(batch + (select_k,))
-
-
-def topk_pools(
-    scores: jax.Array, select_k: int, *, implementation: str = "xla", **block_sizes
-) -> jax.Array:
-    """Top-``select_k`` pools of each row of ``scores [B, Q, P]`` -> ``[B, Q, select_k]`` int32."""
-    check_implementation(implementation)
-    check_rank("scores", scores, 3, "[B, Q, P]")
-    if scores.dtype != jnp.float32:
-        raise ValueError(f"scores must be float32, got {scores.dtype}")
-    if not isinstance(select_k, int) or not 0 <= select_k <= scores.shape[-1]:
-        raise ValueError(f"select_k must be an int in [0, P={scores.shape[-1]}], got {select_k!r}")
-    if implementation == "xla":
-        return topk_pools_reference(scores, select_k)
-    return _topk_pools_pallas(
-        scores, select_k, interpret=implementation == "pallas_interpret", **block_sizes
-    )
-
-
-def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
-    """``jax.lax.top_k(scores, select_k)[1]``: a **speed baseline for benchmarks only**.
-
-    Not a ``topk_pools`` implementation: the order of its ids and which of several tied
-    pools it keeps are unspecified, it does not map ``-0.0`` onto ``+0.0``, it can pick
-    ``-inf`` (non-candidate) and NaN pools instead of writing ``-1``, and its row is ordered
-    by score, not by pool id. (``lax.top_k`` cannot express the lower-index-wins tie rule
-    exactly, so no exact variant is offered.)
-    """
-    return jax.lax.top_k(scores, select_k)[1]
-
-
 # --------------------------------------------------------------------------------------
-# The Pallas kernel (Triton backend).
+# The one-program path (``one_program_select``, Triton backend).
 #
 # One program per (batch, query) row. The row is streamed from global memory in tiles of
 # ``block_p`` pools (``pl.ds`` + a mask at the row end); nothing row-sized lives on chip,
@@ -184,16 +110,6 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
 # each masked lane's address, which would race a taken lane writing the same address, and
 # its out-of-bounds scatter updates are dropped.
 # --------------------------------------------------------------------------------------
-
-DEFAULT_BLOCK_SIZES = {
-    "block_p": 1024, "radix_bits": 4, "num_warps": 4, "num_stages": 2, "split_p": 2048,
-}
-_SPLIT_MIN_SEGMENTS = 4  # rows of >= this many split_p segments take the multi-program path
-_MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
-_MAX_FLAT_INDEX = 2**31 - 1  # Triton's int32 element offsets into a whole-array ref
-
-_INT_MIN = -(2**31)
-
 
 def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, radix_bits):
     row = pl.program_id(0)
@@ -267,6 +183,24 @@ def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, rad
             mask=(slot >= n_sel) & (slot < select_k),
         )
 
+
+def one_program_select(flat, select_k, *, interpret, block_p, radix_bits, compiler_params):
+    """The one-program path on ``flat [rows, P]`` -> ``[rows, select_k]`` int32; ``block_p``
+    already capped at the padded row length."""
+    n_rows, n_pools = flat.shape
+    block_k = min(max(block_p, 16), next_power_of_two(select_k))
+    kernel = functools.partial(
+        _topk_pools_kernel, n_pools=n_pools, select_k=select_k, block_p=block_p,
+        block_k=block_k, radix_bits=radix_bits,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(n_rows,),
+        out_shape=jax.ShapeDtypeStruct((n_rows, select_k), jnp.int32),
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="topk_pools",
+    )(flat)
 
 
 # --------------------------------------------------------------------------------------
@@ -353,7 +287,7 @@ def _compact_kernel(s_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p, 
     jax.lax.fori_loop(0, n_tiles, compact_tile, (b_ref[row, seg, 0], b_ref[row, seg, 1]))
 
 
-def _topk_split(flat, select_k, *, interpret, block_p, split_p, radix_bits, compiler_params):
+def segmented_select(flat, select_k, *, interpret, block_p, split_p, radix_bits, compiler_params):
     """The multi-program path on ``flat [rows, P]`` -> ``[rows, select_k]``."""
     n_rows, n_pools = flat.shape
     n_seg = pl.cdiv(n_pools, split_p)
@@ -403,90 +337,3 @@ def _topk_split(flat, select_k, *, interpret, block_p, split_p, radix_bits, comp
         jnp.full((n_rows, select_k), -1, jnp.int32),
     )
 
-
-def _topk_pools_pallas(
-    scores, select_k, *, interpret, block_p=None, radix_bits=None, num_warps=None,
-    num_stages=None, split_p=None,
-):
-    """Pallas path of ``topk_pools``; see the comments above for the algorithms.
-
-    Which path: a row of ``P >= 4 * split_p`` pools takes the multi-program path (``32 /
-    radix_bits + 1`` launches of ``rows * cdiv(P, split_p)`` programs each), a shorter row
-    the one-program path (one launch of ``rows`` programs, no XLA work between passes:
-    cheaper when a row is only a few tiles long).
-
-    Block sizes (defaults in ``DEFAULT_BLOCK_SIZES``):
-
-    * ``block_p``: pools per streamed tile, a power of two; clamped to the row length
-      rounded up to a power of two, and to ``split_p`` on the multi-program path.
-      ``block_p * 2**radix_bits`` (the per-tile compare) must be <= 65,536; the default
-      shrinks to fit when ``radix_bits`` is 8.
-    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
-      passes over the row, plus one compaction pass.
-    * ``split_p``: pools per program on the multi-program path, a power of two; also sets
-      which rows take it (above).
-    * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton.
-    """
-    radix_bits = DEFAULT_BLOCK_SIZES["radix_bits"] if radix_bits is None else radix_bits
-    check_power_of_two("radix_bits", radix_bits)
-    if radix_bits > 8:
-        raise ValueError(f"radix_bits must be one of 1, 2, 4, 8, got {radix_bits!r}")
-    if block_p is None:
-        block_p = min(DEFAULT_BLOCK_SIZES["block_p"], _MAX_COMPARE >> radix_bits)
-    check_power_of_two("block_p", block_p)
-    if block_p << radix_bits > _MAX_COMPARE:
-        raise ValueError(
-            f"block_p * 2**radix_bits must be <= {_MAX_COMPARE} (the per-tile compare), "
-            f"got block_p={block_p}, radix_bits={radix_bits}"
-        )
-    split_p = DEFAULT_BLOCK_SIZES["split_p"] if split_p is None else split_p
-    check_power_of_two("split_p", split_p)
-    num_warps = DEFAULT_BLOCK_SIZES["num_warps"] if num_warps is None else num_warps
-    check_power_of_two("num_warps", num_warps)
-    num_stages = DEFAULT_BLOCK_SIZES["num_stages"] if num_stages is None else num_stages
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-
-    batch, n_q, n_pools = scores.shape
-    if select_k == 0 or batch * n_q == 0:
-        return jnp.full((batch, n_q, select_k), -1, jnp.int32)
-    compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    n_rows = batch * n_q
-
-    if n_pools >= _SPLIT_MIN_SEGMENTS * split_p:
-        block_p = min(block_p, split_p)
-
-        def launch(rows):
-            return _topk_split(
-                rows, select_k, interpret=interpret, block_p=block_p, split_p=split_p,
-                radix_bits=radix_bits, compiler_params=compiler_params,
-            )
-    else:
-        block_p = min(block_p, next_power_of_two(n_pools))
-        block_k = min(max(block_p, 16), next_power_of_two(select_k))
-        kernel = functools.partial(
-            _topk_pools_kernel, n_pools=n_pools, select_k=select_k, block_p=block_p,
-            block_k=block_k, radix_bits=radix_bits,
-        )
-
-        def launch(rows):
-            return pl.pallas_call(
-                kernel,
-                grid=(rows.shape[0],),
-                out_shape=jax.ShapeDtypeStruct((rows.shape[0], select_k), jnp.int32),
-                compiler_params=compiler_params,
-                interpret=interpret,
-                name="topk_pools",
-            )(rows)
-
-    flat = scores.reshape(n_rows, n_pools)
-    # Triton addresses whole-array refs with int32 offsets (row * P + pool): launch at
-    # most as many rows at a time as keep every offset, tile overhang included, in range.
-    chunk = max(1, _MAX_FLAT_INDEX // (max(n_pools, select_k) + block_p))
-    if n_rows <= chunk:
-        out = launch(flat)
-    else:
-        out = jnp.concatenate(
-            [launch(flat[r:r + chunk]) for r in range(0, n_rows, chunk)], axis=0
-        )
-    return out.reshape(batch, n_q, select_k)

@@ -1,19 +1,23 @@
 """``index_scores``: the lightning indexer's score of every (query, pool) pair.
 
+Axis letters as in the package glossary (``pallas_kernels``; ``Hi``: indexer heads).
 Invariants:
 
-* ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``,
-  computed in float32 whatever the input dtype.
+* ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``
+  (``h`` over the ``Hi`` indexer heads), computed in float32 whatever the input dtype.
 * Pool ``p`` is a *candidate* for query ``t`` when it is valid and its last token,
   ``first_key + (p + 1)*KP - 1``, is at or before the query's position ``q_pos[b, t]``
   (causal; a padding query has ``q_pos = -1`` and so no candidate). Non-candidates score
   ``-inf``; so does a NaN score, so that a NaN never wins a top-k slot.
 * ``-0.0`` is returned as ``+0.0``: ReLU makes exact zeros common, and the top-k tie rule
   must see ``w * 0 < 0`` and ``0`` as the same score.
+* Block sizes (``IndexScoresBlockSizes``) change the tiling only; within a pool tile, the
+  head sum's order is the kernel's own (see the float tolerance of the tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,10 +26,45 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    check_triton_params, next_power_of_two,
 )
 
-__all__ = ["index_scores", "index_scores_reference", "pool_last_token"]
+__all__ = ["index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexScoresBlockSizes:
+    """Tiling of the Pallas ``index_scores``.
+
+    * ``block_q``: queries per program (a power of two), which share one pooled-key tile;
+    * ``block_p``: pools per program, the dot's N (a power of two >= 16);
+    * ``num_warps`` (a power of two), ``num_stages`` (an int >= 1): Triton's.
+
+    Both tiles are capped at the padded problem size (``resolve``), so a decode step
+    (``Q = 1``) runs one query per program.
+    """
+
+    block_q: int = 16
+    block_p: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> "IndexScoresBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        check_power_of_two("IndexScoresBlockSizes.block_q", self.block_q)
+        check_power_of_two("IndexScoresBlockSizes.block_p", self.block_p, minimum=16)
+        check_triton_params("IndexScoresBlockSizes", self.num_warps, self.num_stages)
+        return self
+
+    def resolve(self, n_queries: int, n_pools: int) -> "IndexScoresBlockSizes":
+        """The sizes the kernel launches with for ``Q = n_queries``, ``P = n_pools``."""
+        self.validate()
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, next_power_of_two(n_queries)),
+            block_p=min(self.block_p, next_power_of_two(n_pools, 16)),
+        )
 
 
 def pool_last_token(first_key: jax.Array, n_pools: int, kpool: int) -> jax.Array:
@@ -55,8 +94,8 @@ def index_scores_reference(
     """Plain-jnp scores.
 
     Args:
-      q: ``[B, Q, H, D]`` indexer queries ``wq_b(q_resid)``.
-      w: ``[B, Q, H]`` float32 head weights ``weights_proj(x) * H**-0.5``.
+      q: ``[B, Q, Hi, D]`` indexer queries ``wq_b(q_resid)``.
+      w: ``[B, Q, Hi]`` float32 head weights ``weights_proj(x) * Hi**-0.5``.
       pooled: ``[B, P, D]`` pooled keys from ``kpool_compress``.
       pool_valid: ``[B, P]`` bool.
       first_key: ``[B]`` int32.
@@ -91,15 +130,17 @@ def index_scores(
     q_pos: jax.Array,
     *,
     kpool: int,
-    implementation: str = "xla",
-    **block_sizes,
+    implementation: Implementation = "xla",
+    block_sizes: IndexScoresBlockSizes | None = None,
 ) -> jax.Array:
-    """Indexer scores; see the module doc. Shapes as ``index_scores_reference``."""
+    """Indexer scores; see the module doc. Shapes as ``index_scores_reference``;
+    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
     check_implementation(implementation)
-    check_rank("q", q, 4, "[B, Q, H, D]")
+    blocks = check_block_sizes(block_sizes, IndexScoresBlockSizes)
+    check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape
     if w.shape != (b, nq, h):
-        raise ValueError(f"w must be [B, Q, H] = {(b, nq, h)}, got {tuple(w.shape)}")
+        raise ValueError(f"w must be [B, Q, Hi] = {(b, nq, h)}, got {tuple(w.shape)}")
     check_rank("pooled", pooled, 3, "[B, P, D]")
     if pooled.shape[0] != b or pooled.shape[2] != d:
         raise ValueError(f"pooled must be [B={b}, P, D={d}], got {tuple(pooled.shape)}")
@@ -113,7 +154,7 @@ def index_scores(
         return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool)
     return _index_scores_pallas(
         q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
-        interpret=implementation == "pallas_interpret", **block_sizes,
+        interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
 
 
@@ -123,10 +164,10 @@ def index_scores(
 #
 # Grid ``(query tiles, B, pool tiles)``: a program loads one ``[block_p, D_pad]`` tile of
 # pooled keys once and loops over its ``block_q`` queries; per query one ``dot``
-# ``[H_pad, D_pad] x [D_pad, block_p]`` gives every head's logits at once (the heads are
+# ``[Hi_pad, D_pad] x [D_pad, block_p]`` gives every head's logits at once (the heads are
 # the dot's M axis, so a decode step with one query still fills an MMA tile), then ReLU,
 # the head weights and a sum over the head axis give the ``[block_p]`` score row. The
-# working set is one pooled tile plus one query's ``[H_pad, D_pad]`` whatever the context
+# working set is one pooled tile plus one query's ``[Hi_pad, D_pad]`` whatever the context
 # length. The query-tile axis comes first in the grid (the fastest launch axis), so the
 # programs that share a pooled tile run together and the tile is read from L2.
 #
@@ -182,7 +223,7 @@ def _index_scores_kernel(
         t = t0 + i
         qt = plgpu.load(q_ref.at[b, t, q_rows, q_cols], mask=q_mask, other=0.0)
         wt = plgpu.load(w_ref.at[b, t, h_safe], mask=h_ok, other=0.0).astype(f32)
-        s = plgpu.dot(qt.astype(dot_dtype), keys, trans_b=True, allow_tf32=False)  # [H, P]
+        s = plgpu.dot(qt.astype(dot_dtype), keys, trans_b=True, allow_tf32=False)  # [Hi, P]
         s = s * scale
         s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
         score = jnp.sum(wt[:, None] * s, axis=0)  # padded heads have w = 0
@@ -199,21 +240,16 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def _index_scores_pallas(
     q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
-    block_q: int = 16, block_p: int = 64, num_warps: int = 4, num_stages: int = 2,
+    block_sizes: IndexScoresBlockSizes,
 ):
-    """Pallas scores. ``block_p`` pools per program (the dot's N, a power of two >= 16);
-    ``block_q`` queries per program (a power of two) share one pooled tile. Both are capped
-    at the padded problem size, so a decode step (Q = 1) runs one query per program."""
+    """Pallas scores, tiled by ``block_sizes`` (see ``IndexScoresBlockSizes``)."""
     b, n_q, heads, dim = q.shape
     n_pools = pooled.shape[1]
-    check_power_of_two("block_q", block_q)
-    check_power_of_two("block_p", block_p, minimum=16)
-    check_power_of_two("num_warps", num_warps)
     if not isinstance(kpool, int) or kpool < 1:
         raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
     if heads < 1 or dim < 1 or n_pools < 1:
         raise ValueError(
-            f"the Pallas index_scores needs H, D, P >= 1, got H={heads}, D={dim}, P={n_pools}"
+            f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
         )
     for name, x in (("q", q), ("pooled", pooled), ("w", w)):
         if x.dtype not in _FLOAT_DTYPES:
@@ -230,8 +266,8 @@ def _index_scores_pallas(
         dot_dtype = q.dtype
     else:
         dot_dtype = jnp.float32
-    block_q = min(block_q, next_power_of_two(n_q))
-    block_p = min(block_p, next_power_of_two(n_pools, 16))
+    blocks = block_sizes.resolve(n_q, n_pools)
+    block_q, block_p = blocks.block_q, blocks.block_p
     kernel = functools.partial(
         _index_scores_kernel, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads, dim=dim,
         block_q=block_q, block_p=block_p, block_h=next_power_of_two(heads, 16),
@@ -241,7 +277,9 @@ def _index_scores_pallas(
         kernel,
         grid=(pl.cdiv(n_q, block_q), b, pl.cdiv(n_pools, block_p)),
         out_shape=jax.ShapeDtypeStruct((b, n_q, n_pools), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="index_scores",
     )(

@@ -1,6 +1,7 @@
-"""``expand_selection``: selected pools -> the row of token ids attention reads.
+"""``expand_selection``: selected pools -> ``token_ids``, the row of token ids attention reads.
 
-Invariants:
+Axis letters as in the package glossary (``pallas_kernels``; ``K = select_k`` selected pools,
+``TW`` tail slots, ``W = out_width``). Invariants:
 
 * Pool ``p`` expands to tokens ``first_key + p*KP + [0, KP)``; a ``-1`` pool expands to
   nothing.
@@ -9,13 +10,15 @@ Invariants:
   appended after the pools. ``visible_tail`` computes them as the reference does:
   ``first_key + n_vis - n_vis % KP + [0, KP - 1)``, each kept only if it is a valid token
   at or before the query.
-* Output row, ``out_width`` wide: the expanded pools (ascending, since ``topk_pools`` emits
-  ascending pool ids), then the tail, then ``-1`` in every remaining slot: every slot is
-  written. A row with no pool and no tail is all ``-1``.
+* Output row (``token_ids``), ``W = out_width`` wide: the expanded pools (ascending, since
+  ``topk_pools`` emits ascending pool ids), then the tail, then ``-1`` in every remaining
+  slot: every slot is written. A row with no pool and no tail is all ``-1``.
+* Block sizes (``ExpandSelectionBlockSizes``) change the tiling, never the row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,10 +27,48 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    check_implementation, check_power_of_two, check_rank, next_power_of_two,
+    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    check_triton_params, next_power_of_two,
 )
 
-__all__ = ["expand_selection", "expand_selection_reference", "visible_tail", "compact_row"]
+__all__ = [
+    "expand_selection", "expand_selection_reference", "ExpandSelectionBlockSizes",
+    "visible_tail", "compact_row",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpandSelectionBlockSizes:
+    """Tiling of the Pallas ``expand_selection``.
+
+    * ``block_q``: query rows per program (a power of two);
+    * ``block_w``: ids per chunk of the walk over a row (a power of two);
+    * ``num_warps`` (a power of two), ``num_stages`` (an int >= 1): Triton's.
+
+    Both tiles are capped at the padded problem size (``resolve``).
+    """
+
+    block_q: int = 4
+    block_w: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> "ExpandSelectionBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        check_power_of_two("ExpandSelectionBlockSizes.block_q", self.block_q)
+        check_power_of_two("ExpandSelectionBlockSizes.block_w", self.block_w)
+        check_triton_params("ExpandSelectionBlockSizes", self.num_warps, self.num_stages)
+        return self
+
+    def resolve(self, n_queries: int, n_src: int, out_width: int) -> "ExpandSelectionBlockSizes":
+        """The sizes the kernel launches with for ``Q = n_queries`` rows of ``n_src`` source
+        ids (``K*KP + T``) expanded into ``W = out_width`` slots."""
+        self.validate()
+        return dataclasses.replace(
+            self,
+            block_q=min(self.block_q, next_power_of_two(n_queries)),
+            block_w=min(self.block_w, next_power_of_two(max(n_src, out_width - n_src))),
+        )
 
 
 def visible_tail(
@@ -83,8 +124,8 @@ def expand_selection_reference(
     kpool: int,
     out_width: int,
 ) -> jax.Array:
-    """``pool_ids [B, Q, K]`` (ascending, ``-1`` after) and ``tail [B, Q, T]`` (or None)
-    -> ``[B, Q, out_width]`` int32 token ids."""
+    """``pool_ids [B, Q, K]`` (ascending, ``-1`` after) and ``tail [B, Q, TW]`` (or None)
+    -> ``token_ids [B, Q, W]`` int32 (``W = out_width``)."""
     b, nq, k = pool_ids.shape
     tok = first_key[:, None, None, None] + pool_ids[..., None] * kpool + jnp.arange(kpool, dtype=jnp.int32)
     tok = jnp.where(pool_ids[..., None] >= 0, tok, -1).reshape(b, nq, k * kpool)
@@ -100,11 +141,13 @@ def expand_selection(
     *,
     kpool: int,
     out_width: int,
-    implementation: str = "xla",
-    **block_sizes,
+    implementation: Implementation = "xla",
+    block_sizes: ExpandSelectionBlockSizes | None = None,
 ) -> jax.Array:
-    """Expand pools to token ids and append the tail; see the module doc."""
+    """Expand pools to ``token_ids [B, Q, W]`` and append the tail; see the module doc.
+    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
     check_implementation(implementation)
+    blocks = check_block_sizes(block_sizes, ExpandSelectionBlockSizes)
     check_rank("pool_ids", pool_ids, 3, "[B, Q, K]")
     b, nq, k = pool_ids.shape
     if first_key.shape != (b,):
@@ -116,12 +159,12 @@ def expand_selection(
             f"{width - k * kpool} = {width}"
         )
     if tail is not None and tail.shape[:2] != (b, nq):
-        raise ValueError(f"tail must be [B, Q, T] with B, Q = {(b, nq)}, got {tuple(tail.shape)}")
+        raise ValueError(f"tail must be [B, Q, TW] with B, Q = {(b, nq)}, got {tuple(tail.shape)}")
     if implementation == "xla":
         return expand_selection_reference(pool_ids, first_key, tail, kpool=kpool, out_width=out_width)
     return _expand_selection_pallas(
         pool_ids, first_key, tail, kpool=kpool, out_width=out_width,
-        interpret=implementation == "pallas_interpret", **block_sizes,
+        interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
 
 
@@ -130,15 +173,16 @@ def expand_selection(
 # --------------------------------------------------------------------------------------
 #
 # The kernel computes ``compact_row`` of the concatenated source row ``src = [expanded
-# pools (K*KP ids) | tail (T ids)]`` without sorting, as a permutation scatter. One
+# pools (K*KP ids) | tail (TW ids)]`` without sorting, as a permutation scatter. One
 # program per (batch row, tile of ``block_q`` query rows) walks ``src`` in chunks of
 # ``block_w`` ids, carrying per-row counts of valid and invalid ids seen so far:
 #
 # * a valid id (``>= 0``) goes to ``valid_rank`` (its rank among the valid ids, a cumsum):
 #   the valid ids land at the front in their order;
-# * an invalid one writes ``-1`` at ``S - 1 - invalid_rank``: the invalid ids fill
-#   ``[n_valid, S)`` from the back, so the positions form a permutation of ``[0, S)``;
-# * a second loop writes ``-1`` over ``[S, out_width)``.
+# * an invalid one writes ``-1`` at ``n_src - 1 - invalid_rank``: the invalid ids
+#   fill ``[n_valid, n_src)`` from the back, so the positions form a permutation of
+#   ``[0, n_src)`` (``n_src = K*KP + TW``, the source row's length);
+# * a second loop writes ``-1`` over ``[n_src, out_width)``.
 #
 # Every output element is written exactly once (no two stores of a program overlap, so
 # there is no ordering question between GPU threads), and no assumption is made about
@@ -220,14 +264,10 @@ def _expand_selection_kernel(
 
 def _expand_selection_pallas(
     pool_ids, first_key, tail, *, kpool, out_width, interpret,
-    block_q: int = 4, block_w: int = 512, num_warps: int = 4, num_stages: int = 2,
+    block_sizes: ExpandSelectionBlockSizes,
 ):
-    """Pallas expansion. ``block_q`` query rows per program and ``block_w`` ids per chunk
-    (powers of two; ``block_w`` is capped at the padded row length)."""
+    """Pallas expansion, tiled by ``block_sizes`` (see ``ExpandSelectionBlockSizes``)."""
     b, n_q, n_sel = pool_ids.shape
-    check_power_of_two("block_q", block_q)
-    check_power_of_two("block_w", block_w)
-    check_power_of_two("num_warps", num_warps)
     if not isinstance(kpool, int) or kpool < 1:
         raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
     if not isinstance(out_width, int) or out_width < 0:
@@ -236,14 +276,14 @@ def _expand_selection_pallas(
         if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
     if tail is not None and tail.ndim != 3:
-        raise ValueError(f"tail must be [B, Q, T] (rank 3), got shape {tuple(tail.shape)}")
+        raise ValueError(f"tail must be [B, Q, TW] (rank 3), got shape {tuple(tail.shape)}")
     n_tail = 0 if tail is None else tail.shape[-1]
     if b == 0 or n_q == 0 or out_width == 0:
         return jnp.full((b, n_q, out_width), -1, jnp.int32)
 
-    block_q = min(block_q, next_power_of_two(n_q))
     n_src = n_sel * kpool + n_tail
-    block_w = min(block_w, next_power_of_two(max(n_src, out_width - n_src)))
+    blocks = block_sizes.resolve(n_q, n_src, out_width)
+    block_q, block_w = blocks.block_q, blocks.block_w
     kernel = functools.partial(
         _expand_selection_kernel, kpool=kpool, n_q=n_q, n_sel=n_sel, n_tail=n_tail,
         out_width=out_width, block_q=block_q, block_w=block_w,
@@ -257,7 +297,9 @@ def _expand_selection_pallas(
         kernel,
         grid=(b, pl.cdiv(n_q, block_q)),
         out_shape=jax.ShapeDtypeStruct((b, n_q, out_width), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
         interpret=interpret,
         name="expand_selection",
     )(*args)

@@ -1,0 +1,223 @@
+"""Compile every Pallas kernel for NVIDIA GPUs on a host without one, and check what came out.
+
+No GPU is needed: XLA compiles for a *compile-only* CUDA device built from a description of
+the GPU (``jax.experimental.topologies.get_topology_desc(..., "cuda", target_config=...)``,
+from ``jax-cuda12-plugin``; no driver is loaded). Per target and case:
+
+1. the kernel's public wrapper (``implementation="pallas"``) is traced on abstract inputs
+   at the shapes the layer gives it for one step (``KERNELS`` x ``default_cases``), with
+   the compile-only device as the default device (jax >= 0.11's Pallas reads the compute
+   capability from it; 0.10 assumes 9.0, which only affects fp8 casts, unused here);
+2. ``.lower().compile()`` runs XLA's Triton -> LLVM -> PTX -> cubin pipeline, dumping the
+   PTX and the thunk sequence (XLA itself rejects a kernel over the shared-memory limit);
+3. ``ptxas -v`` on the dumped PTX of each Triton kernel gives registers, spills, stack frame
+   and static shared memory; the thunk sequence gives the launch's threads and dynamic
+   shared memory; blocks per SM follow from those by the CUDA occupancy rules
+   (``GpuTarget.blocks_per_sm``).
+
+A kernel passes when it compiled, spills nothing, has no stack frame (local memory is as
+slow as a spill), fits the target's shared memory per block, and at least one block fits an
+SM. Invariants:
+
+* A number that cannot be read (no thunk, no ptxas line) fails the kernel: a check that has
+  lost its data must not pass.
+* Each target compiles in its own subprocess (``python -m glm5_dsa_jax.gpu_compile
+  --worker``): XLA aborts the process on some fatal errors, and the caller (pytest) must
+  survive to report them; the caller's jax setup (8 virtual CPU devices) stays out of it.
+* Work is shared, never skipped: cases whose wrapper inputs are identical are traced once,
+  and cases whose Triton kernels (IR bytes, warps, stages) are identical are compiled once
+  (``Report.same_as`` names the case that compiled it). A kernel's registers and shared
+  memory depend only on its IR and the target, not on the grid.
+
+Adding a kernel is one ``KERNELS`` entry: a function from the model config and a ``Step``
+to the wrapper call and its abstract inputs (and its module in ``KERNEL_MODULES``). Needs
+the ``gpu-compile`` extra (``toolchain()`` says what is missing).
+
+Modules: ``targets`` (``GpuTarget``, ``TARGETS``, occupancy), ``cases`` (``Step``, ``Case``,
+``KERNELS``, ``default_cases``), ``worker`` (the per-target compile process), ``ptxas``
+(toolchain discovery, ``ptxas -v`` parsing), ``report`` (``Report``, the thunk parser, the
+tables); this module runs the workers and reads their dumps (``compile_cases``) and holds
+the command line (``main``; ``__main__`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterable
+
+from glm5_dsa_jax.gpu_compile.cases import (
+    BATCHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, STEPS, Case, Step, default_cases,
+)
+from glm5_dsa_jax.gpu_compile.ptxas import (
+    ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
+)
+from glm5_dsa_jax.gpu_compile.report import (
+    Report, _analyse, failures, format_table, parse_thunks,
+)
+from glm5_dsa_jax.gpu_compile.targets import TARGETS, GpuTarget
+from glm5_dsa_jax.gpu_compile.worker import run_worker
+
+__all__ = [
+    "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
+    "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
+    "parse_ptxas", "parse_thunks", "find_ptxas", "main",
+]
+
+
+def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: float,
+                config: dict) -> dict[str, dict]:
+    """Run the worker for one target; after a crash, go on past the case that caused it."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    # The repository root (above glm5_dsa_jax/gpu_compile/), so the worker imports this code.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    records: dict[str, dict] = {}
+    todo = list(cases)
+    deadline = time.time() + timeout
+    while todo:
+        spec = {"config": config, "cases": [
+            {"kernel": c.kernel, "step": dataclasses.asdict(c.step), "blocks": c.blocks}
+            for c in todo]}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "glm5_dsa_jax.gpu_compile", "--worker", target.name,
+                 "--dump-dir", dump_root], input=json.dumps(spec), capture_output=True,
+                text=True, env=env, timeout=max(1.0, deadline - time.time()))
+            out, err, how = proc.stdout, proc.stderr, f"exited with status {proc.returncode}"
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            how = f"ran past the {timeout:.0f} s limit"
+        ready = False
+        for line in out.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            ready |= rec.get("event") == "ready"
+            if rec.get("event") == "case":
+                records[rec["id"]] = rec
+        todo = [c for c in todo if c.id not in records]
+        if todo:
+            tail = "\n".join(err.strip().splitlines()[-30:])
+            dead = todo if not ready or "limit" in how else todo[:1]
+            for c in dead:
+                records[c.id] = {"id": c.id, "ok": False, "error":
+                                 f"the {target.name} compile process {how} "
+                                 f"{'before it started' if not ready else 'on this case'}:\n{tail}"}
+            todo = todo[len(dead):]
+    return records
+
+
+def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90"), *,
+                  dump_dir: str | None = None, timeout: float = 1800.0,
+                  config: dict | None = None, log=None) -> list[Report]:
+    """Compile ``cases`` for each target (one worker process per target, run one after
+    the other: the compile is CPU-bound) and return one ``Report`` per Triton launch.
+    ``dump_dir`` keeps XLA's dumps (HLO, PTX, thunks); ``config`` overrides fields of the
+    GLM-5.3-Flash preset. Raises ``ToolchainMissing`` without the ``gpu-compile`` extra."""
+    info = toolchain()
+    names = list(targets)
+    for n in names:
+        if n not in TARGETS:
+            raise ValueError(f"unknown target {n!r}; known: {sorted(TARGETS)}")
+    ids = [c.id for c in cases]
+    if len(set(ids)) != len(ids):
+        raise ValueError("cases must be distinct")
+    root = dump_dir or tempfile.mkdtemp(prefix="glm5_gpu_compile_")
+    reports: list[Report] = []
+    try:
+        for n in names:
+            t0 = time.time()
+            target_dump = os.path.join(root, n)
+            os.makedirs(target_dump, exist_ok=True)
+            records = _run_worker(TARGETS[n], cases, target_dump, timeout, config or {})
+            compiled = {}
+            for rec in records.values():
+                if rec.get("dump") and os.path.isdir(rec["dump"]):
+                    # The Triton launches: thunks named after a Triton call of the lowered
+                    # module (XLA may add "_1"...; its own fusions are kCustomKernel on 0.12).
+                    triton = {c["name"] for c in rec["calls"]}
+                    launches = []
+                    for fn in sorted(os.listdir(rec["dump"])):
+                        if fn.endswith(".thunk_sequence.txt"):
+                            with open(os.path.join(rec["dump"], fn)) as f:
+                                launches += [t for t in parse_thunks(f.read())
+                                             if re.sub(r"(_\d+)+$", "", t["name"]) in triton
+                                             or t["name"] in triton]
+                    launches = list({t["name"]: t for t in launches}.values())
+                    stats, errors = ptxas_stats(info["ptxas"], rec["dump"],
+                                                 {t["name"] for t in launches})
+                    compiled[rec["id"]] = dict(launches=launches, stats=stats, errors=errors)
+                elif not rec.get("ok"):
+                    compiled[rec["id"]] = dict(launches=[], error=rec.get("error"))
+            for c in cases:
+                rec = records[c.id]
+                if rec.get("same_inputs_as"):  # traced once: same inputs as an earlier case
+                    first = records[rec["same_inputs_as"]]
+                    rec = dict(first, id=c.id, same_as=first.get("same_as") or first["id"])
+                reports += _analyse(TARGETS[n], rec, compiled, info["ptxas"])
+            if log:
+                log(f"{n}: {len(cases)} cases in {time.time() - t0:.0f} s")
+    finally:
+        if dump_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    return reports
+
+
+# ------------------------------------------------------------------------------------ CLI
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m glm5_dsa_jax.gpu_compile",
+        description="Compile every Pallas kernel at the GLM-5.3-Flash shapes for sm_80 and "
+                    "sm_90 without a GPU; print registers, spills, stack, shared memory and "
+                    "blocks per SM. Exit 0: all ok; 1: a kernel failed; 2: setup error.")
+    ap.add_argument("--targets", default="sm_80,sm_90", help="comma list (default sm_80,sm_90)")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list (default: all)")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
+                    help="cache lengths in tokens (default 4096,131072,1048576)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="default 1,8")
+    ap.add_argument("--steps", default=",".join(STEPS), help="decode,prefill,prompt (default all)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES),
+                    help="bfloat16 (default; the serving dtype), float32, or both")
+    ap.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
+    ap.add_argument("--json", help="write every report here")
+    ap.add_argument("--dump-dir", help="keep XLA's dumps (HLO, PTX, thunk sequence) here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker, args.dump_dir)
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    try:
+        cases = default_cases(split(args.kernels), contexts=[int(x) for x in split(args.contexts)],
+                              batches=[int(x) for x in split(args.batches)],
+                              steps=split(args.steps), dtypes=split(args.dtypes))
+        info = toolchain()
+        print(f"jax {info['jax']}, jaxlib {info['jaxlib']}, jax-cuda12-plugin "
+              f"{info['jax-cuda12-plugin']}, ptxas {info['ptxas_version']}", flush=True)
+        t0 = time.time()
+        reports = compile_cases(cases, split(args.targets), dump_dir=args.dump_dir,
+                                log=lambda m: print(m, flush=True))
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(reports, compact=args.compact))
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        print("\n" + failures(reports))
+    print(f"\n{len(reports)} launches, {len(bad)} failed; {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(toolchain=info, reports=[dict(dataclasses.asdict(r), ok=r.ok)
+                                                    for r in reports]), f, indent=1)
+    return 1 if bad else 0
+

@@ -1,0 +1,198 @@
+"""What ``glm5_dsa_jax.gpu_compile`` compiles: one ``Case`` per kernel and layer ``Step``.
+
+Invariants:
+
+* A ``Step`` gives the kernels the shapes one layer step gives them (see
+  ``DsaAttention._step``); ``default_cases`` covers every kernel at decode, prefill-chunk and
+  one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16.
+* Adding a kernel is one ``KERNELS`` entry: a function from the model config, a ``Step``
+  and block-size overrides to the public wrapper call (``implementation="pallas"``) and its
+  abstract inputs. ``KERNEL_MODULES`` names the entry that launches each kernel module's
+  ``pallas_call`` (``tests/test_gpu_compile.py`` requires every such module to have one), so
+  a new kernel module cannot go uncompiled.
+* ``_build`` returns, with the call, the key under which cases share a trace: the kernel,
+  its input shapes and dtypes, the static arguments not visible in them, and the block sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+
+__all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
+           "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES"]
+
+PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
+CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
+BATCHES = (1, 8)
+STEPS = ("decode", "prefill", "prompt")
+DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The shapes one layer step gives the kernels (see ``DsaAttention._step``).
+
+    ``decode``: one new token; ``prefill``: a chunk of ``PREFILL_CHUNK`` tokens;
+    ``prompt``: a one-shot prefill of the whole context. The cache holds ``context`` slots
+    (``pools = context // kpool`` pooled keys); queries go through the indexer and attention
+    in tiles of ``block_q`` (the layer's default, 64); pooling runs over a window of the
+    last ``kpool`` cached slots plus the chunk.
+    """
+
+    kind: str
+    batch: int
+    context: int
+    dtype: str = "bfloat16"  # the layer's compute and cache dtype
+    block_q: int = 64
+
+    def __post_init__(self):
+        if self.kind not in STEPS:
+            raise ValueError(f"Step.kind must be one of {STEPS}, got {self.kind!r}")
+        for name in ("batch", "context", "block_q"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Step.{name} must be a positive int, got {v!r}")
+
+    @property
+    def chunk(self) -> int:
+        return {"decode": 1, "prefill": min(PREFILL_CHUNK, self.context),
+                "prompt": self.context}[self.kind]
+
+    @property
+    def queries(self) -> int:
+        return min(self.block_q, self.chunk)
+
+
+def _kpool_compress(cfg, s: Step, blocks: dict):
+    b, w, d, dt = s.batch, s.chunk + cfg.index_kpool, cfg.index_head_dim, jnp.dtype(s.dtype)
+    bs = pk.KpoolCompressBlockSizes(**blocks)
+    fn = lambda k, g, v, ape, first: pk.kpool_compress(  # noqa: E731
+        k, g, v, ape, first, implementation="pallas", block_sizes=bs)
+    return fn, [((b, w, d), dt), ((b, w, d), jnp.float32), ((b, w), jnp.bool_),
+                ((cfg.index_kpool, d), dt), ((b,), jnp.int32)]
+
+
+def _index_scores(cfg, s: Step, blocks: dict):
+    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
+    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    bs = pk.IndexScoresBlockSizes(**blocks)
+    fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
+        qi, w, pooled, pv, fk, qp, kpool=kp, implementation="pallas", block_sizes=bs)
+    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
+                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
+
+
+def _topk_pools(cfg, s: Step, blocks: dict):
+    p = max(1, s.context // cfg.index_kpool)
+    k = cfg.select_k(p)
+    bs = pk.TopkPoolsBlockSizes(**blocks)
+    fn = lambda scores: pk.topk_pools(scores, k, implementation="pallas", block_sizes=bs)  # noqa: E731
+    return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
+
+
+def _expand_selection(cfg, s: Step, blocks: dict):
+    b, q, kp, ow = s.batch, s.queries, cfg.index_kpool, cfg.out_width
+    bs = pk.ExpandSelectionBlockSizes(**blocks)
+    k = cfg.select_k(max(1, s.context // kp))
+    avals = [((b, q, k), jnp.int32), ((b,), jnp.int32)]
+    if cfg.tail_width:
+        avals.append(((b, q, cfg.tail_width), jnp.int32))
+        fn = lambda pools, fk, tail: pk.expand_selection(  # noqa: E731
+            pools, fk, tail, kpool=kp, out_width=ow, implementation="pallas", block_sizes=bs)
+    else:
+        fn = lambda pools, fk: pk.expand_selection(  # noqa: E731
+            pools, fk, None, kpool=kp, out_width=ow, implementation="pallas", block_sizes=bs)
+    return fn, avals
+
+
+def _sparse_mla(cfg, s: Step, blocks: dict):
+    b, q, dt, c = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_lora_rank
+    scale = cfg.softmax_scale
+    bs = pk.SparseMlaBlockSizes(**blocks)
+    fn = lambda ql, lat, ids: pk.sparse_mla(  # noqa: E731
+        ql, lat, ids, scale=scale, implementation="pallas", block_sizes=bs)
+    return fn, [((b, q, cfg.num_attention_heads, c), dt), ((b, s.context, c), dt),
+                ((b, q, cfg.out_width), jnp.int32)]
+
+
+#: One entry per kernel: ``(cfg, step, blocks) -> (fn, [(shape, dtype), ...][, static])``.
+#: ``fn`` calls the public wrapper with ``implementation="pallas"`` and ``block_sizes`` built
+#: from ``blocks`` (the fields of the kernel's block-size dataclass to override; empty in the
+#: default cases: the wrapper's own block sizes); the optional third item lists the
+#: static arguments not visible in the input shapes (they join the key under which cases
+#: share a trace).
+KERNELS: dict[str, Callable] = {
+    "kpool_compress": _kpool_compress,
+    "index_scores": _index_scores,
+    "topk_pools": _topk_pools,
+    "expand_selection": _expand_selection,
+    "sparse_mla": _sparse_mla,
+}
+
+#: Every kernel module of ``pallas_kernels`` that launches a ``pallas_call``, mapped to the
+#: ``KERNELS`` entry whose wrapper launches its kernels. ``tests/test_gpu_compile.py``
+#: requires every such module to be here.
+KERNEL_MODULES: dict[str, str] = {
+    "pooling": "kpool_compress",
+    "scoring": "index_scores",
+    "radix_select": "topk_pools",
+    "expansion": "expand_selection",
+    "attention": "sparse_mla",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel at one step; ``blocks`` (``(field, value)`` pairs of the kernel's
+    block-size dataclass) overrides the wrapper's block sizes (none in the default cases)."""
+
+    kernel: str
+    step: Step
+    blocks: tuple = ()
+
+    @property
+    def id(self) -> str:
+        s = self.step
+        dt = "" if s.dtype == "bfloat16" else f" {s.dtype}"
+        bl = "".join(f" {k}={v}" for k, v in self.blocks)
+        return f"{self.kernel} {s.kind} b{s.batch} {_tokens(s.context)}{dt}{bl}"
+
+
+def _tokens(n: int) -> str:
+    for unit, shift in (("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, batches=BATCHES,
+                  steps=STEPS, dtypes=DTYPES) -> list[Case]:
+    """Every kernel at every step, context, batch and dtype (by default bfloat16, the
+    serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8)."""
+    kernels = list(KERNELS) if kernels is None else list(kernels)
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {unknown}; known: {sorted(KERNELS)}")
+    for name, values in (("contexts", contexts), ("batches", batches)):
+        if not values or any(not isinstance(v, int) or v <= 0 for v in values):
+            raise ValueError(f"{name} must be positive ints, got {list(values)}")
+    if not steps or set(steps) - set(STEPS):
+        raise ValueError(f"steps must be among {STEPS}, got {list(steps)}")
+    if not dtypes or set(dtypes) - {"bfloat16", "float32"}:
+        raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
+    return [Case(k, Step(kind, b, n, dt)) for k in kernels for dt in dtypes for n in contexts
+            for kind in steps for b in batches]
+
+
+def _build(cfg, case: Case):
+    out = KERNELS[case.kernel](cfg, case.step, dict(case.blocks))
+    fn, avals = out[0], out[1]
+    static = out[2] if len(out) > 2 else ()
+    key = (case.kernel, tuple((tuple(sh), str(dt)) for sh, dt in avals), tuple(static),
+           case.blocks)
+    return fn, avals, key

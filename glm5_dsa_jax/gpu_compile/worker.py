@@ -1,0 +1,104 @@
+"""The compile worker of ``glm5_dsa_jax.gpu_compile``: one process per target.
+
+``compile_cases`` runs ``python -m glm5_dsa_jax.gpu_compile --worker TARGET --dump-dir DIR``
+with the cases as JSON on stdin; the worker prints one JSON line per case (after a
+``ready`` line). Invariants:
+
+* Its own process: XLA aborts the process on some fatal errors, and the caller (pytest)
+  must survive to report them; the caller's jax setup (8 virtual CPU devices) stays out of it.
+* The kernel's wrapper is traced with the compile-only CUDA device as the default device
+  (jax >= 0.11's Pallas reads the compute capability from it; 0.10 assumes 9.0, which only
+  affects fp8 casts, unused here).
+* Work is shared, never skipped: cases whose wrapper inputs are identical are traced once
+  (``same_inputs_as``), cases whose Triton kernels (IR bytes, warps, stages) are identical
+  are compiled once (``same_as``). A kernel's registers and shared memory depend only on
+  its IR and the target, not on the grid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+
+from glm5_dsa_jax.gpu_compile.cases import Case, Step, _build
+from glm5_dsa_jax.gpu_compile.targets import TARGETS
+
+__all__ = ["run_worker"]
+
+_IR_RE = re.compile(r'\bir = "((?:\\.|[^"\\])*)"')
+
+
+def _triton_signature(lowered) -> tuple:
+    """What identifies the compiled Triton kernels of a lowered module: per launch its name,
+    a hash of its IR bytes, warps and stages."""
+    from pallas_kernels._common import triton_calls
+
+    text = lowered.as_text()
+    irs = [hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
+           for line in text.splitlines() if "__gpu$xla.gpu.triton" in line
+           for m in [_IR_RE.search(line)] if m]
+    calls = triton_calls(text)
+    return calls, tuple(sorted((c["name"], ir, c["num_warps"], c["num_stages"])
+                               for c, ir in zip(calls, irs)))
+
+
+def run_worker(target_name: str, dump_root: str) -> int:
+    """Compile the cases read from stdin for one target; one JSON line per case."""
+    import jax
+    from jax.experimental import topologies
+
+    from glm5_dsa_jax.config import DsaConfig
+
+    spec = json.load(sys.stdin)
+    cfg = DsaConfig.glm53_flash(**spec.get("config", {}))
+    target = TARGETS[target_name]
+    topo = topologies.get_topology_desc(
+        f"glm5_dsa_{target.name}", "cuda", target_config=target.target_config(), topology="1x1x1")
+    device = topo.devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    print(json.dumps({"event": "ready", "device": str(device)}), flush=True)
+    traced_as: dict = {}  # input key -> case id
+    compiled_as: dict = {}  # Triton signature -> case id
+    for item in spec["cases"]:
+        case = Case(item["kernel"], Step(**item["step"]), tuple(map(tuple, item.get("blocks", ()))))
+        rec = {"event": "case", "id": case.id, "ok": False, "stage": "trace", "error": None,
+               "calls": [], "same_as": None, "dump": None}
+        t0 = time.time()
+        try:
+            fn, avals, key = _build(cfg, case)
+            if key in traced_as:
+                rec.update(ok=True, stage="done", same_inputs_as=traced_as[key])
+                print(json.dumps(rec), flush=True)
+                continue
+            traced_as[key] = case.id
+            avals = [jax.ShapeDtypeStruct(sh, dt, sharding=sharding) for sh, dt in avals]
+            with jax.default_device(device):
+                lowered = jax.jit(fn).trace(*avals).lower()
+            rec["stage"] = "compile"
+            calls, sig = _triton_signature(lowered)
+            rec["calls"] = calls
+            if not calls:
+                raise RuntimeError("the lowered module has no Triton kernel launch")
+            if sig in compiled_as:
+                rec["same_as"] = compiled_as[sig]
+            else:
+                dump = os.path.join(dump_root, re.sub(r"[^\w.-]+", "_", case.id))
+                rec["dump"] = dump
+                lowered.compile(compiler_options={
+                    "xla_dump_to": dump,
+                    # jax >= 0.11 dumps Triton's PTX only when its emitter is named ("ptx":
+                    # only the PTX, not the per-pass IR that ".*" also writes).
+                    "xla_dump_emitter_re": "ptx",
+                    "xla_gpu_force_compilation_parallelism": 1,
+                })
+                compiled_as[sig] = case.id
+            rec.update(ok=True, stage="done")
+        except Exception as e:  # noqa: BLE001 - every failure is reported, the rest go on
+            rec["error"] = f"{type(e).__name__}: {e}"
+        rec["seconds"] = round(time.time() - t0, 2)
+        print(json.dumps(rec), flush=True)
+    return 0

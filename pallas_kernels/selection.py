@@ -1,0 +1,226 @@
+"""``topk_pools``: the ``select_k`` (``K``) best pools of every query row, by an explicit rule.
+
+Axis letters as in the package glossary (``pallas_kernels``). The tie rule (the same for
+every implementation and every TP size):
+
+* Pools are ranked by score, higher first; among exactly equal scores the **lower pool
+  index wins**. ``-0.0``, ``+0.0`` and denormals are one score: the rank is that of
+  ``order_key``, the order-preserving int32 image of the float score, computed by integer
+  ops on the float's bits (a float compare would flush denormals on some backends, e.g.
+  XLA:CPU, and not on others).
+* A ``-inf`` score (not a candidate, see ``index_scores``) is never selected, nor a NaN
+  (``order_key`` maps it to ``-inf``): its slot is ``-1``.
+* The row lists the selected pool ids in **ascending pool order**, then ``-1`` for every
+  slot not filled. (An ascending row makes the expanded ``token_ids`` ascending too, which
+  is what a sparse attention kernel wants to read.)
+
+Equivalently: the selected set is ``{p : key(p) > T} ∪ {the lowest-indexed pools with
+key(p) == T, as many as fit}``, where ``T`` is the ``select_k``-th largest key. That is the
+form a radix select computes without sorting, and the form the reference below computes
+too (``T`` from ``lax.top_k``'s values). The property tests check it against a plain
+Python sort.
+
+The Pallas kernels (``implementation="pallas"``, Triton; ``pallas_kernels.radix_select``)
+are that radix select and match the reference bit for bit. Two paths, chosen by the row
+length ``P`` (``TopkPoolsBlockSizes.multi_program``): rows of ``P < 4 * split_p`` pools (decode
+up to 32K tokens, prefill tiles) take one program per query row; longer rows (128K and
+1M-token decode) one program per ``split_p``-pool segment of every row, so that a batch-1
+decode still fills the GPU.
+
+``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import (
+    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    check_triton_params, next_power_of_two,
+)
+from pallas_kernels.radix_select import (
+    MAX_COMPARE, NEG_INF_KEY, canonical_scores, one_program_select, order_key,
+    segmented_select,
+)
+
+__all__ = [
+    "topk_pools", "topk_pools_reference", "topk_pools_lax_baseline", "TopkPoolsBlockSizes",
+    "order_key",
+]
+
+_MAX_FLAT_INDEX = 2**31 - 1  # Triton's int32 element offsets into a whole-array ref
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkPoolsBlockSizes:
+    """Tiling of the Pallas ``topk_pools`` (both paths; see ``pallas_kernels.radix_select``).
+
+    * ``block_p``: pools per streamed tile, a power of two. ``block_p * 2**radix_bits`` (the
+      per-tile compare) must be <= 65,536. ``None`` (the default) resolves to 1,024, or
+      ``65536 >> radix_bits`` when that is smaller (256 at ``radix_bits = 8``). The kernel
+      caps it at the row length rounded up to a power of two, and at ``split_p`` on the
+      multi-program path (``resolve``).
+    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
+      counting passes over the row, plus one compaction pass.
+    * ``split_p``: pools per program on the multi-program path, a power of two; rows of at
+      least ``MIN_SEGMENTS * split_p`` pools take that path (``multi_program``).
+    * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton's.
+    """
+
+    block_p: int | None = None
+    radix_bits: int = 4
+    split_p: int = 2048
+    num_warps: int = 4
+    num_stages: int = 2
+
+    MIN_SEGMENTS: ClassVar[int] = 4  # rows of >= this many split_p segments: multi-program
+    DEFAULT_BLOCK_P: ClassVar[int] = 1024
+
+    def validate(self) -> "TopkPoolsBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        name = "TopkPoolsBlockSizes."
+        check_power_of_two(name + "radix_bits", self.radix_bits)
+        if self.radix_bits > 8:
+            raise ValueError(f"{name}radix_bits must be one of 1, 2, 4, 8, got {self.radix_bits!r}")
+        if self.block_p is not None:
+            check_power_of_two(name + "block_p", self.block_p)
+            if self.block_p << self.radix_bits > MAX_COMPARE:
+                raise ValueError(
+                    f"{name}block_p * 2**radix_bits must be <= {MAX_COMPARE} (the per-tile "
+                    f"compare), got block_p={self.block_p}, radix_bits={self.radix_bits}"
+                )
+        check_power_of_two(name + "split_p", self.split_p)
+        check_triton_params("TopkPoolsBlockSizes", self.num_warps, self.num_stages)
+        return self
+
+    def multi_program(self, n_pools: int) -> bool:
+        """Whether a row of ``P = n_pools`` pools takes the multi-program path."""
+        return n_pools >= self.MIN_SEGMENTS * self.split_p
+
+    def programs_per_row(self, n_pools: int) -> int:
+        """Programs each launch runs per query row: ``cdiv(P, split_p)`` on the
+        multi-program path, 1 on the one-program path."""
+        return -(-n_pools // self.split_p) if self.multi_program(n_pools) else 1
+
+    def resolve(self, n_pools: int) -> "TopkPoolsBlockSizes":
+        """The sizes the kernel launches with for rows of ``P = n_pools`` pools."""
+        self.validate()
+        block_p = self.block_p
+        if block_p is None:
+            block_p = min(self.DEFAULT_BLOCK_P, MAX_COMPARE >> self.radix_bits)
+        if self.multi_program(n_pools):
+            block_p = min(block_p, self.split_p)
+        else:
+            block_p = min(block_p, next_power_of_two(n_pools))
+        return dataclasses.replace(self, block_p=block_p)
+
+
+def topk_pools_reference(scores: jax.Array, select_k: int) -> jax.Array:
+    """``[..., P]`` float32 scores -> ``[..., select_k]`` int32 pool ids (see module doc).
+
+    The threshold form, as the kernel computes it: ``T``, the ``select_k``-th largest key,
+    comes from ``lax.top_k`` on ``canonical_scores`` (floats in ``order_key``'s order; its
+    *values* do not depend on how it orders ties); then every key above ``T`` is taken, plus the lowest-indexed pools whose
+    key equals ``T``, as many as fit (a ``cumsum`` rank), never a ``-inf``. A stream
+    compaction writes them in ascending pool order. No sort of the row.
+    """
+    n_pools = scores.shape[-1]
+    if not 0 <= select_k <= n_pools:
+        raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
+    batch = scores.shape[:-1]
+    if select_k == 0:
+        return jnp.zeros(batch + (0,), jnp.int32)
+    key = order_key(scores)
+    # The k-th largest canonical float, as a key. (A float top_k is the fast one on CPUs,
+    # and ``min`` rather than ``[..., -1]``: XLA:CPU turns a slice of a top_k into a sort.)
+    kth = jax.lax.top_k(canonical_scores(scores), select_k)[0].min(-1, keepdims=True)
+    threshold = order_key(kth)
+    above = key > threshold
+    at = key == threshold
+    room = select_k - above.sum(-1, keepdims=True, dtype=jnp.int32)
+    take = (above | (at & (jnp.cumsum(at, axis=-1, dtype=jnp.int32) <= room))) & (key > NEG_INF_KEY)
+    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, select_k)
+    rows = take.reshape(-1, n_pools).shape[0]
+    out = jnp.full((rows, select_k), -1, jnp.int32)
+    out = out.at[jnp.arange(rows)[:, None], slot.reshape(rows, n_pools)].set(
+        jnp.broadcast_to(jnp.arange(n_pools, dtype=jnp.int32), (rows, n_pools)), mode="drop"
+    )
+    return out.reshape(batch + (select_k,))
+
+
+def topk_pools(
+    scores: jax.Array,
+    select_k: int,
+    *,
+    implementation: Implementation = "xla",
+    block_sizes: TopkPoolsBlockSizes | None = None,
+) -> jax.Array:
+    """Top-``select_k`` pools of each row of ``scores [B, Q, P]`` -> ``[B, Q, K]`` int32
+    (``K = select_k``). ``block_sizes`` (validated under every implementation) tiles the
+    Pallas kernels and picks their path."""
+    check_implementation(implementation)
+    blocks = check_block_sizes(block_sizes, TopkPoolsBlockSizes)
+    check_rank("scores", scores, 3, "[B, Q, P]")
+    if scores.dtype != jnp.float32:
+        raise ValueError(f"scores must be float32, got {scores.dtype}")
+    if not isinstance(select_k, int) or not 0 <= select_k <= scores.shape[-1]:
+        raise ValueError(f"select_k must be an int in [0, P={scores.shape[-1]}], got {select_k!r}")
+    if implementation == "xla":
+        return topk_pools_reference(scores, select_k)
+    return _topk_pools_pallas(
+        scores, select_k, interpret=implementation == "pallas_interpret", block_sizes=blocks
+    )
+
+
+def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
+    """``jax.lax.top_k(scores, select_k)[1]``: a **speed baseline for benchmarks only**.
+
+    Not a ``topk_pools`` implementation: the order of its ids and which of several tied
+    pools it keeps are unspecified, it does not map ``-0.0`` onto ``+0.0``, it can pick
+    ``-inf`` (non-candidate) and NaN pools instead of writing ``-1``, and its row is ordered
+    by score, not by pool id. (``lax.top_k`` cannot express the lower-index-wins tie rule
+    exactly, so no exact variant is offered.)
+    """
+    return jax.lax.top_k(scores, select_k)[1]
+
+
+def _topk_pools_pallas(scores, select_k, *, interpret, block_sizes: TopkPoolsBlockSizes):
+    """Pallas path of ``topk_pools``: ``32 / radix_bits + 1`` launches of ``rows *
+    cdiv(P, split_p)`` programs each on the multi-program path, else one launch of ``rows``
+    programs (no XLA work between passes: cheaper when a row is only a few tiles long)."""
+    batch, n_q, n_pools = scores.shape
+    if select_k == 0 or batch * n_q == 0:
+        return jnp.full((batch, n_q, select_k), -1, jnp.int32)
+    blocks = block_sizes.resolve(n_pools)
+    compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    n_rows = batch * n_q
+    if blocks.multi_program(n_pools):
+        def launch(rows):
+            return segmented_select(
+                rows, select_k, interpret=interpret, block_p=blocks.block_p,
+                split_p=blocks.split_p, radix_bits=blocks.radix_bits,
+                compiler_params=compiler_params,
+            )
+    else:
+        def launch(rows):
+            return one_program_select(
+                rows, select_k, interpret=interpret, block_p=blocks.block_p,
+                radix_bits=blocks.radix_bits, compiler_params=compiler_params,
+            )
+
+    flat = scores.reshape(n_rows, n_pools)
+    # Triton addresses whole-array refs with int32 offsets (row * P + pool): launch at
+    # most as many rows at a time as keep every offset, tile overhang included, in range.
+    chunk = max(1, _MAX_FLAT_INDEX // (max(n_pools, select_k) + blocks.block_p))
+    if n_rows <= chunk:
+        out = launch(flat)
+    else:
+        out = jnp.concatenate(
+            [launch(flat[r:r + chunk]) for r in range(0, n_rows, chunk)], axis=0
+        )
+    return out.reshape(batch, n_q, select_k)
