@@ -13,9 +13,11 @@ Invariants:
   any cross-field rule, so ``num_attention_heads: 0`` says "must be positive". A file that
   is not JSON, or not a JSON object, is a ``ValueError`` naming the file.
 * Head counts are the *full* model's: this config never holds a per-rank head count (the
-  CUDA seed did). The tensor-parallel split lives in ``glm5_dsa_jax.sharding``.
+  CUDA serving engine whose DSA pipeline and TP plan this project was specified from did;
+  that engine is not in this repository). The tensor-parallel split lives in
+  ``glm5_dsa_jax.sharding``.
 
-The seed engine also refused ``index_kpool > 8`` and ``kv_lora_rank != 512``. Those were
+That engine also refused ``index_kpool > 8`` and ``kv_lora_rank != 512``. Those were
 limits of its CUDA kernels (a ``float lg[8]`` register array and a compile-time latent
 width), not of the model, so they are not rules here: every kernel of this project takes any
 ``index_kpool >= 1`` and any latent width.
@@ -294,8 +296,9 @@ class DsaConfig:
     def glm53_flash(cls, **overrides: Any) -> "DsaConfig":
         """GLM-5.3-Flash: the ``Glm5NextTextConfig`` defaults with ``index_kpool=4``.
 
-        The HF default is ``index_kpool=16``; the seed's figures (65,536 pools at 262,144
-        tokens) imply 4, which is what the served checkpoint uses.
+        The HF default is ``index_kpool=16``; the figures of the CUDA serving engine this
+        project was specified from (65,536 pools at 262,144 tokens; the engine is not in this
+        repository) imply 4, which is what the served checkpoint uses.
         """
         d = dict(_HF_DEFAULTS)
         d["index_kpool"] = 4

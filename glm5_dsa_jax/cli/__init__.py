@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import argparse
 
+from glm5_dsa_jax import checkpoint
+from glm5_dsa_jax.cli import bench, demo, plan, roofline
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from glm5_dsa_jax import bench, checkpoint, demo, roofline, sharding
-
-    for module in (demo, bench, sharding, checkpoint, roofline):
+    for module in (demo, bench, plan, checkpoint, roofline):
         module.add_parser(sub)
-
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
-
