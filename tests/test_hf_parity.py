@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from helpers import ATOL, RTOL, check_selection, hidden_states, padded_batch  # noqa: F401 (re-exported)
+from helpers import ATOL, RTOL, check_selection, hidden_states, padded_batch
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
 
 
