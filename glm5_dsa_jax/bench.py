@@ -1,9 +1,10 @@
 """``glm5-dsa bench decode``: decode-step time of sparse DSA against dense absorbed MLA.
 
-A command, not a test: it prints a table (or one JSON object with ``--json``). For each
-batch size and context length it builds a cache already holding ``context`` tokens (random
-latent rows and pooled keys: prefilling 131,072 tokens at the real dims would take hours
-on a CPU, and the step's cost does not depend on the values), then times
+A benchmark, not a test: ``run`` returns the rows and ``glm5_dsa_jax.cli.bench`` prints
+them (a table, or one JSON object with ``--json``). For each batch size and context length
+it builds a cache already holding ``context`` tokens (random latent rows and pooled keys:
+prefilling 131,072 tokens at the real dims would take hours on a CPU, and the step's cost
+does not depend on the values), then times
 
 * ``sparse``: the whole jitted, cache-donating decode step of one full DSA layer
   (projections, pool update, index scores, top-k, expansion, sparse MLA, ``o_proj``);
@@ -34,26 +35,22 @@ every step; its floor is not the same fact).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.layer import DsaAttention, float32_params
+from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
 from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
 
-__all__ = ["filled_cache", "run", "add_parser"]
+__all__ = ["filled_cache", "run"]
 
 
 def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0):
@@ -149,8 +146,6 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
-        from glm5_dsa_jax.layer import absorb_o
-
         out = absorb_o(o, m.w_uv[...], m.o_proj[...], wide=wide)
         return out, cache.replace(latent=lat, key_valid=valid, length=pos + x.shape[1])
 
@@ -305,45 +300,3 @@ def _attention_rows(layer, cache, b, ctx, iters, log):
     log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)")
     return [dict(impl="sparse_attn", batch=b, context=ctx, median_ms=ts, compiles=1, peak_bytes=-1),
             dict(impl="dense_attn", batch=b, context=ctx, median_ms=td, compiles=1, peak_bytes=-1)]
-
-
-def add_parser(sub) -> None:
-    from glm5_dsa_jax.cli.args import positive_int, positive_int_list
-
-    p = sub.add_parser("bench", help="benchmarks (decode)")
-    p.add_argument("what", choices=["decode"])
-    p.add_argument("--contexts", type=positive_int_list, default=[4096, 16384, 65536, 131072])
-    p.add_argument("--batch", type=positive_int_list, default=[1, 8])
-    p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
-    p.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
-    p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
-    p.add_argument("--hf-max-context", type=int, default=16384,
-                   help="HF eager rows at batch 1 for contexts up to this (0: none)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=main)
-
-
-def main(args) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    res = run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
-              hf_max_context=args.hf_max_context)
-    if args.json:
-        print(json.dumps(res))
-        return 0
-    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
-          f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
-    print(f"{'impl':<12} {'batch':>5} {'context':>8} {'median ms':>10} {'floor ms':>9} {'x floor':>8}")
-    for r in res["rows"]:
-        fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
-        print(f"{r['impl']:<12} {r['batch']:>5} {r['context']:>8} {r['median_ms']:10.2f} {fl}")
-    print(f"\ncache bytes per token: {res['cache_bytes_per_token']:.1f}")
-    by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
-    for b in args.batch:
-        c0, c1 = args.contexts[0], args.contexts[-1]
-        print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
-              f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
-              f"whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x")
-    for (impl, b, c), t in by.items():
-        if impl == "hf":
-            print(f"B=1: HF eager / sparse step at {c} = {t / by[('sparse', 1, c)]:.1f}x")
-    return 0

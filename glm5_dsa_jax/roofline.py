@@ -3,7 +3,8 @@
 ``rows(cfg, gpu, context, batch)`` returns one ``RooflineRow`` per kernel of a decode step
 (one query per sequence) and of a prefill chunk (``chunk`` queries per sequence, the last
 of them at position ``context - 1``), plus a total row per phase; ``glm5-dsa roofline``
-prints them and ``scripts/gpu_check.py`` puts measured times beside them.
+(``glm5_dsa_jax.cli.roofline``) prints them and ``scripts/gpu_check.py`` puts measured
+times beside them.
 
 Invariants and assumptions (why the numbers are what they are):
 
@@ -38,11 +39,8 @@ Invariants and assumptions (why the numbers are what they are):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
@@ -52,7 +50,7 @@ from pallas_kernels import (
 )
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
-           "weight_bytes", "matmul_weights", "step_read_bytes", "selected_ids", "add_parser"]
+           "weight_bytes", "matmul_weights", "step_read_bytes", "selected_ids"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,62 +259,3 @@ def gpu_for_device_kind(kind: str) -> str | None:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; None for a device not in ``GPUS``."""
     k = kind.lower()
     return next((g for g in GPUS if g in k), None)
-
-
-# ---------------------------------------------------------------------------- CLI
-def _fmt_bytes(n: int) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= f:
-            return f"{n / f:8.2f} {unit}"
-    return f"{n:8d} B "
-
-
-def format_table(rs: list[RooflineRow], measured: dict | None = None) -> str:
-    """A text table of ``rows``; ``measured`` ``{(phase, kernel): seconds}`` adds a column."""
-    head = f"{'phase':<8} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'bound us':>10} {'limit':<7}"
-    if measured is not None:
-        head += f" {'measured us':>12} {'x bound':>8}"
-    lines = [head, "-" * len(head)]
-    for r in rs:
-        line = (f"{r.phase:<8} {r.kernel:<26} {_fmt_bytes(r.bytes):>11} {r.flops / 1e9:10.3f} "
-                f"{r.programs if r.programs else '':>9} {r.bound_s * 1e6:10.2f} {r.limit:<7}")
-        if measured is not None:
-            m = measured.get((r.phase, r.kernel))
-            line += f" {m * 1e6:12.2f} {m / r.bound_s:8.2f}" if m else f" {'':>12} {'':>8}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    p.add_argument("--context", type=int, required=True, help="tokens in the cache")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=2048, help="queries per sequence of the prefill chunk")
-    p.add_argument("--preset", default="glm53-flash",
-                   choices=["glm53-flash", "glm53_flash", "tiny"])
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=main)
-
-
-def main(args) -> int:
-    cfg = DsaConfig.preset(args.preset.replace("_", "-"))
-    chunk = min(args.chunk, args.context) if args.context >= 1 else args.chunk
-    try:
-        rs = rows(cfg, args.gpu, args.context, args.batch, chunk=chunk)
-    except ValueError as e:
-        print(f"glm5-dsa roofline: {e}", file=sys.stderr)
-        return 2
-    spec = GPUS[args.gpu]
-    if args.json:
-        print(json.dumps({"gpu": args.gpu, "gpu_name": spec.name, "bandwidth": spec.bandwidth,
-                          "peak_flops": spec.peak_flops, "source": spec.source,
-                          "context": args.context, "batch": args.batch, "chunk": chunk,
-                          "preset": args.preset, "rows": [r.as_dict() for r in rs]}))
-        return 0
-    print(f"{spec.name}: {spec.bandwidth / 1e12:.3g} TB/s, {spec.peak_flops / 1e12:.0f} TFLOPS bf16 "
-          f"({spec.source})")
-    print(f"one layer, batch {args.batch}, context {args.context:,}, prefill chunk {chunk:,} "
-          f"queries per sequence\n")
-    print(format_table(rs))
-    return 0

@@ -1,4 +1,5 @@
-"""The Hugging Face ``glm5_next`` reference, built from a ``DsaConfig`` for parity tests."""
+"""The Hugging Face ``glm5_next`` reference, built from a ``DsaConfig`` for parity tests
+(torch: imported only by the modules ``conftest.TORCH_MODULES`` names)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import torch
 
 import glm5_dsa_jax as gd
+from helpers import f32_layer
 
 
 def hf_text_config(cfg: gd.DsaConfig):
@@ -27,6 +29,14 @@ def hf_attention(cfg: gd.DsaConfig, layer_idx: int, seed: int = 0):
     attn = Glm5NextTextAttention(hf_text_config(cfg), layer_idx).float().eval()
     randomize_(attn, torch.Generator().manual_seed(seed))
     return attn
+
+
+def layer_from_hf(cfg: gd.DsaConfig, layer_idx: int, attn) -> gd.DsaAttention:
+    """Our float32 layer ``layer_idx`` holding the HF layer ``attn``'s weights: the pair a
+    parity test runs on the same input."""
+    layer = f32_layer(cfg, layer_idx)
+    layer.load_hf_weights(state_dict_np(attn))
+    return layer
 
 
 def randomize_(module, generator) -> None:

@@ -29,9 +29,9 @@ from glm5_dsa_jax.checkpoint import safetensors_file
 from glm5_dsa_jax.cli import convert
 from glm5_dsa_jax.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, randomize_
-from helpers import check_selection
+from helpers import (ATOL, RTOL, assert_trees_equal, check_selection, f32_layer, fresh_dir, padded_batch,
+                     params_np)
 
-ATOL = RTOL = 3e-5
 PFX = "model.language_model.layers."
 LAYER_TYPES = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
 INDEXER_TYPES = ["full", "full", "shared", "full", "full"]
@@ -84,10 +84,7 @@ def tiny(tmp_path_factory):
     t.attn = {i: model.model.language_model.layers[i].self_attn for i in DSA}
     t.cfg = gd.DsaConfig.from_hf_config(t.single)
     t.root = root
-    rng = np.random.default_rng(0)
-    t.x = rng.standard_normal((2, 23, t.cfg.hidden_size)).astype(np.float32)
-    t.mask = np.ones((2, 23), bool)
-    t.mask[1, :5] = False
+    t.x, t.mask = padded_batch(t.cfg, (0, 5), 23, seed=0)
     t.layers = ck.load_hf_checkpoint(t.single, dtype=jnp.float32, progress=False)
     return t
 
@@ -98,10 +95,7 @@ def _read_all(file) -> dict[str, np.ndarray]:
 
 
 def _copy_with(tiny, name, tensors=None, config=None) -> Path:
-    d = tiny.root / name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir()
+    d = fresh_dir(tiny.root / name)
     cfg = json.loads((tiny.single / "config.json").read_text()) if config is None else config
     (d / "config.json").write_text(json.dumps(cfg))
     save_file(tiny.tensors if tensors is None else tensors, d / "model.safetensors")
@@ -163,11 +157,9 @@ def test_single_file_matches_hf(tiny):
 def test_same_as_layer_load_hf_weights(tiny):
     """The sliced reader agrees bit for bit with ``DsaAttention.load_hf_weights``."""
     for i in (1, 2):
-        ref = gd.DsaAttention(tiny.cfg, i, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+        ref = f32_layer(tiny.cfg, i)
         ref.load_hf_weights({k: v for k, v in params_to_hf(tiny.layers[i]).items()})
-        a = nnx.to_pure_dict(nnx.state(ref, nnx.Param))
-        b = nnx.to_pure_dict(nnx.state(tiny.layers[i], nnx.Param))
-        jax.tree.map(lambda p, q: np.testing.assert_array_equal(np.asarray(p), np.asarray(q)), a, b)
+        assert_trees_equal(params_np(ref), params_np(tiny.layers[i]))
 
 
 def test_sharded_index_and_flat_layout(tiny):
@@ -335,10 +327,7 @@ def test_truncated_and_corrupt_files(tiny):
 
 
 def test_sharded_missing_and_truncated_shards(tiny):
-    d = tiny.root / "bad_shards"
-    if d.exists():
-        shutil.rmtree(d)
-    shutil.copytree(tiny.sharded, d)
+    d = fresh_dir(tiny.root / "bad_shards", copy_of=tiny.sharded)
     wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
     gone = wm[f"{PFX}1.self_attn.q_b_proj.weight"]
     (d / gone).unlink()

@@ -6,12 +6,11 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
-from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
+from helpers import f32_layer
 
 
 def test_demo_default_runs_in_a_fresh_process():
@@ -27,8 +26,7 @@ def test_demo_default_runs_in_a_fresh_process():
 
 def test_demo_from_an_orbax_checkpoint(tmp_path, capsys):
     cfg = gd.DsaConfig.tiny()
-    layers = {i: gd.DsaAttention(cfg, i, rngs=nnx.Rngs(i), dtype=jnp.float32, param_dtype=jnp.float32)
-              for i in cfg.dsa_layers}
+    layers = {i: f32_layer(cfg, i, seed=i) for i in cfg.dsa_layers}
     gd.save_checkpoint(layers, tmp_path / "ckpt")
     assert main(["demo", "--checkpoint", str(tmp_path / "ckpt"), "--steps", "2", "--prompt", "12"]) == 0
     out = capsys.readouterr().out

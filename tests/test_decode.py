@@ -13,28 +13,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, make_step
-from hf_oracle import hf_attention, hf_stepped, state_dict_np
-from helpers import ATOL, RTOL, check_selection
+from hf_oracle import hf_attention, hf_stepped, layer_from_hf
+from helpers import ATOL, RTOL, check_selection, f32_layer, hidden_states, padded_batch
 
 CHUNKS = [6, 3, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 29 tokens: prefill chunks, then decode
 
 
 def batch(cfg, seq=29, seed=0, kind="left"):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((3, seq, cfg.hidden_size)).astype(np.float32)
-    mask = np.ones((3, seq), bool)
-    if kind == "left":
-        mask[1, :5] = False  # left padding of different depths: sequences of different lengths
-        mask[2, :13] = False
-    else:  # holes inside prefill chunks and decode steps, right padding, left + holes
-        mask[0, [2, 7, 8, 17, 22]] = False
-        mask[1, 20:] = False
-        mask[2, :5] = False
-        mask[2, [11, 19]] = False
+    if kind == "left":  # left padding of different depths: sequences of different lengths
+        return padded_batch(cfg, (0, 5, 13), seq, seed)
+    # "gaps": holes inside prefill chunks and decode steps, right padding, left + holes
+    x, mask = padded_batch(cfg, (0, 0, 5), seq, seed)
+    mask[0, [2, 7, 8, 17, 22]] = False
+    mask[1, 20:] = False
+    mask[2, [11, 19]] = False
     return x, mask
 
 
@@ -57,10 +52,7 @@ def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail, kind):
     cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
     x, mask = batch(cfg, seed=kpool, kind=kind)
     attn, attn2 = hf_attention(cfg, 1, seed=5), hf_attention(cfg, 2, seed=6)
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
-    layer.load_hf_weights(state_dict_np(attn))
-    shared = gd.DsaAttention(cfg, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
-    shared.load_hf_weights(state_dict_np(attn2))
+    layer, shared = layer_from_hf(cfg, 1, attn), layer_from_hf(cfg, 2, attn2)
 
     one_out, one_topk = map(np.asarray, layer(jnp.asarray(x), attention_mask=jnp.asarray(mask)))
     dec = DsaDecoder(layer, 3, 40)
@@ -86,7 +78,7 @@ def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail, kind):
 
 def test_one_compilation_for_64_decode_steps():
     cfg = gd.DsaConfig.tiny()
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    layer = f32_layer(cfg, 1)
     dec = DsaDecoder(layer, 2, 96)
     rng = np.random.default_rng(0)
     dec(rng.standard_normal((2, 16, cfg.hidden_size)).astype(np.float32))
@@ -102,7 +94,7 @@ def test_long_prefill_stays_within_its_memory_budget():
     and at 4,096 tokens stays below a single [S, pools] float32 score matrix (16 MiB on
     the tiny config; an [S, S] one would be 64 MiB)."""
     cfg = gd.DsaConfig.tiny()
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32, block_q=64)
+    layer = f32_layer(cfg, 1, block_q=64)
     step, params = make_step(layer)
 
     def temp_bytes(s):
@@ -122,8 +114,8 @@ def snapshot(cache):
 
 def test_overflowing_chunk_is_refused_and_cache_kept():
     cfg = gd.DsaConfig.tiny()
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
-    x = np.random.default_rng(0).standard_normal((2, 10, cfg.hidden_size)).astype(np.float32)
+    layer = f32_layer(cfg, 1)
+    x = hidden_states(cfg, 2, 10, seed=0)
     dec = DsaDecoder(layer, 2, 12)
     dec(x[:, :8])
     before = snapshot(dec.cache)
@@ -148,7 +140,7 @@ def test_overflowing_chunk_is_refused_and_cache_kept():
 
 def test_bad_shapes_and_foreign_caches_raise():
     cfg = gd.DsaConfig.tiny()
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    layer = f32_layer(cfg, 1)
     x = jnp.ones((2, 3, cfg.hidden_size))
     cache = layer.init_cache(2, 8)
     with pytest.raises(ValueError, match=r"hidden_states must be \[B, S, hidden=48\]"):
@@ -158,10 +150,10 @@ def test_bad_shapes_and_foreign_caches_raise():
     with pytest.raises(ValueError, match="batch size"):
         layer(x, cache=layer.init_cache(3, 8))
     other = gd.DsaConfig.tiny(kv_lora_rank=24)
-    other_layer = gd.DsaAttention(other, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    other_layer = f32_layer(other, 1)
     with pytest.raises(ValueError, match="another config"):
         layer(x, cache=other_layer.init_cache(2, 8))
-    shared = gd.DsaAttention(cfg, 2, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    shared = f32_layer(cfg, 2)
     with pytest.raises(ValueError, match="indexer state"):
         layer(x, cache=shared.init_cache(2, 8))
     with pytest.raises(ValueError, match="max_length"):
@@ -170,8 +162,8 @@ def test_bad_shapes_and_foreign_caches_raise():
 
 def test_nan_in_one_sequence_stays_there():
     cfg = gd.DsaConfig.tiny()
-    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
-    x = np.random.default_rng(1).standard_normal((3, 12, cfg.hidden_size)).astype(np.float32)
+    layer = f32_layer(cfg, 1)
+    x = hidden_states(cfg, 3, 12, seed=1)
     mask = np.ones((3, 12), bool)
     mask[2, :4] = False
     clean = DsaDecoder(layer, 3, 16)

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,6 +34,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.checkpoint import orbax_io
 from glm5_dsa_jax.weights import WeightError, params_to_hf
+from helpers import assert_trees_equal, f32_layer, fresh_dir, params_np
 
 PFX = "model.language_model.layers."
 CFG = gd.DsaConfig.tiny()
@@ -43,18 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _layers(seed: int) -> dict[int, gd.DsaAttention]:
-    return {i: gd.DsaAttention(CFG, i, rngs=nnx.Rngs(seed + i), dtype=jnp.float32, param_dtype=jnp.float32)
-            for i in DSA}
-
-
-def _params(layer) -> dict:
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
+    return {i: f32_layer(CFG, i, seed=seed + i) for i in DSA}
 
 
 def _assert_same(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for i in a:
-        jax.tree.map(np.testing.assert_array_equal, _params(a[i]), _params(b[i]))
+        assert_trees_equal(params_np(a[i]), params_np(b[i]))
 
 
 def _tensors(layers) -> dict[str, np.ndarray]:
@@ -98,11 +93,7 @@ def _join(header_text: str | bytes, data: bytes, n: int | None = None) -> bytes:
 
 
 def _copy(base, name: str) -> Path:
-    d = base.root / name
-    if d.exists():
-        shutil.rmtree(d)
-    shutil.copytree(base.good, d)
-    return d
+    return fresh_dir(base.root / name, copy_of=base.good)
 
 
 def _lib_refuses(file: Path) -> bool:
@@ -303,7 +294,7 @@ def test_bit_flips_in_data_nan_and_float16_overflow(base):
 
 def test_load_hf_weights_float16_same_rule(base):
     layer = gd.DsaAttention(CFG, 2, rngs=nnx.Rngs(3), dtype=jnp.float16, param_dtype=jnp.float16)
-    before = _params(layer)
+    before = params_np(layer)
     w = params_to_hf(base.layers[2])
     w["o_proj.weight"] = w["o_proj.weight"].copy()
     w["o_proj.weight"][3, 5] = 1e6
@@ -311,17 +302,14 @@ def test_load_hf_weights_float16_same_rule(base):
         layer.load_hf_weights(w)
     assert "'o_proj.weight' holds 1 non-finite values (as float16)" in str(ei.value)
     assert "outside the range of float16" in str(ei.value)
-    jax.tree.map(np.testing.assert_array_equal, _params(layer), before)  # unchanged
+    assert_trees_equal(params_np(layer), before)  # unchanged
     w["o_proj.weight"][3, 5] = 6e4  # in range: accepted
     layer.load_hf_weights(w)
 
 
 # ============================================================================ sharded index
 def _sharded(base, name: str) -> Path:
-    d = base.root / name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir()
+    d = fresh_dir(base.root / name)
     shutil.copy(base.good / "config.json", d)
     t = base.tensors
     names = sorted(t)
@@ -421,7 +409,7 @@ def test_orbax_round_trip_and_meta_digests(base, saved):
     _assert_same(ck.restore_checkpoint(saved), base.layers)
     meta = json.loads((saved / ck.META_FILE).read_text())
     assert meta["version"] == 2
-    assert set(meta["checksums"]) == {f"layer_{i}.{k}" for i in DSA for k in orbax_io._flat(_params(base.layers[i]))}
+    assert set(meta["checksums"]) == {f"layer_{i}.{k}" for i in DSA for k in orbax_io._flat(params_np(base.layers[i]))}
     assert not [p for p in saved.parent.iterdir() if p.name.startswith(".")]  # no partial sibling left
 
 
@@ -448,8 +436,8 @@ def test_orbax_value_changed_in_place_is_caught_by_digest(base, saved, tmp_path)
     shutil.rmtree(d / "params")
     shutil.copytree(tmp_path / "other" / "params", d / "params")  # same shapes, other values
     e = _restore_refused(d, "digest", "layer_1.q_a_proj", "layer_2.o_proj")
-    differ = sorted(f"layer_{i}.{k}" for i in DSA for k, v in orbax_io._flat(_params(other[i])).items()
-                    if not np.array_equal(v, orbax_io._flat(_params(base.layers[i]))[k]))  # norms init equal
+    differ = sorted(f"layer_{i}.{k}" for i in DSA for k, v in orbax_io._flat(params_np(other[i])).items()
+                    if not np.array_equal(v, orbax_io._flat(params_np(base.layers[i]))[k]))  # norms init equal
     assert len(differ) > 10
     assert sorted(p.split(":")[0] for p in e.problems) == differ
 

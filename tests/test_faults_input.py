@@ -17,35 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.decode import DsaDecoder
+from helpers import assert_trees_equal, f32_layer, hidden_states, jitted_call, params_np
 
 CFG = gd.DsaConfig.tiny()
 FEW = settings(max_examples=15, deadline=None)
 
 
-def _layer(idx):
-    return gd.DsaAttention(CFG, idx, rngs=nnx.Rngs(idx), dtype=jnp.float32, param_dtype=jnp.float32)
-
-
-FULL, SHARED = _layer(1), _layer(2)
-
-
-def _params(layer):
-    return jax.tree.map(np.asarray, nnx.state(layer, nnx.Param))
-
-
-def _same(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+FULL, SHARED = f32_layer(CFG, 1, seed=1), f32_layer(CFG, 2, seed=2)
 
 
 def _x(b=2, s=6, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((b, s, CFG.hidden_size)), jnp.float32)
+    return jnp.asarray(hidden_states(CFG, b, s, seed))
 
 
 # ----------------------------------------------------------------------------- cache
@@ -123,7 +111,7 @@ def test_future_prev_topk_is_refused_by_the_decoder_with_state_kept():
     with pytest.raises(ValueError, match="query 0 sits at slot 4"):
         dec(_x(s=2, seed=1), prev_topk=ids)
     assert dec.length == length
-    _same(jax.tree.map(np.asarray, dec.cache), cache)
+    assert_trees_equal(jax.tree.map(np.asarray, dec.cache), cache)
     dec(_x(s=2, seed=1), prev_topk=_causal_topk(2, 2, start=4))  # the same step, valid
     assert dec.length == length + 2
 
@@ -131,19 +119,14 @@ def test_future_prev_topk_is_refused_by_the_decoder_with_state_kept():
 def test_future_prev_topk_is_masked_under_jit():
     # Inside jit the ids are traced, so they cannot be checked: the layer drops every id
     # past its query's slot, and the output equals the one without those ids.
-    graphdef, state = nnx.split(SHARED)
-
-    @jax.jit
-    def run(state, x, ids):
-        return nnx.merge(graphdef, state)(x, prev_topk=ids)
-
+    run, state = jitted_call(SHARED)
     x = _x()
     ids = _causal_topk(2, 6)
     future = ids.copy()
     future[:, :, 4] = 5  # every query also names slot 5 (the future for queries 0-4)
     future[0, 1, 6] = -7
-    out, topk = run(state, x, jnp.asarray(future))
-    want, want_topk = run(state, x, jnp.asarray(ids))
+    out, topk = run(state, x, prev_topk=jnp.asarray(future))
+    want, want_topk = run(state, x, prev_topk=jnp.asarray(ids))
     np.testing.assert_array_equal(np.asarray(out)[:, :5], np.asarray(want)[:, :5])
     t = np.asarray(topk)
     assert (t[:, :5, 4] == -1).all() and (t[:, 5, 4] == 5).all() and t[0, 1, 6] == -1
@@ -189,7 +172,7 @@ def test_demo_steps_zero_is_prefill_only(capsys):
 def test_demo_too_long_and_shared_only_checkpoint(tmp_path, capsys):
     assert main(["demo", "--steps", "5000"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err
-    gd.save_checkpoint({2: _layer(2)}, tmp_path / "shared_only")
+    gd.save_checkpoint({2: f32_layer(CFG, 2, seed=2)}, tmp_path / "shared_only")
     assert main(["demo", "--checkpoint", str(tmp_path / "shared_only"), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "holds no full-indexer DSA layer" in err and "shared_only" in err
@@ -208,7 +191,7 @@ def bad_layer_call(draw):
                                  "mask_dtype", "empty", "prev_shape", "prev_dtype", "prev_future",
                                  "prev_on_full", "no_prev"]))
     b, s = draw(st.integers(1, 3)), draw(st.integers(1, 7))
-    x = np.random.default_rng(b * 10 + s).standard_normal((b, s, CFG.hidden_size)).astype(np.float32)
+    x = hidden_states(CFG, b, s, seed=b * 10 + s)
     mask = np.ones((b, s), bool)
     prev = _causal_topk(b, s)
     layer = SHARED
@@ -246,7 +229,7 @@ def bad_layer_call(draw):
     return layer, x, mask, prev
 
 
-_PARAMS = {1: _params(FULL), 2: _params(SHARED)}
+_PARAMS = {1: params_np(FULL), 2: params_np(SHARED)}
 
 
 @FEW
@@ -261,15 +244,15 @@ def test_bad_layer_input_raises_and_changes_nothing(call, how):
         before = jax.tree.map(np.asarray, cache)
         with pytest.raises(ValueError):
             layer(x, attention_mask=mask, prev_topk=prev, cache=cache)
-        _same(jax.tree.map(np.asarray, cache), before)
+        assert_trees_equal(jax.tree.map(np.asarray, cache), before)
     else:
         dec = DsaDecoder(layer, max(1, x.shape[0]) if x.ndim == 3 else 1, 16, cache_dtype=jnp.float32)
         before = jax.tree.map(np.asarray, dec.cache)
         with pytest.raises(ValueError):
             dec(x, mask, prev_topk=prev)
         assert dec.length == 0
-        _same(jax.tree.map(np.asarray, dec.cache), before)
-    _same(_params(layer), _PARAMS[layer.layer_idx])
+        assert_trees_equal(jax.tree.map(np.asarray, dec.cache), before)
+    assert_trees_equal(params_np(layer), _PARAMS[layer.layer_idx])
 
 
 @FEW
@@ -304,8 +287,8 @@ def test_chunk_that_does_not_fit_or_foreign_cache_changes_nothing(chunk, foreign
     before = jax.tree.map(np.asarray, cache)
     with pytest.raises(ValueError):
         FULL(_x(2, chunk, seed=3), cache=cache)
-    _same(jax.tree.map(np.asarray, cache), before)
-    _same(_params(FULL), _PARAMS[1])
+    assert_trees_equal(jax.tree.map(np.asarray, cache), before)
+    assert_trees_equal(params_np(FULL), _PARAMS[1])
 
 
 _FLAGS = {

@@ -15,21 +15,13 @@ is identical.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import glm5_dsa_jax as gd
-from helpers import ATOL, RTOL, check_selection, padded_batch  # noqa: F401 (re-exported)
-from hf_oracle import hf_attend_on, hf_attention, hf_forward, state_dict_np
-
-
-def make_layer(cfg, layer_idx, attn):
-    layer = gd.DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
-    layer.load_hf_weights(state_dict_np(attn))
-    return layer
+from helpers import ATOL, RTOL, check_selection, hidden_states, padded_batch
+from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
 
 
 CASES = [
@@ -86,15 +78,14 @@ MASK_CASES = [
 @pytest.mark.parametrize("kpool,topk,tail,seq,kinds", MASK_CASES)
 def test_right_padding_and_gaps_match_hf(kpool, topk, tail, seq, kinds):
     cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
-    rng = np.random.default_rng(kpool * 10 + seq)
-    x = rng.standard_normal((len(kinds), seq, cfg.hidden_size)).astype(np.float32)
+    x = hidden_states(cfg, len(kinds), seq, seed=kpool * 10 + seq)
     _full_then_shared_match_hf(cfg, x, _mask_rows(seq, kinds))
 
 
 def _full_then_shared_match_hf(cfg, x, mask):
     n_seq, seq = mask.shape
     attn_full, attn_shared = hf_attention(cfg, 1, seed=1), hf_attention(cfg, 2, seed=2)
-    full, shared = make_layer(cfg, 1, attn_full), make_layer(cfg, 2, attn_shared)
+    full, shared = layer_from_hf(cfg, 1, attn_full), layer_from_hf(cfg, 2, attn_shared)
 
     hf_out, hf_topk = hf_forward(attn_full, x, mask)
     out, ours = full(jnp.asarray(x), attention_mask=jnp.asarray(mask))
@@ -130,7 +121,7 @@ def test_ties_are_exercised():
         cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
         x, mask = padded_batch(cfg, pads, seq, seed=kpool * 100 + seq)
         attn = hf_attention(cfg, 1, seed=1)
-        layer = make_layer(cfg, 1, attn)
+        layer = layer_from_hf(cfg, 1, attn)
         _, hf_topk = hf_forward(attn, x, mask)
         _, ours = layer(jnp.asarray(x), attention_mask=jnp.asarray(mask))
         total += check_selection(cfg, layer, x, mask, np.asarray(ours), hf_topk)
@@ -144,7 +135,7 @@ def test_topk_covering_the_sequence_is_dense_causal_attention(kpool, tail):
     cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=8 * kpool * 4, index_kpool_always_select_tail=tail)
     x, mask = padded_batch(cfg, (0, 4), seq, seed=7)
     attn = hf_attention(cfg, 1, seed=3)
-    layer = make_layer(cfg, 1, attn)
+    layer = layer_from_hf(cfg, 1, attn)
     out, topk = layer(jnp.asarray(x), attention_mask=jnp.asarray(mask))
     topk = np.asarray(topk)
     for b in range(2):

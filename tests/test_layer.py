@@ -1,6 +1,5 @@
 """DsaAttention: bad input, weight loading that loses nothing, dtypes, absorbed == dense."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +7,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
+from helpers import assert_trees_equal, f32_layer, hidden_states, params_np
 
 
 @pytest.fixture(scope="module")
@@ -15,27 +15,17 @@ def cfg():
     return gd.DsaConfig.tiny()
 
 
-def make(cfg, idx=1, **kw):
-    kw.setdefault("dtype", jnp.float32)
-    kw.setdefault("param_dtype", jnp.float32)
-    return gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(0), **kw)
-
-
-def params_of(layer):
-    return jax.tree.map(np.asarray, nnx.state(layer, nnx.Param))
-
-
 def test_layer_index_checked(cfg):
     with pytest.raises(ValueError, match="outside the config"):
-        make(cfg, 9)
+        f32_layer(cfg, 9)
     with pytest.raises(ValueError, match="'linear_attention' layer"):
-        make(cfg, 0)
+        f32_layer(cfg, 0)
     with pytest.raises(ValueError, match="implementation"):
-        make(cfg, implementation="cuda")
+        f32_layer(cfg, implementation="cuda")
 
 
 def test_bad_hidden_and_mask(cfg):
-    layer = make(cfg)
+    layer = f32_layer(cfg)
     x = jnp.ones((2, 5, cfg.hidden_size))
     with pytest.raises(ValueError, match=r"hidden_states must be \[B, S, hidden=48\]"):
         layer(jnp.ones((5, cfg.hidden_size)))
@@ -53,20 +43,20 @@ def test_bad_hidden_and_mask(cfg):
 
 
 def test_shared_layer_needs_prev_topk(cfg):
-    shared = make(cfg, 2)
+    shared = f32_layer(cfg, 2)
     x = jnp.ones((1, 4, cfg.hidden_size))
     with pytest.raises(ValueError, match="pass prev_topk"):
         shared(x)
     with pytest.raises(ValueError, match="prev_topk must be integer"):
         shared(x, prev_topk=jnp.zeros((1, 4, 3), jnp.int32))
     with pytest.raises(ValueError, match="only for 'shared' layers"):
-        make(cfg, 1)(x, prev_topk=jnp.zeros((1, 4, cfg.out_width), jnp.int32))
+        f32_layer(cfg, 1)(x, prev_topk=jnp.zeros((1, 4, cfg.out_width), jnp.int32))
 
 
 def test_bad_weights_change_nothing(cfg):
-    layer = make(cfg)
-    good = gd.params_to_hf(make(cfg))
-    before = params_of(layer)
+    layer = f32_layer(cfg)
+    good = gd.params_to_hf(f32_layer(cfg))
+    before = params_np(layer)
     bad = dict(good)
     del bad["indexer.wk.weight"]
     bad["o_proj.weight"] = bad["o_proj.weight"][:, :-1]
@@ -79,23 +69,23 @@ def test_bad_weights_change_nothing(cfg):
                    "unexpected tensor 'extra.weight'", "'kv_a_layernorm.weight' holds"):
         assert needle in msg
     assert len(e.value.problems) == 4
-    after = params_of(layer)
-    jax.tree.map(np.testing.assert_array_equal, before, after)
+    after = params_np(layer)
+    assert_trees_equal(before, after)
 
 
 def test_shared_layer_has_no_indexer_tensors(cfg):
     names = gd.hf_weight_shapes(cfg, 2)
     assert not any(n.startswith("indexer.") for n in names)
-    layer = make(cfg, 2)
-    layer.load_hf_weights(gd.params_to_hf(make(cfg, 2)))
+    layer = f32_layer(cfg, 2)
+    layer.load_hf_weights(gd.params_to_hf(f32_layer(cfg, 2)))
     with pytest.raises(gd.WeightError, match="unexpected tensor 'indexer.wk.weight'"):
-        layer.load_hf_weights(gd.params_to_hf(make(cfg, 2)) | {"indexer.wk.weight": np.zeros((16, 48))})
+        layer.load_hf_weights(gd.params_to_hf(f32_layer(cfg, 2)) | {"indexer.wk.weight": np.zeros((16, 48))})
 
 
 def test_weight_round_trip(cfg):
-    src, dst = make(cfg), gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(5), dtype=jnp.float32, param_dtype=jnp.float32)
+    src, dst = f32_layer(cfg), f32_layer(cfg, seed=5)
     dst.load_hf_weights(gd.params_to_hf(src))
-    jax.tree.map(np.testing.assert_array_equal, params_of(src), params_of(dst))
+    assert_trees_equal(params_np(src), params_np(dst))
 
 
 def test_all_padding_rows_are_zero_and_nan_free(cfg):
@@ -105,9 +95,8 @@ def test_all_padding_rows_are_zero_and_nan_free(cfg):
     # and the pooled keys and staged keys stay finite), and the valid rows must not depend
     # on what the padding held. (Without the zeroing of padding tokens the garbage lands
     # in the cache and in the pool that holds the hole.)
-    layer = make(cfg)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 9, cfg.hidden_size)).astype(np.float32)
+    layer = f32_layer(cfg)
+    x = hidden_states(cfg, 3, 9, seed=0)
     mask = np.ones((3, 9), bool)
     mask[0, 5] = False  # a hole inside a pool
     mask[1] = False  # a sequence that is all padding
@@ -134,8 +123,8 @@ def test_all_padding_rows_are_zero_and_nan_free(cfg):
 
 
 def test_bf16_default_runs_and_float32_end_to_end(cfg):
-    x = np.random.default_rng(1).standard_normal((2, 12, cfg.hidden_size)).astype(np.float32)
-    f32 = make(cfg)
+    x = hidden_states(cfg, 2, 12, seed=1)
+    f32 = f32_layer(cfg)
     bf = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0))
     bf.load_hf_weights(gd.params_to_hf(f32))
     assert bf.q_b_proj[...].dtype == jnp.bfloat16
@@ -156,8 +145,8 @@ def test_bf16_default_runs_and_float32_end_to_end(cfg):
 
 
 def test_absorbed_sparse_equals_dense_masked_oracle(cfg):
-    layer = make(cfg)
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 15, cfg.hidden_size)), jnp.float32)
+    layer = f32_layer(cfg)
+    x = jnp.asarray(hidden_states(cfg, 2, 15, seed=2))
     _, topk = layer(x)
     _, q_lat, latent = layer.project(x)
     sparse = pk.sparse_mla(q_lat, latent, topk, scale=cfg.softmax_scale)
@@ -166,7 +155,7 @@ def test_absorbed_sparse_equals_dense_masked_oracle(cfg):
 
 
 def test_out_sharding_metadata(cfg):
-    layer = make(cfg)
+    layer = f32_layer(cfg)
     assert layer.q_b_proj.get_metadata()["out_sharding"] == (None, "tp", None)
     assert layer.o_proj.get_metadata()["out_sharding"] == ("tp", None, None)
     assert layer.indexer.wq_b.get_metadata()["out_sharding"] == (None, None, None)

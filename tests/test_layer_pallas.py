@@ -5,11 +5,10 @@ one-shot prefill and for chunked prefill + decode through the jitted step."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder
-from helpers import padded_batch
+from helpers import f32_layer, padded_batch
 
 # Kernels sum in another order than the references (tiles, online softmax): 2e-5 covers
 # that reassociation at these widths in float32; a wrong selection or mask is O(0.1).
@@ -17,10 +16,7 @@ TOL = 2e-5
 
 
 def pair(cfg, idx=1):
-    xla = gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(3), dtype=jnp.float32, param_dtype=jnp.float32)
-    pal = gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(3), dtype=jnp.float32, param_dtype=jnp.float32,
-                          implementation="pallas_interpret")
-    return xla, pal
+    return f32_layer(cfg, idx, seed=3), f32_layer(cfg, idx, seed=3, implementation="pallas_interpret")
 
 
 @pytest.mark.parametrize("kpool,topk,tail,seq,pads", [

@@ -188,26 +188,39 @@ QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", 
              "o_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight")
 
 
-def _nvfp4_checkpoint(tmp_path):
-    """Every large linear NVFP4 (norms, weights_proj, pool gate/APE kept as stored, in bf16);
-    returns the directory and the expected dequantized HF tensors."""
-    rng = np.random.default_rng(11)
+def _dsa_tensors(rng, quantize, keep=lambda v: v):
+    """Random HF tensors of every DSA layer as a checkpoint stores them: each ``QUANTIZED``
+    weight through ``quantize(name, v) -> (stored tensors, dequantized values expected)``,
+    the rest as ``keep(v)``. Returns ``(tensors, expect)``; ``expect[(layer, key)]`` is
+    float64."""
     tensors, expect = {}, {}
     for i in CFG.dsa_layers:
         for k, v in _hf_weights(rng, CFG, i).items():
             name = f"{PFX}{i}.self_attn.{k}"
             if k in QUANTIZED:
-                out, n = v.shape
-                packed, sb, g = random_nvfp4(rng, out, n, padded=(k != "q_b_proj.weight"))
-                base = name[: -len("weight")]
-                tensors[name] = packed
-                tensors[base + "weight_scale"] = sb.view(ml_dtypes.float8_e4m3fn)
-                tensors[base + "weight_scale_2"] = np.array(g, np.float32)
-                tensors[base + "input_scale"] = np.array(0.25, np.float32)
-                expect[(i, k)] = ref_nvfp4(packed, sb, float(g), n)
+                stored, expect[(i, k)] = quantize(name, v)
+                tensors |= stored
             else:
-                tensors[name] = v.astype(ml_dtypes.bfloat16)
+                tensors[name] = keep(v)
                 expect[(i, k)] = tensors[name].astype(np.float64)
+    return tensors, expect
+
+
+def _nvfp4_checkpoint(tmp_path):
+    """Every large linear NVFP4 (norms, weights_proj, pool gate/APE kept as stored, in bf16);
+    returns the directory and the expected dequantized HF tensors."""
+    rng = np.random.default_rng(11)
+
+    def nvfp4(name, v):
+        out, n = v.shape
+        packed, sb, g = random_nvfp4(rng, out, n, padded=not name.endswith("q_b_proj.weight"))
+        base = name[: -len("weight")]
+        return {name: packed, base + "weight_scale": sb.view(ml_dtypes.float8_e4m3fn),
+                base + "weight_scale_2": np.array(g, np.float32),
+                base + "input_scale": np.array(0.25, np.float32)}, ref_nvfp4(packed, sb, float(g), n)
+
+    tensors, expect = _dsa_tensors(rng, nvfp4, keep=lambda v: v.astype(ml_dtypes.bfloat16))
+    for i in CFG.dsa_layers:
         tensors[f"{PFX}{i}.self_attn.k_scale"] = np.array(1.0, np.float32)  # KV-cache scale: ignored
     tensors["model.layers.0.mlp.gate_proj.weight"] = np.zeros((4, 4), np.uint8)  # not a DSA layer
     qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8"}
@@ -237,20 +250,14 @@ def test_nvfp4_checkpoint_loads_whole_and_sharded(tmp_path):
 def test_fp8_block_checkpoint(tmp_path):
     rng = np.random.default_rng(12)
     block = (16, 32)
-    tensors, expect = {}, {}
-    for i in CFG.dsa_layers:
-        for k, v in _hf_weights(rng, CFG, i).items():
-            name = f"{PFX}{i}.self_attn.{k}"
-            if k in QUANTIZED:
-                out, n = v.shape
-                wb = random_fp8(rng, (out, n))
-                s = rng.uniform(1e-3, 0.1, (-(-out // block[0]), -(-n // block[1]))).astype(np.float32)
-                tensors[name] = wb.view(ml_dtypes.float8_e4m3fn)
-                tensors[name + "_scale_inv"] = s
-                expect[(i, k)] = ref_fp8_block(wb, s, block)
-            else:
-                tensors[name] = v
-                expect[(i, k)] = v.astype(np.float64)
+
+    def fp8(name, v):
+        out, n = v.shape
+        wb = random_fp8(rng, (out, n))
+        s = rng.uniform(1e-3, 0.1, (-(-out // block[0]), -(-n // block[1]))).astype(np.float32)
+        return {name: wb.view(ml_dtypes.float8_e4m3fn), name + "_scale_inv": s}, ref_fp8_block(wb, s, block)
+
+    tensors, expect = _dsa_tensors(rng, fp8)
     d = _write(tmp_path, tensors, {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                                    "activation_scheme": "dynamic"})
     _check_loaded(ck.load_hf_checkpoint(d, dtype=jnp.float32, progress=False), expect)

@@ -25,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
 from glm5_dsa_jax.decode import DsaDecoder
+from helpers import f32_layer, jitted_call, padded_batch
 
 ATOL = RTOL = 1e-5
 TP_SIZES = (1, 2, 4, 8)
@@ -44,30 +45,19 @@ def make_mesh(n, mode="explicit", name="tp"):
 
 
 def make_layer(cfg, layer_idx=1, implementation="xla", param_dtype=jnp.float32):
-    return gd.DsaAttention(
-        cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation,
-        dtype=jnp.float32, param_dtype=param_dtype, block_q=8,  # two prefill tiles of 8
-    )
+    # block_q=8: two prefill tiles of 8
+    return f32_layer(cfg, layer_idx, implementation=implementation, param_dtype=param_dtype, block_q=8)
 
 
 def inputs(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((B, S + DECODE_STEPS, cfg.hidden_size)).astype(np.float32)
-    mask = np.ones((B, S + DECODE_STEPS), bool)
-    mask[1, :3] = False  # left padding of different depths
-    mask[2, :7] = False
-    return x, mask
+    # left padding of different depths
+    return padded_batch(cfg, (0, 3, 7), S + DECODE_STEPS, seed)
 
 
 def prefill_fn(layer):
     """The no-cache call, jitted (split once, merge inside the trace)."""
-    graphdef, state = nnx.split(layer)
-
-    @jax.jit
-    def f(state, x, mask):
-        return nnx.merge(graphdef, state)(x, attention_mask=mask)
-
-    return lambda x, mask: f(state, x, mask), f, state
+    f, state = jitted_call(layer)
+    return lambda x, mask: f(state, x, attention_mask=mask), f, state
 
 
 def run(layer):
@@ -371,9 +361,9 @@ def test_one_all_reduce_no_gather(mode):
     sh.shard_layer(layer, make_mesh(4, mode))
     x, mask = inputs(cfg)
     _, f, state = prefill_fn(layer)
-    jaxpr = str(jax.make_jaxpr(f)(state, x[:, :S], mask[:, :S]))
+    jaxpr = str(jax.make_jaxpr(f)(state, x[:, :S], attention_mask=mask[:, :S]))
     assert "shard_map" in jaxpr
-    hlo = f.lower(state, x[:, :S], mask[:, :S]).compile().as_text()
+    hlo = f.lower(state, x[:, :S], attention_mask=mask[:, :S]).compile().as_text()
     assert hlo.count("all-reduce(") + hlo.count("all-reduce-start(") == 1
     assert "all-gather" not in hlo
     dec = DsaDecoder(layer, B, MAX_LEN)
@@ -405,9 +395,8 @@ def test_shared_indexer_layer_sharded(reference):
     want, _ = make_layer(cfg, layer_idx=2)(x[:, :S], attention_mask=mask[:, :S], prev_topk=ref_topk)
     layer = make_layer(cfg, layer_idx=2)
     sh.shard_layer(layer, make_mesh(8))
-    graphdef, state = nnx.split(layer)
-    f = jax.jit(lambda st, x, m, p: nnx.merge(graphdef, st)(x, attention_mask=m, prev_topk=p))
-    out, topk = f(state, x[:, :S], mask[:, :S], ref_topk)
+    f, state = jitted_call(layer)
+    out, topk = f(state, x[:, :S], attention_mask=mask[:, :S], prev_topk=ref_topk)
     np.testing.assert_allclose(to_np(out), to_np(want), atol=ATOL, rtol=RTOL)
     np.testing.assert_array_equal(to_np(topk), ref_topk)
 

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from glm5_dsa_jax.cli import bench, convert, demo, plan, roofline
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from glm5_dsa_jax import bench, demo, roofline, sharding
-    from glm5_dsa_jax.cli import convert
-
-    for module in (demo, bench, sharding, convert, roofline):
+    for module in (demo, bench, plan, convert, roofline):
         module.add_parser(sub)
-
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
-

@@ -1,0 +1,55 @@
+"""``glm5-dsa bench decode``: the decode benchmark's flags, its table and its JSON.
+
+What each row measures (and its weight-read floor) is documented with the measuring code in
+``glm5_dsa_jax.bench``; this module only parses the flags, runs ``bench.run`` and prints.
+With ``--json`` the progress lines go to stderr so stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pallas_kernels as pk
+from glm5_dsa_jax import bench
+from glm5_dsa_jax.cli.args import positive_int, positive_int_list
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (decode)")
+    p.add_argument("what", choices=["decode"])
+    p.add_argument("--contexts", type=positive_int_list, default=[4096, 16384, 65536, 131072])
+    p.add_argument("--batch", type=positive_int_list, default=[1, 8])
+    p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
+    p.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
+    p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
+    p.add_argument("--hf-max-context", type=int, default=16384,
+                   help="HF eager rows at batch 1 for contexts up to this (0: none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
+                    hf_max_context=args.hf_max_context)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
+          f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
+    print(f"{'impl':<12} {'batch':>5} {'context':>8} {'median ms':>10} {'floor ms':>9} {'x floor':>8}")
+    for r in res["rows"]:
+        fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
+        print(f"{r['impl']:<12} {r['batch']:>5} {r['context']:>8} {r['median_ms']:10.2f} {fl}")
+    print(f"\ncache bytes per token: {res['cache_bytes_per_token']:.1f}")
+    by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
+    for b in args.batch:
+        c0, c1 = args.contexts[0], args.contexts[-1]
+        print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
+              f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
+              f"whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x")
+    for (impl, b, c), t in by.items():
+        if impl == "hf":
+            print(f"B=1: HF eager / sparse step at {c} = {t / by[('sparse', 1, c)]:.1f}x")
+    return 0

@@ -1,0 +1,74 @@
+"""``glm5-dsa roofline``: the roofline rows of one layer on a GPU, as a table or JSON.
+
+The model (bytes, FLOPs, programs and the bound of each kernel, and why they are what they
+are) is ``glm5_dsa_jax.roofline``; this module parses the flags, calls ``roofline.rows`` and
+formats its rows. A ``ValueError`` of the model (a chunk longer than the context, a
+non-positive size) is printed and exits with status 2, like an argparse usage error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from glm5_dsa_jax import roofline
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.roofline import GPUS, RooflineRow
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= f:
+            return f"{n / f:8.2f} {unit}"
+    return f"{n:8d} B "
+
+
+def format_table(rs: list[RooflineRow], measured: dict | None = None) -> str:
+    """A text table of ``rows``; ``measured`` ``{(phase, kernel): seconds}`` adds a column."""
+    head = f"{'phase':<8} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'bound us':>10} {'limit':<7}"
+    if measured is not None:
+        head += f" {'measured us':>12} {'x bound':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rs:
+        line = (f"{r.phase:<8} {r.kernel:<26} {_fmt_bytes(r.bytes):>11} {r.flops / 1e9:10.3f} "
+                f"{r.programs if r.programs else '':>9} {r.bound_s * 1e6:10.2f} {r.limit:<7}")
+        if measured is not None:
+            m = measured.get((r.phase, r.kernel))
+            line += f" {m * 1e6:12.2f} {m / r.bound_s:8.2f}" if m else f" {'':>12} {'':>8}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--context", type=int, required=True, help="tokens in the cache")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=2048, help="queries per sequence of the prefill chunk")
+    p.add_argument("--preset", default="glm53-flash",
+                   choices=["glm53-flash", "glm53_flash", "tiny"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    cfg = DsaConfig.preset(args.preset.replace("_", "-"))
+    chunk = min(args.chunk, args.context) if args.context >= 1 else args.chunk
+    try:
+        rs = roofline.rows(cfg, args.gpu, args.context, args.batch, chunk=chunk)
+    except ValueError as e:
+        print(f"glm5-dsa roofline: {e}", file=sys.stderr)
+        return 2
+    spec = GPUS[args.gpu]
+    if args.json:
+        print(json.dumps({"gpu": args.gpu, "gpu_name": spec.name, "bandwidth": spec.bandwidth,
+                          "peak_flops": spec.peak_flops, "source": spec.source,
+                          "context": args.context, "batch": args.batch, "chunk": chunk,
+                          "preset": args.preset, "rows": [r.as_dict() for r in rs]}))
+        return 0
+    print(f"{spec.name}: {spec.bandwidth / 1e12:.3g} TB/s, {spec.peak_flops / 1e12:.0f} TFLOPS bf16 "
+          f"({spec.source})")
+    print(f"one layer, batch {args.batch}, context {args.context:,}, prefill chunk {chunk:,} "
+          f"queries per sequence\n")
+    print(format_table(rs))
+    return 0
