@@ -31,7 +31,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
 
 __all__ = [
