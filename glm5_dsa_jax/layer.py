@@ -18,11 +18,13 @@ Invariants:
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
   parameters: XLA:CPU runs a bf16 matrix-vector product more than ten times slower than
   the float32 one. Each copy is a cached value derived from one parameter array
-  (``float32_copies.float32_params``), never written back: the layer's parameters, ``param_dtype``,
-  ``params_to_hf`` and checkpoints keep the user's dtype. Each product still rounds its
-  output to the activation dtype, so only the float32 accumulation order can differ
-  (bf16 -> float32 is exact). ``cpu_float32=False`` opts out; other platforms never
-  use the copies.
+  (``glm5_dsa_jax.float32_copies``), never written back: the layer's parameters,
+  ``param_dtype``, ``params_to_hf`` and checkpoints keep the user's dtype. Each product
+  still rounds its output to the activation dtype, so only the float32 accumulation order
+  can differ (bf16 -> float32 is exact). ``cpu_float32=False`` opts out; other platforms
+  never use the copies.
+* The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
+  runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part.
 """
 
 from __future__ import annotations
