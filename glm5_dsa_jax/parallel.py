@@ -145,8 +145,8 @@ def row_parallel_out_sharding(o: jax.Array):
     XLA decide, which also all-reduces) when ``o`` carries no explicit sharding.
     """
     sh = getattr(jax.typeof(o), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or mesh.empty or not _explicit(mesh):
+    if not isinstance(sh, NamedSharding) or sh.mesh.empty or not _explicit(sh.mesh):
         return None
+    mesh = sh.mesh
     spec = tuple(sh.spec) + (None,) * (o.ndim - len(tuple(sh.spec)))
     return NamedSharding(mesh, P(*spec[:-2], None))
