@@ -138,7 +138,7 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
     def step(params, x, cache):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
-        m._wide = wide
+        m.wide = wide
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length

@@ -10,8 +10,9 @@ Invariants:
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
 * On a CPU (``layer.float32_compute()``) the step multiplies by cached float32 copies of
-  the parameters it is given (``glm5_dsa_jax.layer.float32_params``): the caller's ``params`` are the
-  layer's own, in their own dtype; only the arrays handed to the compiled function differ.
+  the parameters it is given (``glm5_dsa_jax.float32_copies.float32_params``): the caller's
+  ``params`` are the layer's own, in their own dtype; only the arrays handed to the
+  compiled function differ.
 * ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
   cache is refused before anything is launched or donated: the cache is left exactly as
   it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache
-from glm5_dsa_jax.layer import DsaAttention, as_index_array, float32_params
+from glm5_dsa_jax.float32_copies import float32_params
+from glm5_dsa_jax.layer import DsaAttention
 
 __all__ = ["make_step", "DsaDecoder"]
 
@@ -47,11 +49,11 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
         module = nnx.merge(graphdef, params)
-        module._wide = wide
+        module.wide = wide
         return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
     shardings = {}
-    mesh = getattr(layer, "mesh", None)
+    mesh = layer.mesh
     if mesh is not None:
         # A placed layer: explicit shardings, so the parameters stay where shard_layer put
         # them and the inputs, outputs and (replicated) cache never move between steps.
@@ -117,8 +119,7 @@ class DsaDecoder:
         if mask is None:
             mask = jnp.ones((b, s), bool)
         # Checks that need concrete values (0/1 masks, shapes) run eagerly, before donation.
-        prev_topk = as_index_array(prev_topk)
-        x, mask = self.layer._check_inputs(hidden, mask, prev_topk, start=self.length)
+        x, mask, prev_topk = self.layer.check_inputs(hidden, mask, prev_topk, start=self.length)
         self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         self.length += s

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import glm5_dsa_jax as gd  # noqa: E402
-from glm5_dsa_jax import sharding as sh  # noqa: E402
+from glm5_dsa_jax import parallel, sharding as sh  # noqa: E402
 
 
 def build_inputs(cfg):
@@ -47,7 +47,7 @@ def run(layer, mesh, x, mask):
 
     cache = layer.init_cache(x.shape[0], 16)  # replicated over both processes
     # Inputs become global (replicated) arrays: every process passes the same values.
-    x1, m1, x2, m2 = sh.place_inputs(mesh, x[:, :13], mask[:, :13], x[:, 13:], mask[:, 13:])
+    x1, m1, x2, m2 = parallel.place_inputs(mesh, x[:, :13], mask[:, :13], x[:, 13:], mask[:, 13:])
     out, topk, cache = step(state, x1, m1, cache)
     out2, topk2, cache = step(state, x2, m2, cache)
     return out, topk, out2, topk2

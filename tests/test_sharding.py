@@ -314,7 +314,7 @@ def test_shard_layer_bad_input():
         sh.shard_layer(layer, make_mesh(3))
     with pytest.raises(ValueError, match="concrete jax.sharding.Mesh"):
         sh.shard_layer(layer, make_mesh(2).abstract_mesh)
-    assert getattr(layer, "mesh", None) is None  # nothing placed by a refused call
+    assert layer.mesh is None  # nothing placed by a refused call
     mesh = make_mesh(2)
     sh.shard_layer(layer, mesh)
     other = jax.make_mesh((2,), ("tp",), devices=jax.devices()[2:4])

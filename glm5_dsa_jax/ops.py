@@ -1,0 +1,98 @@
+"""The layer's array arithmetic: norms, products in their dtype, weight absorption, query tiles.
+
+Invariants:
+
+* Norms compute their statistics in float32 and return the input's dtype, as the
+  reference does.
+* A product (``matmul``, ``dense``) returns the activation's dtype. By default the weight
+  is cast to it (the GPU path); ``wide=True`` multiplies float32 operands and rounds the
+  output to the activation dtype: what XLA:CPU's bf16 product computes, at float32 speed
+  (the CPU compiled step's float32 copies, ``glm5_dsa_jax.float32_copies``). bf16 ->
+  float32 is exact, so only the float32 accumulation order can differ.
+* ``absorb_o`` contracts the head axis, which a placed layer shards: its output sharding
+  is the row-parallel one (``parallel.row_parallel_out_sharding``), all-reduced once.
+* ``by_query_tiles`` runs a step over ``block_q`` queries at a time, so a prefill never
+  builds an ``[S, P]`` score or ``[S, S]`` tensor.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from glm5_dsa_jax.parallel import row_parallel_out_sharding
+
+__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "by_query_tiles"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as the reference: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight * xf.astype(x.dtype)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm with a bias (``indexer.k_norm``), statistics in float32."""
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mu), axis=-1, keepdims=True)
+    y = (xf - mu) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, wide: bool = False, **kwargs) -> jax.Array:
+    """``einsum(spec, x, w)`` in ``x``'s dtype. ``wide``: both operands in float32 and the
+    output rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed);
+    otherwise ``w`` is cast to ``x.dtype`` (the GPU path)."""
+    if wide:
+        f32 = jnp.float32
+        return jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI, **kwargs).astype(x.dtype)
+    return jnp.einsum(spec, x, w.astype(x.dtype), precision=_HI, **kwargs)
+
+
+def absorb_q(q_nope: jax.Array, w_uk: jax.Array, *, wide: bool = False) -> jax.Array:
+    """``[B, S, H, qk_nope] x [H, qk_nope, C] -> [B, S, H, C]``: the query in latent space."""
+    return matmul("bshd,hdc->bshc", q_nope, w_uk, wide)
+
+
+def absorb_o(
+    o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None,
+    *, wide: bool = False,
+) -> jax.Array:
+    """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``."""
+    o = matmul("bshc,hvc->bshv", o_lat, w_uv, wide)
+    # Row-parallel under TP: the head axis contracted here may be sharded; the partial sums
+    # are all-reduced once. Explicit mesh axes need the output sharding spelled out.
+    out = matmul("bshv,hvo->bso", o, o_proj, wide, out_sharding=row_parallel_out_sharding(o))
+    return out if bias is None else out + bias.astype(out.dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, wide: bool = False) -> jax.Array:
+    """``x [..., in] @ w [in, out]`` in ``x``'s dtype (``wide`` as ``matmul``)."""
+    return matmul("...i,io->...o", x, w, wide)
+
+
+def by_query_tiles(fn, block_q: int, *arrays):
+    """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
+    cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
+    ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
+    tensor is built. One tile (a decode step) is a plain call."""
+    b, s = arrays[0][0].shape[:2]
+    bq = min(block_q, s)
+    n_tiles = -(-s // bq)
+    pad = n_tiles * bq - s
+
+    def tiles(a, fill):
+        if pad:
+            a = jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
+        return jnp.moveaxis(a.reshape((b, n_tiles, bq) + a.shape[2:]), 1, 0)
+
+    args = tuple(tiles(a, fill) for a, fill in arrays)
+    if n_tiles == 1:
+        outs = jax.tree.map(lambda a: a[None], fn(*(a[0] for a in args)))
+    else:
+        outs = jax.lax.map(lambda t: fn(*t), args)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)

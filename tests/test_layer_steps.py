@@ -1,0 +1,120 @@
+"""The layer's pipeline steps: visible in the compiled step, and no compilation per eager step.
+
+* Each step runs under ``jax.named_scope`` with its kernel's name, so the compiled decode
+  step's HLO (op metadata) names every one of them: a profile or an HLO dump shows where
+  the time goes.
+* An eager decode step (a layer call with a cache, outside jit) compiles nothing once the
+  first steps have run: the cache writes' ``lax.cond`` / ``fori_loop`` bodies are
+  module-level functions, so jax's caches hit (closures made anew per call compiled three
+  XLA programs on every step). Counted with jax's backend-compile events.
+* ``DsaAttention.check_inputs`` is the public check ``decode.DsaDecoder`` uses.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import glm5_dsa_jax as gd
+from glm5_dsa_jax.decode import make_step
+
+#: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+FULL_STEPS = ("project", "index_project", "kpool_compress", "index_scores", "topk_pools",
+              "expand_selection", "sparse_mla", "absorb_o")
+SHARED_STEPS = ("project", "sparse_mla", "absorb_o")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return gd.DsaConfig.tiny()
+
+
+def make(cfg, idx, **kw):
+    kw.setdefault("dtype", jnp.float32)
+    kw.setdefault("param_dtype", jnp.float32)
+    return gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(idx), **kw)
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """A list that grows by one per XLA backend compilation inside the block."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_backend_compile_event_is_counted():
+    with backend_compiles() as seen:
+        jax.jit(lambda a: a * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+    assert len(seen) >= 1, f"no {BACKEND_COMPILE!r} event: the event name changed in this jax"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_eager_decode_compiles_nothing_after_warmup(cfg, dtype):
+    full = make(cfg, 1, dtype=dtype, param_dtype=dtype)
+    shared = make(cfg, 2, dtype=dtype, param_dtype=dtype)
+    b, hidden = 2, cfg.hidden_size
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b, 20, hidden)).astype(np.float32)
+    mask = np.ones((b, 20), bool)
+    mask[0, :3] = False  # left padding: the pool grid starts later in row 0
+    cache, cache2 = full.init_cache(b, 32), shared.init_cache(b, 32)
+
+    def step(i, n, cache, cache2):
+        out, topk, cache = full(x[:, i:i + n], attention_mask=mask[:, i:i + n], cache=cache)
+        out2, _, cache2 = shared(out, attention_mask=mask[:, i:i + n], cache=cache2, prev_topk=topk)
+        jax.block_until_ready(out2)
+        return cache, cache2
+
+    cache, cache2 = step(0, 8, cache, cache2)  # prefill
+    for i in range(8, 11):  # warm-up decode steps
+        cache, cache2 = step(i, 1, cache, cache2)
+    with backend_compiles() as seen:
+        for i in range(11, 20):
+            cache, cache2 = step(i, 1, cache, cache2)
+    assert len(seen) == 0, f"{len(seen)} XLA compilations over 9 eager decode steps after warm-up"
+    assert int(cache.length) == 20
+
+
+@pytest.mark.parametrize("idx, names", [(1, FULL_STEPS), (2, SHARED_STEPS)])
+def test_compiled_step_names_each_pipeline_step(cfg, idx, names):
+    layer = make(cfg, idx)
+    step, params = make_step(layer)
+    b, s = 2, 1
+    x = jnp.ones((b, s, cfg.hidden_size), jnp.float32)
+    mask = jnp.ones((b, s), bool)
+    prev = None if layer.has_indexer else jnp.zeros((b, s, cfg.out_width), jnp.int32)
+    hlo = step.lower(params, x, mask, layer.init_cache(b, 16), prev).compile().as_text()
+    missing = [n for n in names if f"/{n}/" not in hlo]
+    assert not missing, f"steps not named in the compiled HLO: {missing}"
+    if not layer.has_indexer:
+        assert "/index_scores/" not in hlo and "/kpool_compress/" not in hlo
+
+
+def test_check_inputs_is_public(cfg):
+    full, shared = make(cfg, 1), make(cfg, 2)
+    x = np.ones((2, 3, cfg.hidden_size), np.float64)
+    xc, mask, prev = full.check_inputs(x, np.array([[0, 1, 1], [1, 1, 1]]))
+    assert xc.dtype == jnp.float32 and mask.dtype == jnp.bool_ and prev is None
+    assert np.asarray(mask).tolist() == [[False, True, True], [True, True, True]]
+    _, _, prev = shared.check_inputs(x, None, np.zeros((2, 3, cfg.out_width), np.int64))
+    assert isinstance(prev, jax.Array) and prev.dtype == jnp.int32
+    with pytest.raises(ValueError, match="only for 'shared' layers"):
+        full.check_inputs(x, None, prev)
+    future = np.full((2, 3, cfg.out_width), -1)
+    future[0, 0, 0] = 5  # query 0 at slot 4 names slot 5
+    with pytest.raises(ValueError, match="future"):
+        shared.check_inputs(x, None, future, start=4)
