@@ -144,7 +144,8 @@ class Tensor:
     indexer: bool = False
     #: an ``attention_bias`` bias (present only with ``cfg.attention_bias``)
     bias: bool = False
-    #: the CUDA seed's ``DsaTpPlan`` name when it is not ``hf_name`` less ``".weight"``
+    #: the name in the seed's ``DsaTpPlan`` (the CUDA engine ``plan`` was specified from)
+    #: when it is not ``hf_name`` less ``".weight"``
     plan_name: str | None = None
 
     @property

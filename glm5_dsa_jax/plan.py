@@ -23,8 +23,9 @@ Invariants:
   rank computes the same scores from the same inputs in the same order, so the top-k is
   bit-identical on every rank and every TP size.
 * ``TpPlan`` describes the Hugging Face tensors (PyTorch ``[out, in]`` layout, the names
-  ``load_hf_weights`` takes) so its numbers match ``DsaTpPlan`` of the CUDA engine this
-  project ports (the "seed"); each entry also names the parameters of this project's layout
+  ``load_hf_weights`` takes) so its numbers match ``DsaTpPlan`` of the CUDA serving engine
+  whose DSA pipeline and TP plan this project was specified from (called "the seed" below;
+  it is not in this repository); each entry also names the parameters of this project's layout
   it becomes (``kv_b_proj`` -> ``w_uk`` and ``w_uv``). ``partition_specs`` gives the
   PartitionSpec of every parameter in our layout; they are the same as the
   ``out_sharding`` metadata ``DsaAttention`` attaches to its ``nnx.Param``s (both are

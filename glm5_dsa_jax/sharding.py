@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax.parallel import put, replicate

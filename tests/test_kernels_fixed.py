@@ -202,7 +202,7 @@ def test_sparse_mla_one_split_empty_others_not():
 
 # ------------------------------------------------------------- the other three kernels
 def test_kpool_compress_fixed_negative_gates_and_gaps():
-    kp, d = 4, 3
+    d = 3  # kpool is ape's 4 rows
     keys = np.arange(2 * 14 * d, dtype=np.float32).reshape(2, 14, d) * np.float32(-0.25) + 3
     gate = np.zeros((2, 14, d), np.float32)
     gate[..., 0] = -50.0  # a very negative gate: its softmax weight is ~0 unless alone
@@ -221,7 +221,7 @@ def test_kpool_compress_fixed_negative_gates_and_gaps():
 
 
 def test_index_scores_fixed_signs_and_visibility():
-    kp, hi, d, n_pools = 2, 2, 3, 5
+    kp, d, n_pools = 2, 3, 5  # Hi = 2 heads
     q = np.array([[[[1, -2, 0.5], [-1, 0, 3]], [[0, 0, 0], [2, 2, -2]], [[-1, 1, -1], [0.5, 0.5, 0.5]]]],
                  np.float32)  # [B=1, Q=3, Hi, D]
     w = np.array([[[1.0, -1.0], [0.5, 0.5], [-2.0, 1.0]]], np.float32)

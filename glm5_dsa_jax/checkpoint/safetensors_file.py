@@ -122,7 +122,7 @@ class SafetensorsFile:
             self.error = f"is not a valid safetensors file: corrupt header ({e})"
             return
         if dups:
-            self.error = (f"is not a valid safetensors file: its header lists "
+            self.error = ("is not a valid safetensors file: its header lists "
                           + ", ".join(repr(d) for d in sorted(set(dups))) + " more than once")
             return
         meta = header.get("__metadata__")
