@@ -5,6 +5,9 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
 * No import cycle among the modules of ``glm5_dsa_jax`` and ``pallas_kernels``, counting
   every import statement, at module level or inside a function (a function-level import
   hides a cycle from Python, not from a reader).
+* Imports point one way through the layers below (config -> layout -> kernels -> parallel
+  execution -> cache -> layer -> plan / placement -> decode -> checkpoint -> tools -> cli):
+  a module imports only from its own layer or the ones before it.
 * No module over 500 lines.
 * The HF name ``kv_a_proj_with_mqa`` written in at most two modules of ``glm5_dsa_jax``
   (the layout table and at most one doc): every other module reads names from the table.
@@ -95,6 +98,43 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (c := visit(m)):
             return c
     return None
+
+
+#: The layers, first to last; a module belongs to the first entry that names it or a
+#: package above it. Package ``__init__`` modules that re-export sit with their contents.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("glm5_dsa_jax.config", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
+     "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
+     "glm5_dsa_jax.gpu_compile.targets", "glm5_dsa_jax.gpu_compile.ptxas", "pallas_kernels._common"),
+    ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks
+    ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
+    ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops"),  # how a step runs on a mesh; layer math
+    ("glm5_dsa_jax.cache",),
+    ("glm5_dsa_jax.layer",),
+    ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
+    ("glm5_dsa_jax.decode",),
+    ("glm5_dsa_jax.checkpoint",),
+    ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile"),
+    ("glm5_dsa_jax.cli", "glm5_dsa_jax"),  # the command line; the package's public face
+)
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for i, names in enumerate(LAYERS):
+        for n in names:
+            if (module == n or module.startswith(n + ".")) and (best is None or len(n) > best[1]):
+                best = (i, len(n))
+    assert best is not None, f"{module} is in no layer of tests/test_structure.py: add it"
+    return best[0]
+
+
+def test_imports_point_one_way():
+    wrong = [
+        f"{m} (layer {layer_of(m)}) imports {n} (layer {layer_of(n)})"
+        for m in MODULES for n in sorted(imports_of(m)) if layer_of(n) > layer_of(m)
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_cycle_finder_finds_a_cycle():
