@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
+from glm5_dsa_jax.cache import from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
@@ -58,11 +59,11 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
     cfg = layer.cfg
     cache = layer.init_cache(batch, max_length)
     k1, k2 = jax.random.split(jax.random.key(seed))
-    dt = cache.latent.dtype
-    latent = jax.random.normal(k1, cache.latent.shape, jnp.float32).astype(dt)
+    dt = cache.dtype
+    latent = jax.random.normal(k1, cache.latent_store.shape, jnp.float32).astype(dt)
     valid = jnp.arange(max_length)[None] < context
     n_pools = context // cfg.index_kpool
-    pooled = jax.random.normal(k2, cache.pooled.shape, jnp.float32).astype(dt)
+    pooled = jax.random.normal(k2, cache.pooled_store.shape, jnp.float32).astype(dt)
     pool_valid = jnp.broadcast_to(jnp.arange(cache.max_pools)[None] < n_pools, cache.pool_valid.shape)
     # The stage holds slots context-KP .. context-1: valid wherever they exist.
     stage_valid = jnp.broadcast_to(
@@ -142,12 +143,12 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length
-        lat = jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, pos, 0))
+        lat = jax.lax.dynamic_update_slice(cache.latent_store, to_store(latent, cache.dtype), (0, pos, 0))
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
-        o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
+        o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)
         out = absorb_o(o, m.w_uv[...], m.o_proj[...], wide=wide)
-        return out, cache.replace(latent=lat, key_valid=valid, length=pos + x.shape[1])
+        return out, cache.replace(latent_store=lat, key_valid=valid, length=pos + x.shape[1])
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces
 
