@@ -151,7 +151,8 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length
-        lat = jax.lax.dynamic_update_slice(cache.latent_store, to_store(latent, cache.dtype), (0, pos, 0))
+        rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
+        lat = jax.lax.dynamic_update_slice(cache.latent_store, rows, (0, pos, 0))
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)

@@ -19,15 +19,17 @@ Invariants:
 
 Shapes never depend on ``length``, so one compiled step serves every step of a decode.
 
-A 16-bit float cache stores the latent rows and pooled keys as their bits (``uint16``;
-``latent_store`` / ``pooled_store``), and ``cache.latent`` / ``cache.pooled`` are the float
-views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10 has no
+On a CPU a 16-bit float cache stores the latent rows and pooled keys as their bits
+(``uint16``; ``latent_store`` / ``pooled_store``), and ``cache.latent`` / ``cache.pooled``
+are the float views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10 has no
 in-place bf16 ``dynamic_update_slice``; it converted the whole buffer to float32 and back
 around every one-row write, an O(capacity) pass per step (a 131,072-slot latent cost ~25 ms
 a step per sequence, more than the rest of the step), whereas a ``uint16`` buffer is
 written in place. Writing through a ``uint16`` view of a bf16 buffer does not help (XLA
 copies the buffer for the bitcasts), so the buffer itself must hold the bits. A float32
-cache is stored as is. ``cache.replace(latent=..., pooled=...)`` takes float rows and
+cache, and any cache made while the default backend is not a CPU, is stored as is: only
+XLA:CPU needs the bits, and a Pallas kernel handed a bitcast view of a whole buffer could
+be given a copy of it. ``cache.replace(latent=..., pooled=...)`` takes float rows and
 stores their bits.
 
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
@@ -58,7 +60,8 @@ from pallas_kernels import first_valid
 
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
-    "append_rows", "write_rows", "write_pools", "to_store", "from_store", "live_pool_tiles",
+    "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
+    "live_pool_tiles",
     "pool_tile_scores",
 ]
 
@@ -82,18 +85,21 @@ def check_cache_dtype(dtype):
     return dt
 
 
-def store_dtype(dtype) -> jnp.dtype:
-    """The dtype a cache of float ``dtype`` stores its rows in: ``uint16`` for a 16-bit
-    float (see the module doc), else ``dtype``."""
+def store_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+    """The dtype a cache of float ``dtype`` stores its rows in on ``platform`` (default:
+    jax's default backend): ``uint16`` for a 16-bit float on a CPU (see the module doc),
+    else ``dtype``."""
     dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 else dtype
+    platform = jax.default_backend() if platform is None else platform
+    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and platform == "cpu" else dtype
 
 
-def to_store(x: jax.Array, dtype) -> jax.Array:
-    """Float rows ``x`` as a cache of float ``dtype`` stores them (cast, then bits)."""
+def to_store(x: jax.Array, dtype, store) -> jax.Array:
+    """Float rows ``x`` as a cache of float ``dtype`` whose buffer has dtype ``store``
+    keeps them (a cast to ``dtype``, then its bits when ``store`` is ``uint16``)."""
     x = jnp.asarray(x).astype(dtype)
-    st = store_dtype(dtype)
-    return x if st == x.dtype else jax.lax.bitcast_convert_type(x, st)
+    store = jnp.dtype(store)
+    return x if store == x.dtype else jax.lax.bitcast_convert_type(x, store)
 
 
 def from_store(a: jax.Array, dtype) -> jax.Array:
@@ -105,7 +111,7 @@ def from_store(a: jax.Array, dtype) -> jax.Array:
 @struct.dataclass
 class DsaCache:
     """Decode state of one DSA layer (a pytree). Shapes in the field comments; "stored"
-    = ``store_dtype(dtype)`` (the bits of a 16-bit float cache)."""
+    = ``store_dtype(dtype)`` (the bits of a 16-bit float cache on a CPU)."""
 
     latent_store: jax.Array  # [B, max_length, kv_lora_rank], stored
     key_valid: jax.Array  # [B, max_length] bool
@@ -184,7 +190,8 @@ def _replace(self, **updates) -> DsaCache:
     ``latent_store`` / ``pooled_store`` (``to_store``)."""
     for name in ("latent", "pooled"):
         if name in updates:
-            updates[name + "_store"] = to_store(updates.pop(name), self.dtype)
+            store = getattr(self, name + "_store").dtype
+            updates[name + "_store"] = to_store(updates.pop(name), self.dtype, store)
     return _replace_fields(self, **updates)
 
 
@@ -294,7 +301,9 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
     """The chunk's latent rows ``[B, S, C]`` and validity ``[B, S]`` written at slots
     ``length .. length+S-1`` (nothing when not ``fits``); ``length`` is not moved here."""
     return cache.replace(
-        latent_store=write_rows(cache.latent_store, to_store(latent, cache.dtype), cache.length, fits),
+        latent_store=write_rows(
+            cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
+            cache.length, fits),
         key_valid=write_rows(cache.key_valid, mask, cache.length, fits),
     )
 
@@ -359,8 +368,9 @@ def store_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_v
     pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
     new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
     new &= pool_ids < cache.max_pools
+    rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
     pooled_cache, pool_valid = write_pools(
-        cache.pooled_store, cache.pool_valid, to_store(pooled, cache.dtype), pooled_valid, pool_ids, new)
+        cache.pooled_store, cache.pool_valid, rows, pooled_valid, pool_ids, new)
     return cache.replace(
         pooled_store=pooled_cache,
         pool_valid=pool_valid,
