@@ -169,8 +169,8 @@ class DsaAttention(nnx.Module):
        chunk is pooled once into the cache, ``pooled [B, P, D]``.
     2. ``score_pools`` (``"index_scores"``): ``[B, Q, P]`` float32 scores.
     3. ``select_pools`` (``"topk_pools"``): ``[B, Q, select_k]`` pool ids. With
-       ``implementation="xla"`` steps 2-3 run fused (``score_and_select``): scored tile by
-       tile up to the live pools only, the same ids.
+       ``implementation="xla"`` a decode step (one query) runs 2-3 fused
+       (``score_and_select``): scored tile by tile up to the live pools only, the same ids.
     4. ``expand_to_tokens`` (``"expand_selection"``): those pools' tokens and the visible
        tail as ``token_ids [B, Q, W]`` (returned as ``topk``).
     5. ``sparse_attention`` (``"sparse_mla"``): ``o_lat [B, Q, H, C]`` over the latent rows
@@ -350,7 +350,9 @@ class DsaAttention(nnx.Module):
             select_k = self.cfg.select_k(cache.max_pools)
 
             def tile(q_lat, q_pos, qi, w, n_vis):
-                if self.implementation == "xla":
+                if self.implementation == "xla" and q_pos.shape[1] == 1:
+                    # Decode: over the live pools only. A prefill tile keeps the whole row
+                    # (its running sort of Q rows cost 1.5x the row's top-k at 1K tokens).
                     pools = self.score_and_select(qi, w, cache, q_pos, select_k)
                 else:
                     pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k)
@@ -422,7 +424,7 @@ class DsaAttention(nnx.Module):
             return self._replicated(pk.topk_pools, scores, select_k, implementation=self.implementation)
 
     def score_and_select(self, qi, w, cache: DsaCache, q_pos, select_k: int) -> jax.Array:
-        """Steps 2-3 fused, as ``implementation="xla"`` runs them: ``[B, Q, select_k]``
+        """Steps 2-3 fused, as ``implementation="xla"`` runs them in a decode step: ``[B, Q, select_k]``
         pool ids, the same as ``select_pools(score_pools(...))`` bit for bit, but scored
         tile by tile (``POOL_TILE`` pools) only up to the batch's latest complete pool
         (``cache.live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the work

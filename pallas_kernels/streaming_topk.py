@@ -7,7 +7,8 @@ of pools at a time, for a number of tiles known only on the device (the batch's 
 complete pool). This op keeps a running best set over the tiles seen so far, so no
 ``[B, Q, P]`` score row is ever built and the work follows the live tiles (a
 ``while_loop``: one compilation for every length). It is what ``implementation="xla"``
-runs for steps 2-3 of a layer call (``DsaAttention.score_and_select``); the Pallas
+runs for steps 2-3 of a decode step (``DsaAttention.score_and_select``; a prefill tile of
+``Q`` queries keeps the whole-row ``topk_pools``, cheaper there than ``Q`` running sorts); the Pallas
 ``index_scores`` / ``topk_pools`` still take the whole row.
 
 Invariants:

@@ -122,10 +122,10 @@ def test_check_inputs_is_public(cfg):
 
 @pytest.mark.parametrize("tile", [1, 3, 5])
 def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
-    """``score_and_select`` (the ``"xla"`` steps 2-3, over live pool tiles only) gives the
-    same top-k and outputs in any tiling as one tile of the whole capacity (which is
-    ``topk_pools_reference`` of the full score row): prefill with left padding and a
-    hole, then decode steps."""
+    """``score_and_select`` (the ``"xla"`` decode step's 2-3, over live pool tiles only)
+    gives the same top-k and outputs in any tiling as one tile of the whole capacity (which
+    is ``topk_pools_reference`` of the full score row): decode steps after a prefill with
+    left padding and a hole."""
     b, s = 2, 23
     rng = np.random.default_rng(1)
     x = rng.standard_normal((b, s + 4, cfg.hidden_size)).astype(np.float32)
