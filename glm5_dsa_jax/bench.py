@@ -9,7 +9,11 @@ does not depend on the values), then times
 * ``sparse``: the whole jitted, cache-donating decode step of one full DSA layer
   (projections, pool update, index scores, top-k, expansion, sparse MLA, ``o_proj``);
 * ``dense``: the same step with attention over every cached token instead of the selection
-  (the indexer skipped), i.e. absorbed MLA without DSA;
+  (the indexer skipped), i.e. absorbed MLA without DSA, on a cache of the same capacity
+  as the sparse row's (masked attention over every slot of it, as a fixed-shape compiled
+  step must);
+* ``dense_fit``: dense's best case, a cache sized to the context (so it re-compiles per
+  context, where the sparse step replays one compilation);
 * ``sparse_attn`` / ``dense_attn``: the attention part alone (selection + sparse MLA,
   against masked MLA over all tokens), given the absorbed queries.
 
@@ -19,9 +23,13 @@ and, at batch 1 and contexts up to ``--hf-max-context``, ``hf``: Hugging Face's 
 installed.
 
 Per row: the median step time, the number of compilations (1 means the step replayed
-without re-tracing as the context moved), and the peak bytes XLA reports for the compiled
-step (arguments + outputs + scratch, minus donated aliases). ``cache_bytes_per_token`` is
-the cache's size divided by its batch size and length.
+without re-tracing as the context moved), the peak bytes XLA reports for the compiled
+step (arguments + outputs + scratch, minus donated aliases), the cache kind (``cache``:
+``"contiguous"``, this project's ``init_cache``; ``"dynamic"`` for HF's growing
+``DynamicCache``) and its ``capacity`` in tokens per sequence (``run``'s ``capacity``,
+default the largest context plus the timed steps; the context the cache is sized to for
+``dense_fit``; the context for HF). ``cache_bytes_per_token`` is the cache's size divided
+by its batch size and capacity.
 
 The weight-read floor: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
@@ -43,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
+from glm5_dsa_jax.cache import from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
@@ -50,7 +59,7 @@ from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
 
-__all__ = ["filled_cache", "run"]
+__all__ = ["filled_cache", "run", "default_capacity", "check_capacity"]
 
 
 def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0):
@@ -58,11 +67,11 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
     cfg = layer.cfg
     cache = layer.init_cache(batch, max_length)
     k1, k2 = jax.random.split(jax.random.key(seed))
-    dt = cache.latent.dtype
-    latent = jax.random.normal(k1, cache.latent.shape, jnp.float32).astype(dt)
+    dt = cache.dtype
+    latent = jax.random.normal(k1, cache.latent_store.shape, jnp.float32).astype(dt)
     valid = jnp.arange(max_length)[None] < context
     n_pools = context // cfg.index_kpool
-    pooled = jax.random.normal(k2, cache.pooled.shape, jnp.float32).astype(dt)
+    pooled = jax.random.normal(k2, cache.pooled_store.shape, jnp.float32).astype(dt)
     pool_valid = jnp.broadcast_to(jnp.arange(cache.max_pools)[None] < n_pools, cache.pool_valid.shape)
     # The stage holds slots context-KP .. context-1: valid wherever they exist.
     stage_valid = jnp.broadcast_to(
@@ -142,12 +151,13 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length
-        lat = jax.lax.dynamic_update_slice(cache.latent, latent.astype(cache.latent.dtype), (0, pos, 0))
+        rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
+        lat = jax.lax.dynamic_update_slice(cache.latent_store, rows, (0, pos, 0))
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
-        o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
+        o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)
         out = absorb_o(o, m.w_uv[...], m.o_proj[...], wide=wide)
-        return out, cache.replace(latent=lat, key_valid=valid, length=pos + x.shape[1])
+        return out, cache.replace(latent_store=lat, key_valid=valid, length=pos + x.shape[1])
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces
 
@@ -190,8 +200,30 @@ def _hf_step_ms(cfg: DsaConfig, layer_idx: int, context: int, iters: int, seed: 
     return statistics.median(times)
 
 
+def default_capacity(contexts: list[int], iters: int) -> int:
+    """Cache slots per sequence when none is given: the largest context plus room for the
+    warm-up and timed steps (each appends one token)."""
+    return max(contexts) + iters + 2
+
+
+def check_capacity(capacity: int, contexts: list[int], iters: int) -> None:
+    """``ValueError`` unless a cache of ``capacity`` tokens holds the largest context and
+    the ``iters + 1`` steps appended to it."""
+    need = max(contexts) + iters + 1
+    if capacity < need:
+        raise ValueError(
+            f"capacity {capacity} cannot hold context {max(contexts)} plus {iters + 1} decode "
+            f"steps: need at least {need} tokens"
+        )
+
+
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
-        log=print, hf_max_context: int = 16384) -> dict:
+        log=print, hf_max_context: int = 16384, capacity: int | None = None) -> dict:
+    """The benchmark's rows (see the module doc); ``capacity``: cache slots per sequence of
+    the sparse, dense and attention rows (None: ``default_capacity``)."""
+    if capacity is None:
+        capacity = default_capacity(contexts, iters)
+    check_capacity(capacity, contexts, iters)
     cfg = DsaConfig.preset(preset)
     layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
     layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation)
@@ -207,7 +239,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     def floor(impl, b, ctx):
         if impl == "sparse":
             n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
-        elif impl == "dense":
+        elif impl in ("dense", "dense_fit"):
             n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_lora_rank * cache_eb
         elif impl == "sparse_attn":
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
@@ -219,34 +251,42 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
 
     rows = []
     key = jax.random.key(1)
-    max_ctx = max(contexts)
     bytes_per_token = None
     for b in batches:
-        # One cache size per batch, so every context replays the same compiled step.
-        max_length = max_ctx + iters + 2
+        # One cache size for every context, so every context replays the same compiled step.
+        max_length = capacity
         x = jax.random.normal(key, (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
         mask = jnp.ones((b, 1), bool)
         shapes = jax.eval_shape(lambda: filled_cache(layer, b, contexts[0], max_length))
-        traces0, dense0 = step.traces, dense_traces["n"]
+        traces0, dense_compiles = step.traces, {}
         step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
         for ctx in contexts:
             cache = filled_cache(layer, b, ctx, max_length)
             if bytes_per_token is None:
                 bytes_per_token = cache.nbytes() / (cache.batch_size * cache.max_length)
-            rows.extend(_attention_rows(layer, cache, b, ctx, iters, log))
-            # Dense gets its best case: a cache sized to this context (so it re-compiles
-            # per context, where the sparse step replays one compilation).
-            dcache = filled_cache(layer, b, ctx, ctx + iters + 2)
-            dense_peak = _peak_bytes(dense_step.lower(dense_params, x, dcache).compile())
-            t_dense = _time_steps(dense_step, (dense_params, x), dcache, iters)
-            del dcache
-            rows.append(dict(impl="dense", batch=b, context=ctx, median_ms=t_dense,
-                             compiles=dense_traces["n"] - dense0, peak_bytes=dense_peak))
-            log(f"dense   B={b:<2} ctx={ctx:<7} {t_dense:9.2f} ms  compiles={dense_traces['n'] - dense0}")
+            rows.extend(_attention_rows(layer, cache, b, ctx, iters, log, max_length))
+            # Dense on the sparse row's capacity (one compilation across contexts), then
+            # its best case, a cache sized to this context (a compilation per context).
+            for impl, cap in (("dense", max_length), ("dense_fit", ctx + iters + 2)):
+                n0 = dense_traces["n"]
+                dcache = filled_cache(layer, b, ctx, cap)
+                dense_peak = _peak_bytes(dense_step.lower(dense_params, x, dcache).compile())
+                t_dense = _time_steps(dense_step, (dense_params, x), dcache, iters)
+                del dcache
+                # dense: compilations so far at this batch's capacity; dense_fit: this one's.
+                dense_compiles[impl] = dense_compiles.get(impl, 0) + dense_traces["n"] - n0
+                compiles = dense_compiles[impl] if impl == "dense" else dense_traces["n"] - n0
+                rows.append(dict(impl=impl, batch=b, context=ctx, median_ms=t_dense,
+                                 compiles=compiles, peak_bytes=dense_peak, cache="contiguous",
+                                 capacity=cap))
+                log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
+                    f"compiles={compiles}")
             t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), cache, iters)
             rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
-                             compiles=step.traces - traces0, peak_bytes=step_peak))
-            log(f"sparse  B={b:<2} ctx={ctx:<7} {t_sparse:9.2f} ms  compiles={step.traces - traces0}")
+                             compiles=step.traces - traces0, peak_bytes=step_peak,
+                             cache="contiguous", capacity=max_length))
+            log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t_sparse:9.2f} ms  "
+                f"compiles={step.traces - traces0}")
             del cache
         if b == 1:
             for ctx in [c for c in contexts if c <= hf_max_context]:
@@ -254,20 +294,21 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                 if t_hf is None:
                     log("hf      skipped: transformers (torch) is not installed")
                     break
-                rows.append(dict(impl="hf", batch=1, context=ctx, median_ms=t_hf, compiles=0, peak_bytes=-1))
+                rows.append(dict(impl="hf", batch=1, context=ctx, median_ms=t_hf, compiles=0, peak_bytes=-1,
+                                 cache="dynamic", capacity=ctx))
                 log(f"hf      B=1  ctx={ctx:<7} {t_hf:9.2f} ms  (eager Glm5NextTextAttention, bf16)")
     for r in rows:
         r.update(floor(r["impl"], r["batch"], r["context"]))
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
-    return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset,
+    return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "float32_compute": bool(step.float32),
             "weight_bytes_step": weight_bytes(cfg, w_eb),
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
 
-def _attention_rows(layer, cache, b, ctx, iters, log):
+def _attention_rows(layer, cache, b, ctx, iters, log, capacity):
     """The attention part alone: selection + sparse MLA, against dense masked MLA."""
     cfg = layer.cfg
     impl = layer.implementation
@@ -298,5 +339,5 @@ def _attention_rows(layer, cache, b, ctx, iters, log):
     ts = _time(sparse, (q_lat, qi, w, cache), iters)
     td = _time(dense, (q_lat, cache), iters)
     log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)")
-    return [dict(impl="sparse_attn", batch=b, context=ctx, median_ms=ts, compiles=1, peak_bytes=-1),
-            dict(impl="dense_attn", batch=b, context=ctx, median_ms=td, compiles=1, peak_bytes=-1)]
+    common = dict(batch=b, context=ctx, compiles=1, peak_bytes=-1, cache="contiguous", capacity=capacity)
+    return [dict(impl="sparse_attn", median_ms=ts, **common), dict(impl="dense_attn", median_ms=td, **common)]

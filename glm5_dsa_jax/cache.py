@@ -19,6 +19,19 @@ Invariants:
 
 Shapes never depend on ``length``, so one compiled step serves every step of a decode.
 
+On a CPU a 16-bit float cache stores the latent rows and pooled keys as their bits
+(``uint16``; ``latent_store`` / ``pooled_store``), and ``cache.latent`` / ``cache.pooled``
+are the float views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10 has no
+in-place bf16 ``dynamic_update_slice``; it converted the whole buffer to float32 and back
+around every one-row write, an O(capacity) pass per step (a 131,072-slot latent cost ~25 ms
+a step per sequence, more than the rest of the step), whereas a ``uint16`` buffer is
+written in place. Writing through a ``uint16`` view of a bf16 buffer does not help (XLA
+copies the buffer for the bitcasts), so the buffer itself must hold the bits. A float32
+cache, and any cache made while the default backend is not a CPU, is stored as is: only
+XLA:CPU needs the bits, and a Pallas kernel handed a bitcast view of a whole buffer could
+be given a copy of it. ``cache.replace(latent=..., pooled=...)`` takes float rows and
+stores their bits.
+
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
 not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept from
 rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Every
@@ -47,7 +60,9 @@ from pallas_kernels import first_valid
 
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
-    "append_rows", "write_rows", "write_pools",
+    "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
+    "live_pool_tiles",
+    "pool_tile_scores",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers.
@@ -70,36 +85,72 @@ def check_cache_dtype(dtype):
     return dt
 
 
+def store_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+    """The dtype a cache of float ``dtype`` stores its rows in on ``platform`` (default:
+    jax's default backend): ``uint16`` for a 16-bit float on a CPU (see the module doc),
+    else ``dtype``."""
+    dtype = jnp.dtype(dtype)
+    platform = jax.default_backend() if platform is None else platform
+    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and platform == "cpu" else dtype
+
+
+def to_store(x: jax.Array, dtype, store) -> jax.Array:
+    """Float rows ``x`` as a cache of float ``dtype`` whose buffer has dtype ``store``
+    keeps them (a cast to ``dtype``, then its bits when ``store`` is ``uint16``)."""
+    x = jnp.asarray(x).astype(dtype)
+    store = jnp.dtype(store)
+    return x if store == x.dtype else jax.lax.bitcast_convert_type(x, store)
+
+
+def from_store(a: jax.Array, dtype) -> jax.Array:
+    """Stored rows ``a`` as floats of ``dtype`` (a bitcast for a 16-bit float cache)."""
+    dtype = jnp.dtype(dtype)
+    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+
 @struct.dataclass
 class DsaCache:
-    """Decode state of one DSA layer (a pytree). Shapes in the field comments."""
+    """Decode state of one DSA layer (a pytree). Shapes in the field comments; "stored"
+    = ``store_dtype(dtype)`` (the bits of a 16-bit float cache on a CPU)."""
 
-    latent: jax.Array  # [B, max_length, kv_lora_rank], cache dtype
+    latent_store: jax.Array  # [B, max_length, kv_lora_rank], stored
     key_valid: jax.Array  # [B, max_length] bool
     length: jax.Array  # [] int32, slots written
-    pooled: jax.Array | None = None  # [B, max_pools, index_head_dim], cache dtype
+    pooled_store: jax.Array | None = None  # [B, max_pools, index_head_dim], stored
     pool_valid: jax.Array | None = None  # [B, max_pools] bool
     stage_keys: jax.Array | None = None  # [B, KP, index_head_dim]: slots length-KP .. length-1
     stage_gate: jax.Array | None = None  # [B, KP, index_head_dim] float32
     stage_valid: jax.Array | None = None  # [B, KP] bool
     first_key: jax.Array | None = None  # [B] int32
     n_valid: jax.Array | None = None  # [B] int32
+    dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
+
+    @property
+    def latent(self) -> jax.Array:
+        """``[B, max_length, kv_lora_rank]`` latent rows in the cache ``dtype``."""
+        return from_store(self.latent_store, self.dtype)
+
+    @property
+    def pooled(self) -> jax.Array | None:
+        """``[B, max_pools, index_head_dim]`` pooled keys in the cache ``dtype`` (None on a
+        shared-indexer layer)."""
+        return None if self.pooled_store is None else from_store(self.pooled_store, self.dtype)
 
     @property
     def batch_size(self) -> int:
-        return self.latent.shape[0]
+        return self.latent_store.shape[0]
 
     @property
     def max_length(self) -> int:
-        return self.latent.shape[1]
+        return self.latent_store.shape[1]
 
     @property
     def has_indexer(self) -> bool:
-        return self.pooled is not None
+        return self.pooled_store is not None
 
     @property
     def max_pools(self) -> int:
-        return self.pooled.shape[1] if self.pooled is not None else 0
+        return self.pooled_store.shape[1] if self.pooled_store is not None else 0
 
     def nbytes(self) -> int:
         """Bytes held on devices by this cache."""
@@ -108,9 +159,10 @@ class DsaCache:
     def check(self, cfg: DsaConfig, has_indexer: bool, batch_size: int) -> None:
         """Raise ``ValueError`` unless this cache was made for ``cfg`` and ``batch_size``."""
         want_c = cfg.kv_cache_dim
-        if self.latent.ndim != 3 or self.latent.shape[0] != batch_size or self.latent.shape[2] != want_c:
+        lat = self.latent_store
+        if lat.ndim != 3 or lat.shape[0] != batch_size or lat.shape[2] != want_c:
             raise ValueError(
-                f"cache.latent is {tuple(self.latent.shape)}; this layer and batch need "
+                f"cache.latent is {tuple(lat.shape)}; this layer and batch need "
                 f"[B={batch_size}, max_length, kv_lora_rank={want_c}] (a cache made for "
                 "another config or batch size?)"
             )
@@ -122,12 +174,28 @@ class DsaCache:
             )
         if has_indexer:
             want = (batch_size, cfg.index_kpool, cfg.index_head_dim)
-            if self.pooled.shape[2] != cfg.index_head_dim or self.stage_keys.shape != want:
+            if self.pooled_store.shape[2] != cfg.index_head_dim or self.stage_keys.shape != want:
                 raise ValueError(
-                    f"cache indexer state has pooled {tuple(self.pooled.shape)} and stage "
+                    f"cache indexer state has pooled {tuple(self.pooled_store.shape)} and stage "
                     f"{tuple(self.stage_keys.shape)}; this layer needs index_head_dim="
                     f"{cfg.index_head_dim} and index_kpool={cfg.index_kpool}"
                 )
+
+
+_replace_fields = DsaCache.replace
+
+
+def _replace(self, **updates) -> DsaCache:
+    """``dataclasses.replace``, where ``latent=`` / ``pooled=`` (float rows) are stored as
+    ``latent_store`` / ``pooled_store`` (``to_store``)."""
+    for name in ("latent", "pooled"):
+        if name in updates:
+            store = getattr(self, name + "_store").dtype
+            updates[name + "_store"] = to_store(updates.pop(name), self.dtype, store)
+    return _replace_fields(self, **updates)
+
+
+DsaCache.replace = _replace
 
 
 def init_cache(
@@ -154,10 +222,12 @@ def init_cache(
             f"{cfg.max_position_embeddings}"
         )
     b = batch_size
+    st = store_dtype(dtype)
     base = dict(
-        latent=jnp.zeros((b, max_length, cfg.kv_cache_dim), dtype),
+        latent_store=jnp.zeros((b, max_length, cfg.kv_cache_dim), st),
         key_valid=jnp.zeros((b, max_length), bool),
         length=jnp.zeros((), jnp.int32),
+        dtype=dtype,
     )
     if not has_indexer:
         return DsaCache(**base)
@@ -165,7 +235,7 @@ def init_cache(
     max_pools = max(1, max_length // kp)
     return DsaCache(
         **base,
-        pooled=jnp.zeros((b, max_pools, d), dtype),
+        pooled_store=jnp.zeros((b, max_pools, d), st),
         pool_valid=jnp.zeros((b, max_pools), bool),
         stage_keys=jnp.zeros((b, kp, d), dtype),
         stage_gate=jnp.zeros((b, kp, d), jnp.float32),
@@ -189,9 +259,8 @@ def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Arra
 
     ``lax.cond`` over a ``dynamic_update_slice`` rather than a masked scatter or a ``where``
     over the old rows: both of those made XLA:CPU rewrite (or copy) the whole buffer, an
-    O(cache) pass per step. (XLA:CPU still converts a 16-bit float buffer to float32 and
-    back around the update: it has no in-place bf16 ``dynamic_update_slice``; see the
-    README's CPU benchmark. Storing such caches as their bits is the serving cache's fix.)
+    O(cache) pass per step. ``buf`` of a 16-bit float cache holds bits (``uint16``): XLA:CPU
+    on jax 0.10 converts a bf16 buffer to float32 and back around the update.
     """
     zero = jnp.zeros((), jnp.int32)
     idx = (zero, start) + (zero,) * (buf.ndim - 2)
@@ -217,9 +286,10 @@ def _write_pool_step(i, carry):
 def write_pools(buf, valid_buf, rows, valid_rows, pool_ids, new):
     """``buf[b, pool_ids[b, i]] = rows[b, i]`` (and the validity) where ``new[b, i]``.
 
-    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place. A masked
-    scatter is the natural form, but XLA:CPU has no 16-bit-float scatter and converts the
-    whole ``[B, max_pools, D]`` cache to float32 and back around it on every step.
+    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place (``buf``
+    holds the bits of a 16-bit float cache, see the module doc). A masked scatter is the
+    natural form, but XLA:CPU has no 16-bit-float scatter and converts the whole
+    ``[B, max_pools, D]`` cache to float32 and back around it on every step.
     """
     b, n = pool_ids.shape
     carry = ((buf, valid_buf), rows.astype(buf.dtype), valid_rows, pool_ids, new)
@@ -231,7 +301,9 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
     """The chunk's latent rows ``[B, S, C]`` and validity ``[B, S]`` written at slots
     ``length .. length+S-1`` (nothing when not ``fits``); ``length`` is not moved here."""
     return cache.replace(
-        latent=write_rows(cache.latent, latent, cache.length, fits),
+        latent_store=write_rows(
+            cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
+            cache.length, fits),
         key_valid=write_rows(cache.key_valid, mask, cache.length, fits),
     )
 
@@ -296,12 +368,39 @@ def store_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_v
     pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
     new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
     new &= pool_ids < cache.max_pools
-    pooled_cache, pool_valid = write_pools(cache.pooled, cache.pool_valid, pooled, pooled_valid, pool_ids, new)
+    rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
+    pooled_cache, pool_valid = write_pools(
+        cache.pooled_store, cache.pool_valid, rows, pooled_valid, pool_ids, new)
     return cache.replace(
-        pooled=pooled_cache,
+        pooled_store=pooled_cache,
         pool_valid=pool_valid,
         stage_keys=jnp.where(fits, window.keys[:, s:], cache.stage_keys),
         stage_gate=jnp.where(fits, window.gate[:, s:], cache.stage_gate),
         stage_valid=jnp.where(fits, window.valid[:, s:], cache.stage_valid),
         first_key=jnp.where(fits, first_key, cache.first_key),
     )
+
+
+# ---------------------------------------------------------------------------- live pool tiles
+def live_pool_tiles(cache: DsaCache, q_pos: jax.Array, tile: int) -> jax.Array:
+    """``[]`` int32: tiles of ``tile`` pools that hold every candidate pool of the queries
+    at slots ``q_pos [B, Q]`` (``-1`` = padding), i.e. up to the batch's latest complete
+    pool. A pool ``p`` is a candidate only when its last slot ``first_key + (p+1)*KP - 1``
+    is at or before the query (``pallas_kernels.index_scores``), so the pools past this
+    bound score ``-inf`` and need not be read: the work follows the live tokens, not the
+    capacity."""
+    kp = cache.stage_keys.shape[1]
+    n_live = (q_pos - cache.first_key[:, None] + 1) // kp
+    n_live = jnp.clip(jnp.max(n_live), 0, cache.max_pools)
+    return ((n_live + tile - 1) // tile).astype(jnp.int32)
+
+
+def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, *, tile: int,
+                     kpool: int, dtype, score_fn) -> jax.Array:
+    """``[B, Q, tile]`` float32 scores (``score_fn``, ``index_scores``'s signature) of pools
+    ``start .. start + tile - 1`` of the cache: only that slice of the pooled keys is read
+    (and converted from bits). The pool grid of the slice starts ``start`` pools after
+    ``first_key``, so its candidate rule is the whole row's."""
+    keys = from_store(jax.lax.dynamic_slice_in_dim(pooled_store, start, tile, axis=1), dtype)
+    valid = jax.lax.dynamic_slice_in_dim(pool_valid, start, tile, axis=1)
+    return score_fn(qi, w, keys, valid, first_key + start * kpool, q_pos, kpool=kpool)

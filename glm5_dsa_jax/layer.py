@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -39,7 +40,9 @@ from flax import nnx
 import pallas_kernels as pk
 from pallas_kernels._common import check_implementation
 from glm5_dsa_jax import layout
-from glm5_dsa_jax.cache import DsaCache, append_rows, init_cache, pool_window, store_pools
+from glm5_dsa_jax.cache import (
+    DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scores, pool_window, store_pools,
+)
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
 from glm5_dsa_jax.inputs import check_inputs
@@ -87,6 +90,19 @@ class _ParamFactory:
         the random inits are drawn in)."""
         for _, p in layout.iter_params(tensors):
             setattr(module, p.path[-1], self(p))
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_scorer(tile: int, kpool: int, dtype):
+    """The ``index_scores`` of one pool tile (``cache.pool_tile_scores``), one function per
+    statics so the eager ``while_loop`` trace is cached (see ``pk.streaming_topk``)."""
+
+    def scores(start, *operands):
+        with jax.named_scope("index_scores"):
+            return pool_tile_scores(start, *operands, tile=tile, kpool=kpool, dtype=dtype,
+                                    score_fn=pk.index_scores_reference)
+
+    return scores
 
 
 # ---------------------------------------------------------------------------- indexer
@@ -152,7 +168,9 @@ class DsaAttention(nnx.Module):
     1. ``compress_pools`` (``"kpool_compress"``): each pool of KP keys completing in the
        chunk is pooled once into the cache, ``pooled [B, P, D]``.
     2. ``score_pools`` (``"index_scores"``): ``[B, Q, P]`` float32 scores.
-    3. ``select_pools`` (``"topk_pools"``): ``[B, Q, select_k]`` pool ids.
+    3. ``select_pools`` (``"topk_pools"``): ``[B, Q, select_k]`` pool ids. With
+       ``implementation="xla"`` a decode step (one query) runs 2-3 fused
+       (``score_and_select``): scored tile by tile up to the live pools only, the same ids.
     4. ``expand_to_tokens`` (``"expand_selection"``): those pools' tokens and the visible
        tail as ``token_ids [B, Q, W]`` (returned as ``topk``).
     5. ``sparse_attention`` (``"sparse_mla"``): ``o_lat [B, Q, H, C]`` over the latent rows
@@ -161,6 +179,9 @@ class DsaAttention(nnx.Module):
 
     A ``"shared"`` layer runs 0, 5 and 6 on ``prev_topk`` (its full layer's ``topk``).
     """
+
+    #: Pools per tile of the ``"xla"`` score + select loop (``score_and_select``).
+    POOL_TILE = 512
 
     def __init__(
         self,
@@ -329,8 +350,12 @@ class DsaAttention(nnx.Module):
             select_k = self.cfg.select_k(cache.max_pools)
 
             def tile(q_lat, q_pos, qi, w, n_vis):
-                scores = self.score_pools(qi, w, cache, q_pos)
-                pools = self.select_pools(scores, select_k)
+                if self.implementation == "xla" and q_pos.shape[1] == 1:
+                    # Decode: over the live pools only. A prefill tile keeps the whole row
+                    # (its running sort of Q rows cost 1.5x the row's top-k at 1K tokens).
+                    pools = self.score_and_select(qi, w, cache, q_pos, select_k)
+                else:
+                    pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k)
                 token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
                 return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids)
 
@@ -397,6 +422,23 @@ class DsaAttention(nnx.Module):
         """Step 3 (``topk_pools``): ``[B, Q, select_k]`` pool ids of the best scores."""
         with jax.named_scope("topk_pools"):
             return self._replicated(pk.topk_pools, scores, select_k, implementation=self.implementation)
+
+    def score_and_select(self, qi, w, cache: DsaCache, q_pos, select_k: int) -> jax.Array:
+        """Steps 2-3 fused, as ``implementation="xla"`` runs them in a decode step: ``[B, Q, select_k]``
+        pool ids, the same as ``select_pools(score_pools(...))`` bit for bit, but scored
+        tile by tile (``POOL_TILE`` pools) only up to the batch's latest complete pool
+        (``cache.live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the work
+        follows the live tokens, not the cache's capacity. Each tile is scored under
+        ``"index_scores"``, the loop runs under ``"topk_pools"``."""
+        tile = min(self.POOL_TILE, cache.max_pools)
+        b, q = q_pos.shape
+        with jax.named_scope("topk_pools"):
+            n_tiles = live_pool_tiles(cache, q_pos, tile)
+            return pk.streaming_topk(
+                _tile_scorer(tile, self.cfg.index_kpool, cache.dtype),
+                (qi, w, cache.pooled_store, cache.pool_valid, cache.first_key, q_pos), n_tiles,
+                tile=tile, n_pools=cache.max_pools, select_k=select_k, rows=(b, q),
+            )
 
     def expand_to_tokens(self, pools, cache: DsaCache, n_vis, q_pos) -> jax.Array:
         """Step 4 (``expand_selection``): the selected pools' tokens and each query's

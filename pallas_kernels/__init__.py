@@ -29,6 +29,8 @@ defaults), validated under every implementation::
                         -> expand_selection (expansion) -> token_ids [B, Q, W] (-1 = none)
                         -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, C]
 
+``streaming_topk`` is ``topk_pools`` over a row scored tile by tile up to a device-side
+tile count (what ``implementation="xla"`` runs, so its work follows the live pools);
 ``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
 ``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
 """
@@ -49,6 +51,7 @@ from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores, index_scores_reference, pool_last_token,
 )
 from pallas_kernels.selection import TopkPoolsBlockSizes, topk_pools, topk_pools_reference
+from pallas_kernels.streaming_topk import streaming_topk
 
 __all__ = [
     "IMPLEMENTATIONS", "Implementation",
@@ -60,4 +63,5 @@ __all__ = [
     "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla", "sparse_mla_reference",
     "topk_to_mask",
     "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
+    "streaming_topk",
 ]

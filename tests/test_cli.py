@@ -38,8 +38,8 @@ def test_bench_decode_json(capsys):
                  "--iters", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     rows = res["rows"]
-    assert {r["impl"] for r in rows} >= {"sparse", "dense"}
-    base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes"}
+    assert {r["impl"] for r in rows} >= {"sparse", "dense", "dense_fit"}
+    base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes", "cache", "capacity"}
     floor = {"floor_bytes", "floor_ms", "x_floor"}
     for r in rows:
         assert set(r) == (base if r["impl"] == "hf" else base | floor)
@@ -55,3 +55,25 @@ def test_bench_decode_json(capsys):
     assert [r["context"] for r in sparse] == [64, 256]
     assert all(r["compiles"] == 1 for r in sparse)  # one compilation across contexts
     assert 0 < res["cache_bytes_per_token"] < 200
+    # Capacity: by default the largest context plus the timed steps, for the sparse row and
+    # the dense row it is compared with; dense_fit is sized to its context.
+    assert res["capacity"] == 256 + 2 + 2
+    for r in rows:
+        want = {"hf": ("dynamic", r["context"]), "dense_fit": ("contiguous", r["context"] + 4)}.get(
+            r["impl"], ("contiguous", 260))
+        assert (r["cache"], r["capacity"]) == want, r
+    dense = [r for r in rows if r["impl"] == "dense"]
+    assert all(r["compiles"] == 1 for r in dense)
+
+
+def test_bench_decode_capacity(capsys):
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1",
+                 "--iters", "1", "--capacity", "512", "--hf-max-context", "0", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["capacity"] == 512
+    caps = {r["impl"]: r["capacity"] for r in res["rows"]}
+    assert caps == {"sparse": 512, "dense": 512, "dense_fit": 67, "sparse_attn": 512, "dense_attn": 512}
+    # Too small for the context and the timed steps: a usage error before any work.
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--iters", "1",
+                 "--capacity", "65"]) == 2
+    assert "need at least 66 tokens" in capsys.readouterr().err

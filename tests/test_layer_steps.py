@@ -118,3 +118,44 @@ def test_check_inputs_is_public(cfg):
     future[0, 0, 0] = 5  # query 0 at slot 4 names slot 5
     with pytest.raises(ValueError, match="future"):
         shared.check_inputs(x, None, future, start=4)
+
+
+@pytest.mark.parametrize("tile", [1, 3, 5])
+def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
+    """``score_and_select`` (the ``"xla"`` decode step's 2-3, over live pool tiles only)
+    gives the same top-k and outputs in any tiling as one tile of the whole capacity (which
+    is ``topk_pools_reference`` of the full score row): decode steps after a prefill with
+    left padding and a hole."""
+    b, s = 2, 23
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((b, s + 4, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((b, s + 4), bool)
+    mask[0, :5] = False
+    mask[1, 9] = False
+    results = []
+    for pool_tile in (tile, 10**6):
+        layer = make(cfg, 1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        layer.POOL_TILE = pool_tile
+        cache = layer.init_cache(b, 40)
+        out, topk, cache = layer(x[:, :s], attention_mask=mask[:, :s], cache=cache)
+        outs, topks = [out], [topk]
+        for i in range(s, s + 4):
+            out, topk, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
+            outs.append(out)
+            topks.append(topk)
+        results.append((np.concatenate(topks, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    assert (results[0][0] >= 0).any()
+
+
+def test_cpu_cache_stores_16_bit_floats_as_bits(cfg):
+    """On a CPU a bf16 cache's buffers hold the bits (written in place by XLA:CPU), and
+    ``latent`` / ``pooled`` are the bf16 views; ``replace(latent=...)`` stores floats."""
+    layer = make(cfg, 1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    cache = layer.init_cache(1, 16)
+    assert cache.latent_store.dtype == jnp.uint16 and cache.pooled_store.dtype == jnp.uint16
+    assert cache.latent.dtype == jnp.bfloat16 and cache.pooled.dtype == jnp.bfloat16
+    rows = jnp.full(cache.latent.shape, -1.5, jnp.bfloat16)
+    assert (np.asarray(cache.replace(latent=rows).latent, np.float32) == -1.5).all()
+    assert layer.init_cache(1, 16, dtype=jnp.float32).latent_store.dtype == jnp.float32

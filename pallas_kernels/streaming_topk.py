@@ -1,0 +1,114 @@
+"""``streaming_topk``: ``topk_pools`` over a row that arrives tile by tile, for as many
+tiles as are live.
+
+Axis letters as in the package glossary (``pallas_kernels``). A decode step should score
+only the pools a sequence has, not the cache's capacity. The scores then arrive one tile
+of pools at a time, for a number of tiles known only on the device (the batch's latest
+complete pool). This op keeps a running best set over the tiles seen so far, so no
+``[B, Q, P]`` score row is ever built and the work follows the live tiles (a
+``while_loop``: one compilation for every length). It is what ``implementation="xla"``
+runs for steps 2-3 of a decode step (``DsaAttention.score_and_select``; a prefill tile of
+``Q`` queries keeps the whole-row ``topk_pools``, cheaper there than ``Q`` running sorts); the Pallas
+``index_scores`` / ``topk_pools`` still take the whole row.
+
+Invariants:
+
+* The tie rule is ``topk_pools``'s, exactly (see ``pallas_kernels.selection``): rank by
+  ``order_key`` (higher first), the lower pool id wins among equal keys, ``-inf`` (and NaN)
+  is never selected, the row lists the ids in ascending order then ``-1``. The running
+  set is kept sorted by ``(key descending, id ascending)``; merging a tile is a sort of
+  ``K + tile`` entries by that pair and a cut after ``K``. A pool's rank depends only on
+  its own ``(key, id)`` pair, so the first ``K`` of the whole row by that order are the
+  first ``K`` of (first ``K`` of the tiles before) + (this tile): the result equals
+  ``topk_pools_reference`` on the whole row, bit for bit, in any tiling.
+* Tile ``t`` covers pools ``t * tile ..``; the last tile of a row whose length ``P`` is
+  not a multiple of ``tile`` is read from ``P - tile`` (no read past the row) and its
+  pools already seen are masked to ``-inf``, so each pool is ranked once.
+* The ``while_loop`` body is built once per ``(tile_scores, tile, P, K)`` and receives
+  every array it reads as an operand: jax caches a traced body by the function and its
+  operands' types, so an eager call (outside jit) compiles nothing after the first.
+  ``tile_scores`` must be a stable (module-level or cached) function for the same reason.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.radix_select import NEG_INF_KEY, order_key
+
+__all__ = ["streaming_topk"]
+
+_NO_ID = jnp.iinfo(jnp.int32).max
+
+
+@functools.lru_cache(maxsize=None)
+def _loop(tile_scores: Callable, tile: int, n_pools: int, select_k: int):
+    """``(cond, body)`` of the ``while_loop`` (cached: the same functions for the same
+    statics, so jax's trace caches hit)."""
+
+    def cond(carry):
+        return carry[0] < carry[1]
+
+    def body(carry):
+        t, n_tiles, inv_key, ids, operands = carry
+        start = jnp.minimum(t * tile, n_pools - tile)
+        s = tile_scores(start, *operands)
+        tile_ids = jnp.broadcast_to(start + jnp.arange(tile, dtype=jnp.int32), s.shape)
+        s = jnp.where(tile_ids >= t * tile, s, -jnp.inf)  # the last tile's overlap: seen
+        k_all = jnp.concatenate([inv_key, ~order_key(s)], axis=-1)
+        i_all = jnp.concatenate([ids, tile_ids], axis=-1)
+        k_all, i_all = jax.lax.sort((k_all, i_all), dimension=k_all.ndim - 1, num_keys=2)
+        return t + 1, n_tiles, k_all[..., :select_k], i_all[..., :select_k], operands
+
+    return cond, body
+
+
+def streaming_topk(
+    tile_scores: Callable[..., jax.Array],
+    operands: tuple,
+    n_tiles: jax.Array,
+    *,
+    tile: int,
+    n_pools: int,
+    select_k: int,
+    rows: tuple[int, ...],
+) -> jax.Array:
+    """The ``select_k`` (``K``) best pools of rows whose scores come in tiles.
+
+    Args:
+      tile_scores: ``(start, *operands) -> [*rows, tile]`` float32 scores of pools
+        ``start .. start + tile - 1`` (``-inf`` for a pool that is no candidate). Called
+        for tiles ``t < n_tiles`` only, inside a ``while_loop``; a stable function.
+      operands: the arrays ``tile_scores`` reads.
+      n_tiles: ``[]`` int32 tiles to read (on device), at most ``cdiv(P, tile)``.
+      tile: pools per tile, ``1 <= tile <= P``.
+      n_pools: ``P``, the row length.
+      select_k: pools to keep per row.
+      rows: the leading shape of a score tile (``(B, Q)``).
+
+    Returns:
+      ``[*rows, K]`` int32 pool ids, ascending, ``-1`` after the last.
+    """
+    if not 1 <= tile <= n_pools:
+        raise ValueError(f"tile must be in [1, P={n_pools}], got {tile}")
+    if not 0 <= select_k <= n_pools:
+        raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
+    if select_k == 0:
+        return jnp.zeros(rows + (0,), jnp.int32)
+    cond, body = _loop(tile_scores, tile, n_pools, select_k)
+    # ~key: descending key order as an ascending sort, without overflow at INT_MIN.
+    init = (
+        jnp.zeros((), jnp.int32),
+        jnp.asarray(n_tiles, jnp.int32),
+        jnp.full(rows + (select_k,), ~jnp.int32(NEG_INF_KEY), jnp.int32),
+        jnp.full(rows + (select_k,), _NO_ID, jnp.int32),
+        tuple(operands),
+    )
+    _, _, inv_key, ids, _ = jax.lax.while_loop(cond, body, init)
+    taken = ~inv_key > NEG_INF_KEY
+    ids = jnp.sort(jnp.where(taken, ids, _NO_ID), axis=-1)
+    return jnp.where(ids == _NO_ID, -1, ids)
