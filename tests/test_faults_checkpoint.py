@@ -530,29 +530,43 @@ def test_interrupted_first_save_leaves_nothing_loadable(base, tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-def _convert_cmd(src: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "glm5_dsa_jax.cli", "convert", str(src), str(out), "--overwrite",
-            "--no-progress", "--dtype", "float32"]
+def _convert_cmd(src: Path, out: Path, *, sigint_while_loading: bool = False) -> list[str]:
+    args = ["convert", str(src), str(out), "--overwrite", "--no-progress", "--dtype", "float32"]
+    if not sigint_while_loading:
+        return [sys.executable, "-m", "glm5_dsa_jax.cli", *args]
+    # The process sends itself a real SIGINT when it starts materialising the layers, i.e. after
+    # every import and the read of the headers, while it loads. A signal sent from outside after
+    # a fixed sleep could land during an import, where a library's bare ``except:`` may swallow
+    # the KeyboardInterrupt (seen once on the jax 0.12 leg: the convert then finished).
+    hook = ("import os, signal, sys\n"
+            "from glm5_dsa_jax.checkpoint import hf_import\n"
+            "_materialize = hf_import._materialize\n"
+            "def _interrupted(*a, **k):\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return _materialize(*a, **k)\n"
+            "hf_import._materialize = _interrupted\n"
+            "from glm5_dsa_jax.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    return [sys.executable, "-c", hook, *args]
 
 
 def test_sigint_during_convert_keeps_previous_checkpoint(base, saved, tmp_path):
-    """A real Ctrl-C of ``glm5-dsa convert --overwrite``: once while it loads (early) and once
-    while it writes (its partial sibling directory exists). The old checkpoint survives both."""
+    """A real Ctrl-C of ``glm5-dsa convert --overwrite``: once while it loads (early; the process
+    signals itself as materialising starts) and once while it writes (sent from here once its
+    partial sibling directory exists). The old checkpoint survives both."""
     d = _clone(saved, tmp_path)
     src = _hf_dir(tmp_path / "hf_new", _tensors(_layers(21)))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                XLA_FLAGS="", JAX_PLATFORMS="cpu")
     for when in ("early", "writing"):
-        p = subprocess.Popen(_convert_cmd(src, d), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(_convert_cmd(src, d, sigint_while_loading=when == "early"), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.time() + 240
-        if when == "early":
-            time.sleep(1.0)
-        else:
+        if when == "writing":
             while time.time() < deadline and p.poll() is None and not any(
                     q.name.startswith(".ckpt.partial") for q in tmp_path.iterdir()):
                 time.sleep(0.005)
             assert p.poll() is None, "convert ended before it started writing"
-        if p.poll() is None:
             p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=240)
         if p.returncode == 0:  # finished before the signal landed: then it must be complete
