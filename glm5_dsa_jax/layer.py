@@ -48,49 +48,14 @@ from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
 from glm5_dsa_jax.inputs import check_inputs
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
+from glm5_dsa_jax.param_init import ParamFactory
+from glm5_dsa_jax.paged_cache import PagedCache, check_room, init_paged_cache
+from glm5_dsa_jax.paged_step import paged_call
 from glm5_dsa_jax.parallel import place_inputs, replicate, replicated_call, sharded_sparse_mla
 from glm5_dsa_jax.weights import hf_to_params
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
            "float32_params", "clear_float32_copies"]
-
-def _mesh_has(axis: str | None) -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return axis is not None and not mesh.empty and axis in mesh.axis_names
-
-
-class _ParamFactory:
-    """Makes the ``nnx.Param`` of a ``layout.Param`` row, with ``out_sharding`` metadata.
-
-    The shape, initialiser and head axis come from the layout table. The metadata is kept
-    even with no mesh in context (eager sharding is then switched off for the creation),
-    so ``shard_layer`` or a user's ``nnx.get_partition_spec`` can place the parameters later.
-    """
-
-    def __init__(self, cfg: DsaConfig, rngs: nnx.Rngs, param_dtype, tp_axis: str | None):
-        self.cfg, self.rngs, self.param_dtype, self.tp_axis = cfg, rngs, param_dtype, tp_axis
-
-    def __call__(self, p: layout.Param) -> nnx.Param:
-        shape = p.shape(self.cfg)
-        if p.init == "ones":
-            value = jnp.ones(shape, self.param_dtype)
-        elif p.init == "zeros":
-            value = jnp.zeros(shape, self.param_dtype)
-        else:
-            std = p.init_std(self.cfg)
-            value = (jax.random.normal(self.rngs.params(), shape, jnp.float32) * std).astype(self.param_dtype)
-        spec = p.spec(self.tp_axis)
-        if _mesh_has(self.tp_axis):
-            return nnx.Param(value, out_sharding=spec)
-        with nnx.use_eager_sharding(False):
-            return nnx.Param(value, out_sharding=spec)
-
-    def create(self, module: nnx.Module, tensors) -> None:
-        """Set ``module.<name>`` for every parameter of ``tensors`` (table order: the order
-        the random inits are drawn in)."""
-        for _, p in layout.iter_params(tensors):
-            setattr(module, p.path[-1], self(p))
-
 
 @functools.lru_cache(maxsize=None)
 def _tile_scorer(tile: int, kpool: int, dtype):
@@ -116,7 +81,7 @@ class DsaIndexer(nnx.Module):
     """
 
     def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
-        _ParamFactory(cfg, rngs, param_dtype, tp_axis).create(
+        ParamFactory(cfg, rngs, param_dtype, tp_axis).create(
             self, [t for t in layout.TENSORS if t.indexer])
         self.eps = cfg.index_norm_eps
         self.index_heads = cfg.index_n_heads
@@ -218,7 +183,7 @@ class DsaAttention(nnx.Module):
         self.wide = False
         # The attention's own tensors (the indexer's are DsaIndexer's); without
         # attention_bias the bias attributes are None.
-        _ParamFactory(cfg, rngs, param_dtype, tp_axis).create(self, layout.layer_tensors(cfg, indexer=False))
+        ParamFactory(cfg, rngs, param_dtype, tp_axis).create(self, layout.layer_tensors(cfg, indexer=False))
         for t in layout.TENSORS:
             if t.bias and not cfg.attention_bias:
                 setattr(self, t.params[0].path[-1], None)
@@ -278,6 +243,18 @@ class DsaAttention(nnx.Module):
         )
         return replicate(cache, self.mesh)
 
+    def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
+                         pages_per_seq: int | None = None) -> PagedCache:
+        """An empty paged cache (``glm5_dsa_jax.paged_cache``): ``num_pages`` pages of
+        ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
+        sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
+        defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed."""
+        cache = init_paged_cache(
+            self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
+            has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
+        )
+        return replicate(cache, self.mesh)
+
     # ------------------------------------------------------------------ forward
     def check_inputs(self, hidden_states, attention_mask=None, prev_topk=None, *, start=None):
         """``(x, mask, prev_topk)`` after checking every input of a call (see
@@ -295,6 +272,14 @@ class DsaAttention(nnx.Module):
         cache: DsaCache | None = None,
         prev_topk: jax.Array | None = None,
     ):
+        if isinstance(cache, PagedCache):
+            # Positions are per sequence: a prev_topk is checked causal inside the step.
+            x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk)
+            cache.check(self.cfg, self.has_indexer, x.shape[0])
+            if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
+                check_room(cache, mask)
+            x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
+            return paged_call(self, x, mask, cache, prev_topk)
         start = 0 if cache is None else cache.length
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)

@@ -1,0 +1,375 @@
+"""The paged decode state of one layer: page pools shared by every sequence, read through
+block tables (vLLM's and SGLang's layout), and the writes a step makes into them.
+
+Each row ``b`` of a step is its own sequence, with its own length. Its tokens live in
+pages of ``page_size`` tokens taken from one pool that every sequence shares; the page
+bookkeeping (block tables, lengths, the free-page stack, all-or-nothing reservation and
+release) is ``glm5_dsa_jax.pages.PageTable``.
+
+Invariants:
+
+* **Positions are per sequence, from 0, with no holes.** A step appends row ``b``'s valid
+  chunk tokens (its mask, anywhere in the chunk, in chunk order) at positions
+  ``lengths[b], lengths[b] + 1, ...``; a masked-out entry consumes nothing. So a
+  sequence's token ``t`` is the ``t``-th token it was given, its pool grid starts at 0
+  (``first_key`` is 0) and every slot below ``lengths[b]`` is valid: no per-token validity
+  byte, no ``first_key`` / ``n_valid`` per row (the contiguous cache needs them for left
+  padding). Token ids in a top-k row are these positions.
+* **Where a token lives.** Token ``t`` of sequence ``b`` is row ``t % page_size`` of page
+  ``block_table[b, t // page_size]`` of ``latent_store [N, page_size, C]``. Pooled keys
+  page with their tokens (``page_size`` is a multiple of ``KP``): pool ``p`` is row
+  ``p % PPP`` of page ``block_table[b, p // PPP]`` of ``pooled_store [N, PPP, D]``, ``PPP =
+  page_size // KP``. A page therefore holds its tokens' latent rows *and* their pooled keys,
+  and one reservation serves both pools.
+* **The incomplete pool** (the last ``lengths[b] % KP`` tokens) is staged per sequence:
+  ``stage_keys`` / ``stage_gate [max_seqs, KP, D]`` hold the keys and gate logits of
+  positions ``lengths[b] - KP .. lengths[b] - 1`` (right-aligned; negative positions are
+  empty). A pool is pooled once, when its last token arrives, like the contiguous cache.
+* **A row that cannot get its pages writes nothing** (``status[b]`` says why: ``pages.OK``,
+  ``NO_FREE_PAGES``, ``TOO_LONG``); its outputs are zeros and its top-k ``-1``. Rows take
+  pages in row order, so a failure never takes or touches another sequence's pages.
+  Eager calls and ``PagedDecoder`` raise ``ValueError`` first (``check_room``).
+* Shapes never depend on lengths or on which sequences are live: one compiled step serves
+  every step, join and release.
+
+Bytes per token of capacity (``N * page_size`` tokens) at GLM-5.3-Flash dims in bf16: 1,024
+latent + 64 pooled keys, plus the block table (4 bytes per page per sequence, i.e.
+``4 * max_seqs / page_size`` per token when every sequence may take every page) and the
+per-sequence stage: 1,088.6 at 8 sequences over 4,096-token pages... see
+``bytes_per_token``. 16-bit pools are stored as bits on a CPU, like the contiguous cache
+(``cache.store_dtype``): XLA:CPU scatters a ``uint16`` buffer in place but converts a bf16
+one to float32 and back around every write.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from glm5_dsa_jax.cache import check_cache_dtype, from_store, store_dtype, to_store
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.pages import NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
+
+__all__ = [
+    "PagedCache", "init_paged_cache", "check_room", "chunk_positions", "token_slots",
+    "write_latent", "paged_pool_window", "store_paged_pools", "paged_tile_scores", "paged_tail",
+]
+
+
+@struct.dataclass
+class PagedCache:
+    """Paged decode state of one DSA layer (a pytree); shapes in the field comments
+    (``N`` pages, ``PPP = page_size // KP``, "stored" as in ``cache.store_dtype``)."""
+
+    pages: PageTable  # block tables [max_seqs, PG], lengths [max_seqs], free pages
+    latent_store: jax.Array  # [N, page_size, kv_lora_rank], stored
+    status: jax.Array  # [max_seqs] int32, of the last step (pages.OK / NO_FREE_PAGES / TOO_LONG)
+    pooled_store: jax.Array | None = None  # [N, PPP, index_head_dim], stored
+    stage_keys: jax.Array | None = None  # [max_seqs, KP, index_head_dim], cache dtype
+    stage_gate: jax.Array | None = None  # [max_seqs, KP, index_head_dim] float32
+    dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def max_seqs(self) -> int:
+        return self.pages.max_seqs
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.latent_store.shape[0]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.pages.pages_per_seq
+
+    @property
+    def max_length(self) -> int:
+        """Most tokens one sequence can hold (``pages_per_seq * page_size``)."""
+        return self.pages.max_length
+
+    @property
+    def max_pools(self) -> int:
+        """Most pools one sequence can hold."""
+        return self.pages_per_seq * self.pools_per_page
+
+    @property
+    def pools_per_page(self) -> int:
+        return 0 if self.pooled_store is None else self.pooled_store.shape[1]
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.pooled_store is not None
+
+    @property
+    def lengths(self) -> jax.Array:
+        """``[max_seqs]`` int32 tokens each sequence holds."""
+        return self.pages.lengths
+
+    @property
+    def block_table(self) -> jax.Array:
+        return self.pages.block_table
+
+    @property
+    def latent_pool(self) -> jax.Array:
+        """``[N * page_size, C]`` every page's latent rows, in the cache ``dtype``."""
+        lat = self.latent_store
+        return from_store(lat.reshape(-1, lat.shape[-1]), self.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes held on devices by this cache (pools, block tables, free stack, stage)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+    def bytes_per_token(self) -> float:
+        """``nbytes()`` per token of capacity (``N * page_size``)."""
+        return self.nbytes() / (self.num_pages * self.page_size)
+
+    # ------------------------------------------------------------------ checks
+    def check(self, cfg: DsaConfig, has_indexer: bool, max_seqs: int, dtype=None) -> None:
+        """Raise ``ValueError`` unless this cache was made for ``cfg``, a layer with (or
+        without) an indexer, ``max_seqs`` rows and (when given) ``dtype``; the difference is
+        named. Concrete block tables are checked in range too."""
+        lat = self.latent_store
+        if lat.ndim != 3 or lat.shape[2] != cfg.kv_cache_dim:
+            raise ValueError(
+                f"paged cache latent pages are {tuple(lat.shape)}; this layer needs "
+                f"[N, page_size, kv_lora_rank={cfg.kv_cache_dim}] (a cache made for another config?)")
+        if self.max_seqs != max_seqs:
+            raise ValueError(
+                f"paged cache has {self.max_seqs} sequence rows but the input has B={max_seqs} "
+                "rows: row b of the input is sequence b, so B must equal max_seqs")
+        if dtype is not None and jnp.dtype(dtype) != self.dtype:
+            raise ValueError(f"paged cache dtype is {self.dtype.name}, expected {jnp.dtype(dtype).name}")
+        if self.has_indexer != has_indexer:
+            what = "a full-indexer" if has_indexer else "a shared-indexer"
+            raise ValueError(
+                f"paged cache {'has' if self.has_indexer else 'lacks'} indexer state, but this "
+                f"is {what} layer: make the cache with this layer's init_paged_cache")
+        if has_indexer:
+            kp, d = cfg.index_kpool, cfg.index_head_dim
+            want = (self.num_pages, self.page_size // kp, d)
+            if tuple(self.pooled_store.shape) != want or self.stage_keys.shape != (max_seqs, kp, d):
+                raise ValueError(
+                    f"paged cache indexer state has pooled pages {tuple(self.pooled_store.shape)} "
+                    f"and stage {tuple(self.stage_keys.shape)}; this layer needs pooled "
+                    f"{want} (index_kpool={kp}, index_head_dim={d}) and stage {(max_seqs, kp, d)}")
+        table = self.pages.block_table
+        if not isinstance(table, jax.core.Tracer):
+            t = np.asarray(table)
+            bad = (t < -1) | (t >= self.num_pages)
+            if bad.any():
+                b, j = (int(v[0]) for v in np.nonzero(bad))
+                raise ValueError(
+                    f"paged cache block_table[{b}, {j}] = {int(t[b, j])} is out of range: page "
+                    f"ids are 0 .. {self.num_pages - 1}, or -1 for none")
+
+    # ------------------------------------------------------------------ sequences
+    def release(self, rows) -> "PagedCache":
+        """Return the pages of every sequence where ``rows`` (``[max_seqs]`` bool) to the
+        free pool; those rows then start a new sequence at position 0. A row that holds
+        nothing is a no-op. Usable inside jit (no shape changes, no recompilation)."""
+        rows = jnp.asarray(rows, bool)
+        if rows.shape != (self.max_seqs,):
+            raise ValueError(f"release rows must be a [max_seqs={self.max_seqs}] bool mask, "
+                             f"got shape {tuple(rows.shape)}")
+        upd = dict(pages=self.pages.release(rows), status=jnp.where(rows, OK, self.status))
+        if self.has_indexer:
+            upd.update(stage_keys=jnp.where(rows[:, None, None], 0, self.stage_keys).astype(self.stage_keys.dtype),
+                       stage_gate=jnp.where(rows[:, None, None], 0.0, self.stage_gate))
+        return self.replace(**upd)
+
+
+def init_paged_cache(
+    cfg: DsaConfig,
+    max_seqs: int,
+    num_pages: int,
+    page_size: int = 64,
+    *,
+    pages_per_seq: int | None = None,
+    has_indexer: bool = True,
+    dtype=jnp.bfloat16,
+) -> PagedCache:
+    """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
+    ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
+    ``pages_per_seq``: every page, capped at ``max_position_embeddings``).
+
+    ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
+    ``dtype`` one of ``cache.CACHE_DTYPES``; anything else raises ``ValueError``.
+    """
+    dtype = check_cache_dtype(dtype)
+    kp = cfg.index_kpool
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % kp:
+        raise ValueError(f"page_size must be a positive multiple of index_kpool={kp} (a page "
+                         f"holds whole pools), got {page_size!r}")
+    if pages_per_seq is None and isinstance(num_pages, int):
+        pages_per_seq = max(1, min(num_pages, cfg.max_position_embeddings // page_size))
+    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq)
+    if table.max_length > cfg.max_position_embeddings:
+        raise ValueError(f"pages_per_seq * page_size = {table.max_length} exceeds "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    st = store_dtype(dtype)
+    base = dict(
+        pages=table,
+        latent_store=jnp.zeros((num_pages, page_size, cfg.kv_cache_dim), st),
+        status=jnp.zeros((max_seqs,), jnp.int32),
+        dtype=dtype,
+    )
+    if not has_indexer:
+        return PagedCache(**base)
+    d = cfg.index_head_dim
+    return PagedCache(
+        **base,
+        pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
+        stage_keys=jnp.zeros((max_seqs, kp, d), dtype),
+        stage_gate=jnp.zeros((max_seqs, kp, d), jnp.float32),
+    )
+
+
+def check_room(cache: PagedCache, mask) -> None:
+    """Raise ``ValueError`` naming each sequence whose valid tokens in ``mask [max_seqs, S]``
+    do not fit (too few free pages after the rows before it, or past ``max_length``);
+    nothing is written. Needs concrete values (an eager call, ``PagedDecoder``)."""
+    n_new = jnp.asarray(mask, bool).sum(axis=1, dtype=jnp.int32)
+    _, status = cache.pages.reserve(n_new)
+    status, n_new = np.asarray(status), np.asarray(n_new)
+    if (status == OK).all():
+        return
+    lengths = np.asarray(cache.pages.lengths)
+    table = np.asarray(cache.pages.block_table)
+    n_free, ps = int(cache.pages.n_free), cache.page_size
+    problems, left = [], n_free
+    for b in range(cache.max_seqs):
+        have = -(-int(lengths[b]) // ps)
+        need = -(-(int(lengths[b]) + int(n_new[b])) // ps) - have
+        if status[b] == TOO_LONG:
+            problems.append(
+                f"sequence {b} would hold {int(lengths[b]) + int(n_new[b])} tokens, more than "
+                f"pages_per_seq * page_size = {cache.max_length} (over by "
+                f"{int(lengths[b]) + int(n_new[b]) - cache.max_length})")
+        elif status[b] == NO_FREE_PAGES:
+            problems.append(f"sequence {b} needs {need} more page(s) of {ps} tokens but only {left} "
+                            f"are free after the rows before it (short by {need - left})")
+        else:
+            left -= max(need, 0)
+    del table
+    raise ValueError("chunk does not fit the paged cache; nothing was written: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------- chunk -> slots
+def chunk_positions(lengths: jax.Array, mask: jax.Array) -> jax.Array:
+    """``[B, S]`` int32 position of each valid chunk token within its sequence (valid
+    tokens in chunk order from ``lengths[b]``), ``-1`` for a masked-out entry."""
+    return jnp.where(mask, lengths[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, -1)
+
+
+def token_slots(block_table: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """``[B, ...]`` flat slot (``page * page_size + row``) in the latent pool of each
+    position of ``positions [B, ...]``; ``-1`` for a position < 0 or on no page."""
+    b = positions.shape[0]
+    flat = positions.reshape(b, -1)
+    j = jnp.clip(flat // page_size, 0, block_table.shape[1] - 1)
+    page = jnp.take_along_axis(block_table, j, axis=1)
+    slot = page * page_size + flat % page_size
+    return jnp.where((flat >= 0) & (page >= 0), slot, -1).reshape(positions.shape)
+
+
+def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """``store [N, R, X]`` with ``rows [..., X]`` written at flat row ``slots [...]``
+    (``-1``: dropped). A scatter on the donated buffer: in place (a ``uint16`` buffer on a
+    CPU, see the module doc), so a step costs what it writes."""
+    n, r, x = store.shape
+    flat = store.reshape(n * r, x)
+    idx = jnp.where(slots >= 0, slots, n * r).reshape(-1)
+    flat = flat.at[idx].set(rows.reshape(-1, x).astype(store.dtype), mode="drop")
+    return flat.reshape(n, r, x)
+
+
+def write_latent(cache: PagedCache, latent: jax.Array, positions: jax.Array) -> PagedCache:
+    """The chunk's latent rows ``[B, S, C]`` written at their positions (``-1``: not
+    written), through the (already reserved) block table."""
+    slots = token_slots(cache.pages.block_table, positions, cache.page_size)
+    rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
+    return cache.replace(latent_store=_scatter_rows(cache.latent_store, rows, slots))
+
+
+# ---------------------------------------------------------------------------- pooled keys
+def _compact(a: jax.Array, order: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
+
+
+def paged_pool_window(cache: PagedCache, old_lengths, keys, gate, mask):
+    """The window ``kpool_compress`` pools for a chunk: each row's stage (positions
+    ``old - KP .. old - 1``) then its valid chunk tokens moved to the front (positions
+    ``old ..``). Returns ``(keys [B, KP+S, D], gate, valid [B, KP+S], first_pool [B])``:
+    ``first_pool = KP - old % KP`` is the window offset of the pool holding position
+    ``old - old % KP`` (the sequence's pool grid starts at 0)."""
+    kp = cache.stage_keys.shape[1]
+    order = jnp.argsort(~mask, axis=1, stable=True)  # valid entries first, in chunk order
+    n_new = mask.sum(axis=1, dtype=jnp.int32)
+    s = mask.shape[1]
+    win_keys = jnp.concatenate([cache.stage_keys, _compact(keys, order).astype(cache.stage_keys.dtype)], 1)
+    win_gate = jnp.concatenate([cache.stage_gate, _compact(gate, order).astype(jnp.float32)], 1)
+    i = jnp.arange(kp + s, dtype=jnp.int32)[None]
+    valid = jnp.where(i < kp, old_lengths[:, None] - kp + i >= 0, i - kp < n_new[:, None])
+    first_pool = (kp - old_lengths % kp).astype(jnp.int32)
+    return win_keys, win_gate, valid, first_pool
+
+
+def store_paged_pools(cache: PagedCache, old_lengths, window, pooled, pooled_valid, n_new) -> PagedCache:
+    """Write the pools of the window that complete in this chunk (their last token is at a
+    position below the new length) into their pages, once, and keep each row's last
+    ``KP`` window entries (positions ``new - KP .. new - 1``) as its new stage.
+
+    ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
+    ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``."""
+    win_keys, win_gate, _, _ = window
+    kp = cache.stage_keys.shape[1]
+    ppp = cache.pools_per_page
+    new_len = old_lengths + n_new
+    pool_id = old_lengths[:, None] // kp + jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
+    new = ((pool_id + 1) * kp <= new_len[:, None]) & pooled_valid
+    j = jnp.clip(pool_id // ppp, 0, cache.pages_per_seq - 1)
+    page = jnp.take_along_axis(cache.pages.block_table, j, axis=1)
+    slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
+    rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
+    take = n_new[:, None] + jnp.arange(kp, dtype=jnp.int32)[None]
+    return cache.replace(
+        pooled_store=_scatter_rows(cache.pooled_store, rows, slots),
+        stage_keys=_compact(win_keys, take),
+        stage_gate=_compact(win_gate, take),
+    )
+
+
+def paged_tile_scores(start, qi, w, pooled_store, block_table, pool_counts, q_pos, *, tile: int,
+                      ppp: int, kpool: int, dtype, score_fn) -> jax.Array:
+    """``[B, Q, tile]`` float32 scores (``score_fn``: ``index_scores``'s signature) of each
+    sequence's pools ``start .. start + tile - 1``, read through its block table: only the
+    pages of those pools that the sequence owns are read (a ``-1`` entry is filled, not
+    read) and pools at or past ``pool_counts[b]`` are no candidates."""
+    b = block_table.shape[0]
+    n, _, d = pooled_store.shape
+    p = start + jnp.arange(tile, dtype=jnp.int32)
+    page = jnp.take(block_table, p // ppp, axis=1)  # [B, tile]
+    slot = jnp.where(page >= 0, page * ppp + p % ppp, n * ppp)
+    keys = jnp.take(pooled_store.reshape(n * ppp, d), slot.reshape(-1), axis=0, mode="fill", fill_value=0)
+    keys = from_store(keys.reshape(b, tile, d), dtype)
+    valid = (page >= 0) & (p[None] < pool_counts[:, None])
+    first_key = jnp.full((b,), start * kpool, jnp.int32)
+    return score_fn(qi, w, keys, valid, first_key, q_pos, kpool=kpool)
+
+
+def paged_tail(q_pos: jax.Array, kpool: int) -> jax.Array:
+    """``[B, Q, KP - 1]`` the tokens of each query's incomplete visible pool (positions
+    ``(q+1) - (q+1) % KP .. q``; ``-1`` where empty or for a padding query): the
+    contiguous cache's ``visible_tail`` for a sequence from position 0 with no holes."""
+    n_vis = q_pos + 1
+    count = n_vis % kpool
+    off = jnp.arange(kpool - 1, dtype=jnp.int32)
+    ids = (n_vis - count)[..., None] + off
+    ok = (off < count[..., None]) & (q_pos[..., None] >= 0)
+    return jnp.where(ok, ids, -1).astype(jnp.int32)

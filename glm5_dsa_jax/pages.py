@@ -1,0 +1,183 @@
+"""Page bookkeeping of a paged decode cache: block tables, lengths and the free pages.
+
+A paged cache stores every sequence's tokens in fixed-size pages drawn from one pool
+shared by all sequences (vLLM's and SGLang's layout). This module holds only the
+bookkeeping, as a pytree of small int32 arrays, so it can run inside a jitted step; the
+page pools themselves (latent rows, pooled indexer keys) live with the cache.
+
+Invariants (each function keeps them; ``check`` verifies them on concrete values):
+
+* ``block_table[b, j]`` is the page holding tokens ``[j * page_size, (j + 1) * page_size)``
+  of sequence ``b``, or ``-1``; the first ``pages_needed(lengths[b])`` entries of a row
+  are pages and the rest are ``-1``.
+* Every page is either owned by exactly one (row, slot) of the block table or on the free
+  stack ``free[:n_free]``, never both, never twice. ``free[n_free:]`` is unspecified.
+* ``lengths[b]`` is the number of tokens sequence ``b`` holds (its next position).
+
+Why a stack: taking ``n`` pages is a slice of its top and returning them a write of the
+top, both without a data-dependent shape, so one compiled step serves every step whatever
+sequences join or leave. Why rows take pages in row order, each all or nothing: a row
+that cannot get all the pages its chunk needs gets none and writes nothing (``status``
+says why), so a failure never takes pages from, or writes into, another sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+__all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "STATUS_NAMES"]
+
+#: ``status`` values of ``PageTable.reserve``, one per row.
+OK, NO_FREE_PAGES, TOO_LONG = 0, 1, 2
+STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size"}
+
+
+@struct.dataclass
+class PageTable:
+    """Block tables, lengths and free pages of ``max_seqs`` sequences (a pytree)."""
+
+    block_table: jax.Array  # [max_seqs, pages_per_seq] int32, -1 = no page
+    lengths: jax.Array  # [max_seqs] int32, tokens held
+    free: jax.Array  # [num_pages] int32, free page ids in free[:n_free]
+    n_free: jax.Array  # [] int32
+    page_size: int = struct.field(pytree_node=False, default=64)
+
+    @property
+    def max_seqs(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.block_table.shape[1]
+
+    @property
+    def num_pages(self) -> int:
+        return self.free.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        """Most tokens one sequence can hold."""
+        return self.pages_per_seq * self.page_size
+
+    def pages_needed(self, lengths: jax.Array) -> jax.Array:
+        """Pages that hold ``lengths`` tokens."""
+        return (lengths + self.page_size - 1) // self.page_size
+
+    def reserve(self, n_new: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Make room for ``n_new[b]`` more tokens in each row: ``(table, status)``.
+
+        Rows take pages from the top of the free stack in row order. A row whose new
+        length passes ``max_length`` (``TOO_LONG``) or whose pages are not all free after
+        the rows before it took theirs (``NO_FREE_PAGES``) takes nothing and keeps its
+        length; every other row's length grows by ``n_new[b]``. ``status`` is ``[max_seqs]``
+        int32. Positions of the new tokens are ``old lengths[b] + 0 .. n_new[b] - 1``.
+        """
+        n_new = jnp.asarray(n_new, jnp.int32)
+        have = self.pages_needed(self.lengths)
+        new_len = self.lengths + n_new
+        too_long = new_len > self.max_length
+        need = jnp.where(too_long, 0, self.pages_needed(new_len) - have)
+
+        def take(left, x):
+            need_b, bad_b = x
+            ok_b = ~bad_b & (need_b <= left)
+            return left - jnp.where(ok_b, need_b, 0), ok_b
+
+        left, ok = jax.lax.scan(take, self.n_free, (need, too_long))
+        status = jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, NO_FREE_PAGES)).astype(jnp.int32)
+        got = jnp.where(ok, need, 0)
+        # Pages are popped one by one from the top: the k-th new page of row b is stack
+        # entry n_free - 1 - (pages taken by the rows before b) - k.
+        start = jnp.cumsum(got) - got
+        j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
+        k = j - have[:, None]  # k-th new page of the row
+        fresh = (k >= 0) & (k < got[:, None])
+        src = self.n_free - 1 - start[:, None] - k
+        page = jnp.take(self.free, jnp.clip(src, 0, self.num_pages - 1))
+        table = jnp.where(fresh, page, self.block_table)
+        lengths = jnp.where(ok, new_len, self.lengths)
+        return self.replace(block_table=table, lengths=lengths, n_free=left), status
+
+    def release(self, rows: jax.Array) -> "PageTable":
+        """Return the pages of every row where ``rows`` (``[max_seqs]`` bool) to the free
+        stack; those rows then hold nothing (length 0, no pages). A row that holds
+        nothing is a no-op. Usable inside jit."""
+        rows = jnp.asarray(rows, bool)
+        owned = rows[:, None] & (self.block_table >= 0)
+        flat = owned.reshape(-1)
+        pos = self.n_free + jnp.cumsum(flat) - 1  # stack slot of each returned page
+        pos = jnp.where(flat, pos, self.num_pages)  # others: dropped
+        free = self.free.at[pos].set(self.block_table.reshape(-1), mode="drop")
+        return self.replace(
+            block_table=jnp.where(rows[:, None], -1, self.block_table),
+            lengths=jnp.where(rows, 0, self.lengths),
+            free=free,
+            n_free=self.n_free + flat.sum(dtype=jnp.int32),
+        )
+
+    def token_slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(page, offset)`` of each position of ``positions [max_seqs, ...]`` (``-1`` ->
+        page ``-1``)."""
+        j = jnp.clip(positions // self.page_size, 0, self.pages_per_seq - 1)
+        page = jnp.take_along_axis(self.block_table, j.reshape(j.shape[0], -1), axis=1).reshape(j.shape)
+        page = jnp.where(positions >= 0, page, -1)
+        return page, positions % self.page_size
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless the invariants of the module doc hold (concrete
+        values only; for tests, debugging and tables handed in by a user)."""
+        table, lengths = np.asarray(self.block_table), np.asarray(self.lengths)
+        free, n_free = np.asarray(self.free), int(self.n_free)
+        if not 0 <= n_free <= self.num_pages:
+            raise ValueError(f"n_free = {n_free} outside [0, num_pages={self.num_pages}]")
+        if ((table < -1) | (table >= self.num_pages)).any():
+            b, j = (int(v[0]) for v in np.nonzero((table < -1) | (table >= self.num_pages)))
+            raise ValueError(
+                f"block_table[{b}, {j}] = {int(table[b, j])} is out of range: page ids are "
+                f"0 .. {self.num_pages - 1}, or -1 for none"
+            )
+        if ((lengths < 0) | (lengths > self.max_length)).any():
+            b = int(np.nonzero((lengths < 0) | (lengths > self.max_length))[0][0])
+            raise ValueError(f"lengths[{b}] = {int(lengths[b])} outside [0, {self.max_length}]")
+        need = -(-lengths // self.page_size)
+        for b in range(self.max_seqs):
+            row = table[b]
+            if (row[: need[b]] < 0).any() or (row[need[b]:] >= 0).any():
+                raise ValueError(
+                    f"block_table row {b} holds {int((row >= 0).sum())} pages for length "
+                    f"{int(lengths[b])}: it needs exactly its first {int(need[b])} entries set"
+                )
+        used = np.concatenate([table[table >= 0], free[:n_free]])
+        if used.size != self.num_pages or np.unique(used).size != self.num_pages:
+            counts = np.bincount(used, minlength=self.num_pages)
+            lost, twice = np.nonzero(counts == 0)[0], np.nonzero(counts > 1)[0]
+            raise ValueError(
+                f"pages lost {lost[:5].tolist()} or held twice {twice[:5].tolist()}: every page "
+                "must be in exactly one block-table entry or on the free stack"
+            )
+
+
+def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
+                    pages_per_seq: int | None = None) -> PageTable:
+    """An empty table: every page free, every sequence empty.
+
+    ``pages_per_seq`` (default: all of ``num_pages``) bounds one sequence's length at
+    ``pages_per_seq * page_size`` tokens.
+    """
+    for name, v in (("max_seqs", max_seqs), ("num_pages", num_pages), ("page_size", page_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    pages_per_seq = num_pages if pages_per_seq is None else pages_per_seq
+    if not isinstance(pages_per_seq, int) or isinstance(pages_per_seq, bool) or pages_per_seq <= 0:
+        raise ValueError(f"pages_per_seq must be a positive int, got {pages_per_seq!r}")
+    return PageTable(
+        block_table=jnp.full((max_seqs, pages_per_seq), -1, jnp.int32),
+        lengths=jnp.zeros((max_seqs,), jnp.int32),
+        # Popped from the top: pages are handed out 0, 1, 2, ... on a fresh table.
+        free=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        n_free=jnp.asarray(num_pages, jnp.int32),
+        page_size=page_size,
+    )
