@@ -7,6 +7,8 @@ Public API (see README.md)::
     layer = gd.DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation="xla")
     layer.load_hf_weights({...})
     out, topk = layer(hidden_states, attention_mask=mask)
+    paged = layer.init_paged_cache(max_seqs=8, num_pages=1024)   # serving: a sequence per row
+    out, topk, paged = layer(x, attention_mask=mask, cache=paged)
 """
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
@@ -14,6 +16,8 @@ from glm5_dsa_jax.checkpoint import (
     CheckpointError, load_hf_checkpoint, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
+from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder, make_step
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.plan import TpPlan, partition_specs
 from glm5_dsa_jax.sharding import shard_layer
@@ -24,7 +28,8 @@ from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "restore_checkpoint", "save_checkpoint",
-    "DsaCache", "init_cache", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
+    "DsaCache", "init_cache", "PagedCache", "init_paged_cache", "DsaDecoder", "PagedDecoder",
+    "make_step", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
     "hf_weight_shapes", "float32_params", "clear_float32_copies",
     "TpPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
 ]

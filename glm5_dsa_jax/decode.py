@@ -17,6 +17,11 @@ Invariants:
   cache is refused before anything is launched or donated: the cache is left exactly as
   it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
   dropped and ``length`` does not move.)
+* ``PagedDecoder`` does the same for a paged cache: before the step, the pages every row's
+  chunk needs are reserved on a copy (``paged_cache.check_room``) and a shortfall raises
+  ``ValueError`` naming the sequence; inside a step a row that does not fit writes nothing
+  and ``cache.status`` says why. Sequences join (a row's next valid tokens start a new
+  sequence after ``release``) and leave without recompiling: ``release`` is jitted once.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from flax import nnx
 from glm5_dsa_jax.cache import DsaCache
 from glm5_dsa_jax.float32_copies import float32_params
 from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.paged_cache import PagedCache, check_room
 
-__all__ = ["make_step", "DsaDecoder"]
+__all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
 
 
 def make_step(layer: DsaAttention, *, donate: bool = True):
@@ -124,3 +130,57 @@ class DsaDecoder:
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         self.length += s
         return out, topk
+
+
+def _release(cache: PagedCache, rows):
+    return cache.release(rows)
+
+
+class PagedDecoder:
+    """A layer, its paged cache and its compiled step: many sequences of their own lengths,
+    joining and leaving.
+
+    >>> dec = PagedDecoder(layer, max_seqs=8, num_pages=4096)   # 64-token pages
+    >>> out, topk = dec(x, mask)     # x [8, S, hidden]: row b's valid tokens extend sequence b
+    >>> dec.release(done)            # done [8] bool: those sequences give their pages back
+
+    Every decode step (``S = 1``) runs one compiled program whatever the lengths and
+    whichever sequences are live; each distinct chunk length compiles once more. ``topk``
+    holds positions within each row's own sequence.
+    """
+
+    def __init__(self, layer: DsaAttention, max_seqs: int, num_pages: int, page_size: int = 64, *,
+                 cache_dtype=None, pages_per_seq: int | None = None):
+        self.layer = layer
+        self.step, self.params = make_step(layer)
+        self.cache = layer.init_paged_cache(max_seqs, num_pages, page_size, cache_dtype,
+                                            pages_per_seq=pages_per_seq)
+        self._release = jax.jit(_release, donate_argnums=0)
+
+    @property
+    def lengths(self):
+        """``[max_seqs]`` tokens each sequence holds (host numpy)."""
+        return jax.device_get(self.cache.lengths)
+
+    def __call__(self, hidden, mask=None, prev_topk=None):
+        hidden = jnp.asarray(hidden)
+        if hidden.ndim != 3:
+            raise ValueError(f"hidden must be [B, S, hidden], got shape {tuple(hidden.shape)}")
+        b, s = hidden.shape[:2]
+        if mask is None:
+            mask = jnp.ones((b, s), bool)
+        # Checks that need concrete values run eagerly, before donation.
+        x, mask, prev_topk = self.layer.check_inputs(hidden, mask, prev_topk)
+        self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
+        check_room(self.cache, mask)
+        out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
+        return out, topk
+
+    def release(self, rows) -> None:
+        """End the sequences where ``rows`` (``[max_seqs]`` bool): their pages return to the
+        pool and those rows start new sequences at position 0."""
+        rows = jnp.asarray(rows, bool)
+        if rows.shape != (self.cache.max_seqs,):
+            raise ValueError(f"rows must be a [max_seqs={self.cache.max_seqs}] bool mask, got "
+                             f"shape {tuple(rows.shape)}")
+        self.cache = self._release(self.cache, rows)

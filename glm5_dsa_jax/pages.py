@@ -35,6 +35,14 @@ OK, NO_FREE_PAGES, TOO_LONG = 0, 1, 2
 STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size"}
 
 
+def _take_pages(left, row):
+    """One row's turn of ``reserve``: it takes its pages if they are all free. Module
+    level, so jax's trace cache hits and an eager step compiles no new ``scan``."""
+    need_b, bad_b = row
+    ok_b = ~bad_b & (need_b <= left)
+    return left - jnp.where(ok_b, need_b, 0), ok_b
+
+
 @struct.dataclass
 class PageTable:
     """Block tables, lengths and free pages of ``max_seqs`` sequences (a pytree)."""
@@ -81,12 +89,7 @@ class PageTable:
         too_long = new_len > self.max_length
         need = jnp.where(too_long, 0, self.pages_needed(new_len) - have)
 
-        def take(left, x):
-            need_b, bad_b = x
-            ok_b = ~bad_b & (need_b <= left)
-            return left - jnp.where(ok_b, need_b, 0), ok_b
-
-        left, ok = jax.lax.scan(take, self.n_free, (need, too_long))
+        left, ok = jax.lax.scan(_take_pages, self.n_free, (need, too_long))
         status = jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, NO_FREE_PAGES)).astype(jnp.int32)
         got = jnp.where(ok, need, 0)
         # Pages are popped one by one from the top: the k-th new page of row b is stack
