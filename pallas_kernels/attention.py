@@ -6,6 +6,13 @@ Axis letters as in the package glossary (``pallas_kernels``). Invariants:
   kv_lora_rank``) and keys and values are the same latent rows ``latent[b, id]``, so one
   gather of the ``W`` rows named by ``token_ids`` serves every head. The output is the latent
   attention output ``[B, Q, H, C]``; ``absorb_o`` applies ``W_UV`` and ``o_proj``.
+* ``latent`` is ``[B, L, C]`` (one cache row per sequence) or ``[1, L, C]``, one pool of
+  rows that every batch row reads (``latent[0, id]``): the paged cache's flat latent pool
+  ``[N * page_size, C]``, where ``token_ids`` are then physical slots (``block_table[b, t //
+  page_size] * page_size + t % page_size`` for token ``t`` of sequence ``b``). Which slots a
+  row may read is the caller's business: a row reads exactly the slots it names, so a row
+  naming only its own sequence's slots reads no other sequence's page. A shared pool is
+  never copied per row (the Pallas latent block of every program is batch 0's).
 * ``id < 0`` (and ``id >= L``) is not a token: it is never read and gets no weight.
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
 * Softmax in float32 with scale ``qk_head_dim**-0.5``; the output has ``q_lat``'s dtype.
@@ -62,12 +69,17 @@ def masked_softmax(s, valid):
 
 
 def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """``latent [B, L, C]``, in-range ``token_ids [B, Q, W]`` -> ``[B, Q, W, C]``.
+    """``latent [B, L, C]`` or shared ``[1, L, C]``, in-range ``token_ids [B, Q, W]`` ->
+    ``[B, Q, W, C]``.
 
     16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
     ``[B, L, C]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
+    A shared ``[1, L, C]`` pool is gathered from directly (never broadcast to ``B`` rows).
     """
-    take = jax.vmap(lambda lat, i: lat[i])
+    if latent.shape[0] == 1:
+        take = lambda lat, i: lat[0][i]
+    else:
+        take = jax.vmap(lambda lat, i: lat[i])
     if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize == 2:
         bits = jax.lax.bitcast_convert_type
         return bits(take(bits(latent, jnp.uint16), token_ids), latent.dtype)
@@ -81,8 +93,10 @@ def sparse_mla_reference(
 
     Args:
       q_lat: ``[B, Q, H, C]`` absorbed queries.
-      latent: ``[B, L, C]`` latent cache rows (keys and values at once).
-      token_ids: ``[B, Q, W]`` int32 selected token ids, ``-1`` = none.
+      latent: ``[B, L, C]`` latent cache rows (keys and values at once), or ``[1, L, C]``
+        shared by every batch row (the paged cache's flat pool).
+      token_ids: ``[B, Q, W]`` int32 selected token ids (slots of ``latent``'s ``L``
+        axis), ``-1`` = none.
       scale: softmax scale, ``qk_head_dim**-0.5``.
 
     Returns:
@@ -136,8 +150,11 @@ def sparse_mla(
     check_rank("latent", latent, 3, "[B, L, C]")
     check_rank("token_ids", token_ids, 3, "[B, Q, W]")
     b, nq, _, c = q_lat.shape
-    if latent.shape[0] != b or latent.shape[2] != c:
-        raise ValueError(f"latent must be [B={b}, L, C={c}], got {tuple(latent.shape)}")
+    if latent.shape[0] not in (1, b) or latent.shape[2] != c:
+        raise ValueError(
+            f"latent must be [B={b}, L, C={c}] or shared [1, L, C={c}], "
+            f"got {tuple(latent.shape)}"
+        )
     if token_ids.shape[:2] != (b, nq):
         raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
@@ -232,7 +249,8 @@ def _sparse_mla_kernel(
     ids_ref, q_ref, lat_ref, *out_refs,
     scale, length, width, n_c, block_h, block_w, block_c, num_splits, latent_c,
 ):
-    # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, C] (this row's batch).
+    # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, C] (this row's batch, or
+    # the shared pool).
     split = pl.program_id(1)
     f32 = jnp.float32
 
@@ -409,10 +427,14 @@ def _sparse_mla_pallas(
         _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c,
         block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
     )
+    shared = latent.shape[0] == 1  # one pool for every batch row: always block 0
     in_specs = [
         pl.BlockSpec((None, width), lambda i, s: (i // n_h, 0)),
         pl.BlockSpec((None, block_h, c_pad), lambda i, s: (i // n_h, i % n_h, 0)),
-        pl.BlockSpec((None, length, c), lambda i, s: (i // n_h // nq, 0, 0)),
+        pl.BlockSpec(
+            (None, length, c),
+            (lambda i, s: (0, 0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0, 0)),
+        ),
     ]
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, h_pad, c_pad), q_lat.dtype)
