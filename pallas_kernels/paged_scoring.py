@@ -178,10 +178,9 @@ def index_scores_paged(
 # 3. Per query, ``index_scores``' arithmetic and ``finish_scores`` in-kernel, with the
 #    candidate mask ``loaded & last <= q_pos`` (``last = (pool + 1) * KP - 1``).
 #
-# Offsets: Triton addresses the flat key pool with int32 offsets (``slot * D``), so ``N *
-# PPP * D`` must stay below 2**31 (2**24 pools of 128 channels: 64M tokens in the pool).
-
-_MAX_FLAT_INDEX = 2**31 - 1
+# Offsets: Pallas' Triton lowering addresses a ref with 64-bit offsets once it exceeds 4 GiB
+# (32-bit below, where every element offset of a 16- or 32-bit array fits), so a pool of
+# any size is addressed correctly.
 
 
 def _index_scores_paged_kernel(
@@ -272,11 +271,6 @@ def _index_scores_paged_pallas(
     for name, x in (("q", q), ("pooled_pages", pooled_pages), ("w", w)):
         if x.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
-    if n_slots * dim > _MAX_FLAT_INDEX:
-        raise ValueError(
-            f"pooled_pages holds N*PPP*D = {n_slots * dim} elements; the Pallas kernel "
-            f"addresses it with int32 offsets (at most {_MAX_FLAT_INDEX})"
-        )
     if b == 0 or n_q == 0 or n_pools == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
     if n_slots == 0:  # no page at all: nothing is a candidate

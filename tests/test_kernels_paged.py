@@ -14,13 +14,19 @@
   ``n_live`` set to ``-inf``, on the one-program and the segmented path, with ``n_live``
   ``[B, Q]`` and ``[B]``; pools past ``n_live`` hold the row's largest scores, so reading
   one would change the result.
+* CUDA lowering (no GPU; ``lower_for_cuda`` works on jax 0.10 and >= 0.11) of the three at
+  the GLM-5.3-Flash shapes for a 128K-token capacity in pages of 64 tokens.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import glm5_dsa_jax as gd
+from pallas_kernels._common import lower_for_cuda, triton_calls
 
 import pallas_kernels as pk
 from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla
@@ -237,3 +243,72 @@ def test_topk_n_live_rejects_bad_shapes():
         pk.topk_pools(s, 2, n_live=jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="n_live must be an integer"):
         pk.topk_pools(s, 2, n_live=jnp.zeros((2, 3)))
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA lowering at the GLM-5.3-Flash shapes, 128K-token capacity, pages of 64 tokens
+# ---------------------------------------------------------------------------------------
+
+CFG = gd.DsaConfig.glm53_flash()
+PAGE = 64
+CAPACITY = 131072
+REAL_PPP = PAGE // CFG.index_kpool  # 16 pools a page
+REAL_PG = CAPACITY // PAGE  # 2048 pages a sequence
+REAL_POOLS = REAL_PG * REAL_PPP  # 32768 pools a row
+SDS = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
+                                                                  "prefill-q64"])
+def test_index_scores_paged_lowers_for_cuda(b, nq):
+    hi, d, kp = CFG.index_n_heads, CFG.index_head_dim, CFG.index_kpool
+    lowered = lower_for_cuda(
+        lambda q, w, pages, bt, counts, qp: pk.index_scores_paged(
+            q, w, pages, bt, counts, qp, kpool=kp, implementation="pallas"),
+        SDS((b, nq, hi, d), jnp.bfloat16), SDS((b, nq, hi), jnp.float32),
+        SDS((b * REAL_PG, REAL_PPP, d), jnp.bfloat16),  # a pool with room for every row
+        SDS((b, REAL_PG), jnp.int32), SDS((b,), jnp.int32), SDS((b, nq), jnp.int32),
+    )
+    (call,) = triton_calls(lowered)
+    # Tiles of up to 16 queries x 64 pools over the whole capacity; the dead ones end at once.
+    assert (call["name"], call["grid"]) == ("index_scores_paged",
+                                           (-(-nq // 16), b, REAL_POOLS // 64))
+
+
+@pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
+                                                                  "prefill-q64"])
+def test_topk_pools_n_live_lowers_for_cuda(b, nq):
+    k = CFG.select_k(REAL_POOLS)
+    lowered = lower_for_cuda(
+        lambda s, n: pk.topk_pools(s, k, n_live=n, implementation="pallas"),
+        SDS((b, nq, REAL_POOLS), jnp.float32), SDS((b, nq), jnp.int32),
+    )
+    # 32768 pools: the multi-program path, 8 counting launches and one compaction of
+    # rows x 16 segments each.
+    calls = [(c["name"], c["grid"]) for c in triton_calls(lowered)]
+    rows = b * nq
+    assert calls == [("topk_pools_count", (rows, 16, 1))] * 8 + [
+        ("topk_pools_compact", (rows, 16, 1))]
+    # A short row takes the one-program path, bounded the same way.
+    lowered = lower_for_cuda(
+        lambda s, n: pk.topk_pools(s, k, n_live=n, implementation="pallas"),
+        SDS((b, nq, 4096), jnp.float32), SDS((b,), jnp.int32),
+    )
+    assert [(c["name"], c["grid"]) for c in triton_calls(lowered)] == [("topk_pools", (rows, 1, 1))]
+
+
+@pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
+                                                                  "prefill-q64"])
+def test_sparse_mla_shared_latent_lowers_for_cuda(b, nq):
+    h, c = CFG.num_attention_heads, CFG.kv_lora_rank
+    lowered = lower_for_cuda(
+        lambda q, lat, ids: pk.sparse_mla(q, lat, ids, scale=CFG.softmax_scale,
+                                          implementation="pallas"),
+        SDS((b, nq, h, c), jnp.bfloat16),
+        SDS((1, b * CAPACITY, c), jnp.bfloat16),  # the flat page pool, shared
+        SDS((b, nq, CFG.out_width), jnp.int32),
+    )
+    blocks = pk.SparseMlaBlockSizes().resolve((b, nq, h, c), CFG.out_width)
+    (call,) = triton_calls(lowered)
+    assert (call["name"], call["grid"]) == ("sparse_mla",
+                                           (b * nq * h // blocks.block_h, blocks.num_splits, 1))
