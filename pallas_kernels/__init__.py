@@ -13,6 +13,15 @@ Axis letters, used by every kernel doc, shape comment and error message of this 
 * ``H``: attention heads; ``Hi``: indexer heads.
 * ``C``: latent width (``kv_lora_rank``); ``D``: indexer head dim.
 * ``W``: width of a selected-id row (``out_width = K*KP + TW``).
+* Paged cache: ``N``: pages of the shared page pool; ``PG``: pages per sequence (the
+  block table's width); ``PPP``: pools per page (``page_size // KP``).
+
+The paged layout (a page holds ``page_size`` tokens, a multiple of ``KP``, 64 by default):
+``block_table [B, PG]`` int32 names the page holding tokens ``[j*page_size, (j+1)*page_size)``
+of sequence ``b`` (``-1``: none; positions start at 0 with no holes, so ``first_key`` is 0);
+``pooled_pages [N, PPP, D]`` holds pool ``p`` of sequence ``b`` at ``[block_table[b, p //
+PPP], p % PPP]``; the latent pool ``[N * page_size, C]`` (passed as ``[1, L, C]``) holds token
+``t`` at slot ``block_table[b, t // page_size] * page_size + t % page_size``.
 
 A row of selected token ids is called ``token_ids`` everywhere (``[B, Q, W]`` int32, ``-1``
 = no token).
@@ -28,6 +37,12 @@ defaults), validated under every implementation::
                         -> topk_pools       (selection) -> [B, Q, K] pool ids (ascending, -1 after)
                         -> expand_selection (expansion) -> token_ids [B, Q, W] (-1 = none)
                         -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, C]
+
+    paged cache:  pooled_pages [N, PPP, D], block_table [B, PG], pool_counts [B]
+                        -> index_scores_paged (paged_scoring) -> [B, Q, PG*PPP] scores, own live pools only
+                        -> topk_pools(..., n_live=visible pools) -> [B, Q, K] (nothing past n_live read)
+                        -> expand_selection -> positions; the caller maps them to slots of the latent pool
+                        -> sparse_mla over latent [1, N*page_size, C] (shared by every row)
 
 ``streaming_topk`` is ``topk_pools`` over a row scored tile by tile up to a device-side
 tile count (what ``implementation="xla"`` runs, so its work follows the live pools);
@@ -46,6 +61,9 @@ from pallas_kernels.expansion import (
 from pallas_kernels.pooling import (
     KpoolCompressBlockSizes, first_valid, kpool_compress, kpool_compress_reference, num_pools,
 )
+from pallas_kernels.paged_scoring import (
+    gather_pools, index_scores_paged, index_scores_paged_reference,
+)
 from pallas_kernels.radix_select import order_key
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores, index_scores_reference, pool_last_token,
@@ -58,6 +76,7 @@ __all__ = [
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "visible_tail",
     "IndexScoresBlockSizes", "index_scores", "index_scores_reference", "pool_last_token",
+    "gather_pools", "index_scores_paged", "index_scores_paged_reference",
     "KpoolCompressBlockSizes", "first_valid", "kpool_compress", "kpool_compress_reference",
     "num_pools",
     "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla", "sparse_mla_reference",

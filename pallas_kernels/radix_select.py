@@ -23,8 +23,9 @@ ties in pool order" and write the same ascending slots as ``topk_pools_reference
 bit, with no candidate list or second selection; both call ``order_key`` itself, so no
 float compare (and no platform denormal mode) enters the key. Both take ``[rows, P]``
 float32 scores with ``rows * (P + block_p)`` below 2**31 (Triton's int32 offsets; the
-caller launches long batches in chunks) and block sizes already validated by
-``TopkPoolsBlockSizes``.
+caller launches long batches in chunks), a live bound ``[rows]`` int32 per row (pools at
+or past it count as ``-inf`` and are never read: work follows the live pools, not ``P``)
+and block sizes already validated by ``TopkPoolsBlockSizes``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def canonical_scores(scores: jax.Array) -> jax.Array:
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 
 
+def dead_counts(cand: jax.Array, n_dead: jax.Array) -> jax.Array:
+    """The count, for each candidate key ``cand``, of ``n_dead`` unread ``-inf`` pools
+    (keys ``NEG_INF_KEY``) at or above it: what the pools past a row's live bound add to a
+    counting pass, so that the threshold is the one of the whole row with them at ``-inf``
+    (see "Live bound" below)."""
+    return jnp.where(cand <= jnp.int32(NEG_INF_KEY), n_dead, 0)
+
+
 # --------------------------------------------------------------------------------------
 # The one-program path (``one_program_select``, Triton backend).
 #
@@ -96,6 +105,13 @@ NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 #    taken up to ``select_k`` (disjoint from the scattered slots: no ordering question
 #    between the two stores).
 #
+# Live bound (``n_live``): pools ``[live, P)`` of a row count as ``-inf`` without being
+# read: the tile loops stop at ``live`` and every counting pass adds ``dead_counts``, their
+# ``P - live`` keys ``NEG_INF_KEY`` at or above each candidate. So the counts, ``T`` and
+# ``n_gt`` are exactly those of the row with those pools set to ``-inf`` (the reference's),
+# and the compaction never takes a ``-inf`` key, so skipping them changes no output slot.
+# With ``live = P`` (the default) ``dead_counts`` adds 0: the kernel is the unbounded one.
+#
 # Pool positions past the row end load as the key ``INT_MIN``, which no score maps to
 # (the least real key is ``order_key(-inf)``): ``count[0]`` may include them, which is
 # harmless, and no other candidate, ``T`` or the compaction ever matches them.
@@ -111,15 +127,18 @@ NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 # its out-of-bounds scatter updates are dropped.
 # --------------------------------------------------------------------------------------
 
-def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, radix_bits):
+def _topk_pools_kernel(s_ref, live_ref, o_ref, *, n_pools, select_k, block_p, block_k,
+                       radix_bits):
     row = pl.program_id(0)
-    n_tiles = pl.cdiv(n_pools, block_p)
+    live = jnp.clip(live_ref[row], 0, n_pools)  # pools [live, P) are -inf and never read
+    n_tiles = pl.cdiv(live, block_p)
+    n_dead = n_pools - live
     lanes = jnp.arange(block_p, dtype=jnp.int32)
 
     def load_keys(t):
         start = t * block_p
         pool = start + lanes
-        valid = pool < n_pools
+        valid = pool < live
         s = plgpu.load(
             s_ref.at[row, pl.ds(start, block_p)], mask=valid, other=0.0,
             eviction_policy="evict_last",
@@ -142,6 +161,7 @@ def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, rad
             return counts + jnp.sum(ge, axis=0)
 
         counts = jax.lax.fori_loop(0, n_tiles, count_tile, jnp.zeros((n_digits,), jnp.int32))
+        counts = counts + dead_counts(cand, n_dead)
         enough = counts >= select_k
         digit = jnp.sum(enough.astype(jnp.int32)) - 1
         n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts)))
@@ -184,9 +204,11 @@ def _topk_pools_kernel(s_ref, o_ref, *, n_pools, select_k, block_p, block_k, rad
         )
 
 
-def one_program_select(flat, select_k, *, interpret, block_p, radix_bits, compiler_params):
-    """The one-program path on ``flat [rows, P]`` -> ``[rows, select_k]`` int32; ``block_p``
-    already capped at the padded row length."""
+def one_program_select(flat, live, select_k, *, interpret, block_p, radix_bits,
+                       compiler_params):
+    """The one-program path on ``flat [rows, P]`` with ``live [rows]`` int32 (pools at or
+    past it are ``-inf``, unread) -> ``[rows, select_k]`` int32; ``block_p`` already capped
+    at the padded row length."""
     n_rows, n_pools = flat.shape
     block_k = min(max(block_p, 16), next_power_of_two(select_k))
     kernel = functools.partial(
@@ -200,7 +222,7 @@ def one_program_select(flat, select_k, *, interpret, block_p, radix_bits, compil
         compiler_params=compiler_params,
         interpret=interpret,
         name="topk_pools",
-    )(flat)
+    )(flat, live)
 
 
 # --------------------------------------------------------------------------------------
@@ -230,15 +252,22 @@ def one_program_select(flat, select_k, *, interpret, block_p, radix_bits, compil
 #
 # Passes over the scores: ``32 / radix_bits`` counting + 1 compaction, as on the
 # one-program path, but spread over ``rows * cdiv(P, split_p)`` programs per launch.
+# Live bound: segments past a row's ``live`` run no tile (they write zero counts and no
+# id); XLA adds ``dead_counts`` to the row counts. The dead pools are ``-inf``, so never
+# above ``T`` (``T >= NEG_INF_KEY``: a row has ``P >= select_k`` keys, none below it) and
+# absent from the per-segment ``key > T`` counts, as they should be; they are missing from
+# the per-segment ``key == T`` counts only when ``T`` is ``-inf``, where no tie is taken.
+#
 # Tiles past the row end load as ``INT_MIN`` keys (see above); every load is in bounds
 # or masked, with a dynamic start (jax >= 0.12 bounds-checks static slices).
 # --------------------------------------------------------------------------------------
 
 
-def _segment_tiles(n_pools, split_p, block_p):
-    """(first pool of this program's segment, number of block_p tiles it holds)."""
+def _segment_tiles(live, split_p, block_p):
+    """(first pool of this program's segment, number of block_p tiles it holds below the
+    row's live bound: 0 for a segment past it, which then reads nothing)."""
     seg_start = pl.program_id(1) * split_p
-    seg_len = jnp.minimum(split_p, n_pools - seg_start)
+    seg_len = jnp.clip(live - seg_start, 0, split_p)
     return seg_start, (seg_len + block_p - 1) // block_p
 
 
@@ -249,14 +278,15 @@ def _load_tile_keys(s_ref, row, start, n_pools, block_p, **load_kw):
     return pool, jnp.where(valid, order_key(s), jnp.int32(_INT_MIN))
 
 
-def _count_kernel(s_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n_digits):
+def _count_kernel(s_ref, live_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n_digits):
     row = pl.program_id(0)
-    seg_start, n_tiles = _segment_tiles(n_pools, split_p, block_p)
+    live = jnp.clip(live_ref[row], 0, n_pools)
+    seg_start, n_tiles = _segment_tiles(live, split_p, block_p)
     cand = c_ref[row, pl.ds(0, n_digits)]
 
     def count_tile(t, counts):
         # evict_last: the next launch reads the same scores (a 1M-token row is 1 MiB: L2)
-        _, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, n_pools, block_p,
+        _, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, live, block_p,
                                  eviction_policy="evict_last")
         return counts + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
 
@@ -264,17 +294,18 @@ def _count_kernel(s_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n_digits):
     o_ref[row, pl.program_id(1), pl.ds(0, n_digits)] = counts
 
 
-def _compact_kernel(s_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p, block_p,
-                    select_k):
+def _compact_kernel(s_ref, live_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p,
+                    block_p, select_k):
     row = pl.program_id(0)
     seg = pl.program_id(1)
-    seg_start, n_tiles = _segment_tiles(n_pools, split_p, block_p)
+    live = jnp.clip(live_ref[row], 0, n_pools)
+    seg_start, n_tiles = _segment_tiles(live, split_p, block_p)
     thresh = t_ref[row, 0]
     n_take_eq = t_ref[row, 1]
 
     def compact_tile(t, carry):
         n_sel, n_eq = carry
-        pool, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, n_pools, block_p)
+        pool, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, live, block_p)
         eq = (key == thresh).astype(jnp.int32)
         eq_rank = n_eq + jnp.cumsum(eq) - eq
         take = (key > thresh) | ((eq == 1) & (eq_rank < n_take_eq))
@@ -287,9 +318,12 @@ def _compact_kernel(s_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p, 
     jax.lax.fori_loop(0, n_tiles, compact_tile, (b_ref[row, seg, 0], b_ref[row, seg, 1]))
 
 
-def segmented_select(flat, select_k, *, interpret, block_p, split_p, radix_bits, compiler_params):
-    """The multi-program path on ``flat [rows, P]`` -> ``[rows, select_k]``."""
+def segmented_select(flat, live, select_k, *, interpret, block_p, split_p, radix_bits,
+                     compiler_params):
+    """The multi-program path on ``flat [rows, P]`` with ``live [rows]`` int32 (pools at or
+    past it are ``-inf``; segments past it read nothing) -> ``[rows, select_k]``."""
     n_rows, n_pools = flat.shape
+    n_dead = (n_pools - jnp.clip(live, 0, n_pools))[:, None]
     n_seg = pl.cdiv(n_pools, split_p)
     n_digits = 1 << radix_bits
     digits = jnp.arange(n_digits, dtype=jnp.int32)
@@ -307,8 +341,8 @@ def segmented_select(flat, select_k, *, interpret, block_p, split_p, radix_bits,
     for i in range(32 // radix_bits):
         shift = 32 - radix_bits * (i + 1)
         cand = (prefix | (digits << shift)[None, :]) ^ jnp.int32(_INT_MIN)
-        seg_counts = count_call(flat, cand)  # [rows, n_seg, n_digits]
-        counts = jnp.sum(seg_counts, axis=1)
+        seg_counts = count_call(flat, live, cand)  # [rows, n_seg, n_digits]
+        counts = jnp.sum(seg_counts, axis=1) + dead_counts(cand, n_dead)
         enough = counts >= select_k  # candidate <= T
         digit = jnp.sum(enough.astype(jnp.int32), axis=-1, keepdims=True) - 1
         n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts), -1, keepdims=True))
@@ -328,10 +362,11 @@ def segmented_select(flat, select_k, *, interpret, block_p, split_p, radix_bits,
         functools.partial(_compact_kernel, select_k=select_k, **common),
         grid=(n_rows, n_seg),
         out_shape=jax.ShapeDtypeStruct((n_rows, select_k), jnp.int32),
-        input_output_aliases={3: 0},
+        input_output_aliases={4: 0},
         compiler_params=compiler_params, interpret=interpret, name="topk_pools_compact",
     )(
         flat,
+        live,
         jnp.concatenate([thresh, n_take_eq], axis=1),
         jnp.stack([slot_before, eq_before], axis=-1),
         jnp.full((n_rows, select_k), -1, jnp.int32),

@@ -13,6 +13,11 @@ Invariants:
   must see ``w * 0 < 0`` and ``0`` as the same score.
 * Block sizes (``IndexScoresBlockSizes``) change the tiling only; within a pool tile, the
   head sum's order is the kernel's own (see the float tolerance of the tests).
+* Work follows the queries' positions: a Pallas program whose pool tile lies wholly past
+  what its queries can see (``first_key + (p + 1)*KP - 1 > q_pos`` for every pool and
+  query of the tile) loads no key and writes ``-inf``, so a cache sized for a long
+  capacity costs what its filled part costs. ``index_scores_paged``
+  (``pallas_kernels.paged_scoring``) is this kernel through a block table.
 """
 
 from __future__ import annotations
@@ -169,7 +174,10 @@ def index_scores(
 # the head weights and a sum over the head axis give the ``[block_p]`` score row. The
 # working set is one pooled tile plus one query's ``[Hi_pad, D_pad]`` whatever the context
 # length. The query-tile axis comes first in the grid (the fastest launch axis), so the
-# programs that share a pooled tile run together and the tile is read from L2.
+# programs that share a pooled tile run together and the tile is read from L2. A tile of
+# pools none of its queries can see yet (causally: past the newest query's last complete
+# pool) loads nothing and writes ``-inf``: a decode step in a cache sized for a long
+# capacity reads only the pools up to its position.
 #
 # Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
 # accumulator (their products are exact in f32, as in the reference's f32 einsum); any
@@ -185,9 +193,37 @@ def _index_scores_kernel(
 ):
     f32 = jnp.float32
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    scale = dim**-0.5
-
     pool = p_tile * block_p + jnp.arange(block_p, dtype=jnp.int32)
+    pool_in = pool < n_pools
+    t0 = q_tile * block_q
+    n_rows = jnp.minimum(block_q, n_q - t0)
+
+    # Pools the tile's queries can see: ``first_key + (p + 1)*KP - 1 <= q_pos`` iff ``p <
+    # (q_pos - first_key + 1) // KP``. A tile starting at or past that loads no key.
+    tq = t0 + jnp.arange(block_q, dtype=jnp.int32)
+    qpos = plgpu.load(qpos_ref.at[b, jnp.minimum(tq, n_q - 1)], mask=tq < n_q, other=-1)
+    seen = jnp.max(jnp.maximum(qpos - fk_ref[b] + 1, 0)) // kpool
+
+    @pl.when(p_tile * block_p >= seen)
+    def _dead_tile():
+        @pl.loop(0, n_rows)
+        def _(i):
+            plgpu.store(out_ref.at[b, t0 + i, pool], jnp.full((block_p,), -jnp.inf, f32),
+                        mask=pool_in)
+
+    @pl.when(p_tile * block_p < seen)
+    def _live_tile():
+        _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref, b=b,
+                    pool=pool, t0=t0, n_rows=n_rows, kpool=kpool, n_pools=n_pools,
+                    heads=heads, dim=dim, block_p=block_p, block_h=block_h, block_d=block_d,
+                    dot_dtype=dot_dtype)
+
+
+def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref, *, b, pool,
+                t0, n_rows, kpool, n_pools, heads, dim, block_p, block_h, block_d, dot_dtype):
+    """One live tile: load its pooled keys once, then score its queries one by one."""
+    f32 = jnp.float32
+    scale = dim**-0.5
     pool_in = pool < n_pools
     pool_safe = jnp.minimum(pool, n_pools - 1)
     ch = jnp.arange(block_d, dtype=jnp.int32)
@@ -214,9 +250,6 @@ def _index_scores_kernel(
     q_rows = jnp.broadcast_to(h_safe[:, None], qshape)
     q_cols = jnp.broadcast_to(ch_safe[None, :], qshape)
     q_mask = jnp.broadcast_to(h_ok[:, None] & ch_ok[None, :], qshape)
-
-    t0 = q_tile * block_q
-    n_rows = jnp.minimum(block_q, n_q - t0)
 
     @pl.loop(0, n_rows)
     def _(i):

@@ -27,6 +27,12 @@ up to 32K tokens, prefill tiles) take one program per query row; longer rows (12
 1M-token decode) one program per ``split_p``-pool segment of every row, so that a batch-1
 decode still fills the GPU.
 
+``n_live`` (``[B, Q]`` or ``[B]`` int32, optional) bounds each row: the pools at index
+``>= n_live`` count as ``-inf`` (never selected), exactly as if the scores held ``-inf``
+there (the reference masks them; the result is bit-identical), and the Pallas kernels do
+not read them: their tile loops stop at the bound and the multi-program path's segments
+past it do nothing. A step at 4K live tokens in a 128K-token row then costs what 4K cost.
+
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
@@ -153,16 +159,24 @@ def topk_pools_reference(scores: jax.Array, select_k: int) -> jax.Array:
     return out.reshape(batch + (select_k,))
 
 
+def mask_past_live(scores: jax.Array, n_live: jax.Array) -> jax.Array:
+    """``scores [B, Q, P]`` with every pool at index ``>= n_live [B, Q]`` set to ``-inf``."""
+    pool = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    return jnp.where(pool < n_live.astype(jnp.int32)[..., None], scores, -jnp.inf)
+
+
 def topk_pools(
     scores: jax.Array,
     select_k: int,
     *,
     implementation: Implementation = "xla",
     block_sizes: TopkPoolsBlockSizes | None = None,
+    n_live: jax.Array | None = None,
 ) -> jax.Array:
     """Top-``select_k`` pools of each row of ``scores [B, Q, P]`` -> ``[B, Q, K]`` int32
     (``K = select_k``). ``block_sizes`` (validated under every implementation) tiles the
-    Pallas kernels and picks their path."""
+    Pallas kernels and picks their path. ``n_live`` (``[B, Q]`` or ``[B]`` integer, or
+    ``None``: every pool) bounds each row; see the module doc."""
     check_implementation(implementation)
     blocks = check_block_sizes(block_sizes, TopkPoolsBlockSizes)
     check_rank("scores", scores, 3, "[B, Q, P]")
@@ -170,10 +184,22 @@ def topk_pools(
         raise ValueError(f"scores must be float32, got {scores.dtype}")
     if not isinstance(select_k, int) or not 0 <= select_k <= scores.shape[-1]:
         raise ValueError(f"select_k must be an int in [0, P={scores.shape[-1]}], got {select_k!r}")
+    b, n_q, _ = scores.shape
+    if n_live is not None:
+        if n_live.shape not in ((b, n_q), (b,)) or not jnp.issubdtype(n_live.dtype, jnp.integer):
+            raise ValueError(
+                f"n_live must be an integer [B, Q] = {(b, n_q)} or [B] = ({b},) array, got "
+                f"shape {tuple(n_live.shape)} dtype {n_live.dtype}"
+            )
+        n_live = n_live.astype(jnp.int32)
+        n_live = jnp.broadcast_to(n_live[:, None] if n_live.ndim == 1 else n_live, (b, n_q))
     if implementation == "xla":
+        if n_live is not None:
+            scores = mask_past_live(scores, n_live)
         return topk_pools_reference(scores, select_k)
     return _topk_pools_pallas(
-        scores, select_k, interpret=implementation == "pallas_interpret", block_sizes=blocks
+        scores, select_k, n_live, interpret=implementation == "pallas_interpret",
+        block_sizes=blocks,
     )
 
 
@@ -189,7 +215,8 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
     return jax.lax.top_k(scores, select_k)[1]
 
 
-def _topk_pools_pallas(scores, select_k, *, interpret, block_sizes: TopkPoolsBlockSizes):
+def _topk_pools_pallas(scores, select_k, n_live, *, interpret,
+                       block_sizes: TopkPoolsBlockSizes):
     """Pallas path of ``topk_pools``: ``32 / radix_bits + 1`` launches of ``rows *
     cdiv(P, split_p)`` programs each on the multi-program path, else one launch of ``rows``
     programs (no XLA work between passes: cheaper when a row is only a few tiles long)."""
@@ -200,27 +227,32 @@ def _topk_pools_pallas(scores, select_k, *, interpret, block_sizes: TopkPoolsBlo
     compiler_params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     n_rows = batch * n_q
     if blocks.multi_program(n_pools):
-        def launch(rows):
+        def launch(rows, live):
             return segmented_select(
-                rows, select_k, interpret=interpret, block_p=blocks.block_p,
+                rows, live, select_k, interpret=interpret, block_p=blocks.block_p,
                 split_p=blocks.split_p, radix_bits=blocks.radix_bits,
                 compiler_params=compiler_params,
             )
     else:
-        def launch(rows):
+        def launch(rows, live):
             return one_program_select(
-                rows, select_k, interpret=interpret, block_p=blocks.block_p,
+                rows, live, select_k, interpret=interpret, block_p=blocks.block_p,
                 radix_bits=blocks.radix_bits, compiler_params=compiler_params,
             )
 
     flat = scores.reshape(n_rows, n_pools)
+    if n_live is None:
+        live = jnp.full((n_rows,), n_pools, jnp.int32)
+    else:
+        live = n_live.reshape(n_rows)
     # Triton addresses whole-array refs with int32 offsets (row * P + pool): launch at
     # most as many rows at a time as keep every offset, tile overhang included, in range.
     chunk = max(1, _MAX_FLAT_INDEX // (max(n_pools, select_k) + blocks.block_p))
     if n_rows <= chunk:
-        out = launch(flat)
+        out = launch(flat, live)
     else:
         out = jnp.concatenate(
-            [launch(flat[r:r + chunk]) for r in range(0, n_rows, chunk)], axis=0
+            [launch(flat[r:r + chunk], live[r:r + chunk]) for r in range(0, n_rows, chunk)],
+            axis=0,
         )
     return out.reshape(batch, n_q, select_k)

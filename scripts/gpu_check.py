@@ -22,6 +22,11 @@ missing kernel never hides another one. Per step, per case, rows for:
   ``MISMATCH ..``, ``not implemented`` when it still raises NotImplementedError, or
   ``error: ..``);
 * ``lax.top_k``: next to ``topk_pools``, a speed baseline only (its tie rule differs);
+* ``index_scores_paged`` (kernel row) / ``topk_pools`` ``pallas n_live`` / ``sparse_mla``
+  ``pallas shared latent``: the paged cache's kernels on the same data laid out in pages of
+  ``--page-size`` tokens (64; the smoke run 8) through a random block table, checked
+  against the contiguous results: the scores through the block table, the top-k bounded by
+  each query's visible pools, attention over the flat latent pool ``[1, B * L, C]``;
 * ``pallas one-program`` / ``pallas split_p=N``: ``topk_pools`` on the path its defaults
   do not take for that row length (checked too): the one-program path where the
   multi-program one is the default (128K and 1M tokens), the multi-program one in
@@ -364,6 +369,8 @@ class Runner:
         )
         if scores is None:
             return None
+        if "index_scores" in run:
+            self.paged_scores_row(case, inp, pooled, pool_valid, scores, nbytes, flops)
 
         # 3. topk_pools (+ lax.top_k as a speed baseline)
         select_k = min(g.topk // kp, n_pools)
@@ -387,6 +394,12 @@ class Runner:
                              lambda s: pk.topk_pools(s, select_k, implementation=self.pallas_impl,
                                                      block_sizes=blocks),
                              (scores,), nbytes=nbytes, want=pools, compare=_compare_equal)
+            # Bounded by each query's visible pools (what the paged step passes): the same ids.
+            n_live = ((inp["q_pos"] + 1) // kp).astype(jnp.int32)
+            self.measure(case, "topk_pools", "pallas n_live",
+                         lambda s, n: pk.topk_pools(s, select_k, implementation=self.pallas_impl,
+                                                    n_live=n),
+                         (scores, n_live), nbytes=nbytes, want=pools, compare=_compare_equal)
 
         # 4. expand_selection (tail = the incomplete visible pool)
         n_vis = jnp.maximum(inp["q_pos"] + 1 - first_key[:, None], 0).astype(jnp.int32)
@@ -407,6 +420,27 @@ class Runner:
             self.sparse_mla_rows(case, inp, ids)
         return inp, ids
 
+    def paged_scores_row(self, case, inp, pooled, pool_valid, scores, nbytes, flops):
+        """``index_scores_paged`` on ``pooled`` laid out in pages through a random block
+        table (pages of every row interleaved in one pool), checked against ``scores``."""
+        b, n_pools, d = pooled.shape
+        ppp = self.args.page_size // self.geom.kpool
+        pg = -(-n_pools // ppp)
+        pad = jnp.pad(pooled, ((0, 0), (0, pg * ppp - n_pools), (0, 0)))
+        perm = np.random.default_rng(0).permutation(b * pg)
+        table = jnp.asarray(perm.reshape(b, pg), jnp.int32)
+        pages = jnp.zeros((b * pg, ppp, d), pooled.dtype).at[table.reshape(-1)].set(
+            pad.reshape(b * pg, ppp, d))
+        counts = jnp.sum(pool_valid, axis=1, dtype=jnp.int32)  # valid pools are a prefix here
+        args = (inp["q_idx"], inp["w"], pages, table, counts, inp["q_pos"])
+        kp = self.geom.kpool
+        self.measure(
+            case, "index_scores_paged", "pallas",
+            lambda *a: pk.index_scores_paged(*a, kpool=kp, implementation=self.pallas_impl)[
+                ..., :n_pools],
+            args, nbytes=nbytes, flops=flops, want=scores,
+            compare=lambda x, y: _compare_close(x, y, rtol=1e-3, atol=1e-3))
+
     def _mla_cost(self, inp, ids):
         n_valid = int(jnp.sum(ids >= 0))
         itemsize = inp["latent"].dtype.itemsize
@@ -424,7 +458,16 @@ class Runner:
             lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, implementation=impl,
                                             block_sizes=pk.SparseMlaBlockSizes(**bs)))
         if sweep is None:
-            self.step(case, "sparse_mla", make, args, nbytes=nbytes, flops=flops, compare=close)
+            want = self.step(case, "sparse_mla", make, args, nbytes=nbytes, flops=flops,
+                             compare=close)
+            # The same rows read from one flat pool shared by every batch row (the paged
+            # cache's latent): ids become slots b * L + id.
+            b, length, c = inp["latent"].shape
+            slots = jnp.where(ids >= 0, ids + length * jnp.arange(b, dtype=ids.dtype)[:, None, None],
+                              -1)
+            self.measure(case, "sparse_mla", "pallas shared latent", make(self.pallas_impl),
+                         (inp["q_lat"], inp["latent"].reshape(1, b * length, c), slots),
+                         nbytes=nbytes, flops=flops, want=want, compare=close)
             return
         want = jax.block_until_ready(jax.jit(make("xla"))(*args))
         for bs in sweep:
@@ -471,6 +514,9 @@ def main(argv=None) -> int:
                     help="comma-separated context lengths: only the cases at these lengths")
     ap.add_argument("--impl", choices=("pallas", "pallas_interpret"), default=None,
                     help="kernel implementation (default: pallas; pallas_interpret with --smoke)")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens a page for the paged rows (default 64; 8 with --smoke); a "
+                         "multiple of the kpool width")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     ap.add_argument("--roofline-gpu", choices=sorted(roofline.GPUS), default=None,
                     help="GPU whose datasheet numbers the bound column uses (default: found "
@@ -482,6 +528,8 @@ def main(argv=None) -> int:
         args.reps = 1 if args.smoke else 5
     if args.inner is None:
         args.inner = 1 if args.smoke else 10
+    if args.page_size is None:
+        args.page_size = 8 if args.smoke else 64
 
     if args.smoke:
         geom = Geometry(heads=4, latent=40, index_heads=3, index_dim=16, topk=16, kpool=4,
@@ -489,6 +537,9 @@ def main(argv=None) -> int:
         cases, sweep = SMOKE_CASES, SMOKE_SWEEP
     else:
         geom, cases, sweep = Geometry(), REAL_CASES, REAL_SWEEP
+    if args.page_size < geom.kpool or args.page_size % geom.kpool:
+        ap.error(f"--page-size must be a positive multiple of the kpool width {geom.kpool}, "
+                 f"got {args.page_size}")
 
     if args.contexts:
         wanted = {int(x) for x in args.contexts.split(",") if x.strip()}

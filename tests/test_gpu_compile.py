@@ -107,6 +107,11 @@ def test_default_cases_cover_decode_prefill_1m_and_batches():
             for b in (1, 8):
                 for ctx in ("4K", "128K", "1M"):
                     assert f"{kernel} {kind} b{b} {ctx}" in ids
+    for kernel in gc.cases.PAGED_KERNELS:  # the paged cache's kernels, paged too
+        for kind in ("decode", "prefill"):
+            assert f"{kernel} {kind} b8 128K paged" in ids
+    assert not any(i.startswith(("kpool_compress", "expand_selection")) and "paged" in i
+                   for i in ids)
     step = gc.Step("decode", 1, 1 << 20)
     assert (step.chunk, step.queries) == (1, 1)
     assert (gc.Step("prefill", 8, 4096).queries, gc.Step("prompt", 1, 1 << 20).chunk) == (64, 1 << 20)
@@ -120,6 +125,7 @@ def test_default_cases_cover_decode_prefill_1m_and_batches():
         (dict(batches=[]), "batches must be positive"),
         (dict(steps=["train"]), "steps must be among"),
         (dict(dtypes=["float16"]), "dtypes must be among"),
+        (dict(caches=["ring"]), "caches must be among"),
     ],
 )
 def test_default_cases_reject_bad_input(kwargs, match):
@@ -132,6 +138,31 @@ def test_step_rejects_bad_fields():
         gc.Step("train", 1, 4096)
     with pytest.raises(ValueError, match="Step.context must be a positive int"):
         gc.Step("decode", 1, 0)
+    with pytest.raises(ValueError, match="Step.cache must be one of"):
+        gc.Step("decode", 1, 4096, cache="ring")
+    with pytest.raises(ValueError, match=r"multiple of PAGE_SIZE \(64\) for a paged step"):
+        gc.Step("decode", 1, 4100, cache="paged")
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_paged_cases_lower_for_cuda(kind):
+    """The paged cases trace and lower for CUDA (no toolchain needed): the paged scorer
+    over the pool pages, the live-bounded top-k and attention over the shared latent pool."""
+    import jax
+
+    import glm5_dsa_jax as gd
+    from pallas_kernels._common import lower_for_cuda, triton_calls
+
+    cfg = gd.DsaConfig.glm53_flash()
+    names = {}
+    for case in gc.default_cases(gc.cases.PAGED_KERNELS, contexts=[131072], batches=[8],
+                                 steps=[kind], caches=["paged"]):
+        fn, avals, _ = gc.cases._build(cfg, case)
+        lowered = lower_for_cuda(fn, *(jax.ShapeDtypeStruct(sh, dt) for sh, dt in avals))
+        names[case.kernel] = {c["name"] for c in triton_calls(lowered)}
+    assert names == {"index_scores": {"index_scores_paged"},
+                     "topk_pools": {"topk_pools_count", "topk_pools_compact"},
+                     "sparse_mla": {"sparse_mla"}}
 
 
 def test_toolchain_says_which_extra_is_missing(monkeypatch):

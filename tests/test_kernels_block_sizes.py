@@ -32,6 +32,13 @@ def _scores(impl, bs):
                            block_sizes=bs)
 
 
+def _scores_paged(impl, bs):
+    return pk.index_scores_paged(jnp.zeros((1, 2, 2, 4)), jnp.zeros((1, 2, 2)),
+                                 jnp.zeros((3, 2, 4)), jnp.zeros((1, 2), jnp.int32),
+                                 jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                                 kpool=2, implementation=impl, block_sizes=bs)
+
+
 def _topk(impl, bs):
     return pk.topk_pools(jnp.zeros((1, 1, 8)), 2, implementation=impl, block_sizes=bs)
 
@@ -51,6 +58,8 @@ def _attend(impl, bs):
 KERNELS = [
     (pk.KpoolCompressBlockSizes, _kpool, dict(block_pools=3, num_warps=6, num_stages=0)),
     (pk.IndexScoresBlockSizes, _scores, dict(block_q=3, block_p=8, num_warps=0, num_stages=-1)),
+    (pk.IndexScoresBlockSizes, _scores_paged, dict(block_q=3, block_p=8, num_warps=0,
+                                                   num_stages=-1)),
     (pk.TopkPoolsBlockSizes, _topk,
      dict(block_p=1000, radix_bits=16, split_p=3, num_warps=5, num_stages=0)),
     (pk.ExpandSelectionBlockSizes, _expand, dict(block_q=0, block_w=12, num_warps=3,
@@ -58,7 +67,7 @@ KERNELS = [
     (pk.SparseMlaBlockSizes, _attend, dict(block_h=8, block_w=24, block_c=48, num_splits=0,
                                            num_warps=3, num_stages=0)),
 ]
-CASES = [pytest.param(cls, call, field, value, id=f"{cls.__name__}.{field}")
+CASES = [pytest.param(cls, call, field, value, id=f"{call.__name__[1:]}-{cls.__name__}.{field}")
          for cls, call, bad in KERNELS for field, value in bad.items()]
 
 
@@ -74,7 +83,7 @@ def test_bad_block_size_is_refused_under_every_implementation(cls, call, field, 
 
 
 @pytest.mark.parametrize("cls, call", [(cls, call) for cls, call, _ in KERNELS],
-                         ids=[cls.__name__ for cls, _, _ in KERNELS])
+                         ids=[call.__name__[1:] for _, call, _ in KERNELS])
 def test_defaults_run_and_the_dataclass_is_frozen_and_typed(cls, call):
     for bs in (None, cls()):
         call("xla", bs)
@@ -120,15 +129,15 @@ def test_implementation_type_and_check():
     assert _common.check_implementation("pallas") == "pallas"
     with pytest.raises(ValueError, match="implementation must be one of"):
         _common.check_implementation("triton")
-    for fn in (pk.kpool_compress, pk.index_scores, pk.topk_pools, pk.expand_selection,
-               pk.sparse_mla):
+    for fn in (pk.kpool_compress, pk.index_scores, pk.index_scores_paged, pk.topk_pools,
+               pk.expand_selection, pk.sparse_mla):
         hints = typing.get_type_hints(fn)
         assert hints["implementation"] == pk.Implementation, fn.__name__
         assert "block_sizes" in hints, fn.__name__
 
 
-@pytest.mark.parametrize("module", ["pooling", "scoring", "selection", "radix_select",
-                                    "expansion", "attention"])
+@pytest.mark.parametrize("module", ["pooling", "scoring", "paged_scoring", "selection",
+                                    "radix_select", "expansion", "attention"])
 def test_modules_do_not_share_their_functions_names(module):
     import pallas_kernels
 

@@ -251,13 +251,17 @@ def test_gpu_check_smoke_runs_on_cpu():
     report = json.loads(proc.stdout)
     rows = report["rows"]
     kernels = {r["kernel"] for r in rows}
-    assert {"kpool_compress", "index_scores", "topk_pools", "expand_selection",
-            "sparse_mla"} <= kernels
+    assert {"kpool_compress", "index_scores", "index_scores_paged", "topk_pools",
+            "expand_selection", "sparse_mla"} <= kernels
     mla = [r for r in rows if r["kernel"] == "sparse_mla" and r["impl"] != "xla"]
     assert mla and all(r["check"].startswith("ok") for r in mla), mla
     # topk_pools on both paths (the smoke rows are short: the multi-program one is forced)
     topk = {r["impl"]: r["check"] for r in rows if r["kernel"] == "topk_pools"}
     assert topk["pallas"].startswith("ok") and topk["pallas split_p=2"].startswith("ok"), topk
+    # the paged cache's kernels on the same data, through a block table / a shared pool
+    paged = [r for r in rows if r["kernel"] == "index_scores_paged"
+             or r["impl"] in ("pallas n_live", "pallas shared latent")]
+    assert len(paged) == 3 * 2 and all(r["check"].startswith("ok") for r in paged), paged
     # the roofline column: a bound for every modelled kernel of the main table
     assert report["roofline_gpu"] == "h100"
     assert all(r["bound_us"] > 0 for r in rows

@@ -55,7 +55,7 @@ import time
 from typing import Iterable
 
 from glm5_dsa_jax.gpu_compile.cases import (
-    BATCHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, STEPS, Case, Step, default_cases,
+    BATCHES, CACHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, STEPS, Case, Step, default_cases,
 )
 from glm5_dsa_jax.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help="decode,prefill,prompt (default all)")
     ap.add_argument("--dtypes", default=",".join(DTYPES),
                     help="bfloat16 (default; the serving dtype), float32, or both")
+    ap.add_argument("--caches", default=",".join(CACHES),
+                    help="contiguous,paged (default both; paged: the kernels the paged cache changes)")
     ap.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
     ap.add_argument("--json", help="write every report here")
     ap.add_argument("--dump-dir", help="keep XLA's dumps (HLO, PTX, thunk sequence) here")
@@ -200,7 +202,8 @@ def main(argv=None) -> int:
     try:
         cases = default_cases(split(args.kernels), contexts=[int(x) for x in split(args.contexts)],
                               batches=[int(x) for x in split(args.batches)],
-                              steps=split(args.steps), dtypes=split(args.dtypes))
+                              steps=split(args.steps), dtypes=split(args.dtypes),
+                              caches=split(args.caches))
         info = toolchain()
         print(f"jax {info['jax']}, jaxlib {info['jaxlib']}, jax-cuda12-plugin "
               f"{info['jax-cuda12-plugin']}, ptxas {info['ptxas_version']}", flush=True)

@@ -4,7 +4,14 @@ Invariants:
 
 * A ``Step`` gives the kernels the shapes one layer step gives them (see
   ``DsaAttention._step``); ``default_cases`` covers every kernel at decode, prefill-chunk and
-  one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16.
+  one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16, over
+  the contiguous cache and, for the kernels whose inputs the paged cache changes
+  (``PAGED_KERNELS``), over the paged one too.
+* Paged steps (``Step.cache == "paged"``) use the paged cache's layout in pages of
+  ``PAGE_SIZE`` tokens, ``context`` tokens of capacity per sequence and a page pool with
+  room for every sequence's capacity: ``index_scores`` runs as ``index_scores_paged``
+  (pooled-key pages through the block table), ``topk_pools`` with a ``n_live`` bound,
+  ``sparse_mla`` over the shared latent pool ``[1, batch * context, C]``.
 * Adding a kernel is one ``KERNELS`` entry: a function from the model config, a ``Step``
   and block-size overrides to the public wrapper call (``implementation="pallas"``) and its
   abstract inputs. ``KERNEL_MODULES`` names the entry that launches each kernel module's
@@ -24,13 +31,17 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
-           "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES"]
+           "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
+           "PAGED_KERNELS"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
 BATCHES = (1, 8)
 STEPS = ("decode", "prefill", "prompt")
 DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other compute dtype
+CACHES = ("contiguous", "paged")  # init_cache's one timeline per batch; init_paged_cache's pages
+PAGE_SIZE = 64  # tokens a page of the paged cache (its default; vLLM's and SGLang's too)
+PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs differ when paged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +52,8 @@ class Step:
     ``prompt``: a one-shot prefill of the whole context. The cache holds ``context`` slots
     (``pools = context // kpool`` pooled keys); queries go through the indexer and attention
     in tiles of ``block_q`` (the layer's default, 64); pooling runs over a window of the
-    last ``kpool`` cached slots plus the chunk.
+    last ``kpool`` cached slots plus the chunk. ``cache``: ``"contiguous"`` or ``"paged"``
+    (see the module doc; ``context`` is then the capacity of each sequence).
     """
 
     kind: str
@@ -49,10 +61,18 @@ class Step:
     context: int
     dtype: str = "bfloat16"  # the layer's compute and cache dtype
     block_q: int = 64
+    cache: str = "contiguous"
 
     def __post_init__(self):
         if self.kind not in STEPS:
             raise ValueError(f"Step.kind must be one of {STEPS}, got {self.kind!r}")
+        if self.cache not in CACHES:
+            raise ValueError(f"Step.cache must be one of {CACHES}, got {self.cache!r}")
+        if self.cache == "paged" and (not isinstance(self.context, int)
+                                      or self.context % PAGE_SIZE):
+            raise ValueError(
+                f"Step.context must be a multiple of PAGE_SIZE ({PAGE_SIZE}) for a paged "
+                f"step, got {self.context!r}")
         for name in ("batch", "context", "block_q"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -81,6 +101,12 @@ def _index_scores(cfg, s: Step, blocks: dict):
     b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
     h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     bs = pk.IndexScoresBlockSizes(**blocks)
+    if s.cache == "paged":
+        pg, ppp = s.context // PAGE_SIZE, PAGE_SIZE // kp
+        fn = lambda qi, w, pages, bt, counts, qp: pk.index_scores_paged(  # noqa: E731
+            qi, w, pages, bt, counts, qp, kpool=kp, implementation="pallas", block_sizes=bs)
+        return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), dt),
+                    ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
     fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
         qi, w, pooled, pv, fk, qp, kpool=kp, implementation="pallas", block_sizes=bs)
     return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
@@ -91,6 +117,11 @@ def _topk_pools(cfg, s: Step, blocks: dict):
     p = max(1, s.context // cfg.index_kpool)
     k = cfg.select_k(p)
     bs = pk.TopkPoolsBlockSizes(**blocks)
+    if s.cache == "paged":  # each query's visible pools bound its row
+        fn = lambda scores, n_live: pk.topk_pools(  # noqa: E731
+            scores, k, implementation="pallas", block_sizes=bs, n_live=n_live)
+        return fn, [((s.batch, s.queries, p), jnp.float32),
+                    ((s.batch, s.queries), jnp.int32)], (k,)
     fn = lambda scores: pk.topk_pools(scores, k, implementation="pallas", block_sizes=bs)  # noqa: E731
     return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
 
@@ -116,7 +147,8 @@ def _sparse_mla(cfg, s: Step, blocks: dict):
     bs = pk.SparseMlaBlockSizes(**blocks)
     fn = lambda ql, lat, ids: pk.sparse_mla(  # noqa: E731
         ql, lat, ids, scale=scale, implementation="pallas", block_sizes=bs)
-    return fn, [((b, q, cfg.num_attention_heads, c), dt), ((b, s.context, c), dt),
+    latent = (1, b * s.context, c) if s.cache == "paged" else (b, s.context, c)
+    return fn, [((b, q, cfg.num_attention_heads, c), dt), (latent, dt),
                 ((b, q, cfg.out_width), jnp.int32)]
 
 
@@ -140,6 +172,7 @@ KERNELS: dict[str, Callable] = {
 KERNEL_MODULES: dict[str, str] = {
     "pooling": "kpool_compress",
     "scoring": "index_scores",
+    "paged_scoring": "index_scores",  # on paged steps
     "radix_select": "topk_pools",
     "expansion": "expand_selection",
     "attention": "sparse_mla",
@@ -160,7 +193,8 @@ class Case:
         s = self.step
         dt = "" if s.dtype == "bfloat16" else f" {s.dtype}"
         bl = "".join(f" {k}={v}" for k, v in self.blocks)
-        return f"{self.kernel} {s.kind} b{s.batch} {_tokens(s.context)}{dt}{bl}"
+        paged = " paged" if s.cache == "paged" else ""
+        return f"{self.kernel} {s.kind} b{s.batch} {_tokens(s.context)}{dt}{paged}{bl}"
 
 
 def _tokens(n: int) -> str:
@@ -171,9 +205,10 @@ def _tokens(n: int) -> str:
 
 
 def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, batches=BATCHES,
-                  steps=STEPS, dtypes=DTYPES) -> list[Case]:
-    """Every kernel at every step, context, batch and dtype (by default bfloat16, the
-    serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8)."""
+                  steps=STEPS, dtypes=DTYPES, caches=CACHES) -> list[Case]:
+    """Every kernel at every step, context, batch, dtype and cache kind (by default
+    bfloat16, the serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8, contiguous and
+    paged; a paged case only for ``PAGED_KERNELS``, the others being the same either way)."""
     kernels = list(KERNELS) if kernels is None else list(kernels)
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
@@ -185,8 +220,11 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
         raise ValueError(f"steps must be among {STEPS}, got {list(steps)}")
     if not dtypes or set(dtypes) - {"bfloat16", "float32"}:
         raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
-    return [Case(k, Step(kind, b, n, dt)) for k in kernels for dt in dtypes for n in contexts
-            for kind in steps for b in batches]
+    if not caches or set(caches) - set(CACHES):
+        raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
+    return [Case(k, Step(kind, b, n, dt, cache=c)) for c in CACHES if c in caches
+            for k in kernels if c == "contiguous" or k in PAGED_KERNELS
+            for dt in dtypes for n in contexts for kind in steps for b in batches]
 
 
 def _build(cfg, case: Case):
