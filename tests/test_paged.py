@@ -156,6 +156,8 @@ def test_eager_schedule_and_no_compilation_after_warm_up(cfg):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
     for _ in range(3):
         _, _, cache = layer(x, cache=cache)
+    cache = cache.release(jnp.array([False, True]))
+    _, _, cache = layer(x, cache=cache)
     with backend_compiles() as seen:
         for _ in range(4):
             _, _, cache = layer(x, cache=cache)

@@ -1,0 +1,55 @@
+"""The paged cache against Hugging Face ``glm5_next``: every sequence of a schedule (joins,
+ragged chunks beside other sequences' decode steps, releases) equals HF run on that
+sequence alone, with the tie-aware selection check of the parity tests; a shared layer
+on the same schedule equals HF's shared layer on the full layer's selection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm5_dsa_jax as gd
+from glm5_dsa_jax.decode import make_step
+from helpers import ATOL, RTOL, check_selection
+from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
+from test_paged import eager_release, make_schedule, per_sequence, run_schedule
+
+
+@pytest.mark.parametrize("kpool,topk,tail", [(4, 16, True), (2, 8, False)])
+def test_each_sequence_of_a_schedule_equals_hf_alone(kpool, topk, tail):
+    cfg = gd.DsaConfig.tiny(index_kpool=kpool, index_topk=topk, index_kpool_always_select_tail=tail)
+    attn_full, attn_shared = hf_attention(cfg, 1, seed=1), hf_attention(cfg, 2, seed=2)
+    full, shared = layer_from_hf(cfg, 1, attn_full), layer_from_hf(cfg, 2, attn_shared)
+    steps, seqs, where = make_schedule(cfg, (33, 7, 52, 18), max_seqs=2, seed=11, chunk_sizes=(8, 1, 1))
+    step, params = make_step(full)
+    step2, params2 = make_step(shared)
+    release = jax.jit(eager_release)
+    cache, cache2 = full.init_paged_cache(2, 10, 16), shared.init_paged_cache(2, 10, 16)
+    results, results2 = [], []
+    for x, mask, rel in steps:
+        x, mask = jnp.asarray(x), jnp.asarray(mask)
+        out, ids, cache = step(params, x, mask, cache)
+        out2, _, cache2 = step2(params2, x, mask, cache2, ids)
+        results.append((np.asarray(out), np.asarray(ids)))
+        results2.append((np.asarray(out2), np.asarray(ids)))
+        if rel.any():
+            cache, cache2 = release(cache, jnp.asarray(rel)), release(cache2, jnp.asarray(rel))
+    n_same = n_rows = 0
+    for i, x in enumerate(seqs):
+        out, ours = per_sequence(results, where, i)
+        out2, _ = per_sequence(results2, where, i)
+        x1, m1 = x[None], np.ones((1, len(x)), bool)
+        hf_out, hf_topk = hf_forward(attn_full, x1, m1)
+        check_selection(cfg, full, x1, m1, ours[None], hf_topk)
+        live = (ours >= 0).any(-1)
+        np.testing.assert_allclose(out[live], hf_attend_on(attn_full, x1, m1, ours[None])[0][live],
+                                   atol=ATOL, rtol=RTOL)
+        same = np.array([set(ours[t][ours[t] >= 0]) == set(hf_topk[0, t][hf_topk[0, t] >= 0])
+                         for t in range(len(x))]) & live
+        np.testing.assert_allclose(out[same], hf_out[0][same], atol=ATOL, rtol=RTOL)
+        hf_out2, _ = hf_forward(attn_shared, x1, m1, prev_topk=ours[None])
+        np.testing.assert_allclose(out2[live], hf_out2[0][live], atol=ATOL, rtol=RTOL)
+        n_same, n_rows = n_same + same.sum(), n_rows + live.sum()
+    assert n_same > n_rows // 2
