@@ -33,10 +33,9 @@ Invariants:
   every step, join and release.
 
 Bytes per token of capacity (``N * page_size`` tokens) at GLM-5.3-Flash dims in bf16: 1,024
-latent + 64 pooled keys, plus the block table (4 bytes per page per sequence, i.e.
-``4 * max_seqs / page_size`` per token when every sequence may take every page) and the
-per-sequence stage: 1,088.6 at 8 sequences over 4,096-token pages... see
-``bytes_per_token``. 16-bit pools are stored as bits on a CPU, like the contiguous cache
+latent + 64 pooled keys, plus the block tables (4 bytes per entry), the free stack and the
+per-sequence stage: 1,088.6 for 8 sequences over 131,072-token-a-sequence worth of pages
+(``bytes_per_token``; ``tests/test_paged.py`` keeps it <= 1,100). 16-bit pools are stored as bits on a CPU, like the contiguous cache
 (``cache.store_dtype``): XLA:CPU scatters a ``uint16`` buffer in place but converts a bf16
 one to float32 and back around every write.
 """
