@@ -47,7 +47,9 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
 from glm5_dsa_jax.inputs import check_inputs
 from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
+from glm5_dsa_jax.ops import (
+    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm, topk_live,
+)
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.paged_cache import PagedCache, check_room, init_paged_cache
 from glm5_dsa_jax.paged_step import paged_call
@@ -340,7 +342,9 @@ class DsaAttention(nnx.Module):
                     # (its running sort of Q rows cost 1.5x the row's top-k at 1K tokens).
                     pools = self.score_and_select(qi, w, cache, q_pos, select_k)
                 else:
-                    pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k)
+                    n_live = jnp.clip((q_pos - cache.first_key[:, None] + 1) // self.cfg.index_kpool,
+                                      0, cache.max_pools)
+                    pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
                 token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
                 return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids)
 
@@ -403,10 +407,14 @@ class DsaAttention(nnx.Module):
                 kpool=self.cfg.index_kpool, implementation=self.implementation,
             )
 
-    def select_pools(self, scores, select_k: int) -> jax.Array:
-        """Step 3 (``topk_pools``): ``[B, Q, select_k]`` pool ids of the best scores."""
+    def select_pools(self, scores, select_k: int, n_live=None) -> jax.Array:
+        """Step 3 (``topk_pools``): ``[B, Q, select_k]`` pool ids of the best scores; with
+        ``n_live [B, Q]`` (the pools complete at each query) a Pallas kernel reads only
+        those (the rest are no candidates anyway)."""
         with jax.named_scope("topk_pools"):
-            return self._replicated(pk.topk_pools, scores, select_k, implementation=self.implementation)
+            if n_live is None or self.implementation == "xla":
+                return self._replicated(pk.topk_pools, scores, select_k, implementation=self.implementation)
+            return self._replicated(topk_live, scores, n_live, select_k, implementation=self.implementation)
 
     def score_and_select(self, qi, w, cache: DsaCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 fused, as ``implementation="xla"`` runs them in a decode step: ``[B, Q, select_k]``

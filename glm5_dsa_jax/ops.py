@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+
 from glm5_dsa_jax.parallel import row_parallel_out_sharding
 
 __all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "by_query_tiles"]
@@ -96,3 +98,10 @@ def by_query_tiles(fn, block_q: int, *arrays):
     else:
         outs = jax.lax.map(lambda t: fn(*t), args)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)
+
+
+def topk_live(scores, n_live, select_k: int, *, implementation):
+    """``pk.topk_pools`` over each row's first ``n_live`` scores ``[B, Q]`` (the rest count
+    as ``-inf`` and a Pallas kernel does not read them). ``n_live`` is positional, so
+    ``parallel.replicated_call`` passes it as an operand (its keyword arguments are static)."""
+    return pk.topk_pools(scores, select_k, n_live=n_live, implementation=implementation)

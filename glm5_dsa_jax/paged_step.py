@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache import from_store
-from glm5_dsa_jax.ops import by_query_tiles
+from glm5_dsa_jax.ops import by_query_tiles, topk_live
 from glm5_dsa_jax.pages import OK
 from glm5_dsa_jax.paged_cache import (
     PagedCache, chunk_positions, paged_pool_window, paged_tail, paged_tile_scores,
@@ -142,10 +142,4 @@ def _select(layer, qi, w, cache: PagedCache, pool_counts, q_pos, select_k: int):
             cache.pages.block_table, pool_counts, q_pos, kpool=kp, implementation=layer.implementation)
     with jax.named_scope("topk_pools"):
         n_live = jnp.clip((q_pos + 1) // kp, 0, pool_counts[:, None])
-        return layer._replicated(_topk_live, scores, n_live, select_k, implementation=layer.implementation)
-
-
-def _topk_live(scores, n_live, select_k: int, *, implementation):
-    """``pk.topk_pools`` over each row's first ``n_live`` scores (an array argument, so
-    ``replicated_call`` passes it as an operand)."""
-    return pk.topk_pools(scores, select_k, n_live=n_live, implementation=implementation)
+        return layer._replicated(topk_live, scores, n_live, select_k, implementation=layer.implementation)
