@@ -15,12 +15,18 @@ GLM-5.3-Flash cache geometry (kv_lora 512, indexer 32 x 128, kpool 4, topk 2048)
 
 Capacities are tokens per sequence, the same for both cache kinds (a paged capacity must
 be a whole number of pages; 4,224 is 66 pages: the smallest that holds 4,096 tokens plus
-the timed steps). Prints each row's median step time and, per cache kind and batch, the
-ratio last capacity / first.
+the timed steps). Prints each row's median and best step time and, per cache kind and
+batch, the ratio of the medians last capacity / first.
+
+The capacities' steps are timed in turn (one step on each cache, then the next round),
+not one capacity after the other: on a shared machine the load moves within a minute, and
+timing them in turn lets a change of load hit every capacity alike instead of one row.
 """
 
 import argparse
 import dataclasses
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -60,15 +66,23 @@ def main(argv=None):
         for b in args.batches:
             x = jax.random.normal(jax.random.key(1), (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
             mask = jnp.ones((b, 1), bool)
-            times = []
-            for cap in args.capacities:
-                cache = fill(layer, b, CONTEXT, cap)
-                times.append(bench._time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask),
-                                               cache, args.iters))
-                del cache
-                print(f"{args.which} {kind} B={b} capacity={cap}: {times[-1]:.2f} ms", flush=True)
+            caches = [fill(layer, b, CONTEXT, cap) for cap in args.capacities]
+            times = [[] for _ in caches]
+            for i in range(args.iters + 1):  # the first round is the warm-up (compilation)
+                for j in range(len(caches)):
+                    t0 = time.perf_counter()
+                    res = step(params, x, mask, caches[j])
+                    jax.block_until_ready(res)
+                    caches[j] = res[-1]
+                    if i:
+                        times[j].append((time.perf_counter() - t0) * 1e3)
+            del caches, res
+            med = [statistics.median(t) for t in times]
+            for cap, m, t in zip(args.capacities, med, times):
+                print(f"{args.which} {kind} B={b} capacity={cap}: median {m:.2f} ms, best {min(t):.2f} ms",
+                      flush=True)
             print(f"{args.which} {kind} B={b} ratio {args.capacities[-1]}/{args.capacities[0]}: "
-                  f"{times[-1] / times[0]:.2f}", flush=True)
+                  f"{med[-1] / med[0]:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,8 @@ def _exit_code(argv):
     (["bench", "decode", "--contexts", "64,-1"], "--contexts"),
     (["bench", "decode", "--contexts", ","], "--contexts"),
     (["bench", "decode", "--batch", "0"], "--batch"),
+    (["bench", "decode", "--cache", "paged", "--capacity", "4200"], "multiple of 64 (e.g. 4224)"),
+    (["bench", "decode", "--cache", "ring"], "--cache"),
     (["plan", "--elem-bytes", "-2"], "--elem-bytes"),
     (["plan", "--context", "-5"], "--context"),
     (["plan", "--tp", "0"], "--tp"),
