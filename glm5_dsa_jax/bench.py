@@ -2,20 +2,26 @@
 
 A benchmark, not a test: ``run`` returns the rows and ``glm5_dsa_jax.cli.bench`` prints
 them (a table, or one JSON object with ``--json``). For each batch size and context length
-it builds a cache already holding ``context`` tokens (random latent rows and pooled keys:
-prefilling 131,072 tokens at the real dims would take hours on a CPU, and the step's cost
-does not depend on the values), then times
+it builds a cache already holding ``context`` tokens per sequence (random latent rows and
+pooled keys: prefilling 131,072 tokens at the real dims would take hours on a CPU, and the
+step's cost does not depend on the values), then times
 
 * ``sparse``: the whole jitted, cache-donating decode step of one full DSA layer
-  (projections, pool update, index scores, top-k, expansion, sparse MLA, ``o_proj``);
+  (projections, pool update, index scores, top-k, expansion, sparse MLA, ``o_proj``), on
+  the cache kind ``run``'s ``cache`` names: ``"contiguous"`` (``init_cache``,
+  ``filled_cache``) or ``"paged"`` (``init_paged_cache`` with ``max_seqs = batch``,
+  ``PAGE_SIZE``-token pages and ``batch * capacity / PAGE_SIZE`` pages, each sequence's
+  pages a random draw from the pool: ``filled_paged_cache``);
 * ``dense``: the same step with attention over every cached token instead of the selection
-  (the indexer skipped), i.e. absorbed MLA without DSA, on a cache of the same capacity
-  as the sparse row's (masked attention over every slot of it, as a fixed-shape compiled
-  step must);
+  (the indexer skipped), i.e. absorbed MLA without DSA, on a contiguous cache of the same
+  capacity as the sparse row's (masked attention over every slot of it, as a fixed-shape
+  compiled step must);
 * ``dense_fit``: dense's best case, a cache sized to the context (so it re-compiles per
   context, where the sparse step replays one compilation);
-* ``sparse_attn`` / ``dense_attn``: the attention part alone (selection + sparse MLA,
-  against masked MLA over all tokens), given the absorbed queries.
+* ``sparse_attn`` / ``dense_attn`` (contiguous cache only): the attention part alone
+  (selection + sparse MLA, against masked MLA over all tokens), given the absorbed
+  queries. A paged run has no such rows: its selection reads through the block table
+  inside the layer's paged call, and the whole ``sparse`` step is what it measures.
 
 and, at batch 1 and contexts up to ``--hf-max-context``, ``hf``: Hugging Face's eager
 ``Glm5NextTextAttention`` (bf16) stepping one token on a ``DynamicCache`` already holding
@@ -25,11 +31,14 @@ installed.
 Per row: the median step time, the number of compilations (1 means the step replayed
 without re-tracing as the context moved), the peak bytes XLA reports for the compiled
 step (arguments + outputs + scratch, minus donated aliases), the cache kind (``cache``:
-``"contiguous"``, this project's ``init_cache``; ``"dynamic"`` for HF's growing
-``DynamicCache``) and its ``capacity`` in tokens per sequence (``run``'s ``capacity``,
-default the largest context plus the timed steps; the context the cache is sized to for
-``dense_fit``; the context for HF). ``cache_bytes_per_token`` is the cache's size divided
-by its batch size and capacity.
+``"contiguous"`` or ``"paged"``; ``"dynamic"`` for HF's growing ``DynamicCache``) and its
+``capacity`` in tokens per sequence (``run``'s ``capacity``, default the largest context
+plus the timed steps, rounded up to whole pages for a paged run; the context the cache is
+sized to for ``dense_fit``; the context for HF). A paged cache of capacity ``T`` holds
+exactly the tokens a contiguous one of ``T`` slots per sequence does (``T / PAGE_SIZE``
+pages per sequence, ``batch`` times that in the pool), so the two kinds' rows compare
+like for like. ``cache_bytes_per_token`` is the sparse row's cache size divided by its
+batch size and capacity (block tables and free stack included for a paged cache).
 
 The weight-read floor: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
@@ -48,6 +57,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
@@ -55,11 +65,17 @@ from glm5_dsa_jax.cache import from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
+from glm5_dsa_jax.paged_cache import PagedCache
 from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
+#: Tokens per page of a paged run (vLLM's and SGLang's page size).
+PAGE_SIZE = 64
+#: ``run``'s cache kinds.
+CACHE_KINDS = ("contiguous", "paged")
 
-__all__ = ["filled_cache", "run", "default_capacity", "check_capacity"]
+__all__ = ["filled_cache", "filled_paged_cache", "run", "default_capacity", "check_capacity",
+           "PAGE_SIZE", "CACHE_KINDS"]
 
 
 def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0):
@@ -87,6 +103,54 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
         first_key=jnp.zeros((batch,), jnp.int32),
         n_valid=jnp.full((batch,), context, jnp.int32),
     )
+
+
+def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: int,
+                       page_size: int = PAGE_SIZE, seed: int = 0) -> PagedCache:
+    """A paged cache of ``batch`` sequences holding ``context`` tokens each of random
+    content, room for ``capacity`` tokens per sequence: ``capacity / page_size`` pages per
+    sequence and ``batch`` times that in the pool (``capacity`` a multiple of
+    ``page_size``, else ``ValueError``).
+
+    Written straight into the pages, as ``filled_cache`` writes the contiguous one: every
+    page holds random latent rows and pooled keys (rows past a sequence's length are never
+    read: every read is bounded by ``lengths``), each sequence owns the first
+    ``ceil(context / page_size)`` pages of a random permutation of the pool (so its pages
+    are scattered, as after sequences came and went), the rest are on the free stack, and
+    the stage holds random keys and gate logits for positions ``context - KP ..
+    context - 1``. The bookkeeping passes ``cache.pages.check()``."""
+    if capacity % page_size:
+        raise ValueError(f"capacity must be a multiple of page_size={page_size} for a paged "
+                         f"cache, got {capacity}")
+    if not 0 <= context <= capacity:
+        raise ValueError(f"context must be in [0, capacity={capacity}], got {context}")
+    pps = capacity // page_size
+    n = batch * pps
+    cache = layer.init_paged_cache(batch, n, page_size, pages_per_seq=pps)
+    used = -(-context // page_size)
+    perm = np.random.default_rng(seed).permutation(n).astype(np.int32)
+    table = np.full((batch, pps), -1, np.int32)
+    table[:, :used] = perm[: batch * used].reshape(batch, used)
+    n_free = n - batch * used
+    # free[:n_free] are the free pages; the entries above the top are unspecified.
+    free = np.concatenate([perm[batch * used:], perm[: batch * used]])
+    pages = cache.pages.replace(
+        block_table=jnp.asarray(table), lengths=jnp.full((batch,), context, jnp.int32),
+        free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32))
+    dt = cache.dtype
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    upd = dict(pages=pages, latent_store=to_store(
+        jax.random.normal(k1, cache.latent_store.shape, dt), dt, cache.latent_store.dtype))
+    if cache.has_indexer:
+        kp = cache.stage_keys.shape[1]
+        # The stage is right-aligned: entry i holds position context - KP + i (none if < 0).
+        held = (context - kp + jnp.arange(kp) >= 0)[None, :, None]
+        upd.update(
+            pooled_store=to_store(jax.random.normal(k2, cache.pooled_store.shape, dt), dt,
+                                  cache.pooled_store.dtype),
+            stage_keys=jnp.where(held, jax.random.normal(k3, cache.stage_keys.shape, dt), 0).astype(dt),
+            stage_gate=jnp.where(held, jax.random.normal(k4, cache.stage_gate.shape, jnp.float32), 0.0))
+    return cache.replace(**upd)
 
 
 def _peak_bytes(compiled) -> int:
@@ -200,30 +264,44 @@ def _hf_step_ms(cfg: DsaConfig, layer_idx: int, context: int, iters: int, seed: 
     return statistics.median(times)
 
 
-def default_capacity(contexts: list[int], iters: int) -> int:
+def default_capacity(contexts: list[int], iters: int, cache: str = "contiguous") -> int:
     """Cache slots per sequence when none is given: the largest context plus room for the
-    warm-up and timed steps (each appends one token)."""
-    return max(contexts) + iters + 2
+    warm-up and timed steps (each appends one token), rounded up to whole ``PAGE_SIZE``
+    pages for a paged cache."""
+    need = max(contexts) + iters + 2
+    return -(-need // PAGE_SIZE) * PAGE_SIZE if cache == "paged" else need
 
 
-def check_capacity(capacity: int, contexts: list[int], iters: int) -> None:
-    """``ValueError`` unless a cache of ``capacity`` tokens holds the largest context and
-    the ``iters + 1`` steps appended to it."""
+def check_capacity(capacity: int, contexts: list[int], iters: int, cache: str = "contiguous") -> None:
+    """``ValueError`` unless ``cache`` is one of ``CACHE_KINDS`` and a cache of
+    ``capacity`` tokens per sequence holds the largest context and the ``iters + 1`` steps
+    appended to it (in whole ``PAGE_SIZE`` pages for a paged cache)."""
+    if cache not in CACHE_KINDS:
+        raise ValueError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
     need = max(contexts) + iters + 1
     if capacity < need:
         raise ValueError(
             f"capacity {capacity} cannot hold context {max(contexts)} plus {iters + 1} decode "
             f"steps: need at least {need} tokens"
         )
+    if cache == "paged" and capacity % PAGE_SIZE:
+        raise ValueError(
+            f"capacity {capacity} is not a whole number of {PAGE_SIZE}-token pages: a paged "
+            f"cache needs a multiple of {PAGE_SIZE} (e.g. {-(-capacity // PAGE_SIZE) * PAGE_SIZE})"
+        )
 
 
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
-        log=print, hf_max_context: int = 16384, capacity: int | None = None) -> dict:
+        log=print, hf_max_context: int = 16384, capacity: int | None = None,
+        cache: str = "contiguous") -> dict:
     """The benchmark's rows (see the module doc); ``capacity``: cache slots per sequence of
-    the sparse, dense and attention rows (None: ``default_capacity``)."""
+    the sparse, dense and attention rows (None: ``default_capacity``); ``cache``: the
+    sparse rows' cache kind, ``"contiguous"`` or ``"paged"``."""
     if capacity is None:
-        capacity = default_capacity(contexts, iters)
-    check_capacity(capacity, contexts, iters)
+        capacity = default_capacity(contexts, iters, cache)
+    check_capacity(capacity, contexts, iters, cache)
+    paged = cache == "paged"
+    fill = filled_paged_cache if paged else filled_cache
     cfg = DsaConfig.preset(preset)
     layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
     layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation)
@@ -257,14 +335,15 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         max_length = capacity
         x = jax.random.normal(key, (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
         mask = jnp.ones((b, 1), bool)
-        shapes = jax.eval_shape(lambda: filled_cache(layer, b, contexts[0], max_length))
+        shapes = jax.eval_shape(lambda: fill(layer, b, contexts[0], max_length))
         traces0, dense_compiles = step.traces, {}
         step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
         for ctx in contexts:
-            cache = filled_cache(layer, b, ctx, max_length)
+            kv = fill(layer, b, ctx, max_length)
             if bytes_per_token is None:
-                bytes_per_token = cache.nbytes() / (cache.batch_size * cache.max_length)
-            rows.extend(_attention_rows(layer, cache, b, ctx, iters, log, max_length))
+                bytes_per_token = kv.nbytes() / (b * max_length)
+            if not paged:
+                rows.extend(_attention_rows(layer, kv, b, ctx, iters, log, max_length))
             # Dense on the sparse row's capacity (one compilation across contexts), then
             # its best case, a cache sized to this context (a compilation per context).
             for impl, cap in (("dense", max_length), ("dense_fit", ctx + iters + 2)):
@@ -281,13 +360,13 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                                  capacity=cap))
                 log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
                     f"compiles={compiles}")
-            t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), cache, iters)
+            t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), kv, iters)
             rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
                              compiles=step.traces - traces0, peak_bytes=step_peak,
-                             cache="contiguous", capacity=max_length))
+                             cache=cache, capacity=max_length))
             log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t_sparse:9.2f} ms  "
-                f"compiles={step.traces - traces0}")
-            del cache
+                f"compiles={step.traces - traces0}  ({cache} cache)")
+            del kv
         if b == 1:
             for ctx in [c for c in contexts if c <= hf_max_context]:
                 t_hf = _hf_step_ms(cfg, layer_idx, ctx, iters)
@@ -302,6 +381,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
+            "cache": cache,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "float32_compute": bool(step.float32),
             "weight_bytes_step": weight_bytes(cfg, w_eb),

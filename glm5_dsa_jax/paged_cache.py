@@ -280,11 +280,22 @@ def token_slots(block_table: jax.Array, positions: jax.Array, page_size: int) ->
 def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
     """``store [N, R, X]`` with ``rows [..., X]`` written at flat row ``slots [...]``
     (``-1``: dropped). A scatter on the donated buffer: in place (a ``uint16`` buffer on a
-    CPU, see the module doc), so a step costs what it writes."""
+    CPU, see the module doc), so a step costs what it writes.
+
+    Never a one-row scatter: one dropped row (index past the end) is always appended. XLA
+    rewrites a one-row scatter (a batch-1 decode step) into a ``dynamic-update-slice``,
+    which XLA:CPU (jax 0.10) then fused into the readers of the updated pool (the
+    attention's gather) as well as writing it, and so kept the old pool alive: four
+    whole-pool copies per step (a 131,072-token pool at batch 1: ~400 ms a step against
+    6 ms; ``scripts/capacity_ratio.py small --cache paged``)."""
     n, r, x = store.shape
     flat = store.reshape(n * r, x)
     idx = jnp.where(slots >= 0, slots, n * r).reshape(-1)
-    flat = flat.at[idx].set(rows.reshape(-1, x).astype(store.dtype), mode="drop")
+    rows = rows.reshape(-1, x).astype(store.dtype)
+    # One dropped row more, so never a one-row scatter (see the doc).
+    idx = jnp.concatenate([idx, jnp.full((1,), n * r, idx.dtype)])
+    rows = jnp.concatenate([rows, jnp.zeros((1, x), rows.dtype)])
+    flat = flat.at[idx].set(rows, mode="drop")
     return flat.reshape(n, r, x)
 
 

@@ -6,10 +6,16 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 import glm5_dsa_jax as gd
+from glm5_dsa_jax import bench
 from glm5_dsa_jax.cli import main
+from glm5_dsa_jax.decode import make_step
 from helpers import f32_layer
 
 
@@ -77,3 +83,69 @@ def test_bench_decode_capacity(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--iters", "1",
                  "--capacity", "65"]) == 2
     assert "need at least 66 tokens" in capsys.readouterr().err
+
+
+def test_bench_decode_paged_json(capsys):
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,130", "--batch", "2",
+                 "--iters", "1", "--cache", "paged", "--hf-max-context", "0", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    # Default capacity: 130 + 1 + 2 tokens, rounded up to whole 64-token pages.
+    assert (res["cache"], res["capacity"]) == ("paged", 192)
+    rows = res["rows"]
+    # No attention-part rows on a paged cache (see glm5_dsa_jax.bench).
+    assert sorted(r["impl"] for r in rows) == ["dense"] * 2 + ["dense_fit"] * 2 + ["sparse"] * 2
+    for r in rows:
+        assert r["batch"] == 2 and r["median_ms"] > 0 and "x_floor" in r
+        want = {"sparse": ("paged", 192), "dense": ("contiguous", 192),
+                "dense_fit": ("contiguous", r["context"] + 3)}[r["impl"]]
+        assert (r["cache"], r["capacity"]) == want, r
+    sparse = [r for r in rows if r["impl"] == "sparse"]
+    assert [r["context"] for r in sparse] == [64, 130]
+    assert all(r["compiles"] == 1 for r in sparse)  # one compilation across contexts
+    # Latent rows and pooled keys of the tiny config, plus block tables, free stack, stage.
+    assert 0 < res["cache_bytes_per_token"] < 200
+    # The table form names the cache of each row.
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1",
+                 "--iters", "1", "--cache", "paged", "--capacity", "128", "--hf-max-context", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse       paged" in out and "paged cache bytes per token" in out
+
+
+@pytest.mark.parametrize("context", [0, 2, 64, 130])
+def test_filled_paged_cache_is_consistent_and_steps(context):
+    cfg = gd.DsaConfig.tiny()
+    layer = gd.DsaAttention(cfg, 1, rngs=nnx.Rngs(0))
+    b, cap, ps = 3, 192, bench.PAGE_SIZE
+    cache = bench.filled_paged_cache(layer, b, context, cap)
+    cache.pages.check()  # block tables, lengths and free stack agree
+    table = np.asarray(cache.pages.block_table)
+    used = -(-context // ps)
+    assert cache.num_pages == b * cap // ps and cache.pages_per_seq == cap // ps
+    assert (np.asarray(cache.pages.lengths) == context).all()
+    assert int(cache.pages.n_free) == cache.num_pages - b * used
+    owned = table[:, :used].reshape(-1)
+    if used > 1:  # the pages are a random draw from the pool, not in order
+        assert (np.diff(owned) != 1).any()
+    # The stage holds positions context - KP .. context - 1: none below 0.
+    kp = cfg.index_kpool
+    held = context - kp + np.arange(kp) >= 0
+    stage = np.asarray(cache.stage_keys, np.float32)
+    assert (np.abs(stage).sum(-1) > 0).tolist() == [held.tolist()] * b
+    # One decode step appends a token to every sequence through its own pages.
+    step, params = make_step(layer)
+    x = jax.random.normal(jax.random.key(1), (b, 1, cfg.hidden_size)).astype(layer.dtype)
+    out, topk, cache = step(params, x, jnp.ones((b, 1), bool), cache)
+    assert (np.asarray(cache.status) == 0).all()
+    assert (np.asarray(cache.pages.lengths) == context + 1).all()
+    cache.pages.check()
+    ids = np.asarray(topk)
+    assert ((ids >= -1) & (ids <= context)).all() and (ids >= 0).any(axis=-1).all()
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_filled_paged_cache_refuses_a_partial_page():
+    layer = gd.DsaAttention(gd.DsaConfig.tiny(), 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="multiple of page_size=64"):
+        bench.filled_paged_cache(layer, 1, 10, 100)
+    with pytest.raises(ValueError, match=r"context must be in \[0, capacity=128\]"):
+        bench.filled_paged_cache(layer, 1, 200, 128)

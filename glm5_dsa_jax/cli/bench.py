@@ -27,7 +27,10 @@ def add_parser(sub) -> None:
                    help="HF eager rows at batch 1 for contexts up to this (0: none)")
     p.add_argument("--capacity", type=positive_int, default=None,
                    help="cache tokens per sequence of the sparse and dense rows (default: the "
-                        "largest context plus the timed steps)")
+                        "largest context plus the timed steps, in whole pages for --cache paged)")
+    p.add_argument("--cache", default="contiguous", choices=list(bench.CACHE_KINDS),
+                   help="the sparse rows' cache: contiguous (init_cache) or paged (init_paged_cache, "
+                        f"{bench.PAGE_SIZE}-token pages, batch * capacity / {bench.PAGE_SIZE} of them)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -36,28 +39,32 @@ def main(args) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.capacity is not None:
         try:
-            bench.check_capacity(args.capacity, args.contexts, args.iters)
+            bench.check_capacity(args.capacity, args.contexts, args.iters, args.cache)
         except ValueError as e:
             print(f"glm5-dsa bench: error: --capacity: {e}", file=sys.stderr)
             return 2
     res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
-                    hf_max_context=args.hf_max_context, capacity=args.capacity)
+                    hf_max_context=args.hf_max_context, capacity=args.capacity, cache=args.cache)
     if args.json:
         print(json.dumps(res))
         return 0
     print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
           f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
-    print(f"{'impl':<12} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} {'floor ms':>9} {'x floor':>8}")
+    print(f"{'impl':<12} {'cache':<10} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} "
+          f"{'floor ms':>9} {'x floor':>8}")
     for r in res["rows"]:
         fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
-        print(f"{r['impl']:<12} {r['batch']:>5} {r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}")
-    print(f"\ncache bytes per token: {res['cache_bytes_per_token']:.1f}")
+        print(f"{r['impl']:<12} {r['cache']:<10} {r['batch']:>5} {r['context']:>8} {r['capacity']:>9} "
+              f"{r['median_ms']:10.2f} {fl}")
+    print(f"\n{res['cache']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
     for b in args.batch:
         c0, c1 = args.contexts[0], args.contexts[-1]
+        # A paged run has no attention-part rows (see glm5_dsa_jax.bench).
+        attn = (f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
+                if ("sparse_attn", b, c1) in by else "")
         print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
-              f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
-              f"whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x "
+              f"{attn}whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x "
               f"(dense on a cache sized to the context: {by[('dense_fit', b, c1)] / by[('sparse', b, c1)]:.1f}x)")
     for (impl, b, c), t in by.items():
         if impl == "hf":
