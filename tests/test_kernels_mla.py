@@ -23,9 +23,8 @@ from hypothesis import strategies as st
 
 import pallas_kernels.attention as attention
 from pallas_kernels._common import lower_for_cuda, triton_calls
-from pallas_kernels.attention import (
-    SparseMlaBlockSizes, mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
-)
+from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
+from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
