@@ -254,6 +254,7 @@ def test_gpu_check_smoke_runs_on_cpu():
             "expand_selection", "sparse_mla"} <= kernels
     mla = [r for r in rows if r["kernel"] == "sparse_mla" and r["impl"] != "xla"]
     assert mla and all(r["check"].startswith("ok") for r in mla), mla
+    assert "pallas rope" in {r["impl"] for r in mla}  # the [c, k_rot] rows, value_width C
     # topk_pools on both paths (the smoke rows are short: the multi-program one is forced)
     topk = {r["impl"]: r["check"] for r in rows if r["kernel"] == "topk_pools"}
     assert topk["pallas"].startswith("ok") and topk["pallas split_p=2"].startswith("ok"), topk
