@@ -12,6 +12,9 @@ Axis letters, used by every kernel doc, shape comment and error message of this 
 * ``K``: pools selected per query (``select_k``); ``TW``: tail slots (``KP - 1``, or 0).
 * ``H``: attention heads; ``Hi``: indexer heads.
 * ``C``: latent width (``kv_lora_rank``); ``D``: indexer head dim.
+* ``R``: RoPE width (``qk_rope_head_dim``, 0 for GLM-5.3); ``CR``: width of a latent cache
+  row, ``C + R`` (the latent, then the shared roped key ``k_rot``); ``V``: the leading
+  columns of a row that are values (``C``).
 * ``W``: width of a selected-id row (``out_width = K*KP + TW``).
 * Paged cache: ``N``: pages of the shared page pool; ``PG``: pages per sequence (the
   block table's width); ``PPP``: pools per page (``page_size // KP``).
@@ -20,11 +23,13 @@ The paged layout (a page holds ``page_size`` tokens, a multiple of ``KP``, 64 by
 ``block_table [B, PG]`` int32 names the page holding tokens ``[j*page_size, (j+1)*page_size)``
 of sequence ``b`` (``-1``: none; positions start at 0 with no holes, so ``first_key`` is 0);
 ``pooled_pages [N, PPP, D]`` holds pool ``p`` of sequence ``b`` at ``[block_table[b, p //
-PPP], p % PPP]``; the latent pool ``[N * page_size, C]`` (passed as ``[1, L, C]``) holds token
+PPP], p % PPP]``; the latent pool ``[N * page_size, CR]`` (passed as ``[1, L, CR]``) holds token
 ``t`` at slot ``block_table[b, t // page_size] * page_size + t % page_size``.
 
 A row of selected token ids is called ``token_ids`` everywhere (``[B, Q, W]`` int32, ``-1``
-= no token).
+= no token). A model whose indexer selects tokens directly (``glm_moe_dsa``, ``deepseek_v32``)
+runs the same kernels at ``KP = 1`` without a tail: a pool is a token, ``P = L``, ``K =
+min(index_topk, L)``, and ``expand_selection`` maps pool ``p`` to token ``first_key + p``.
 
 Each step module holds the Pallas kernel (Triton backend), its public wrapper and the
 plain-jnp reference that ``implementation="xla"`` runs. Every wrapper takes
@@ -36,24 +41,24 @@ defaults), validated under every implementation::
                         -> index_scores     (scoring)   -> [B, Q, P] float32 scores (-inf = no candidate)
                         -> topk_pools       (selection) -> [B, Q, K] pool ids (ascending, -1 after)
                         -> expand_selection (expansion) -> token_ids [B, Q, W] (-1 = none)
-                        -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, C]
+                        -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, V]
 
     paged cache:  pooled_pages [N, PPP, D], block_table [B, PG], pool_counts [B]
                         -> index_scores_paged (paged_scoring) -> [B, Q, PG*PPP] scores, own live pools only
                         -> topk_pools(..., n_live=visible pools) -> [B, Q, K] (nothing past n_live read)
                         -> expand_selection -> positions; the caller maps them to slots of the latent pool
-                        -> sparse_mla over latent [1, N*page_size, C] (shared by every row)
+                        -> sparse_mla over latent [1, N*page_size, CR] (shared by every row)
 
 ``streaming_topk`` is ``topk_pools`` over a row scored tile by tile up to a device-side
 tile count (what ``implementation="xla"`` runs, so its work follows the live pools);
 ``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
+``dense_mla`` the dense oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``);
 ``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
 """
 
 from pallas_kernels._common import IMPLEMENTATIONS, Implementation
-from pallas_kernels.attention import (
-    SparseMlaBlockSizes, mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
-)
+from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
+from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
     ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference,
     visible_tail,

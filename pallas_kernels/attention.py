@@ -1,35 +1,45 @@
 """``sparse_mla``: weight-absorbed MLA attention over the selected latent rows only.
 
-Axis letters as in the package glossary (``pallas_kernels``). Invariants:
+Axis letters as in the package glossary (``pallas_kernels``; ``CR``: the width of a latent
+row, ``V``: its leading value columns). Invariants:
 
-* Queries are already absorbed (``q_lat = q_nope @ W_UK``, ``[B, Q, H, C]`` with ``C =
-  kv_lora_rank``) and keys and values are the same latent rows ``latent[b, id]``, so one
-  gather of the ``W`` rows named by ``token_ids`` serves every head. The output is the latent
-  attention output ``[B, Q, H, C]``; ``absorb_o`` applies ``W_UV`` and ``o_proj``.
-* ``latent`` is ``[B, L, C]`` (one cache row per sequence) or ``[1, L, C]``, one pool of
+* Queries are already absorbed and keys and values are the same latent rows ``latent[b,
+  id]``, so one gather of the ``W`` rows named by ``token_ids`` serves every head. A query
+  ``q [B, Q, H, CR]`` is as wide as a row: the score of a row is ``q . row`` over all ``CR``
+  columns, the value is the row's first ``V = value_width`` columns, and the output is the
+  latent attention output ``[B, Q, H, V]`` (``absorb_o`` applies ``W_UV`` and ``o_proj``).
+* Without RoPE (``glm5_next``) a row is the latent ``c`` (``CR = V = C = kv_lora_rank``)
+  and ``q = q_nope @ W_UK``. With RoPE (``glm_moe_dsa``, ``deepseek_v32``) a row is ``[c,
+  k_rot]`` (``CR = C + R``, ``R = qk_rope_head_dim``: 576 at 512 + 64), the query is
+  ``[q_nope @ W_UK, q_rot]`` and ``V = C``: the score is ``q_lat . c + q_rot . k_rot``
+  (HF's ``q_nope . k_nope + q_rot . k_rot`` with ``W_UK`` absorbed) and the values are
+  ``c`` alone, as HF's value heads are ``c @ W_UV``. ``value_width=None`` means ``V = CR``.
+* ``latent`` is ``[B, L, CR]`` (one cache row per sequence) or ``[1, L, CR]``, one pool of
   rows that every batch row reads (``latent[0, id]``): the paged cache's flat latent pool
-  ``[N * page_size, C]``, where ``token_ids`` are then physical slots (``block_table[b, t //
+  ``[N * page_size, CR]``, where ``token_ids`` are then physical slots (``block_table[b, t //
   page_size] * page_size + t % page_size`` for token ``t`` of sequence ``b``). Which slots a
   row may read is the caller's business: a row reads exactly the slots it names, so a row
   naming only its own sequence's slots reads no other sequence's page. A shared pool is
   never copied per row (the Pallas latent block of every program is batch 0's).
 * ``id < 0`` (and ``id >= L``) is not a token: it is never read and gets no weight.
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
-* Softmax in float32 with scale ``qk_head_dim**-0.5``; the output has ``q_lat``'s dtype.
+* Softmax in float32 with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
+  ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
 * A row must not repeat an id (the selection never does): the dense oracle
   ``topk_to_mask`` counts a repeated id once, the sparse path would weigh it twice.
 
-The dense oracle (``topk_to_mask`` + ``mla_masked_attention``: the same attention computed
-over every key with a boolean mask, as Hugging Face's ``glm5_next`` reference computes it)
-lives here too.
+The dense oracle (``topk_to_mask`` + ``mla_masked_attention``, in ``pallas_kernels.dense_mla``:
+the same attention computed over every key with a boolean mask, as Hugging Face's
+references compute it) takes the same ``value_width``.
 
 The Pallas kernel (Triton backend; see the comment above ``_sparse_mla_kernel``): one
 program per (batch, query) row, block of ``block_h`` heads and share of the row's id
 blocks; an online softmax over gathered blocks of ``block_w`` latent rows, each gathered
 once for both the scores and the values, with a masked load (an invalid id is really never
 read, whereas the reference reads the clamped row and gives it weight 0). The loop stops
-after the last valid id of the row, so short rows cost little. Any H and C work: heads are
-padded to ``block_h``, the latent width is processed in ``block_c`` chunks. Block sizes
+after the last valid id of the row, so short rows cost little. Any H, CR and V work: heads
+are padded to ``block_h``, the row is processed in ``block_c`` chunks (scores over every
+chunk, an accumulator only for the chunks holding value columns). Block sizes
 (``SparseMlaBlockSizes``) change the tiling and the order of the sums, not the result
 beyond float rounding.
 """
@@ -49,32 +59,20 @@ from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_positive_int,
     check_power_of_two, check_rank, check_triton_params, next_power_of_two,
 )
+from pallas_kernels.dense_mla import check_value_width, masked_softmax
 
-__all__ = [
-    "sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "topk_to_mask",
-    "mla_masked_attention",
-]
+__all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes"]
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def masked_softmax(s, valid):
-    """Softmax of ``s`` over its last axis where ``valid``; all-invalid rows give zeros."""
-    s = jnp.where(valid, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(valid, jnp.exp(s - m), 0.0)
-    denom = p.sum(-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
-
-
 def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """``latent [B, L, C]`` or shared ``[1, L, C]``, in-range ``token_ids [B, Q, W]`` ->
-    ``[B, Q, W, C]``.
+    """``latent [B, L, CR]`` or shared ``[1, L, CR]``, in-range ``token_ids [B, Q, W]`` ->
+    ``[B, Q, W, CR]``.
 
     16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
-    ``[B, L, C]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
-    A shared ``[1, L, C]`` pool is gathered from directly (never broadcast to ``B`` rows).
+    ``[B, L, CR]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
+    A shared ``[1, L, CR]`` pool is gathered from directly (never broadcast to ``B`` rows).
     """
     if latent.shape[0] == 1:
         take = lambda lat, i: lat[0][i]
@@ -87,84 +85,73 @@ def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
 
 
 def sparse_mla_reference(
-    q_lat: jax.Array, latent: jax.Array, token_ids: jax.Array, *, scale: float
+    q: jax.Array, latent: jax.Array, token_ids: jax.Array, *, scale: float,
+    value_width: int | None = None,
 ) -> jax.Array:
     """Plain-jnp sparse attention.
 
     Args:
-      q_lat: ``[B, Q, H, C]`` absorbed queries.
-      latent: ``[B, L, C]`` latent cache rows (keys and values at once), or ``[1, L, C]``
+      q: ``[B, Q, H, CR]`` absorbed queries (``[q_lat, q_rot]`` with RoPE), as wide as a row.
+      latent: ``[B, L, CR]`` latent cache rows (keys and values at once), or ``[1, L, CR]``
         shared by every batch row (the paged cache's flat pool).
       token_ids: ``[B, Q, W]`` int32 selected token ids (slots of ``latent``'s ``L``
         axis), ``-1`` = none.
-      scale: softmax scale, ``qk_head_dim**-0.5``.
+      scale: softmax scale (``qk_head_dim**-0.5``, with YaRN's ``mscale**2`` if any).
+      value_width: ``V``, the leading columns of a row that are values (``None``: all
+        ``CR``; ``kv_lora_rank`` with RoPE).
 
     Returns:
-      ``[B, Q, H, C]`` in ``q_lat.dtype``.
+      ``[B, Q, H, V]`` in ``q.dtype``.
     """
     length = latent.shape[1]
+    v = check_value_width(value_width, latent.shape[2])
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
-    kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,C]
+    kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     kv = jnp.where(valid[..., None], kv, 0.0)
-    s = jnp.einsum("bqhc,bqwc->bqhw", q_lat.astype(jnp.float32), kv, precision=_HI) * scale
+    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI) * scale
     p = masked_softmax(s, valid[:, :, None, :])
-    o = jnp.einsum("bqhw,bqwc->bqhc", p, kv, precision=_HI)
-    return o.astype(q_lat.dtype)
-
-
-def topk_to_mask(token_ids: jax.Array, length: int) -> jax.Array:
-    """``[B, Q, W]`` token ids -> ``[B, Q, L]`` bool mask of the selected keys."""
-    valid = (token_ids >= 0) & (token_ids < length)
-    hit = (token_ids[..., None] == jnp.arange(length, dtype=token_ids.dtype)) & valid[..., None]
-    return hit.any(-2)
-
-
-def mla_masked_attention(
-    q_lat: jax.Array, latent: jax.Array, mask: jax.Array, *, scale: float
-) -> jax.Array:
-    """The dense oracle: absorbed MLA over all ``L`` keys, restricted by ``mask [B, Q, L]``."""
-    lat = latent.astype(jnp.float32)
-    s = jnp.einsum("bqhc,blc->bqhl", q_lat.astype(jnp.float32), lat, precision=_HI) * scale
-    p = masked_softmax(s, mask[:, :, None, :])
-    o = jnp.einsum("bqhl,blc->bqhc", p, lat, precision=_HI)
-    return o.astype(q_lat.dtype)
+    o = jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
+    return o.astype(q.dtype)
 
 
 def sparse_mla(
-    q_lat: jax.Array,
+    q: jax.Array,
     latent: jax.Array,
     token_ids: jax.Array,
     *,
     scale: float,
+    value_width: int | None = None,
     implementation: Implementation = "xla",
     block_sizes: SparseMlaBlockSizes | None = None,
 ) -> jax.Array:
-    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``;
-    ``block_sizes`` (validated under every implementation, see ``SparseMlaBlockSizes``)
-    tiles the Pallas kernel."""
+    """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``:
+    ``q [B, Q, H, CR]``, ``latent [B or 1, L, CR]``, ``token_ids [B, Q, W]`` ->
+    ``[B, Q, H, V]`` (``V = value_width``, default ``CR``). ``block_sizes`` (validated under
+    every implementation, see ``SparseMlaBlockSizes``) tiles the Pallas kernel."""
     check_implementation(implementation)
     blocks = check_block_sizes(block_sizes, SparseMlaBlockSizes)
-    check_rank("q_lat", q_lat, 4, "[B, Q, H, C]")
-    check_rank("latent", latent, 3, "[B, L, C]")
+    check_rank("q", q, 4, "[B, Q, H, CR]")
+    check_rank("latent", latent, 3, "[B, L, CR]")
     check_rank("token_ids", token_ids, 3, "[B, Q, W]")
-    b, nq, _, c = q_lat.shape
-    if latent.shape[0] not in (1, b) or latent.shape[2] != c:
+    b, nq, _, cr = q.shape
+    if latent.shape[0] not in (1, b) or latent.shape[2] != cr:
         raise ValueError(
-            f"latent must be [B={b}, L, C={c}] or shared [1, L, C={c}], "
-            f"got {tuple(latent.shape)}"
+            f"latent must be [B={b}, L, CR={cr}] or shared [1, L, CR={cr}] (rows as wide as "
+            f"the query q), got {tuple(latent.shape)}"
         )
     if token_ids.shape[:2] != (b, nq):
         raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
+    v = check_value_width(value_width, cr)
     if implementation == "xla":
-        return sparse_mla_reference(q_lat, latent, token_ids, scale=scale)
+        return sparse_mla_reference(q, latent, token_ids, scale=scale, value_width=v)
     return _sparse_mla_pallas(
-        q_lat, latent, token_ids, scale=scale,
+        q, latent, token_ids, scale=scale, value_width=v,
         interpret=implementation == "pallas_interpret",
-        block_sizes=blocks.resolve(q_lat.shape, token_ids.shape[2]),
+        block_sizes=blocks.resolve(q.shape, token_ids.shape[2]),
     )
 
 
@@ -188,10 +175,14 @@ def sparse_mla(
 #    its work is still spread over every split.
 # 3. Per id block: load ``block_w`` ids, gather the ``block_w`` latent rows once (a masked
 #    load: an invalid id is never read), ``scores = q @ kv.T * scale`` (f32), online
-#    softmax (running max and sum in f32), ``acc += p @ kv``. C is processed as
-#    ``ceil(C / block_c)`` static chunks of ``block_c`` columns (scores summed over chunks,
-#    one accumulator per chunk); columns past C are masked to 0.
-# 4. One split: write ``acc / sum`` in q_lat's dtype. Several: write ``acc``, the max and
+#    softmax (running max and sum in f32), ``acc += p @ kv``. The row is processed as
+#    ``n_c = ceil(CR / block_c)`` static chunks of ``block_c`` columns: the scores sum over
+#    every chunk, accumulators exist only for the first ``n_v = ceil(V / block_c)`` chunks
+#    (those holding value columns; with RoPE the ``k_rot`` chunks are scored, never
+#    accumulated). Columns past CR are masked to 0. A chunk straddling the value boundary
+#    (``V`` not a multiple of ``block_c``) is accumulated whole: its columns ``[V, n_v *
+#    block_c)`` (``k_rot`` or padding) land in output columns that the wrapper cuts off.
+# 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
 #    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
 #
 # All-invalid rows and splits: the running max stays -inf, every p is 0 and the sum 0, so
@@ -218,7 +209,7 @@ def _padded_width(width: int, block_w: int) -> int:
 
 
 def _default_block_c(c: int) -> int:
-    """Power-of-two chunk of the latent width: whole C up to 512 when C is a power of two;
+    """Power-of-two chunk of the row width: whole CR up to 512 when CR is a power of two;
     otherwise the chunk that wastes the fewest padded columns (a small cost per chunk)."""
     best = None
     for bc in (16, 32, 64, 128, 256, 512):
@@ -247,10 +238,10 @@ def _dot_nn(a, b):
 
 def _sparse_mla_kernel(
     ids_ref, q_ref, lat_ref, *out_refs,
-    scale, length, width, n_c, block_h, block_w, block_c, num_splits, latent_c,
+    scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c,
 ):
-    # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, C] (this row's batch, or
-    # the shared pool).
+    # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, CR] (this row's batch, or
+    # the shared pool); outputs n_v*block_c columns wide.
     split = pl.program_id(1)
     f32 = jnp.float32
 
@@ -299,14 +290,14 @@ def _sparse_mla_kernel(
         p = jnp.exp(s - m_safe[:, None])  # 0 at masked slots
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         pv = p.astype(kv_dtype)
-        accs = tuple(
+        accs = tuple(  # the value chunks only: zip stops at the n_v accumulators
             alpha[:, None] * acc + _dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
         )
         return m_next, l_next, accs
 
     m0 = jnp.full((block_h,), -jnp.inf, f32)
     l0 = jnp.zeros((block_h,), f32)
-    acc0 = tuple(jnp.zeros((block_h, block_c), f32) for _ in range(n_c))
+    acc0 = tuple(jnp.zeros((block_h, block_c), f32) for _ in range(n_v))
     m_i, l_i, accs = lax.fori_loop(lo, hi, body, (m0, l0, acc0))
 
     # 4. Write.
@@ -325,7 +316,7 @@ def _sparse_mla_kernel(
 
 
 def _combine_splits(acc, m, l):
-    """Merge per-split partials ``acc [..., num_splits, H, C]``, ``m, l [..., num_splits, H]``
+    """Merge per-split partials ``acc [..., num_splits, H, V]``, ``m, l [..., num_splits, H]``
     (f32)."""
     m_all = jnp.max(m, axis=-2, keepdims=True)
     m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
@@ -344,9 +335,10 @@ class SparseMlaBlockSizes:
       queries).
     * ``block_w``: selected ids per loop step (power of two >= 16; default 32, or 16 for
       rows narrower than 17).
-    * ``block_c``: latent columns per chunk (power of two >= 16; default the whole width
-      up to 512 when it is a power of two, else the chunk wasting the fewest padded
-      columns); the kernel loops over ``ceil(C / block_c)`` chunks.
+    * ``block_c``: row columns per chunk (power of two >= 16; default the whole row width
+      ``CR`` up to 512 when it is a power of two, else the chunk wasting the fewest padded
+      columns: 64 at ``CR = 576``, so the 512 value columns are 8 whole chunks); the kernel
+      scores ``ceil(CR / block_c)`` chunks and accumulates ``ceil(V / block_c)``.
     * ``num_splits``: shares each row's id blocks are split into (int >= 1; default: enough
       for about 256 programs, each share at least 4 id blocks); partial results are merged
       by a small XLA fusion.
@@ -373,7 +365,7 @@ class SparseMlaBlockSizes:
         return self
 
     def resolve(self, q_shape, width: int) -> "SparseMlaBlockSizes":
-        """Every field set, for ``q_lat`` of shape ``q_shape`` ``[B, Q, H, C]`` and id rows
+        """Every field set, for ``q`` of shape ``q_shape`` ``[B, Q, H, CR]`` and id rows
         of width ``W = width``: the sizes the kernel launches with."""
         self.validate()
         b, nq, h, c = q_shape
@@ -392,23 +384,27 @@ class SparseMlaBlockSizes:
 
 
 def _sparse_mla_pallas(
-    q_lat, latent, token_ids, *, scale, interpret, block_sizes: SparseMlaBlockSizes,
+    q, latent, token_ids, *, scale, value_width, interpret, block_sizes: SparseMlaBlockSizes,
 ):
-    """Pallas attention with the resolved ``block_sizes`` (every field set)."""
+    """Pallas attention with the resolved ``block_sizes`` (every field set) and ``V =
+    value_width`` (checked)."""
     block_h, block_w, block_c = block_sizes.block_h, block_sizes.block_w, block_sizes.block_c
     num_splits = block_sizes.num_splits
-    b, nq, h, c = q_lat.shape
+    b, nq, h, c = q.shape
+    v = value_width
     length = latent.shape[1]
     width = token_ids.shape[2]
     if b * nq * h * c == 0 or width == 0 or length == 0:  # nothing to attend to
-        return jnp.zeros(q_lat.shape, q_lat.dtype)
+        return jnp.zeros((b, nq, h, v), q.dtype)
 
     n_h = -(-h // block_h)
     n_c = -(-c // block_c)
-    h_pad, c_pad = n_h * block_h, n_c * block_c
+    n_v = -(-v // block_c)  # chunks holding value columns; the output's width in chunks
+    h_pad, c_pad, v_pad = n_h * block_h, n_c * block_c, n_v * block_c
     rows = b * nq
+    q_dtype = q.dtype
 
-    q = q_lat.reshape(rows, h, c)
+    q = q.reshape(rows, h, c)
     if (h_pad, c_pad) != (h, c):
         q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, c_pad - c)))
     ids = token_ids.reshape(rows, width).astype(jnp.int32)
@@ -424,7 +420,7 @@ def _sparse_mla_pallas(
             f"scale must be a static Python float for the Pallas kernel, got {scale!r}"
         ) from e
     kernel = functools.partial(
-        _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c,
+        _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c, n_v=n_v,
         block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
     )
     shared = latent.shape[0] == 1  # one pool for every batch row: always block 0
@@ -437,16 +433,16 @@ def _sparse_mla_pallas(
         ),
     ]
     if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((rows, h_pad, c_pad), q_lat.dtype)
-        out_specs = pl.BlockSpec((None, block_h, c_pad), lambda i, s: (i // n_h, i % n_h, 0))
+        out_shape = jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype)
+        out_specs = pl.BlockSpec((None, block_h, v_pad), lambda i, s: (i // n_h, i % n_h, 0))
     else:
         out_shape = (
-            jax.ShapeDtypeStruct((rows, num_splits, h_pad, c_pad), jnp.float32),
+            jax.ShapeDtypeStruct((rows, num_splits, h_pad, v_pad), jnp.float32),
             jax.ShapeDtypeStruct((rows, num_splits, h_pad), jnp.float32),
             jax.ShapeDtypeStruct((rows, num_splits, h_pad), jnp.float32),
         )
         out_specs = (
-            pl.BlockSpec((None, None, block_h, c_pad), lambda i, s: (i // n_h, s, i % n_h, 0)),
+            pl.BlockSpec((None, None, block_h, v_pad), lambda i, s: (i // n_h, s, i % n_h, 0)),
             pl.BlockSpec((None, None, block_h), lambda i, s: (i // n_h, s, i % n_h)),
             pl.BlockSpec((None, None, block_h), lambda i, s: (i // n_h, s, i % n_h)),
         )
@@ -463,5 +459,5 @@ def _sparse_mla_pallas(
         name="sparse_mla",
     )(ids, q, latent)
     if num_splits > 1:
-        out = _combine_splits(*out).astype(q_lat.dtype)
-    return out[:, :h, :c].reshape(b, nq, h, c)
+        out = _combine_splits(*out).astype(q_dtype)
+    return out[:, :h, :v].reshape(b, nq, h, v)

@@ -27,6 +27,8 @@ missing kernel never hides another one. Per step, per case, rows for:
   ``--page-size`` tokens (64; the smoke run 8) through a random block table, checked
   against the contiguous results: the scores through the block table, the top-k bounded by
   each query's visible pools, attention over the flat latent pool ``[1, B * L, C]``;
+* ``sparse_mla`` ``pallas rope``: the RoPE models' rows ``[c, k_rot]`` (``C + R`` wide, R =
+  64; the smoke run 8) with ``value_width = C``, checked against the reference on them;
 * ``pallas one-program`` / ``pallas split_p=N``: ``topk_pools`` on the path its defaults
   do not take for that row length (checked too): the one-program path where the
   multi-program one is the default (128K and 1M tokens), the multi-program one in
@@ -74,6 +76,7 @@ from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 class Geometry:
     heads: int = 64
     latent: int = 512  # kv_lora_rank
+    rope: int = 64  # qk_rope_head_dim of the RoPE models (GLM-5, DeepSeek-V3.2): the "rope" row
     index_heads: int = 32
     index_dim: int = 128
     topk: int = 2048
@@ -468,12 +471,31 @@ class Runner:
             self.measure(case, "sparse_mla", "pallas shared latent", make(self.pallas_impl),
                          (inp["q_lat"], inp["latent"].reshape(1, b * length, c), slots),
                          nbytes=nbytes, flops=flops, want=want, compare=close)
+            self.rope_row(case, ids, nbytes, flops, close)
             return
         want = jax.block_until_ready(jax.jit(make("xla"))(*args))
         for bs in sweep:
             label = "pallas[" + ",".join(f"{k}={v}" for k, v in bs.items()) + "]"
             self.measure(case, "sparse_mla", label, make(self.pallas_impl, **bs), args,
                          nbytes=nbytes, flops=flops, want=want, compare=close)
+
+
+    def rope_row(self, case, ids, nbytes, flops, close):
+        """``sparse_mla`` over RoPE rows ``[c, k_rot]`` (``latent + rope`` wide) with
+        ``value_width = latent``, checked against the reference on the same rows."""
+        g = self.geom
+        b, nq, width = ids.shape
+        ks = jax.random.split(jax.random.key(1), 2)
+        dt = jnp.dtype(g.dtype)
+        q = jax.random.normal(ks[0], (b, nq, g.heads, g.latent + g.rope), dt)
+        lat = jax.random.normal(ks[1], (b, case.length, g.latent + g.rope), dt)
+        make = lambda impl: (  # noqa: E731
+            lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, value_width=g.latent,
+                                            implementation=impl))
+        want = jax.block_until_ready(jax.jit(make("xla"))(q, lat, ids))
+        self.measure(case, "sparse_mla", "pallas rope", make(self.pallas_impl), (q, lat, ids),
+                     nbytes=nbytes * (g.latent + g.rope) // g.latent, flops=flops, want=want,
+                     compare=close)
 
 
 def _fmt(v, spec):
@@ -532,8 +554,8 @@ def main(argv=None) -> int:
         args.page_size = 8 if args.smoke else 64
 
     if args.smoke:
-        geom = Geometry(heads=4, latent=40, index_heads=3, index_dim=16, topk=16, kpool=4,
-                        qk_head_dim=20, dtype="float32")
+        geom = Geometry(heads=4, latent=40, rope=8, index_heads=3, index_dim=16, topk=16,
+                        kpool=4, qk_head_dim=20, dtype="float32")
         cases, sweep = SMOKE_CASES, SMOKE_SWEEP
     else:
         geom, cases, sweep = Geometry(), REAL_CASES, REAL_SWEEP

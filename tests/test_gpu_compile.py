@@ -165,6 +165,36 @@ def test_paged_cases_lower_for_cuda(kind):
                      "sparse_mla": {"sparse_mla"}}
 
 
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_rope_model_cases_lower_for_cuda(cache):
+    """GLM-5's geometry (a 576-wide ``[c, k_rot]`` cache row, kpool 1 without a tail): every
+    case builds and lowers, ``sparse_mla`` scoring whole rows and returning the 512 latent
+    columns. (An unvalidated config: ``DsaConfig.validate`` refuses RoPE until the layer
+    takes it.)"""
+    import dataclasses
+
+    import jax
+
+    import glm5_dsa_jax as gd
+    from pallas_kernels._common import lower_for_cuda, triton_calls
+
+    cfg = dataclasses.replace(
+        gd.DsaConfig.glm53_flash(), hidden_size=6144, q_lora_rank=2048, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, index_kpool=1, index_kpool_always_select_tail=False)
+    names = {}
+    for case in gc.default_cases(contexts=[131072], batches=[1], steps=["decode"],
+                                 caches=[cache]):
+        fn, avals, _ = gc.cases._build(cfg, case)
+        lowered = lower_for_cuda(fn, *(jax.ShapeDtypeStruct(sh, dt) for sh, dt in avals))
+        names[case.kernel] = {c["name"] for c in triton_calls(lowered)}
+        if case.kernel == "sparse_mla":
+            assert avals[0][0] == (1, 1, 64, 576) and avals[1][0][-1] == 576
+            assert lowered.out_info.shape == (1, 1, 64, 512)
+    assert names["sparse_mla"] == {"sparse_mla"}
+    assert names["topk_pools"] == {"topk_pools_count", "topk_pools_compact"}  # 131072 tokens
+    assert len(names) == (5 if cache == "contiguous" else 3)
+
+
 def test_toolchain_says_which_extra_is_missing(monkeypatch):
     monkeypatch.setattr(ptxas, "_version", lambda dist: None)
     with pytest.raises(gc.ToolchainMissing, match=r"jax-cuda12-plugin.*'gpu-compile' extra"):

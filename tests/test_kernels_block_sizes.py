@@ -136,7 +136,7 @@ def test_implementation_type_and_check():
         assert "block_sizes" in hints, fn.__name__
 
 
-@pytest.mark.parametrize("module", ["pooling", "scoring", "paged_scoring", "selection",
+@pytest.mark.parametrize("module", ["pooling", "scoring", "paged_scoring", "selection", "dense_mla",
                                     "radix_select", "expansion", "attention"])
 def test_modules_do_not_share_their_functions_names(module):
     import pallas_kernels

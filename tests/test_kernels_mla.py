@@ -23,9 +23,8 @@ from hypothesis import strategies as st
 
 import pallas_kernels.attention as attention
 from pallas_kernels._common import lower_for_cuda, triton_calls
-from pallas_kernels.attention import (
-    SparseMlaBlockSizes, mla_masked_attention, sparse_mla, sparse_mla_reference, topk_to_mask,
-)
+from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
+from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -255,6 +254,7 @@ def test_gpu_check_smoke_runs_on_cpu():
             "expand_selection", "sparse_mla"} <= kernels
     mla = [r for r in rows if r["kernel"] == "sparse_mla" and r["impl"] != "xla"]
     assert mla and all(r["check"].startswith("ok") for r in mla), mla
+    assert "pallas rope" in {r["impl"] for r in mla}  # the [c, k_rot] rows, value_width C
     # topk_pools on both paths (the smoke rows are short: the multi-program one is forced)
     topk = {r["impl"]: r["check"] for r in rows if r["kernel"] == "topk_pools"}
     assert topk["pallas"].startswith("ok") and topk["pallas split_p=2"].startswith("ok"), topk

@@ -80,7 +80,7 @@ def test_shared_latent_equals_broadcast_copy(impl, num_splits):
 def test_latent_batch_must_be_one_or_b():
     q = jnp.zeros((3, 1, 4, 16), jnp.float32)
     ids = jnp.zeros((3, 1, 4), jnp.int32)
-    with pytest.raises(ValueError, match=r"latent must be \[B=3, L, C=16\] or shared \[1, L"):
+    with pytest.raises(ValueError, match=r"latent must be \[B=3, L, CR=16\] or shared \[1, L"):
         sparse_mla(q, jnp.zeros((2, 8, 16), jnp.float32), ids, scale=1.0)
 
 

@@ -12,6 +12,10 @@ Invariants:
   room for every sequence's capacity: ``index_scores`` runs as ``index_scores_paged``
   (pooled-key pages through the block table), ``topk_pools`` with a ``n_live`` bound,
   ``sparse_mla`` over the shared latent pool ``[1, batch * context, C]``.
+* Shapes follow the config: ``index_kpool`` (1 without a tail for the RoPE models, whose
+  indexer selects tokens), and ``sparse_mla``'s query and cache rows ``kv_cache_dim =
+  kv_lora_rank + qk_rope_head_dim`` wide (``[c, k_rot]``), its values the ``kv_lora_rank``
+  latent columns (``value_width``).
 * Adding a kernel is one ``KERNELS`` entry: a function from the model config, a ``Step``
   and block-size overrides to the public wrapper call (``implementation="pallas"``) and its
   abstract inputs. ``KERNEL_MODULES`` names the entry that launches each kernel module's
@@ -142,14 +146,16 @@ def _expand_selection(cfg, s: Step, blocks: dict):
 
 
 def _sparse_mla(cfg, s: Step, blocks: dict):
-    b, q, dt, c = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_lora_rank
-    scale = cfg.softmax_scale
+    # A cache row is kv_cache_dim = kv_lora_rank + qk_rope_head_dim wide ([c, k_rot]); the
+    # query [q_lat, q_rot] as wide; the values are the kv_lora_rank latent columns.
+    b, q, dt, cr = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_cache_dim
+    scale, v = cfg.softmax_scale, cfg.kv_lora_rank
     bs = pk.SparseMlaBlockSizes(**blocks)
-    fn = lambda ql, lat, ids: pk.sparse_mla(  # noqa: E731
-        ql, lat, ids, scale=scale, implementation="pallas", block_sizes=bs)
-    latent = (1, b * s.context, c) if s.cache == "paged" else (b, s.context, c)
-    return fn, [((b, q, cfg.num_attention_heads, c), dt), (latent, dt),
-                ((b, q, cfg.out_width), jnp.int32)]
+    fn = lambda qr, lat, ids: pk.sparse_mla(  # noqa: E731
+        qr, lat, ids, scale=scale, value_width=v, implementation="pallas", block_sizes=bs)
+    latent = (1, b * s.context, cr) if s.cache == "paged" else (b, s.context, cr)
+    return fn, [((b, q, cfg.num_attention_heads, cr), dt), (latent, dt),
+                ((b, q, cfg.out_width), jnp.int32)], (v,)
 
 
 #: One entry per kernel: ``(cfg, step, blocks) -> (fn, [(shape, dtype), ...][, static])``.
