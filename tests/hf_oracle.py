@@ -103,7 +103,7 @@ def _roped(attn) -> bool:
 def hf_position_embeddings(attn, position_ids: np.ndarray):
     """``(cos, sin)`` of ``attn``'s model at ``position_ids`` ``[B, S]`` (float32 torch)."""
     with torch.no_grad():
-        return _ROTARY[id(attn)](torch.zeros(1, dtype=torch.float32), torch.from_numpy(np.asarray(position_ids)))
+        return _ROTARY[id(attn)](torch.zeros(1, dtype=torch.float32), torch.from_numpy(np.array(position_ids)))
 
 
 def additive_mask(key_valid: np.ndarray, q_start: int, n_q: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ def _roped_call(attn, xt, mask4, pos, cache=None, prev_topk=None):
     """One call of a RoPE model's attention: (out, topk) torch."""
     pe = hf_position_embeddings(attn, pos)
     kw = dict(hidden_states=xt, position_embeddings=pe, attention_mask=mask4, past_key_values=cache,
-              position_ids=torch.from_numpy(np.asarray(pos)))
+              position_ids=torch.from_numpy(np.array(pos)))
     out = attn(**kw) if attn.indexer is not None else attn(**kw, prev_topk_indices=prev_topk)
     return out[0], (out[2] if len(out) > 2 else None)
 
