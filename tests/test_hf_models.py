@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 import glm5_dsa_jax as gd
 

@@ -6,10 +6,12 @@ comparisons are in ``test_rope`` and ``test_hf_models``."""
 import json
 import math
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import layout
+from glm5_dsa_jax import layout, rope
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.config import MODEL_TYPES, PRESETS
 
@@ -165,3 +167,35 @@ def test_cli_presets(name, capsys):
     assert len(d["per_rank_local_bytes"]) == 8
     assert main(["demo", "--preset", name]) == 2
     assert "not supported by the layer yet" in capsys.readouterr().err
+
+
+def rope_cfg():
+    return gd.DsaConfig.preset("glm5").replace(qk_rope_head_dim=8)
+
+
+def test_styles_differ_and_preserve_dot_products():
+    cfg = rope_cfg()
+    rng = np.random.default_rng(1)
+    q, k = rng.standard_normal((2, 8)).astype(np.float32)
+    c, s = rope.rope_cos_sin(cfg, np.array([7, 7]))
+    qi, ki = (np.asarray(rope.apply_rope(v, c[0], s[0], "interleaved")) for v in (q, k))
+    qh, kh = (np.asarray(rope.apply_rope(v, c[0], s[0], "half")) for v in (q, k))
+    assert not np.allclose(qi, qh)
+    # a query and a key at the same position: each layout keeps their dot product
+    assert float(qi @ ki) == pytest.approx(float(q @ k), rel=1e-5)
+    assert float(qh @ kh) == pytest.approx(float(q @ k), rel=1e-5)
+    c0, s0 = rope.rope_cos_sin(cfg, np.array([0]))
+    np.testing.assert_allclose(np.asarray(rope.apply_rope(q, c0[0], s0[0], "half")), q, rtol=0, atol=0)
+
+
+def test_bad_input():
+    cfg = rope_cfg()
+    c, s = rope.rope_cos_sin(cfg, np.arange(3))
+    with pytest.raises(ValueError, match="style"):
+        rope.apply_rope(jnp.zeros((3, 8)), c, s, "neox")
+    with pytest.raises(ValueError, match="twice"):
+        rope.apply_rope(jnp.zeros((3, 6)), c, s, "half")
+    with pytest.raises(ValueError, match="positions must be an integer"):
+        rope.rope_cos_sin(cfg, np.arange(3.0))
+    with pytest.raises(ValueError, match="NoPE"):
+        rope.inv_freq(gd.DsaConfig.tiny())

@@ -2,7 +2,6 @@
 ``glm_moe_dsa`` and ``deepseek_v32``: default and YaRN frequencies, cos / sin up to position
 200k, both channel layouts (torch: listed in ``conftest.TORCH_MODULES``)."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -122,31 +121,3 @@ def test_apply_rope_matches_hf_functions(style):
         np.testing.assert_array_equal(np.asarray(rope.apply_rope(k, c_hf, s_hf, style)), k_hf.numpy())
         # with ours, float32 rounding
         np.testing.assert_allclose(np.asarray(rope.apply_rope(q, c, s, style)), q_hf.numpy(), rtol=0, atol=5e-6)
-
-
-def test_styles_differ_and_preserve_dot_products():
-    cfg = small_cfg("glm_moe_dsa", DEFAULT, qk_rope=8)
-    rng = np.random.default_rng(1)
-    q, k = rng.standard_normal((2, 8)).astype(np.float32)
-    c, s = rope.rope_cos_sin(cfg, np.array([7, 7]))
-    qi, ki = (np.asarray(rope.apply_rope(v, c[0], s[0], "interleaved")) for v in (q, k))
-    qh, kh = (np.asarray(rope.apply_rope(v, c[0], s[0], "half")) for v in (q, k))
-    assert not np.allclose(qi, qh)
-    # a query and a key at the same position: each layout keeps their dot product
-    assert float(qi @ ki) == pytest.approx(float(q @ k), rel=1e-5)
-    assert float(qh @ kh) == pytest.approx(float(q @ k), rel=1e-5)
-    c0, s0 = rope.rope_cos_sin(cfg, np.array([0]))
-    np.testing.assert_allclose(np.asarray(rope.apply_rope(q, c0[0], s0[0], "half")), q, rtol=0, atol=0)
-
-
-def test_bad_input():
-    cfg = small_cfg("glm_moe_dsa", DEFAULT, qk_rope=8)
-    c, s = rope.rope_cos_sin(cfg, np.arange(3))
-    with pytest.raises(ValueError, match="style"):
-        rope.apply_rope(jnp.zeros((3, 8)), c, s, "neox")
-    with pytest.raises(ValueError, match="twice"):
-        rope.apply_rope(jnp.zeros((3, 6)), c, s, "half")
-    with pytest.raises(ValueError, match="positions must be an integer"):
-        rope.rope_cos_sin(cfg, np.arange(3.0))
-    with pytest.raises(ValueError, match="NoPE"):
-        rope.inv_freq(gd.DsaConfig.tiny())
