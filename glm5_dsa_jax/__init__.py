@@ -13,7 +13,7 @@ Public API (see README.md)::
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.checkpoint import (
-    CheckpointError, load_hf_checkpoint, restore_checkpoint, save_checkpoint,
+    CheckpointError, load_hf_checkpoint, read_hf_params, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
@@ -27,7 +27,7 @@ from glm5_dsa_jax.layer import (
 from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
 
 __all__ = [
-    "CheckpointError", "load_hf_checkpoint", "restore_checkpoint", "save_checkpoint",
+    "CheckpointError", "load_hf_checkpoint", "read_hf_params", "restore_checkpoint", "save_checkpoint",
     "DsaCache", "init_cache", "PagedCache", "init_paged_cache", "DsaDecoder", "PagedDecoder",
     "make_step", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
     "hf_weight_shapes", "float32_params", "clear_float32_copies",

@@ -164,6 +164,9 @@ class DsaAttention(nnx.Module):
         cpu_float32: bool = True,
     ):
         cfg.validate()
+        if cfg.qk_rope_head_dim > 0 or cfg.model_type != "glm5_next":
+            raise ValueError(f"model_type {cfg.model_type!r} with qk_rope_head_dim > 0 is not supported by the layer yet "
+                             f"(qk_rope_head_dim is {cfg.qk_rope_head_dim}; only NoPE glm5_next runs)")
         cfg.check_layer(layer_idx)
         check_implementation(implementation)
         if not isinstance(block_q, int) or block_q <= 0:

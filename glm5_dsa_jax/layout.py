@@ -37,13 +37,21 @@ Invariants:
   parameter (``kv_a_proj`` was stored under its HF name, ``kv_a_proj_with_mqa``, until HF
   names were confined to this table): orbax checkpoints written then still restore.
 
-RoPE parts (GLM-5 / DeepSeek-V3.2, ``qk_rope_head_dim > 0``, refused by ``DsaConfig`` today):
-they are parts of existing view axes. ``q_b_proj``'s per-head axis becomes
-``("qk_nope", "qk_rope")`` and ``kv_a_proj_with_mqa``'s rows ``("kv_lora", "qk_rope")``; each
-part gets its own ``Param`` row (``q_nope``/``q_rope``, ``kv_a_proj``/``k_rope``, say) and a
-``DIMS`` entry ``"qk_rope": "qk_rope_head_dim"``. Reading, slicing, TP specs and
-``params_to_hf`` then follow with no other change. Until then ``"qk_head"`` and ``"kv_a"``
-are whole axes whose width already includes the (zero) RoPE part.
+* Which tensors a layer has depends on the model type only through ``Tensor.kpool``: the
+  k-pool compression tensors (``index_kpool_compress_gate`` / ``_ape``) exist only where
+  ``cfg.rules.kpool_compression`` (``glm5_next``); ``glm_moe_dsa`` and ``deepseek_v32`` have
+  none. Every other HF name and layout is the same in the three model types (read from
+  their transformers 5.23.0 classes): ``indexer.wq_b`` / ``wk`` / ``k_norm`` (LayerNorm with
+  bias) / ``weights_proj``, ``q_b_proj`` rows ``heads x (qk_nope + qk_rope)`` (nope first),
+  ``kv_a_proj_with_mqa`` rows ``kv_lora + qk_rope`` (latent first, then the shared key).
+
+RoPE parts (``qk_rope_head_dim > 0``): ``"qk_head"`` and ``"kv_a"`` are whole view axes whose
+width includes the RoPE part, so every shape, TP spec and transform is already right for the
+RoPE models, and the layer slices ``q_nope``/``q_rope`` and latent/``k_rope`` itself. To hold
+the parts as separate parameters instead, make them parts of those axes
+(``("qk_nope", "qk_rope")`` and ``("kv_lora", "qk_rope")``), each with its own ``Param`` row,
+plus a ``DIMS`` entry ``"qk_rope": "qk_rope_head_dim"``; reading, slicing, TP specs and
+``params_to_hf`` then follow with no other change.
 
 This module imports only ``config`` and numpy: everything else may import it.
 """
@@ -144,6 +152,8 @@ class Tensor:
     indexer: bool = False
     #: an ``attention_bias`` bias (present only with ``cfg.attention_bias``)
     bias: bool = False
+    #: a k-pool compression tensor (present only when ``cfg.rules.kpool_compression``)
+    kpool: bool = False
     #: the name in the seed's ``DsaTpPlan`` (the CUDA engine ``plan`` was specified from)
     #: when it is not ``hf_name`` less ``".weight"``
     plan_name: str | None = None
@@ -189,7 +199,7 @@ class Tensor:
 
 def _w(hf_name, hf_axes, path, axes, **kw) -> Tensor:
     """A tensor that is one parameter (every row of the table but ``kv_b_proj``)."""
-    tkw = {k: kw.pop(k) for k in ("indexer", "bias", "plan_name") if k in kw}
+    tkw = {k: kw.pop(k) for k in ("indexer", "bias", "kpool", "plan_name") if k in kw}
     return Tensor(hf_name, hf_axes, (Param(path, axes, **kw),), **tkw)
 
 
@@ -224,9 +234,9 @@ TENSORS: tuple[Tensor, ...] = (
     _w("indexer.weights_proj.weight", (("index_heads",), ("hidden",)), ("indexer", "weights_proj"),
        ("hidden", "index_heads"), indexer=True),
     _w("indexer.index_kpool_compress_gate", (("index_dim",), ("hidden",)), ("indexer", "kpool_gate"),
-       ("hidden", "index_dim"), indexer=True),
+       ("hidden", "index_dim"), indexer=True, kpool=True),
     _w("indexer.index_kpool_compress_ape", (("kpool",), ("index_dim",)), ("indexer", "kpool_ape"),
-       ("kpool", "index_dim"), init="zeros", indexer=True),
+       ("kpool", "index_dim"), init="zeros", indexer=True, kpool=True),
 )
 
 
@@ -262,16 +272,23 @@ _check_table(TENSORS)
 def layer_tensors(cfg: DsaConfig, layer_idx: int | None = None, *, indexer: bool | None = None) -> list[Tensor]:
     """The tensors of one layer of ``cfg``: biases only with ``attention_bias``, indexer
     tensors only when the layer has its own indexer (``layer_idx``; ``indexer=`` says it
-    directly; neither = a ``"full"`` layer)."""
+    directly; neither = a ``"full"`` layer), k-pool tensors only in a model type with k-pool
+    compression."""
     if indexer is None:
         indexer = True if layer_idx is None else cfg.has_indexer(layer_idx)
-    return [t for t in TENSORS if (cfg.attention_bias or not t.bias) and (indexer or not t.indexer)]
+    return [t for t in _model_tensors(cfg) if (cfg.attention_bias or not t.bias) and (indexer or not t.indexer)]
+
+
+def _model_tensors(cfg: DsaConfig) -> list[Tensor]:
+    """The tensors ``cfg``'s model type can have (``Tensor.kpool`` rows only with pooling)."""
+    return [t for t in TENSORS if cfg.rules.kpool_compression or not t.kpool]
 
 
 def hf_tensor_shapes(cfg: DsaConfig) -> dict[str, tuple[int, ...]]:
     """PyTorch-layout shapes of every HF tensor a DSA layer of ``cfg`` can have (names
-    after ``self_attn.``): biases and indexer included, whatever the layer."""
-    return {t.hf_name: t.hf_shape(cfg) for t in TENSORS}
+    after ``self_attn.``): biases and indexer included, whatever the layer (k-pool tensors
+    only in a model type that has them)."""
+    return {t.hf_name: t.hf_shape(cfg) for t in _model_tensors(cfg)}
 
 
 def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:

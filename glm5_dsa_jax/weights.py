@@ -26,7 +26,7 @@ import numpy as np
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["hf_to_params", "params_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
+__all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
 
 
 class WeightError(ValueError):
@@ -122,8 +122,17 @@ def params_to_hf(layer) -> dict[str, np.ndarray]:
             obj = getattr(obj, p)
         return np.asarray(obj[...], dtype=np.float32)
 
-    cfg = layer.cfg
+    tensors = layout.layer_tensors(layer.cfg, indexer=layer.indexer is not None)
+    return arrays_to_hf(layer.cfg, {p.path: value(p.path) for _, p in layout.iter_params(tensors)},
+                        indexer=layer.indexer is not None)
+
+
+def arrays_to_hf(cfg: DsaConfig, params: Mapping[tuple[str, ...], Any], *, indexer: bool = True
+                 ) -> dict[str, np.ndarray]:
+    """``params_to_hf`` of a ``{param path: array}`` dict (what ``hf_to_params`` or
+    ``checkpoint.read_hf_params`` return) of a layer with (``indexer``) or without its own
+    indexer: no layer needed, so any model type of ``MODEL_TYPES``."""
     return {
-        t.hf_name: np.ascontiguousarray(layout.assemble_hf(cfg, t, {p.path: value(p.path) for p in t.params}))
-        for t in layout.layer_tensors(cfg, indexer=layer.indexer is not None)
+        t.hf_name: np.ascontiguousarray(layout.assemble_hf(cfg, t, {p.path: params[p.path] for p in t.params}))
+        for t in layout.layer_tensors(cfg, indexer=indexer)
     }

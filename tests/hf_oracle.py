@@ -1,5 +1,23 @@
-"""The Hugging Face ``glm5_next`` reference, built from a ``DsaConfig`` for parity tests
-(torch: imported only by the modules ``conftest.TORCH_MODULES`` names)."""
+"""The Hugging Face references, built from a ``DsaConfig`` for parity tests: the attention
+classes of ``glm5_next`` (``Glm5NextTextAttention``), ``glm_moe_dsa`` (``GlmMoeDsaAttention``)
+and ``deepseek_v32`` (``DeepseekV32Attention``), with random parameters, and the calls that
+run them as their decoder layers do (torch: imported only by the modules
+``conftest.TORCH_MODULES`` names).
+
+How the three are called (read from their ``*Model.forward`` / decoder layers):
+
+* ``glm5_next`` (NoPE) builds its causal mask inside the attention from a ``[B, S]`` bool
+  padding mask; no positions.
+* ``glm_moe_dsa`` / ``deepseek_v32`` take ``position_embeddings = (cos, sin)`` from the
+  model's rotary embedding at ``position_ids`` (HF's default: ``arange(past, past + S)``,
+  padding included, so a left-padded row's first real token is at the pad count), and a
+  4-D ``[B, 1, S, T]`` mask; the eager path *adds* it, so it is built additive here (0 or
+  the float32 minimum: causal and key not padding), as ``create_causal_mask`` builds it.
+  Their indexer is called ``(hidden_states, q_resid, position_embeddings, mask[:, 0],
+  position_ids, past_key_values=...)``. ``glm_moe_dsa``'s attention returns
+  ``(out, weights, topk)`` and takes ``prev_topk_indices`` on a shared layer;
+  ``deepseek_v32``'s returns ``(out, weights)`` and always runs its indexer.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +27,47 @@ import torch
 import glm5_dsa_jax as gd
 from helpers import f32_layer
 
+_ROTARY = {}  # id(attn) -> its model's rotary embedding (kept off the module's state)
 
-def hf_text_config(cfg: gd.DsaConfig):
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
 
+def _classes(model_type: str):
+    """(config class, attention class, rotary class or None) of a model type."""
+    if model_type == "glm5_next":
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+
+        return Glm5NextTextConfig, Glm5NextTextAttention, None
+    if model_type == "glm_moe_dsa":
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+        return m.GlmMoeDsaConfig, m.GlmMoeDsaAttention, m.GlmMoeDsaRotaryEmbedding
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+
+    return m.DeepseekV32Config, m.DeepseekV32Attention, m.DeepseekV32RotaryEmbedding
+
+
+def hf_config(cfg: gd.DsaConfig):
+    """The HF (text) config of ``cfg``'s model type, from ``cfg.to_hf_dict()``, eager attention."""
     d = cfg.to_hf_dict()
     d.pop("model_type")
-    hf = Glm5NextTextConfig(**d)
+    hf = _classes(cfg.model_type)[0](**d)
     hf._attn_implementation = "eager"
     return hf
 
 
-def hf_attention(cfg: gd.DsaConfig, layer_idx: int, seed: int = 0):
-    """An HF ``Glm5NextTextAttention`` in float32 with every parameter random (the HF init
-    leaves the pool gate and APE at zero, which would hide pooling bugs)."""
-    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+hf_text_config = hf_config  # the name the glm5_next tests use
 
+
+def hf_attention(cfg: gd.DsaConfig, layer_idx: int, seed: int = 0):
+    """The HF attention of ``cfg``'s model type in float32 with every parameter random (the
+    HF init leaves the pool gate and APE at zero, which would hide pooling bugs)."""
     torch.manual_seed(seed)
-    attn = Glm5NextTextAttention(hf_text_config(cfg), layer_idx).float().eval()
+    config_cls, attn_cls, rotary_cls = _classes(cfg.model_type)
+    hf = hf_config(cfg)
+    attn = attn_cls(hf, layer_idx).float().eval()
     randomize_(attn, torch.Generator().manual_seed(seed))
+    if rotary_cls is not None:
+        _ROTARY[id(attn)] = rotary_cls(hf)
     return attn
 
 
@@ -56,22 +96,75 @@ def state_dict_np(attn) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in attn.state_dict().items()}
 
 
-def hf_forward(attn, x: np.ndarray, mask: np.ndarray, prev_topk=None):
-    """Run the HF layer: returns (out [B,S,hidden], topk [B,S,W] or None) as numpy."""
+def _roped(attn) -> bool:
+    return id(attn) in _ROTARY
+
+
+def hf_position_embeddings(attn, position_ids: np.ndarray):
+    """``(cos, sin)`` of ``attn``'s model at ``position_ids`` ``[B, S]`` (float32 torch)."""
+    with torch.no_grad():
+        return _ROTARY[id(attn)](torch.zeros(1, dtype=torch.float32), torch.from_numpy(np.array(position_ids)))
+
+
+def additive_mask(key_valid: np.ndarray, q_start: int, n_q: int) -> torch.Tensor:
+    """``[B, 1, n_q, T]`` float32: 0 where key ``t <= q_start + i`` is visible and not padding,
+    the float32 minimum elsewhere (``create_causal_mask``'s eager mask)."""
+    kv = np.asarray(key_valid, bool)
+    t = np.arange(kv.shape[1])
+    ok = (t[None, :] <= q_start + np.arange(n_q)[:, None])[None] & kv[:, None, :]
+    return torch.from_numpy(np.where(ok, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None])
+
+
+def _roped_call(attn, xt, mask4, pos, cache=None, prev_topk=None):
+    """One call of a RoPE model's attention: (out, topk) torch."""
+    pe = hf_position_embeddings(attn, pos)
+    kw = dict(hidden_states=xt, position_embeddings=pe, attention_mask=mask4, past_key_values=cache,
+              position_ids=torch.from_numpy(np.array(pos)))
+    out = attn(**kw) if attn.indexer is not None else attn(**kw, prev_topk_indices=prev_topk)
+    return out[0], (out[2] if len(out) > 2 else None)
+
+
+def hf_forward(attn, x: np.ndarray, mask: np.ndarray, prev_topk=None, position_ids=None):
+    """Run the HF layer on a whole sequence: returns (out [B,S,hidden], topk [B,S,W] or
+    None) as numpy. ``mask`` is the ``[B, S]`` padding mask; ``position_ids`` (RoPE models)
+    default to HF's ``arange(S)`` per row."""
     xt = torch.from_numpy(np.asarray(x, np.float32))
-    mt = torch.from_numpy(np.asarray(mask, bool))
+    pt = None if prev_topk is None else torch.from_numpy(np.asarray(prev_topk, np.int64)).int()
     topk = None
     with torch.no_grad():
-        if attn.indexer is not None:
+        if not _roped(attn):
+            mt = torch.from_numpy(np.asarray(mask, bool))
+            if attn.indexer is not None:
+                q_resid = attn.q_a_layernorm(attn.q_a_proj(xt))
+                topk = attn.indexer(hidden_states=xt, q_resid=q_resid, attention_mask=mt, past_key_values=None)
+            out = attn(hidden_states=xt, attention_mask=mt, prev_topk_indices=pt)[0]
+            return out.numpy(), None if topk is None else topk.numpy()
+        b, s = np.asarray(mask).shape
+        pos = np.broadcast_to(np.arange(s), (b, s)) if position_ids is None else np.asarray(position_ids)
+        mask4 = additive_mask(mask, 0, s)
+        if attn.indexer is not None and pt is None:
             q_resid = attn.q_a_layernorm(attn.q_a_proj(xt))
-            topk = attn.indexer(hidden_states=xt, q_resid=q_resid, attention_mask=mt, past_key_values=None)
-        pt = None if prev_topk is None else torch.from_numpy(np.asarray(prev_topk, np.int64)).int()
-        out = attn(hidden_states=xt, attention_mask=mt, prev_topk_indices=pt)[0]
+            topk = attn.indexer(xt, q_resid, hf_position_embeddings(attn, pos), mask4[:, 0],
+                                torch.from_numpy(pos.copy()), past_key_values=None)
+        if pt is not None and attn.indexer is not None:  # a full layer ignores prev_topk
+            return _with_topk(attn, lambda: _roped_call(attn, xt, mask4, pos)[0].numpy(), pt), None
+        out, _ = _roped_call(attn, xt, mask4, pos, prev_topk=pt)
     return out.numpy(), None if topk is None else topk.numpy()
 
 
-def hf_attend_on(attn, x, mask, topk):
+def _with_topk(attn, run, topk):
+    """``run()`` with ``attn``'s indexer answering ``topk`` (a model with no top-k input)."""
+    attn.indexer.forward = lambda *a, **k: topk
+    try:
+        return run()
+    finally:
+        del attn.indexer.forward
+
+
+def hf_attend_on(attn, x, mask, topk, position_ids=None):
     """HF's attention restricted to a given top-k (the indexer bypassed)."""
+    if _roped(attn):
+        return hf_forward(attn, x, mask, prev_topk=topk, position_ids=position_ids)[0]
     indexer, attn.indexer = attn.indexer, None
     try:
         return hf_forward(attn, x, mask, prev_topk=topk)[0]
@@ -80,11 +173,12 @@ def hf_attend_on(attn, x, mask, topk):
 
 
 def hf_stepped(attn, cfg: gd.DsaConfig, x: np.ndarray, mask: np.ndarray, chunks: list[int]):
-    """Run the HF layer chunk by chunk with a ``DynamicCache``; returns (out, topk) numpy,
-    concatenated over the chunks (topk rows of different widths are -1 padded)."""
+    """Run the HF layer chunk by chunk with a ``DynamicCache`` (positions ``arange`` over the
+    whole timeline, as HF's model numbers them); returns (out, topk) numpy, concatenated over
+    the chunks (topk rows of different widths are -1 padded)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=hf_text_config(cfg))
+    cache = DynamicCache(config=hf_config(cfg))
     seen = []
     forward = attn.indexer.forward
 
@@ -98,9 +192,16 @@ def hf_stepped(attn, cfg: gd.DsaConfig, x: np.ndarray, mask: np.ndarray, chunks:
         with torch.no_grad():
             for n in chunks:
                 xt = torch.from_numpy(np.asarray(x[:, pos:pos + n], np.float32))
-                mt = torch.from_numpy(np.asarray(mask[:, pos:pos + n], bool))
-                outs.append(attn(hidden_states=xt, attention_mask=mt, past_key_values=cache)[0].numpy())
+                if _roped(attn):
+                    p = np.broadcast_to(np.arange(pos, pos + n), (x.shape[0], n)).copy()
+                    out, _ = _roped_call(attn, xt, additive_mask(mask[:, :pos + n], pos, n), p, cache=cache)
+                else:
+                    mt = torch.from_numpy(np.asarray(mask[:, pos:pos + n], bool))
+                    out = attn(hidden_states=xt, attention_mask=mt, past_key_values=cache)[0]
+                outs.append(out.numpy())
                 pos += n
     finally:
         del attn.indexer.forward
-    return np.concatenate(outs, 1), np.concatenate([t.numpy() for t in seen], 1)
+    width = max(t.shape[-1] for t in seen)
+    pad = [np.pad(t.numpy(), ((0, 0), (0, 0), (0, width - t.shape[-1])), constant_values=-1) for t in seen]
+    return np.concatenate(outs, 1), np.concatenate(pad, 1)

@@ -5,7 +5,7 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
 * No import cycle among the modules of ``glm5_dsa_jax`` and ``pallas_kernels``, counting
   every import statement, at module level or inside a function (a function-level import
   hides a cycle from Python, not from a reader).
-* Imports point one way through the layers below (config -> layout -> kernels -> parallel
+* Imports point one way through the layers below (config_json -> config, rope -> layout -> kernels -> parallel
   execution -> cache -> layer -> plan / placement -> decode -> checkpoint -> tools -> cli):
   a module imports only from its own layer or the ones before it.
 * No module over 500 lines.
@@ -103,7 +103,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: The layers, first to last; a module belongs to the first entry that names it or a
 #: package above it. Package ``__init__`` modules that re-export sit with their contents.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("glm5_dsa_jax.config", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
+    ("glm5_dsa_jax.config_json",),  # how HF config.json spells each model type (numpy only)
+    ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.gpu_compile.targets", "glm5_dsa_jax.gpu_compile.ptxas", "pallas_kernels._common"),
     ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks

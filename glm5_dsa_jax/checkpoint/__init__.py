@@ -8,9 +8,10 @@ Modules, in import order:
   slices with ``pread`` (no mmap; ``F8_E4M3`` supported, unlike safetensors' numpy backend).
 * ``assembly``: the checkpoint directory and its JSON files, and building ``DsaAttention``
   layers from arrays placed straight into the shardings their parameters declare.
-* ``hf_import``: ``load_hf_checkpoint``: a ``glm5_next`` directory (``config.json`` plus
-  ``model.safetensors`` or an index and its shards) -> ``{layer_idx: DsaAttention}``,
-  every device reading only its own slices, NVFP4/fp8 dequantized on the way.
+* ``hf_import``: ``load_hf_checkpoint``: a ``glm5_next`` / ``glm_moe_dsa`` / ``deepseek_v32``
+  directory (``config.json`` plus ``model.safetensors`` or an index and its shards) ->
+  ``{layer_idx: DsaAttention}``, every device reading only its own slices, NVFP4/fp8
+  dequantized on the way; ``read_hf_params``: the same checks, our parameters as numpy.
 * ``orbax_io``: ``save_checkpoint`` / ``read_checkpoint_meta`` / ``restore_checkpoint``
   (atomic save beside the target and swap, a digest per array verified on restore).
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from glm5_dsa_jax.checkpoint.assembly import _check_dir
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax.checkpoint.hf_import import LAYER_PREFIXES, _read_config, load_hf_checkpoint
+from glm5_dsa_jax.checkpoint.hf_import import LAYER_PREFIXES, _read_config, load_hf_checkpoint, read_hf_params
 from glm5_dsa_jax.checkpoint.orbax_io import (
     _PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_checkpoint, save_checkpoint,
 )
@@ -37,7 +38,7 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
 
 __all__ = [
-    "CheckpointError", "load_hf_checkpoint", "save_checkpoint", "restore_checkpoint",
+    "CheckpointError", "load_hf_checkpoint", "read_hf_params", "save_checkpoint", "restore_checkpoint",
     "read_checkpoint_meta", "load_for_demo", "SafetensorsFile", "LAYER_PREFIXES", "META_FILE",
 ]
 

@@ -1,8 +1,10 @@
-"""Import DSA layers from a Hugging Face ``glm5_next`` safetensors checkpoint directory.
+"""Import DSA layers from a Hugging Face safetensors checkpoint directory of any model type
+in ``config.MODEL_TYPES`` (``glm5_next``, ``glm_moe_dsa``, ``deepseek_v32``).
 
-``load_hf_checkpoint(path, mesh=None)`` reads a ``glm5_next`` checkpoint directory
-(``config.json`` plus ``model.safetensors`` or ``model.safetensors.index.json`` and its
-shards) and returns ``{layer_idx: DsaAttention}`` for every DSA layer.
+``load_hf_checkpoint(path, mesh=None)`` reads a checkpoint directory (``config.json`` plus
+``model.safetensors`` or ``model.safetensors.index.json`` and its shards) and returns
+``{layer_idx: DsaAttention}`` for every DSA layer; ``read_hf_params(path)`` runs the same
+checks and returns our parameters as numpy arrays instead of layers.
 
 Invariants:
 
@@ -25,8 +27,12 @@ Invariants:
   ``model.layers.{i}.self_attn.*`` (``LAYER_PREFIXES``). Tensors outside the requested DSA
   layers' ``self_attn.`` namespaces (linear-attention layers, MLPs, embeddings, vision
   tower) are ignored; inside one, an unknown tensor is an error. ``"shared"`` indexer layers
-  have no indexer tensors.
-* Quantized weights (NVFP4 as NVIDIA ModelOpt writes it, block-scaled and per-tensor fp8)
+  have no indexer tensors; model types without k-pool compression have no k-pool tensors
+  (which tensors each type has is the layout table's, ``layout.layer_tensors``).
+* config.json's ``model_type`` picks the rules (``DsaConfig.from_hf_config``); a type
+  outside ``MODEL_TYPES`` is a ``CheckpointError`` naming the supported ones.
+* Quantized weights (NVFP4 as NVIDIA ModelOpt writes it, block-scaled fp8 as DeepSeek-V3 /
+  V3.2 ship it -- ``weight_scale_inv`` per 128 x 128 block -- and per-tensor fp8)
   are recognised from their names and dtypes and dequantized slice by slice
   (``glm5_dsa_jax.quant``); unquantized tensors are read as stored.
 * Shard names from an index must stay inside the checkpoint directory (checked on the
@@ -54,12 +60,12 @@ from glm5_dsa_jax.checkpoint.assembly import (
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.checkpoint.safetensors_file import _CHUNK_BYTES, SafetensorsFile, TensorInfo
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.config import MODEL_TYPES, DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.weights import cast_to, count_nonfinite, nonfinite_problem
 
-__all__ = ["LAYER_PREFIXES", "load_hf_checkpoint"]
+__all__ = ["LAYER_PREFIXES", "load_hf_checkpoint", "read_hf_params"]
 
 #: Where a layer's tensors may live (``{prefix}{i}.self_attn.<name>``), most specific first.
 LAYER_PREFIXES = ("model.language_model.layers.", "model.layers.", "language_model.model.layers.")
@@ -91,23 +97,25 @@ def _read_config(path: Path) -> tuple[dict, DsaConfig]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(
-            f"no config.json in {str(path)!r}: a glm5_next checkpoint directory needs config.json "
+            f"no config.json in {str(path)!r}: a checkpoint directory needs config.json "
             "(the model geometry) beside model.safetensors or model.safetensors.index.json"
         )
     raw = _read_json(cfg_path, "config")
-    mt = raw.get("model_type")
-    text_mt = (raw.get("text_config") or {}).get("model_type") if isinstance(raw.get("text_config"), dict) else None
-    if mt is not None and mt not in ("glm5_next", "glm5_next_text"):
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
+    mt, text_mt = raw.get("model_type"), (text or {}).get("model_type")
+    if mt is not None and text_mt is not None and mt in _TEXT_OF and _TEXT_OF[mt] != text_mt:
         raise CheckpointError(f"checkpoint {path}", [
-            f"config.json model_type is {mt!r}, expected 'glm5_next' (or 'glm5_next_text')"])
-    if text_mt is not None and text_mt != "glm5_next_text":
-        raise CheckpointError(f"checkpoint {path}", [
-            f"config.json text_config.model_type is {text_mt!r}, expected 'glm5_next_text'"])
-    try:
+            f"config.json model_type is {mt!r} but text_config.model_type is {text_mt!r}, "
+            f"expected {_TEXT_OF[mt]!r}"])
+    try:  # refuses a model type outside MODEL_TYPES, naming the supported ones
         cfg = DsaConfig.from_hf_config(raw)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}", [f"config.json: {e}"]) from None
     return raw, cfg
+
+
+#: config.json ``model_type`` -> the ``model_type`` its ``text_config`` must have.
+_TEXT_OF = {"glm5_next": "glm5_next_text", **{m: m for m in MODEL_TYPES if m != "glm5_next"}}
 
 
 # ============================================================================ sliced reading
@@ -166,7 +174,7 @@ def load_hf_checkpoint(
     *,
     progress: bool = True,
 ) -> dict[int, DsaAttention]:
-    """``{layer_idx: DsaAttention}`` for the DSA layers of a HF ``glm5_next`` checkpoint.
+    """``{layer_idx: DsaAttention}`` for the DSA layers of a HF checkpoint (``MODEL_TYPES``).
 
     Args:
       path: the checkpoint directory (``config.json`` + ``model.safetensors`` or
@@ -209,6 +217,43 @@ def load_hf_checkpoint(
     finally:
         for f in files.values():
             f.close()
+
+
+def read_hf_params(
+    path: str | os.PathLike, layers: Iterable[int] | None = None, param_dtype=np.float32,
+) -> tuple[DsaConfig, dict[int, dict[tuple[str, ...], np.ndarray]]]:
+    """``(cfg, {layer_idx: {param path: array}})``: the checkpoint's DSA layers as our
+    parameters (the layout table's paths and shapes), in numpy, whole, dequantized.
+
+    The same checks as ``load_hf_checkpoint`` (config, every name, shape and dtype, then
+    finiteness; one ``CheckpointError`` listing every problem), without building layers:
+    for inspection, conversion, and any model type ``DsaAttention`` cannot run yet.
+    """
+    path = Path(path)
+    _check_dir(path)
+    raw_cfg, cfg = _read_config(path)
+    index_path, single_path = _weight_files(path)
+    wanted = list(cfg.dsa_layers) if layers is None else sorted({int(i) for i in layers})
+    for i in wanted:
+        cfg.check_layer(i)
+    hq = path / "hf_quant_config.json"
+    spec = quant.quant_spec_from_config(raw_cfg, _read_json(hq, "ModelOpt config") if hq.is_file() else None)
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    files: dict[str, SafetensorsFile] = {}
+    try:
+        sources, problems = _plan(path, cfg, wanted, spec, index_path, single_path, files)
+        problems += _scan_nonfinite(sources, np_dtype)
+        if problems:
+            raise CheckpointError(f"checkpoint {path}", problems)
+        out = {
+            i: {p.path: cast_to(layout.read_param(cfg, t, p, sources[i][t.hf_name].read), np_dtype)
+                for t, p in layout.iter_params(layout.layer_tensors(cfg, i))}
+            for i in wanted
+        }
+    finally:
+        for f in files.values():
+            f.close()
+    return cfg, out
 
 
 def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> tuple[dict[int, dict[str, _Source]], list[str]]:

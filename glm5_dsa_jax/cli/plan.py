@@ -13,7 +13,7 @@ import json
 import sys
 
 from glm5_dsa_jax.cli.args import nonnegative_int, positive_int
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.config import PRESETS, DsaConfig
 from glm5_dsa_jax.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
 
 
@@ -26,8 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8)")
     p.add_argument("--rank", type=nonnegative_int, default=0, help="rank whose tensor table is shown (default 0)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=("glm53-flash", "tiny"), default="glm53-flash")
-    src.add_argument("--config", help="a glm5_next config.json (or its directory)")
+    src.add_argument("--preset", choices=PRESETS, default="glm53-flash")
+    src.add_argument("--config", help="a glm5_next, glm_moe_dsa or deepseek_v32 config.json (or its directory)")
     p.add_argument("--elem-bytes", type=positive_int, default=BF16_BYTES, help="bytes per element (bf16: 2)")
     p.add_argument("--context", type=positive_int, default=None,
                    help="context for the indexer all-reduce figure (default max_position_embeddings)")
