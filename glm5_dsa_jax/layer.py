@@ -50,10 +50,12 @@ from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import (
     absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm, topk_live,
 )
+from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.paged_cache import PagedCache, check_room, init_paged_cache
 from glm5_dsa_jax.paged_step import paged_call
 from glm5_dsa_jax.parallel import place_inputs, replicate, replicated_call, sharded_sparse_mla
+from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.weights import hf_to_params
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
@@ -70,34 +72,6 @@ def _tile_scorer(tile: int, kpool: int, dtype):
                                     score_fn=pk.index_scores_reference)
 
     return scores
-
-
-# ---------------------------------------------------------------------------- indexer
-class DsaIndexer(nnx.Module):
-    """The lightning indexer of one full DSA layer (replicated under TP).
-
-    Parameters (the layout table's indexer rows, JAX layout): ``wq_b [q_lora, index_heads,
-    D]``, ``wk [hidden, D]``, ``k_norm_scale/k_norm_bias [D]``, ``weights_proj [hidden,
-    index_heads]``, ``kpool_gate [hidden, D]`` (HF ``index_kpool_compress_gate``
-    transposed), ``kpool_ape [KP, D]``.
-    """
-
-    def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
-        ParamFactory(cfg, rngs, param_dtype, tp_axis).create(
-            self, [t for t in layout.TENSORS if t.indexer])
-        self.eps = cfg.index_norm_eps
-        self.index_heads = cfg.index_n_heads
-
-    def project(self, x: jax.Array, q_resid: jax.Array, *, wide: bool = False):
-        """``x [B, S, hidden]``, ``q_resid [B, S, q_lora]`` -> queries ``[B, S, Hi, D]``,
-        weights ``[B, S, Hi]`` float32, keys ``[B, S, D]``, gate logits ``[B, S, D]`` float32.
-        ``wide``: float32 products (see ``ops.matmul``)."""
-        with jax.named_scope("index_project"):
-            q = matmul("bsr,rhd->bshd", q_resid, self.wq_b[...], wide)
-            k = layer_norm(dense(x, self.wk[...], wide), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
-            gate = dense(x, self.kpool_gate[...], wide).astype(jnp.float32)
-            w = dense(x, self.weights_proj[...], wide).astype(jnp.float32) * (self.index_heads**-0.5)
-        return q, w, k, gate
 
 
 # ---------------------------------------------------------------------------- attention
@@ -164,9 +138,6 @@ class DsaAttention(nnx.Module):
         cpu_float32: bool = True,
     ):
         cfg.validate()
-        if cfg.qk_rope_head_dim > 0 or cfg.model_type != "glm5_next":
-            raise ValueError(f"model_type {cfg.model_type!r} with qk_rope_head_dim > 0 is not supported by the layer yet "
-                             f"(qk_rope_head_dim is {cfg.qk_rope_head_dim}; only NoPE glm5_next runs)")
         cfg.check_layer(layer_idx)
         check_implementation(implementation)
         if not isinstance(block_q, int) or block_q <= 0:
@@ -276,7 +247,10 @@ class DsaAttention(nnx.Module):
         *,
         cache: DsaCache | None = None,
         prev_topk: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
     ):
+        if position_ids is not None:
+            position_ids = self._check_position_ids(position_ids, jnp.shape(hidden_states)[:2])
         if isinstance(cache, PagedCache):
             # Positions are per sequence: a prev_topk is checked causal inside the step.
             x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk)
@@ -284,13 +258,13 @@ class DsaAttention(nnx.Module):
             if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
                 check_room(cache, mask)
             x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
-            return paged_call(self, x, mask, cache, prev_topk)
+            return paged_call(self, x, mask, cache, prev_topk, position_ids)
         start = 0 if cache is None else cache.length
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
         b, s, _ = x.shape
         if cache is None:
-            out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk)
+            out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk, position_ids)
             return out, topk
         cache.check(self.cfg, self.has_indexer, b)
         if not isinstance(cache.length, jax.core.Tracer):
@@ -300,7 +274,20 @@ class DsaAttention(nnx.Module):
                     f"chunk of {s} tokens does not fit the cache: {length} of "
                     f"{cache.max_length} slots are used; nothing was written"
                 )
-        return self._step(x, mask, cache, prev_topk)
+        return self._step(x, mask, cache, prev_topk, position_ids)
+
+    def _check_position_ids(self, position_ids, shape):
+        """``position_ids`` as ``[B, S]`` int32 (a ``[S]`` row is broadcast), else ValueError."""
+        pos = jnp.asarray(position_ids)
+        if not jnp.issubdtype(pos.dtype, jnp.integer):
+            raise ValueError(f"position_ids must be integers, got dtype {pos.dtype}")
+        if pos.ndim == 1:
+            pos = jnp.broadcast_to(pos[None], (shape[0], pos.shape[0]))
+        if tuple(pos.shape) != tuple(shape):
+            raise ValueError(f"position_ids must be [B, S] = {tuple(shape)}, got {tuple(jnp.shape(position_ids))}")
+        if not isinstance(pos, jax.core.Tracer) and bool((pos < 0).any()):
+            raise ValueError("position_ids must be >= 0")
+        return pos.astype(jnp.int32)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -316,25 +303,31 @@ class DsaAttention(nnx.Module):
         x, mask = place_inputs(self.mesh, x, mask)
         b, s, _ = x.shape
         x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-        q_resid, _, _ = self.project(x)
-        qi, w, ki, gate = self.indexer.project(x, q_resid, wide=self.wide)
+        rope = self.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
+        q_resid, _, _ = self.project(x, rope)
+        qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
         cache = self.compress_pools(self.init_cache(b, s), ki, gate, mask, jnp.bool_(True))
         q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
         return self.score_pools(qi, w, cache, q_pos), cache.first_key
 
-    def _step(self, x, mask, cache: DsaCache, prev_topk):
-        """One call on ``cache``: the pipeline of the class doc, steps 2-5 per query tile."""
+    def _step(self, x, mask, cache: DsaCache, prev_topk, position_ids=None):
+        """One call on ``cache``: the pipeline of the class doc, steps 2-5 per query tile.
+        RoPE positions (``position_ids``, default) are the slots of HF's timeline,
+        ``length + 0 .. S-1``, padding included, as HF's default ``position_ids``."""
         b, s, _ = x.shape
         # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
         x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
         length = cache.length
         fits = length + s <= cache.max_length
-        q_resid, q_lat, latent = self.project(x)
+        if position_ids is None:
+            position_ids = jnp.broadcast_to(length + jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+        rope = self.rope(position_ids)
+        q_resid, q_lat, latent = self.project(x, rope)
         cache = append_rows(cache, latent, mask, fits)
         q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
 
         if self.indexer is not None:
-            qi, w, ki, gate = self.indexer.project(x, q_resid, wide=self.wide)
+            qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
             cache = self.compress_pools(cache, ki, gate, mask, fits)
             n_vis = cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
             select_k = self.cfg.select_k(cache.max_pools)
@@ -371,17 +364,34 @@ class DsaAttention(nnx.Module):
         return out, topk, cache
 
     # ------------------------------------------------------------------ pipeline steps
-    def project(self, x: jax.Array):
-        """Step 0: ``x [B, S, hidden]`` -> ``q_resid [B, S, q_lora]``, the absorbed query
-        ``q_lat [B, S, H, C]`` and the latent rows ``[B, S, C]`` (what the cache stores),
-        all in ``x``'s dtype."""
+    def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
+        """``(cos, sin) [B, S, qk_rope_head_dim / 2]`` at ``positions [B, S]`` (negative:
+        a padding entry, roped as position 0 and never read), or None for a NoPE model."""
+        if self.cfg.qk_rope_head_dim == 0:
+            return None
+        return rope_cos_sin(self.cfg, jnp.maximum(positions, 0))
+
+    def project(self, x: jax.Array, rope=None):
+        """Step 0: ``x [B, S, hidden]`` -> ``q_resid [B, S, q_lora]``, the query ``q_lat [B,
+        S, H, CR]`` and the cache rows ``[B, S, CR]``, all in ``x``'s dtype. ``CR =
+        kv_cache_dim``: the absorbed query ``q_nope @ W_UK`` (``C`` wide) and, with RoPE
+        (``rope``: ``self.rope(positions)``), the roped ``q_rot`` of each head after it; the
+        row is ``kv_a_layernorm(c)`` then the shared roped ``k_rot`` (interleaved RoPE, as
+        HF's attention, written in HF's de-interleaved layout)."""
         cfg = self.cfg
+        eps = cfg.latent_norm_eps
         with jax.named_scope("project"):
-            q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], cfg.rms_norm_eps)
+            q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
             q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self.wide)
             q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self.wide)
             kv = self._dense(x, self.kv_a_proj, self.kv_a_proj_bias)
-            latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], cfg.rms_norm_eps)
+            latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], eps)
+            if rope is not None:
+                cos, sin = rope
+                q_rot = apply_rope(q[..., cfg.qk_nope_head_dim:], cos[:, :, None], sin[:, :, None], "interleaved")
+                q_lat = jnp.concatenate([q_lat, q_rot.astype(q_lat.dtype)], -1)
+                k_rot = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, "interleaved")
+                latent = jnp.concatenate([latent, k_rot.astype(latent.dtype)], -1)
         return q_resid, q_lat, latent
 
     def _dense(self, x, w, bias):
@@ -395,7 +405,7 @@ class DsaAttention(nnx.Module):
         with jax.named_scope("kpool_compress"):
             win = pool_window(cache, keys, gate, mask)
             pooled, _, pooled_valid = self._replicated(
-                pk.kpool_compress, win.keys, win.gate, win.valid, self.indexer.kpool_ape[...],
+                pk.kpool_compress, win.keys, win.gate, win.valid, self.indexer.pool_ape(win.keys.dtype),
                 win.first_pool, implementation=self.implementation,
             )
             return store_pools(cache, win, pooled, pooled_valid, fits)
@@ -462,10 +472,10 @@ class DsaAttention(nnx.Module):
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` at
         ``token_ids [B, Q, W]`` -> ``o_lat [B, Q, H, C]``. On a placed layer it runs per
         head shard, each device reading its local latent (``parallel.sharded_sparse_mla``)."""
-        scale, impl = self.cfg.softmax_scale, self.implementation
+        scale, impl, value_width = self.cfg.softmax_scale, self.implementation, self.cfg.kv_lora_rank
 
         def kernel(q, lat, ids):
-            return pk.sparse_mla(q, lat, ids, scale=scale, implementation=impl)
+            return pk.sparse_mla(q, lat, ids, scale=scale, value_width=value_width, implementation=impl)
 
         with jax.named_scope("sparse_mla"):
             return sharded_sparse_mla(q_lat, latent, token_ids, mesh=self.mesh, axis=self.tp_axis,

@@ -63,9 +63,10 @@ def _tile_scorer(tile: int, ppp: int, kpool: int, dtype):
     return scores
 
 
-def paged_call(layer, x, mask, cache: PagedCache, prev_topk):
+def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
     """``(out, topk, cache)`` of ``layer`` on ``x [max_seqs, S, hidden]`` with ``mask``
-    (checked inputs; see the module doc)."""
+    (checked inputs; see the module doc). RoPE positions (``position_ids``, default) are
+    each token's position within its sequence."""
     cfg = layer.cfg
     old = cache.pages.lengths
     pages, status = cache.pages.reserve(mask.sum(axis=1, dtype=jnp.int32))
@@ -75,18 +76,19 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk):
     # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     q_pos = chunk_positions(old, mask)
-    q_resid, q_lat, latent = layer.project(x)
+    rope = layer.rope(q_pos if position_ids is None else position_ids)
+    q_resid, q_lat, latent = layer.project(x, rope)
     cache = write_latent(cache, latent, q_pos)
     latent_pool = cache.latent_pool[None]
     ps = cache.page_size
 
     if layer.indexer is not None:
-        qi, w, ki, gate = layer.indexer.project(x, q_resid, wide=layer.wide)
+        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
         with jax.named_scope("kpool_compress"):
             window = paged_pool_window(cache, old, ki, gate, mask)
             keys, g, valid, first_pool = window
             pooled, _, pooled_valid = layer._replicated(
-                pk.kpool_compress, keys, g, valid, layer.indexer.kpool_ape[...], first_pool,
+                pk.kpool_compress, keys, g, valid, layer.indexer.pool_ape(keys.dtype), first_pool,
                 implementation=layer.implementation)
             cache = store_paged_pools(cache, old, window, pooled, pooled_valid, n_new)
         select_k = cfg.select_k(cache.max_pools)

@@ -111,6 +111,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
     ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops"),  # how a step runs on a mesh; layer math
     ("glm5_dsa_jax.param_init", "glm5_dsa_jax.pages"),  # parameters from the table; page bookkeeping
+    ("glm5_dsa_jax.indexer",),  # the indexer's parameters and projections
     ("glm5_dsa_jax.cache",),
     ("glm5_dsa_jax.paged_cache",),
     ("glm5_dsa_jax.paged_step",),  # the paged call (takes the layer, imports none)
