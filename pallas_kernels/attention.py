@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_positive_int,
-    check_power_of_two, check_rank, check_triton_params, next_power_of_two,
+    check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
 )
 
 __all__ = [
@@ -373,6 +373,7 @@ class SparseMlaBlockSizes:
         )
 
 
+@eager_jit("scale", "interpret", "block_sizes")
 def _sparse_mla_pallas(
     q_lat, latent, token_ids, *, scale, interpret, block_sizes: SparseMlaBlockSizes,
 ):
