@@ -39,7 +39,12 @@ rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Ev
 it reads as an operand: jax caches a traced body by the function and its operands' types,
 so a closure made anew per call over that call's arrays misses the cache, and an eager
 decode step (a layer call with a cache, outside jit) compiled three XLA programs on every
-step. With these, an eager step compiles nothing once the first steps have run.
+step. The rest of an eager step follows the same rule: the ``shard_map`` of a placed layer
+and the Pallas kernels' paths run as ``jax.jit`` programs cached by stable functions
+(``glm5_dsa_jax.parallel``, ``pallas_kernels._common.eager_jit``), and the query tiles of
+a prefill chunk are a Python loop when eager (``ops.by_query_tiles``). So an eager step,
+decode or prefill chunk, placed or not, compiles nothing once a step of its shapes has run
+(``tests/test_layer_steps.py`` counts the compilations).
 
 The cache ``dtype`` must be a 16- or 32-bit float (``bfloat16``, ``float16``, ``float32``):
 the latent and pooled keys are activations written by a float projection, so an integer

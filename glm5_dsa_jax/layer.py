@@ -74,6 +74,18 @@ def _tile_scorer(tile: int, kpool: int, dtype):
     return scores
 
 
+@functools.lru_cache(maxsize=None)
+def _mla_kernel(scale: float, value_width: int, implementation: str):
+    """``pk.sparse_mla`` with its statics bound, one function per statics: the stable
+    kernel ``parallel.sharded_sparse_mla`` keys its cached eager program by."""
+
+    def kernel(q_lat, latent, token_ids):
+        return pk.sparse_mla(q_lat, latent, token_ids, scale=scale, value_width=value_width,
+                             implementation=implementation)
+
+    return kernel
+
+
 # ---------------------------------------------------------------------------- attention
 class DsaAttention(nnx.Module):
     """One GLM-5.3-Flash DSA layer: indexer (unless shared) + weight-absorbed sparse MLA.
@@ -472,11 +484,7 @@ class DsaAttention(nnx.Module):
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` at
         ``token_ids [B, Q, W]`` -> ``o_lat [B, Q, H, C]``. On a placed layer it runs per
         head shard, each device reading its local latent (``parallel.sharded_sparse_mla``)."""
-        scale, impl, value_width = self.cfg.softmax_scale, self.implementation, self.cfg.kv_lora_rank
-
-        def kernel(q, lat, ids):
-            return pk.sparse_mla(q, lat, ids, scale=scale, value_width=value_width, implementation=impl)
-
+        kernel = _mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
         with jax.named_scope("sparse_mla"):
             return sharded_sparse_mla(q_lat, latent, token_ids, mesh=self.mesh, axis=self.tp_axis,
                                       kernel=kernel)

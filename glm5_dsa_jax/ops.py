@@ -12,7 +12,10 @@ Invariants:
 * ``absorb_o`` contracts the head axis, which a placed layer shards: its output sharding
   is the row-parallel one (``parallel.row_parallel_out_sharding``), all-reduced once.
 * ``by_query_tiles`` runs a step over ``block_q`` queries at a time, so a prefill never
-  builds an ``[S, P]`` score or ``[S, S]`` tensor.
+  builds an ``[S, P]`` score or ``[S, S]`` tensor. Under a trace the tiles are a
+  ``lax.map``; outside one (an eager layer call) a Python loop of calls on tiles of one
+  shape, because the step is a closure made anew per call (over that call's cache), and
+  an eager ``lax.map`` of a new function compiles its body on every call.
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ def by_query_tiles(fn, block_q: int, *arrays):
     """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
     cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
     ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
-    tensor is built. One tile (a decode step) is a plain call."""
+    tensor is built. One tile (a decode step) is a plain call; several are a ``lax.map``
+    under a trace and, eagerly, one call per tile (see the module doc: nothing compiles
+    per call)."""
     b, s = arrays[0][0].shape[:2]
     bq = min(block_q, s)
     n_tiles = -(-s // bq)
@@ -95,8 +100,11 @@ def by_query_tiles(fn, block_q: int, *arrays):
     args = tuple(tiles(a, fill) for a, fill in arrays)
     if n_tiles == 1:
         outs = jax.tree.map(lambda a: a[None], fn(*(a[0] for a in args)))
-    else:
+    elif any(isinstance(a, jax.core.Tracer) for a in args):
         outs = jax.lax.map(lambda t: fn(*t), args)
+    else:
+        per_tile = [fn(*(a[i] for a in args)) for i in range(n_tiles)]
+        outs = jax.tree.map(lambda *t: jnp.stack(t), *per_tile)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)
 
 

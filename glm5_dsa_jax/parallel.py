@@ -30,10 +30,20 @@ Invariants:
   (``jax.distributed``: every process passes the same host values and keeps its shards).
 * Works with ``Explicit`` axis types (``jax.make_mesh``'s default) and ``Auto`` ones,
   eagerly and under ``jax.jit``.
+* **No compilation per eager call.** A ``shard_map`` applied outside any trace compiles
+  its body op by op, and those programs are not reused from one call to the next (a
+  placed layer's eager decode step compiled 45 of them per step on a TP-2 mesh). So the
+  ``shard_map`` of ``replicated_call`` and ``sharded_sparse_mla`` is built once per
+  ``(function, mesh, static arguments)`` (an ``lru_cache``), and an eager call runs it
+  as one cached ``jax.jit`` program; under a trace it is inlined as before. The cache
+  key holds the function, so it must be a stable one (module-level or itself cached),
+  as for every ``lax`` control-flow body (see ``glm5_dsa_jax.cache``): a closure made
+  anew per call would get a new program, and a new compilation, every time.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -100,25 +110,66 @@ def place_inputs(mesh: jax.sharding.Mesh | None, *arrays):
     return tuple(out)
 
 
+def _traced(arrays) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+_ARRAY = object()  # marks an array leaf among the static leaves of a replicated_call
+
+
+@functools.lru_cache(maxsize=256)
+def _replicated_program(fn: Callable, mesh, treedef, statics: tuple, kwargs: tuple):
+    """``(mapped, jitted)``: ``fn`` under ``shard_map`` with replicated specs, taking the
+    array leaves of its arguments (``statics``: ``(type, value)`` per leaf, ``_ARRAY`` for
+    an array), and its ``jax.jit``. Cached, so eager calls reuse one compiled program."""
+
+    def body(*local):
+        it = iter(local)
+        full = [next(it) if s is _ARRAY else s[1] for s in statics]  # Python scalars stay static
+        return fn(*jax.tree.unflatten(treedef, full), **dict(kwargs))
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return mapped, jax.jit(mapped)
+
+
+def _program(build, *key):
+    """``build(*key)``, from its cache when ``key`` is hashable (it is for the layer's
+    calls: functions, meshes, Python scalars, strings); built anew otherwise."""
+    try:
+        hash(key)
+    except TypeError:
+        return build.__wrapped__(*key)
+    return build(*key)
+
+
 def replicated_call(mesh: jax.sharding.Mesh | None, fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` run by every device of ``mesh`` on its own full copy of the
     (replicated) array arguments, under ``jax.shard_map`` with replicated specs; the
     (identical) outputs come back replicated. ``mesh=None``: the plain call.
 
     How a placed layer runs the indexer's Pallas kernels (see the module doc). ``kwargs``
-    and non-array arguments (Python scalars) are static: sizes, ``implementation``."""
+    and non-array arguments (Python scalars) are static: sizes, ``implementation``.
+    Outside a trace the ``shard_map`` runs as one ``jax.jit`` program, compiled once per
+    ``(fn, mesh, statics)`` and argument shapes: ``fn`` should be a stable function."""
     if mesh is None:
         return fn(*args, **kwargs)
     leaves, treedef = jax.tree.flatten(args)
     is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in leaves]
     arrays = [a for a, k in zip(leaves, is_array) if k]
+    statics = tuple(_ARRAY if k else (type(a), a) for a, k in zip(leaves, is_array))
+    mapped, jitted = _program(_replicated_program, fn, mesh, treedef, statics,
+                              tuple(sorted(kwargs.items())))
+    return (mapped if _traced(arrays) else jitted)(*arrays)
 
-    def body(*local):
-        it = iter(local)
-        full = [next(it) if k else a for a, k in zip(leaves, is_array)]  # Python scalars stay static
-        return fn(*jax.tree.unflatten(treedef, full), **kwargs)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(*arrays)
+@functools.lru_cache(maxsize=256)
+def _head_sharded_program(kernel: Callable, mesh, axis):
+    """``(mapped, jitted)``: ``kernel`` under ``shard_map``, ``q_lat`` split on its head dim
+    over ``axis``, and its ``jax.jit`` (cached as ``_replicated_program``)."""
+    q_spec = P(None, None, axis, None)
+    mapped = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, P(), P()), out_specs=q_spec,
+                           check_vma=False)
+    return mapped, jax.jit(mapped)
 
 
 def sharded_sparse_mla(q_lat, latent, token_ids, *, mesh: jax.sharding.Mesh | None, axis: str | None,
@@ -127,13 +178,13 @@ def sharded_sparse_mla(q_lat, latent, token_ids, *, mesh: jax.sharding.Mesh | No
     shard: ``q_lat [B, Q, H, C]`` split over ``axis`` on its head dim, the latent
     ``[B, L, C]`` and the ids ``[B, Q, W]`` replicated, the output ``[B, Q, H, C]`` split
     like ``q_lat``. Each device reads only its local latent copy; nothing is gathered.
-    ``mesh=None``: the plain call."""
+    ``mesh=None``: the plain call. Outside a trace the ``shard_map`` runs as one
+    ``jax.jit`` program cached per ``(kernel, mesh, axis)``: ``kernel`` should be a stable
+    function (module-level or cached), not a closure made per call."""
     if mesh is None:
         return kernel(q_lat, latent, token_ids)
-    q_spec = P(None, None, axis, None)
-    return jax.shard_map(
-        kernel, mesh=mesh, in_specs=(q_spec, P(), P()), out_specs=q_spec, check_vma=False,
-    )(q_lat, latent, token_ids)
+    mapped, jitted = _program(_head_sharded_program, kernel, mesh, axis)
+    return (mapped if _traced((q_lat, latent, token_ids)) else jitted)(q_lat, latent, token_ids)
 
 
 def row_parallel_out_sharding(o: jax.Array):

@@ -15,12 +15,20 @@ defaults). Invariants:
   argument), the limit and the value.
 * Block sizes are validated under **every** implementation, ``"xla"`` included: a bad block
   size is an error whatever runs, so a CPU test run catches what a GPU run would refuse.
+* A wrapper's Pallas path (``"pallas"``, ``"pallas_interpret"``) is ``eager_jit``: called
+  outside any trace it runs as one ``jax.jit`` program, compiled once per shapes and static
+  arguments. Why: a ``pallas_call`` bound eagerly traces its kernel anew on every call, and
+  jax's compile cache keys the program by that (new) kernel jaxpr, so an eager decode step
+  compiled every kernel on every step. Under a trace the path is inlined as before.
 """
 
 from __future__ import annotations
 
+import functools
 import typing
-from typing import Literal
+from typing import Callable, Literal
+
+import jax
 
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
@@ -35,6 +43,30 @@ def check_implementation(implementation: str) -> Implementation:
 
 
 _B = typing.TypeVar("_B")
+
+
+def eager_jit(*static_argnames: str) -> Callable[[Callable], Callable]:
+    """Decorator: the function, run through one ``jax.jit`` (``static_argnames`` static,
+    every other argument a pytree of arrays or ``None``) when no argument is a tracer, and
+    called as is (inlined into the caller's trace) when one is.
+
+    For a wrapper's Pallas path (see the module doc): eager calls of the same shapes and
+    statics then reuse one compiled program, while a jitted caller's program is what it was
+    without the decorator."""
+
+    def wrap(fn: Callable) -> Callable:
+        jitted = jax.jit(fn, static_argnames=static_argnames)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            leaves = jax.tree.leaves((args, {k: v for k, v in kwargs.items() if k not in static_argnames}))
+            if any(isinstance(a, jax.core.Tracer) for a in leaves):
+                return fn(*args, **kwargs)
+            return jitted(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def check_block_sizes(block_sizes: _B | None, cls: type[_B]) -> _B:

@@ -57,7 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_positive_int,
-    check_power_of_two, check_rank, check_triton_params, next_power_of_two,
+    check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
 
@@ -383,6 +383,7 @@ class SparseMlaBlockSizes:
         )
 
 
+@eager_jit("scale", "value_width", "interpret", "block_sizes")
 def _sparse_mla_pallas(
     q, latent, token_ids, *, scale, value_width, interpret, block_sizes: SparseMlaBlockSizes,
 ):

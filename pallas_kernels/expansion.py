@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
-    check_triton_params, next_power_of_two,
+    check_triton_params, eager_jit, next_power_of_two,
 )
 
 __all__ = [
@@ -262,6 +262,7 @@ def _expand_selection_kernel(
             plgpu.store(out_ref.at[b, rows, pos], minus_one, mask=row_ok & (pos < out_width))
 
 
+@eager_jit("kpool", "out_width", "interpret", "block_sizes")
 def _expand_selection_pallas(
     pool_ids, first_key, tail, *, kpool, out_width, interpret,
     block_sizes: ExpandSelectionBlockSizes,

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_rank, next_power_of_two,
+    Implementation, check_block_sizes, check_implementation, check_rank, eager_jit, next_power_of_two,
 )
 from pallas_kernels.scoring import IndexScoresBlockSizes, index_scores_reference
 
@@ -257,6 +257,7 @@ def _index_scores_paged_kernel(
             plgpu.store(out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in)
 
 
+@eager_jit("kpool", "interpret", "block_sizes")
 def _index_scores_paged_pallas(
     q, w, pooled_pages, block_table, pool_counts, q_pos, *, kpool, interpret,
     block_sizes: IndexScoresBlockSizes,

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
-    check_triton_params, next_power_of_two,
+    check_triton_params, eager_jit, next_power_of_two,
 )
 
 __all__ = [
@@ -252,6 +252,7 @@ def _kpool_compress_kernel(
     plgpu.store(pvalid_ref.at[b, pool], pool_ok.astype(jnp.int8), mask=in_pools)
 
 
+@eager_jit("interpret", "block_sizes")
 def _kpool_compress_pallas(
     keys, gate, key_valid, ape, first_key=None, *, interpret: bool,
     block_sizes: KpoolCompressBlockSizes,

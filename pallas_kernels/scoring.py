@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
-    check_triton_params, next_power_of_two,
+    check_triton_params, eager_jit, next_power_of_two,
 )
 
 __all__ = ["index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token"]
@@ -271,6 +271,7 @@ def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref,
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+@eager_jit("kpool", "interpret", "block_sizes")
 def _index_scores_pallas(
     q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
     block_sizes: IndexScoresBlockSizes,

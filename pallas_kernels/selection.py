@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
-    check_triton_params, next_power_of_two,
+    check_triton_params, eager_jit, next_power_of_two,
 )
 from pallas_kernels.radix_select import (
     MAX_COMPARE, NEG_INF_KEY, canonical_scores, one_program_select, order_key,
@@ -215,6 +215,7 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
     return jax.lax.top_k(scores, select_k)[1]
 
 
+@eager_jit("select_k", "interpret", "block_sizes")
 def _topk_pools_pallas(scores, select_k, n_live, *, interpret,
                        block_sizes: TopkPoolsBlockSizes):
     """Pallas path of ``topk_pools``: ``32 / radix_bits + 1`` launches of ``rows *

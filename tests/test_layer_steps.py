@@ -6,7 +6,15 @@
 * An eager decode step (a layer call with a cache, outside jit) compiles nothing once the
   first steps have run: the cache writes' ``lax.cond`` / ``fori_loop`` bodies are
   module-level functions, so jax's caches hit (closures made anew per call compiled three
-  XLA programs on every step). Counted with jax's backend-compile events.
+  XLA programs on every step). Counted with jax's backend-compile events. The same holds
+  for a full layer followed by its shared layer (``prev_topk``), ``"xla"`` and
+  ``"pallas_interpret"``, unplaced and placed on TP meshes of 2 and 8 devices (the
+  ``shard_map`` programs of ``glm5_dsa_jax.parallel`` and the Pallas paths run as cached
+  ``jax.jit`` programs when eager), and for prefill chunks of several query tiles
+  (``ops.by_query_tiles``). Before those fixes a full + shared pair of eager steps compiled
+  6 (unplaced, ``"pallas_interpret"``: one per kernel) to 90 (TP 2 or 8, ``"xla"``: the
+  ``shard_map`` bodies op by op) programs, and a full + shared pair of 6-token chunks
+  with ``block_q=4`` 2 (``"xla"``: a ``lax.map`` each) or 3 (``"pallas_interpret"``).
 * ``DsaAttention.check_inputs`` is the public check ``decode.DsaDecoder`` uses.
 """
 
@@ -20,6 +28,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.sharding import shard_layer
 
 #: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -87,6 +96,45 @@ def test_eager_decode_compiles_nothing_after_warmup(cfg, dtype):
             cache, cache2 = step(i, 1, cache, cache2)
     assert len(seen) == 0, f"{len(seen)} XLA compilations over 9 eager decode steps after warm-up"
     assert int(cache.length) == 20
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("tp, chunk", [(None, 1), (None, 6), (2, 1), (8, 1)])
+def test_eager_steps_compile_nothing_after_warmup(impl, tp, chunk):
+    """Eager steps of a full layer and its shared layer (``prev_topk``): decode steps
+    (``chunk`` 1) or prefill chunks of two query tiles (``chunk`` 6, ``block_q`` 4),
+    unplaced or on a TP mesh. After a prefill and two warm-up steps, two more steps of
+    the same shapes compile nothing."""
+    cfg = gd.DsaConfig.tiny(num_attention_heads=8)  # 8 heads: TP 2 and 8 divide them
+    full = make(cfg, 1, implementation=impl, block_q=4)
+    shared = make(cfg, 2, implementation=impl, block_q=4)
+    if tp is not None:
+        mesh = jax.make_mesh((tp,), ("tp",))
+        shard_layer(full, mesh)
+        shard_layer(shared, mesh)
+    b, n = 2, 5 + 4 * chunk
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b, n, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((b, n), bool)
+    mask[0, :3] = False  # left padding
+    mask[1, 6] = False  # a hole
+    caches = full.init_cache(b, n), shared.init_cache(b, n)
+
+    def step(i, s, caches):
+        out, topk, c1 = full(x[:, i:i + s], attention_mask=mask[:, i:i + s], cache=caches[0])
+        out2, _, c2 = shared(out, attention_mask=mask[:, i:i + s], cache=caches[1], prev_topk=topk)
+        jax.block_until_ready(out2)
+        assert (np.asarray(topk)[mask[:, i:i + s]] >= 0).any(axis=-1).all()  # tokens selected
+        return c1, c2
+
+    caches = step(0, 5, caches)  # prefill
+    for i in range(5, 5 + 2 * chunk, chunk):  # warm-up steps
+        caches = step(i, chunk, caches)
+    with backend_compiles() as seen:
+        for i in range(5 + 2 * chunk, n, chunk):
+            caches = step(i, chunk, caches)
+    assert len(seen) == 0, f"{len(seen)} XLA compilations over 2 eager steps of {chunk} after warm-up"
+    assert int(caches[0].length) == int(caches[1].length) == n
 
 
 @pytest.mark.parametrize("idx, names", [(1, FULL_STEPS), (2, SHARED_STEPS)])
