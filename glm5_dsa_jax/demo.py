@@ -90,12 +90,14 @@ def sparse_vs_dense(layer: DsaAttention, latent: jax.Array, x: jax.Array, mask: 
     visible tokens a query reads on average. ``latent``: the cache's rows of the prompt."""
     cfg = layer.cfg
     prompt = x.shape[1]
-    _, q_lat, _ = layer.project(x)
+    slots = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32)[None], mask.shape)
+    _, q_lat, _ = layer.project(x, layer.rope(slots))  # RoPE at the cache's slots, as the call
     sel = jnp.asarray(topk)
-    sparse = pk.sparse_mla(q_lat, latent, sel, scale=cfg.softmax_scale, implementation=layer.implementation)
-    same = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(sel, prompt), scale=cfg.softmax_scale)
+    kw = dict(scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
+    sparse = pk.sparse_mla(q_lat, latent, sel, implementation=layer.implementation, **kw)
+    same = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(sel, prompt), **kw)
     causal = mask[:, None, :] & (jnp.arange(prompt)[None, :, None] >= jnp.arange(prompt)[None, None, :])
-    dense = pk.mla_masked_attention(q_lat, latent, causal, scale=cfg.softmax_scale)
+    dense = pk.mla_masked_attention(q_lat, latent, causal, **kw)
     live = np.asarray(mask & (sel >= 0).any(-1))
     sp, sm, de = (np.asarray(a, np.float32)[live] for a in (sparse, same, dense))
     rel = np.linalg.norm(sp - de) / max(np.linalg.norm(de), 1e-30)

@@ -129,6 +129,8 @@ def hf_forward(attn, x: np.ndarray, mask: np.ndarray, prev_topk=None, position_i
     None) as numpy. ``mask`` is the ``[B, S]`` padding mask; ``position_ids`` (RoPE models)
     default to HF's ``arange(S)`` per row."""
     xt = torch.from_numpy(np.asarray(x, np.float32))
+    if prev_topk is not None and _roped(attn):
+        prev_topk = _no_empty_ids(prev_topk)
     pt = None if prev_topk is None else torch.from_numpy(np.asarray(prev_topk, np.int64)).int()
     topk = None
     with torch.no_grad():
@@ -159,6 +161,16 @@ def _with_topk(attn, run, topk):
         return run()
     finally:
         del attn.indexer.forward
+
+
+def _no_empty_ids(topk):
+    """Our ``-1`` (no token) as an id HF's ``scatter`` accepts without changing the set:
+    the row's largest id (a repeat), or the last key for a row with none (such rows, padding
+    queries, are not compared)."""
+    topk = np.asarray(topk)
+    first = np.where((topk >= 0).any(-1), topk.max(-1), -1)
+    first = np.where(first >= 0, first, topk.shape[1] - 1)
+    return np.where(topk >= 0, topk, first[..., None])
 
 
 def hf_attend_on(attn, x, mask, topk, position_ids=None):

@@ -122,8 +122,22 @@ def test_safetensors_of_each_type_import(tmp_path, model_type):
         assert sorted(back) == sorted(sd)
         for k in sd:
             np.testing.assert_array_equal(back[k], sd[k])
-    with pytest.raises(ValueError, match="not supported by the layer yet"):
-        gd.DsaAttention(cfg, 0, rngs=__import__("flax").nnx.Rngs(0))
+    # the imported layers compute what HF computes: the full layer on its own selection,
+    # a shared one (GLM-5) on the full layer's
+    import jax.numpy as jnp
+
+    layers = gd.load_hf_checkpoint(tmp_path, dtype=jnp.float32, progress=False)
+    x = np.random.default_rng(3).standard_normal((2, 9, 32)).astype(np.float32)
+    mask = np.ones((2, 9), bool)
+    mask[1, :2] = False
+    out, topk = layers[0](jnp.asarray(x), attention_mask=jnp.asarray(mask))
+    live = mask & (np.asarray(topk) >= 0).any(-1)
+    ref = hf_attend_on(hf_attention(cfg, 0, seed=10), x, mask, np.asarray(topk))
+    np.testing.assert_allclose(np.asarray(out)[live], ref[live], rtol=1e-5, atol=1e-5)
+    if not cfg.has_indexer(1):
+        out1, _ = layers[1](jnp.asarray(x), attention_mask=jnp.asarray(mask), prev_topk=topk)
+        ref1 = hf_attend_on(hf_attention(cfg, 1, seed=11), x, mask, np.asarray(topk))
+        np.testing.assert_allclose(np.asarray(out1)[live], ref1[live], rtol=1e-5, atol=1e-5)
 
 
 def test_mismatched_tensors_all_listed(tmp_path):

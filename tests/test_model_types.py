@@ -152,21 +152,14 @@ def test_layout_per_model_type():
     assert not any(k.startswith("indexer.") for k in layout.hf_weight_shapes(g52, 3))
 
 
-def test_layer_refuses_rope_models_for_now():
-    from flax import nnx
-
-    for name in ("glm5", "deepseek-v32"):
-        with pytest.raises(ValueError, match="not supported by the layer yet"):
-            gd.DsaAttention(gd.DsaConfig.preset(name), 0, rngs=nnx.Rngs(0))
-
-
 @pytest.mark.parametrize("name", ["glm5", "glm52", "deepseek-v32"])
 def test_cli_presets(name, capsys):
     assert main(["plan", "--preset", name, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert len(d["per_rank_local_bytes"]) == 8
-    assert main(["demo", "--preset", name]) == 2
-    assert "not supported by the layer yet" in capsys.readouterr().err
+    # the demo's parser takes each preset (running the real dims is the demo's own test)
+    from glm5_dsa_jax.cli import build_parser
+    assert build_parser().parse_args(["demo", "--preset", name]).preset == name
 
 
 def rope_cfg():

@@ -12,10 +12,15 @@ import argparse
 from glm5_dsa_jax.cli import bench, convert, demo, plan, roofline
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``glm5-dsa`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (demo, bench, plan, convert, roofline):
         module.add_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

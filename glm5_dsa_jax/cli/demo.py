@@ -25,7 +25,7 @@ from glm5_dsa_jax.decode import DsaDecoder
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run a padded batch through a DSA layer, prefill then decode")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="a model preset (the RoPE models glm5, glm52, deepseek-v32 do not run in the layer yet)")
+                   help="a model preset (glm53-flash, glm5, glm52, deepseek-v32 at their published dims; tiny)")
     p.add_argument("--checkpoint", help="an HF checkpoint dir or an orbax dir from `glm5-dsa convert`")
     p.add_argument("--prompt", type=nonnegative_int, default=0,
                    help="prompt length (default, or 0: 48 tiny, 256 real)")
