@@ -48,7 +48,7 @@ from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
 from glm5_dsa_jax.inputs import check_inputs
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import (
-    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm, topk_live,
+    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
 )
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
@@ -72,18 +72,6 @@ def _tile_scorer(tile: int, kpool: int, dtype):
                                     score_fn=pk.index_scores_reference)
 
     return scores
-
-
-@functools.lru_cache(maxsize=None)
-def _mla_kernel(scale: float, value_width: int, implementation: str):
-    """``pk.sparse_mla`` with its statics bound, one function per statics: the stable
-    kernel ``parallel.sharded_sparse_mla`` keys its cached eager program by."""
-
-    def kernel(q_lat, latent, token_ids):
-        return pk.sparse_mla(q_lat, latent, token_ids, scale=scale, value_width=value_width,
-                             implementation=implementation)
-
-    return kernel
 
 
 # ---------------------------------------------------------------------------- attention
@@ -484,7 +472,7 @@ class DsaAttention(nnx.Module):
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` at
         ``token_ids [B, Q, W]`` -> ``o_lat [B, Q, H, C]``. On a placed layer it runs per
         head shard, each device reading its local latent (``parallel.sharded_sparse_mla``)."""
-        kernel = _mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
+        kernel = mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
         with jax.named_scope("sparse_mla"):
             return sharded_sparse_mla(q_lat, latent, token_ids, mesh=self.mesh, axis=self.tp_axis,
                                       kernel=kernel)

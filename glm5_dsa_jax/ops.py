@@ -20,6 +20,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -113,3 +115,15 @@ def topk_live(scores, n_live, select_k: int, *, implementation):
     as ``-inf`` and a Pallas kernel does not read them). ``n_live`` is positional, so
     ``parallel.replicated_call`` passes it as an operand (its keyword arguments are static)."""
     return pk.topk_pools(scores, select_k, n_live=n_live, implementation=implementation)
+
+
+@functools.lru_cache(maxsize=None)
+def mla_kernel(scale: float, value_width: int, implementation: str):
+    """``pk.sparse_mla`` with its statics bound, one function per statics: the stable
+    kernel ``parallel.sharded_sparse_mla`` keys its cached eager program by."""
+
+    def kernel(q_lat, latent, token_ids):
+        return pk.sparse_mla(q_lat, latent, token_ids, scale=scale, value_width=value_width,
+                             implementation=implementation)
+
+    return kernel
