@@ -309,3 +309,27 @@ def test_bytes_per_token_of_capacity():
         per_token = total / tokens
         assert per_token <= 1100, (max_seqs, tokens, per_token)
         assert per_token >= 1088  # 1,024 latent + 64 pooled: nothing is missing
+
+
+def test_sharded_eager_decode_compiles_nothing_after_warm_up(cfg):
+    """The eager paged step on a TP 2 mesh (cached ``shard_map`` programs, see
+    ``glm5_dsa_jax.parallel``) compiles nothing once warm, joins and releases included."""
+    from test_layer_steps import backend_compiles
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    cfg = gd.DsaConfig.tiny(num_attention_heads=8)
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    layer = shard_layer(f32_layer(cfg, 1, seed=1, block_q=8), mesh)
+    cache = layer.init_paged_cache(2, 6, 16)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
+    for _ in range(3):
+        _, _, cache = layer(x, cache=cache)
+    cache = cache.release(jnp.array([True, False]))
+    _, _, cache = layer(x, cache=cache)
+    with backend_compiles() as seen:
+        for _ in range(3):
+            _, _, cache = layer(x, cache=cache)
+        cache = cache.release(jnp.array([True, False]))
+        _, _, cache = layer(x, cache=cache)
+    assert not seen, f"{len(seen)} compilations in 4 eager decode steps after warm-up"

@@ -14,7 +14,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
 from helpers import ATOL, RTOL, check_selection
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
-from test_paged import eager_release, make_schedule, per_sequence, run_schedule
+from test_paged import eager_release, make_schedule, per_sequence
 
 
 @pytest.mark.parametrize("kpool,topk,tail", [(4, 16, True), (2, 8, False)])
