@@ -42,7 +42,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import (
     Implementation, check_block_sizes, check_implementation, check_rank, eager_jit, next_power_of_two,
 )
-from pallas_kernels.scoring import IndexScoresBlockSizes, index_scores_reference
+from pallas_kernels.scoring import (
+    IndexScoresBlockSizes, index_scores_reference, score_rows, write_dead_tile,
+)
 
 __all__ = ["index_scores_paged", "index_scores_paged_reference", "gather_pools"]
 
@@ -189,9 +191,7 @@ def _index_scores_paged_kernel(
     *, kpool: int, ppp: int, n_slots: int, n_q: int, n_pools: int, heads: int, dim: int,
     block_q: int, block_p: int, block_h: int, block_d: int, dot_dtype,
 ):
-    f32 = jnp.float32
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    scale = dim**-0.5
     p0 = p_tile * block_p
     pool = p0 + jnp.arange(block_p, dtype=jnp.int32)
     pool_in = pool < n_pools
@@ -206,19 +206,13 @@ def _index_scores_paged_kernel(
 
     @pl.when(p0 >= live)
     def _dead_tile():
-        @pl.loop(0, n_rows)
-        def _(i):
-            plgpu.store(out_ref.at[b, t0 + i, pool], jnp.full((block_p,), -jnp.inf, f32),
-                        mask=pool_in)
+        write_dead_tile(out_ref, b=b, pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows)
 
     @pl.when(p0 < live)
     def _live_tile():
         ch = jnp.arange(block_d, dtype=jnp.int32)
         ch_ok = ch < dim
         ch_safe = jnp.minimum(ch, dim - 1)
-        hd = jnp.arange(block_h, dtype=jnp.int32)
-        h_ok = hd < heads
-        h_safe = jnp.minimum(hd, heads - 1)
 
         # 2. Page entries, then the owned keys below the live bound.
         pool_safe = jnp.minimum(pool, n_pools - 1)
@@ -235,26 +229,11 @@ def _index_scores_paged_kernel(
             mask=jnp.broadcast_to(loaded[:, None] & ch_ok[None, :], kshape),
             other=0.0,
         ).astype(dot_dtype)
-        last = (pool + 1) * kpool - 1
 
-        qshape = (block_h, block_d)
-        q_rows = jnp.broadcast_to(h_safe[:, None], qshape)
-        q_cols = jnp.broadcast_to(ch_safe[None, :], qshape)
-        q_mask = jnp.broadcast_to(h_ok[:, None] & ch_ok[None, :], qshape)
-
-        # 3. index_scores' arithmetic per query.
-        @pl.loop(0, n_rows)
-        def _(i):
-            t = t0 + i
-            qt = plgpu.load(q_ref.at[b, t, q_rows, q_cols], mask=q_mask, other=0.0)
-            wt = plgpu.load(w_ref.at[b, t, h_safe], mask=h_ok, other=0.0).astype(f32)
-            s = plgpu.dot(qt.astype(dot_dtype), keys, trans_b=True, allow_tf32=False)
-            s = s * scale
-            s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
-            score = jnp.sum(wt[:, None] * s, axis=0)
-            score = jnp.where(score == 0.0, 0.0, score)
-            cand = loaded & (last <= qpos_ref[b, t]) & (score == score)
-            plgpu.store(out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in)
+        # 3. index_scores' arithmetic per query (the same function as index_scores').
+        score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, (pool + 1) * kpool - 1, b=b,
+                   pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim,
+                   block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
 
 
 @eager_jit("kpool", "interpret", "block_sizes")

@@ -191,7 +191,6 @@ def _index_scores_kernel(
     *, kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
     block_p: int, block_h: int, block_d: int, dot_dtype,
 ):
-    f32 = jnp.float32
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pool = p_tile * block_p + jnp.arange(block_p, dtype=jnp.int32)
     pool_in = pool < n_pools
@@ -206,10 +205,7 @@ def _index_scores_kernel(
 
     @pl.when(p_tile * block_p >= seen)
     def _dead_tile():
-        @pl.loop(0, n_rows)
-        def _(i):
-            plgpu.store(out_ref.at[b, t0 + i, pool], jnp.full((block_p,), -jnp.inf, f32),
-                        mask=pool_in)
+        write_dead_tile(out_ref, b=b, pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows)
 
     @pl.when(p_tile * block_p < seen)
     def _live_tile():
@@ -222,17 +218,11 @@ def _index_scores_kernel(
 def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref, *, b, pool,
                 t0, n_rows, kpool, n_pools, heads, dim, block_p, block_h, block_d, dot_dtype):
     """One live tile: load its pooled keys once, then score its queries one by one."""
-    f32 = jnp.float32
-    scale = dim**-0.5
     pool_in = pool < n_pools
     pool_safe = jnp.minimum(pool, n_pools - 1)
     ch = jnp.arange(block_d, dtype=jnp.int32)
     ch_ok = ch < dim
     ch_safe = jnp.minimum(ch, dim - 1)
-    hd = jnp.arange(block_h, dtype=jnp.int32)
-    h_ok = hd < heads
-    h_safe = jnp.minimum(hd, heads - 1)
-
     kshape = (block_p, block_d)
     keys = plgpu.load(
         pooled_ref.at[
@@ -246,6 +236,35 @@ def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref,
     pool_valid = plgpu.load(pvalid_ref.at[b, pool_safe]) != 0
     last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
 
+    score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, pool_valid, last, b=b, pool=pool,
+               pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim, block_h=block_h,
+               block_d=block_d, dot_dtype=dot_dtype)
+
+
+def write_dead_tile(out_ref, *, b, pool, pool_in, t0, n_rows):
+    """A tile no query of it can see: ``-inf`` over its ``[n_rows, block_p]`` outputs, no
+    load (shared with ``paged_scoring``)."""
+    @pl.loop(0, n_rows)
+    def _(i):
+        plgpu.store(out_ref.at[b, t0 + i, pool], jnp.full(pool.shape, -jnp.inf, jnp.float32),
+                    mask=pool_in)
+
+
+def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, *, b, pool, pool_in, t0,
+               n_rows, heads, dim, block_h, block_d, dot_dtype):
+    """Score a loaded ``[block_p, block_d]`` key tile for queries ``t0 .. t0 + n_rows - 1``
+    of row ``b``: per query one ``[Hi, D] x [D, block_p]`` dot, ReLU, the head weights, the
+    head sum, then ``finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
+    ``loaded`` or whose ``last`` token is after the query -> ``-inf``). Shared with
+    ``paged_scoring``, so both kernels do the same arithmetic."""
+    f32 = jnp.float32
+    scale = dim**-0.5
+    ch = jnp.arange(block_d, dtype=jnp.int32)
+    ch_ok = ch < dim
+    ch_safe = jnp.minimum(ch, dim - 1)
+    hd = jnp.arange(block_h, dtype=jnp.int32)
+    h_ok = hd < heads
+    h_safe = jnp.minimum(hd, heads - 1)
     qshape = (block_h, block_d)
     q_rows = jnp.broadcast_to(h_safe[:, None], qshape)
     q_cols = jnp.broadcast_to(ch_safe[None, :], qshape)
@@ -260,12 +279,9 @@ def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref,
         s = s * scale
         s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
         score = jnp.sum(wt[:, None] * s, axis=0)  # padded heads have w = 0
-        # finish_scores, in-kernel: -0.0 -> +0.0, NaN or non-candidate -> -inf.
         score = jnp.where(score == 0.0, 0.0, score)
-        cand = pool_valid & (last <= qpos_ref[b, t]) & (score == score)
-        plgpu.store(
-            out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in
-        )
+        cand = loaded & (last <= qpos_ref[b, t]) & (score == score)
+        plgpu.store(out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in)
 
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
