@@ -54,6 +54,8 @@ is not a compute dtype of this project (it would promote the attention to double
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -61,13 +63,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from glm5_dsa_jax.config import DsaConfig
+import pallas_kernels as pk
 from pallas_kernels import first_valid
 
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
     "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
     "live_pool_tiles",
-    "pool_tile_scores",
+    "pool_tile_scores", "pool_tile_scorer",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers.
@@ -409,3 +412,16 @@ def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, *
     keys = from_store(jax.lax.dynamic_slice_in_dim(pooled_store, start, tile, axis=1), dtype)
     valid = jax.lax.dynamic_slice_in_dim(pool_valid, start, tile, axis=1)
     return score_fn(qi, w, keys, valid, first_key + start * kpool, q_pos, kpool=kpool)
+
+
+@functools.lru_cache(maxsize=None)
+def pool_tile_scorer(tile: int, kpool: int, dtype):
+    """The ``index_scores`` of one pool tile (``pool_tile_scores``), one function per
+    statics so the eager ``while_loop`` trace is cached (see ``pk.streaming_topk``)."""
+
+    def scores(start, *operands):
+        with jax.named_scope("index_scores"):
+            return pool_tile_scores(start, *operands, tile=tile, kpool=kpool, dtype=dtype,
+                                    score_fn=pk.index_scores_reference)
+
+    return scores

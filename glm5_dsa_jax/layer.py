@@ -1,4 +1,6 @@
-"""Flax NNX modules of one DSA layer: the lightning indexer and weight-absorbed sparse MLA.
+"""Flax NNX module of one DSA layer: the lightning indexer (``glm5_dsa_jax.indexer``) and
+weight-absorbed sparse MLA, for the three model types of ``DsaConfig`` (GLM-5.3-Flash's NoPE
+``glm5_next``; ``glm_moe_dsa`` and ``deepseek_v32`` with a RoPE part).
 
 Invariants:
 
@@ -10,7 +12,12 @@ Invariants:
 * ``kv_b_proj`` is split once, at load, into ``w_uk [heads, qk_nope, kv_lora]`` and
   ``w_uv [heads, v_head, kv_lora]``; attention then runs in the ``kv_lora_rank``-wide
   latent space (``absorb_q`` before, ``absorb_o`` after), reading one latent row per
-  selected token for all heads.
+  selected token for all heads. With RoPE a row also carries the shared roped key (``[c,
+  k_rot]``, ``kv_cache_dim`` wide) and the query its roped part: the score is ``q_lat . c
+  + q_rot . k_rot``, the values ``c`` (``sparse_mla(..., value_width=kv_lora_rank)``).
+* Two cache kinds: the contiguous ``DsaCache`` (one timeline for the batch, as HF's
+  ``DynamicCache``; RoPE positions are its slots) and the paged ``PagedCache`` (a sequence
+  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``).
 * Every call goes through the same path, with or without a cache: a call without a cache
   runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
   ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
@@ -30,7 +37,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
@@ -41,7 +47,7 @@ import pallas_kernels as pk
 from pallas_kernels._common import check_implementation
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import (
-    DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scores, pool_window, store_pools,
+    DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scorer, pool_window, store_pools,
 )
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
@@ -60,19 +66,6 @@ from glm5_dsa_jax.weights import hf_to_params
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
            "float32_params", "clear_float32_copies"]
-
-@functools.lru_cache(maxsize=None)
-def _tile_scorer(tile: int, kpool: int, dtype):
-    """The ``index_scores`` of one pool tile (``cache.pool_tile_scores``), one function per
-    statics so the eager ``while_loop`` trace is cached (see ``pk.streaming_topk``)."""
-
-    def scores(start, *operands):
-        with jax.named_scope("index_scores"):
-            return pool_tile_scores(start, *operands, tile=tile, kpool=kpool, dtype=dtype,
-                                    score_fn=pk.index_scores_reference)
-
-    return scores
-
 
 # ---------------------------------------------------------------------------- attention
 class DsaAttention(nnx.Module):
@@ -94,16 +87,18 @@ class DsaAttention(nnx.Module):
         module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
 
     Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
-    ``out, topk, cache = layer(x, attention_mask=mask, cache=cache)`` with one. ``x`` is
-    ``[B, S, hidden]``, ``mask`` ``[B, S]`` bool (or 0/1 ints; None = all valid), ``out``
-    ``[B, S, hidden]`` in ``dtype`` and ``topk`` ``[B, S, out_width]`` int32 token slots.
+    ``out, topk, cache = layer(x, attention_mask=mask, cache=cache)`` with one (a
+    ``DsaCache`` or a ``PagedCache``). ``x`` is ``[B, S, hidden]``, ``mask`` ``[B, S]`` bool
+    (or 0/1 ints; None = all valid), ``out`` ``[B, S, hidden]`` in ``dtype`` and ``topk``
+    ``[B, S, out_width]`` int32 token slots (positions within each sequence on a paged
+    cache). ``position_ids [B, S]`` override the RoPE positions.
 
     Pipeline of a call, one method per step, each under ``jax.named_scope(<kernel name>)``
     (axis letters as in the glossary of ``pallas_kernels``; Q = the queries of one tile of
     ``block_q``, steps 2-5 run tile by tile):
 
     0. ``project`` (``"project"``; the indexer's ``"index_project"``): ``x [B, S, hidden]``
-       -> ``q_lat [B, S, H, C]`` and the latent rows ``[B, S, C]``, appended to the cache;
+       -> ``q_lat [B, S, H, CR]`` and the cache rows ``[B, S, CR]``, appended to the cache;
        indexer queries ``[B, S, Hi, D]``, head weights ``[B, S, Hi]``, keys and gate
        logits ``[B, S, D]``.
     1. ``compress_pools`` (``"kpool_compress"``): each pool of KP keys completing in the
@@ -441,7 +436,7 @@ class DsaAttention(nnx.Module):
         with jax.named_scope("topk_pools"):
             n_tiles = live_pool_tiles(cache, q_pos, tile)
             return pk.streaming_topk(
-                _tile_scorer(tile, self.cfg.index_kpool, cache.dtype),
+                pool_tile_scorer(tile, self.cfg.index_kpool, cache.dtype),
                 (qi, w, cache.pooled_store, cache.pool_valid, cache.first_key, q_pos), n_tiles,
                 tile=tile, n_pools=cache.max_pools, select_k=select_k, rows=(b, q),
             )

@@ -239,7 +239,6 @@ def check_room(cache: PagedCache, mask) -> None:
     if (status == OK).all():
         return
     lengths = np.asarray(cache.pages.lengths)
-    table = np.asarray(cache.pages.block_table)
     n_free, ps = int(cache.pages.n_free), cache.page_size
     problems, left = [], n_free
     for b in range(cache.max_seqs):
@@ -255,7 +254,6 @@ def check_room(cache: PagedCache, mask) -> None:
                             f"are free after the rows before it (short by {need - left})")
         else:
             left -= max(need, 0)
-    del table
     raise ValueError("chunk does not fit the paged cache; nothing was written: " + "; ".join(problems))
 
 
