@@ -8,6 +8,8 @@ summary: those modules then run on the Python 3.11 leg only.
 
 import importlib.util
 import os
+import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -47,6 +49,21 @@ def pytest_report_header(config):
     return None if HAVE_TORCH else _LEFT_OUT
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_sessionstart(session):
+    session.config._glm5_started = time.time()
+
+
+def pytest_terminal_summary(terminalreporter, config):
     if not HAVE_TORCH:
         terminalreporter.write_line(_LEFT_OUT)
+    # A summary table a test wrote in a pytest-xdist worker during this run (the worker's own
+    # summary is not shown): tests/test_gpu_compile.py's compile table.
+    cache = getattr(config, "cache", None)
+    if cache is None or hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("dsession"):
+        return
+    txt = Path(cache.mkdir("gpu-compile")) / "report.txt"
+    if txt.exists() and txt.stat().st_mtime >= getattr(config, "_glm5_started", 0):
+        title, _, text = txt.read_text().partition("\n")
+        terminalreporter.write_sep("=", title)
+        for line in text.splitlines():
+            terminalreporter.write_line(line)
