@@ -34,8 +34,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 # Test modules that import torch (the HF oracle, or safetensors.torch) at module level.
-TORCH_MODULES = ["test_checkpoint.py", "test_decode.py", "test_hf_models.py", "test_hf_parity.py", "test_paged_hf.py",
-                 "test_quant.py", "test_rope.py"]
+TORCH_MODULES = ["test_checkpoint.py", "test_decode.py", "test_hf_models.py", "test_hf_parity.py",
+                 "test_hf_parity_rope.py", "test_paged_hf.py", "test_quant.py", "test_rope.py"]
 
 collect_ignore = [] if HAVE_TORCH else list(TORCH_MODULES)
 
