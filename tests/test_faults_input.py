@@ -297,7 +297,8 @@ def test_chunk_that_does_not_fit_or_foreign_cache_changes_nothing(chunk, foreign
 _FLAGS = {
     "demo": {"--prompt": "nonneg", "--steps": "nonneg", "--seed": "nonneg"},
     "bench decode": {"--iters": "pos", "--contexts": "poslist", "--batch": "poslist", "--capacity": "pos"},
-    "plan": {"--tp": "pos", "--rank": "nonneg", "--elem-bytes": "pos", "--context": "pos"},
+    "plan": {"--tp": "pos", "--rank": "nonneg", "--elem-bytes": "pos", "--context": "pos", "--dp": "pos",
+             "--batch": "pos"},
 }
 
 

@@ -117,6 +117,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.paged_step",),  # the paged call (takes the layer, imports none)
     ("glm5_dsa_jax.layer",),
     ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
+    ("glm5_dsa_jax.memory_plan",),  # per-device weights and caches (reads the caches' shapes)
     ("glm5_dsa_jax.decode",),
     ("glm5_dsa_jax.checkpoint",),
     ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile"),

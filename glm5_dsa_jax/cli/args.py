@@ -39,3 +39,14 @@ def positive_int_list(s: str) -> list[int]:
     if not vals:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
     return vals
+
+
+def positive_float(s: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not (v > 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s}")
+    return v

@@ -1,10 +1,13 @@
-"""``glm5-dsa plan``: print the tensor-parallel shard plan of one DSA layer.
+"""``glm5-dsa plan``: print the tensor-parallel shard plan of one DSA layer and the
+per-device memory of the model's DSA attention on a ``--dp`` x ``--tp`` mesh.
 
 The plan itself (which tensors split by head, the bytes each rank holds, the indexer
-all-reduce that replicating the indexer avoids, and why) is ``TpPlan``; this module builds
-it for every rank from a preset or a ``config.json`` and prints rank ``--rank``'s tensor
-table and the per-rank totals, or one JSON object. A TP size that does not divide the heads
-or a bad config is a one-line error with exit status 2.
+all-reduce that replicating the indexer avoids, and why) is ``TpPlan``; the per-device
+weights and caches (bf16 and fp8, contiguous and paged) and the sequences that fit are
+``MemoryPlan``. This module builds both from a preset or a ``config.json`` and prints rank
+``--rank``'s tensor table, the per-rank totals and the memory table, or one JSON object. A
+TP size that does not divide the heads, a batch not divisible by ``--dp`` or a bad config
+is a one-line error with exit status 2.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax.cli.args import nonnegative_int, positive_int
+from glm5_dsa_jax.cli.args import nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.memory_plan import MemoryPlan
 from glm5_dsa_jax.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
+
+#: Cache dtypes the memory table compares.
+PLAN_CACHE_DTYPES = ("bfloat16", "fp8")
 
 
 def add_parser(subparsers) -> None:
@@ -24,13 +31,20 @@ def add_parser(subparsers) -> None:
         description=add_parser.__doc__,
     )
     p.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8)")
+    p.add_argument("--dp", type=positive_int, default=1,
+                   help="data-parallel size: the batch and the caches split by sequence (default 1)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="sequences on the whole mesh for the cache figures (default 8 x dp)")
+    p.add_argument("--memory-gib", type=positive_float, default=80.0,
+                   help="device memory given to attention weights and caches, GiB (default 80)")
     p.add_argument("--rank", type=nonnegative_int, default=0, help="rank whose tensor table is shown (default 0)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, default="glm53-flash")
     src.add_argument("--config", help="a glm5_next, glm_moe_dsa or deepseek_v32 config.json (or its directory)")
     p.add_argument("--elem-bytes", type=positive_int, default=BF16_BYTES, help="bytes per element (bf16: 2)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="context for the indexer all-reduce figure (default max_position_embeddings)")
+                   help="context for the cache figures and the indexer all-reduce figure "
+                        "(default max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=main)
 
@@ -40,15 +54,23 @@ def main(args) -> int:
         cfg = DsaConfig.from_hf_config(args.config) if args.config else DsaConfig.preset(args.preset)
         plans = TpPlan.all_ranks(cfg, args.tp, elem_bytes=args.elem_bytes)
         plan = TpPlan.build(cfg, args.rank, args.tp, elem_bytes=args.elem_bytes)
+        context = args.context or cfg.max_position_embeddings
+        batch = args.batch or 8 * args.dp
+        mem = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context,
+                         elem_bytes=args.elem_bytes)
+        memory = int(args.memory_gib * 2**30)
+        rows = mem.rows(memory, PLAN_CACHE_DTYPES)
     except (ValueError, FileNotFoundError) as e:
         print(f"glm5-dsa plan: error: {e}", file=sys.stderr)
         return 2
-    context = args.context or cfg.max_position_embeddings
     if args.json:
         d = plan.to_dict()
         d["per_rank_local_bytes"] = [p.local_bytes for p in plans]
         d["indexer_allreduce_bytes_per_token"] = plan.indexer_allreduce_bytes(context)
         d["context"] = context
+        d["memory"] = dict(dp=args.dp, tp=args.tp, batch=batch, context=context,
+                           dsa_layers=len(mem.layers), device_memory_bytes=memory,
+                           weight_bytes_per_device=mem.weight_bytes, caches=rows)
         print(json.dumps(d, indent=2))
         return 0
     print(plan.table())
@@ -65,4 +87,15 @@ def main(args) -> int:
         f"decode token per layer at {context:,} tokens "
         f"({context // cfg.index_kpool:,} pools x {SCORE_BYTES} B)"
     )
+    print()
+    print(f"memory per device, {len(mem.layers)} DSA layers, mesh data={args.dp} x tp={args.tp}, "
+          f"{batch} sequences of {context:,} tokens ({batch // args.dp} per data group):")
+    print(f"  attention weights: {fmt_bytes(mem.weight_bytes)} (split over tp, replicated over data)")
+    print(f"  {'cache':<11}{'dtype':<10}{'B/token':>9}{'cache/device':>14}  "
+          f"sequences that fit in {args.memory_gib:g} GiB/device")
+    for r in rows:
+        print(f"  {r['cache']:<11}{r['dtype']:<10}{r['bytes_per_token']:>9.1f}"
+              f"{fmt_bytes(r['cache_bytes_per_device']):>14}  {r['sequences_that_fit']:,}")
+    print("  (caches split over data by sequence, replicated over tp; attention only: no MoE, "
+          "embeddings or activations)")
     return 0
