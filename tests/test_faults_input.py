@@ -299,6 +299,7 @@ _FLAGS = {
     "bench decode": {"--iters": "pos", "--contexts": "poslist", "--batch": "poslist", "--capacity": "pos"},
     "plan": {"--tp": "pos", "--rank": "nonneg", "--elem-bytes": "pos", "--context": "pos", "--dp": "pos",
              "--batch": "pos"},
+    "accuracy": {"--contexts": "poslist", "--queries": "pos", "--seed": "nonneg"},
 }
 
 

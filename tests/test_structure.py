@@ -120,7 +120,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.memory_plan",),  # per-device weights and caches (reads the caches' shapes)
     ("glm5_dsa_jax.decode",),
     ("glm5_dsa_jax.checkpoint",),
-    ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile"),
+    ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile",
+     "glm5_dsa_jax.cache_accuracy"),
     ("glm5_dsa_jax.cli", "glm5_dsa_jax"),  # the command line; the package's public face
 )
 
