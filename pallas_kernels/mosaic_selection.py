@@ -1,0 +1,218 @@
+"""``topk_pools`` as a Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``).
+
+The same radix select as the Triton kernel (``pallas_kernels.radix_select``), so the same
+result bit for bit: ``T``, the ``select_k``-th largest ``order_key``, is built most
+significant digit first in ``32 / radix_bits`` counting passes, then one compaction pass
+writes the pools with ``key > T`` and the first ``select_k - #{key > T}`` pools with
+``key == T`` (pool order), ascending, and ``-1`` after; ``-inf`` / NaN keys never. ``n_live``
+bounds each row exactly as there: pools at or past it count as ``-inf`` and are never read
+(``dead_counts``).
+
+Kernel shape: ``plmgpu.kernel`` with one CTA (one warpgroup, 128 threads) per query row,
+Lane lowering semantics, every ref in global memory (GMEM). A row is streamed in tiles of
+``block_p`` pools read straight from GMEM (coalesced vector loads; nothing row-sized on
+chip, so 262,144-pool rows cost what short ones do in SMEM).
+
+Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering rules):
+
+* Counting is vectorised: a tile is a 1-D ``[block_p]`` array in the warpgroup's strided
+  layout; ``key >= candidate`` and ``jnp.sum`` (a warpgroup reduction through SMEM) count
+  it, one sum per candidate digit (``2**radix_bits`` per tile).
+* The compaction is **not** vectorised. Mosaic GPU lowers no ``cumsum`` (no scan), no
+  scatter, no gather and no sort, and a 1-D array cannot be broadcast against a second
+  axis in the strided layout, so the Triton kernel's ``cumsum`` slot ranking and masked
+  scatter have no counterpart. The kernel instead counts each tile's takes with vector
+  sums (``#{key > T}``, ``#{key == T}``: a tile with none is skipped without a scalar
+  step), stores a tile that holds takes to an SMEM scratch and walks it with scalar code
+  (every thread runs the same scalar loop; a scalar store writes one id at its running
+  slot), stopping at the tile's last take; the tile loop stops once the row's
+  ``min(select_k, #{key > -inf})`` ids are written. The walk is latency bound (scalar
+  SMEM reads), so this path is correct first and fast second; a per-warp ballot compaction
+  (``inline_mgpu``) would vectorise it but has no interpret mode to test it on a CPU.
+* One CTA per row: no multi-program path (the Triton one's ``segmented_select``) yet, so a
+  batch-1 decode over a very long row keeps one SM busy.
+
+Invariants: ``flat [rows, P_pad]`` float32 with ``P_pad`` a multiple of ``block_p`` (the
+wrapper pads; pools at or past ``P`` are masked by the live bound, so padding is never
+read as a key), ``live [rows]`` int32 already clipped to ``[0, P]``, output ``[rows,
+K_pad]`` int32 with ``K_pad`` a multiple of 128 (the wrapper slices ``[:, :select_k]``).
+``order_key`` is the reference's own function, so no float compare enters a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import check_power_of_two, require_mosaic_gpu
+from pallas_kernels.radix_select import NEG_INF_KEY, dead_counts, order_key
+
+__all__ = ["MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"]
+
+_INT_MIN = -(2**31)
+WARPGROUP = 128  # threads of the kernel's one warpgroup: the strided layout's unit
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTopkPoolsBlockSizes:
+    """Tiling of the Mosaic GPU ``topk_pools`` (see the module doc).
+
+    * ``block_p``: pools per streamed tile, a power of two in ``[128, 8192]`` (128: one
+      element per thread of the warpgroup; 8192: the SMEM tile the compaction walks).
+    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
+      counting passes of ``2**radix_bits`` vector sums per tile.
+    """
+
+    block_p: int = 1024
+    radix_bits: int = 4
+
+    MAX_BLOCK_P = 8192
+
+    def validate(self) -> "MosaicTopkPoolsBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        name = "MosaicTopkPoolsBlockSizes."
+        check_power_of_two(name + "block_p", self.block_p, minimum=WARPGROUP)
+        if self.block_p > self.MAX_BLOCK_P:
+            raise ValueError(
+                f"{name}block_p must be <= {self.MAX_BLOCK_P} (the SMEM tile), got {self.block_p}")
+        check_power_of_two(name + "radix_bits", self.radix_bits)
+        if self.radix_bits > 8:
+            raise ValueError(f"{name}radix_bits must be one of 1, 2, 4, 8, got {self.radix_bits!r}")
+        return self
+
+    def resolve(self, n_pools: int) -> "MosaicTopkPoolsBlockSizes":
+        """The sizes the kernel launches with for rows of ``P = n_pools``: ``block_p``
+        capped at ``P`` rounded up to a multiple of 128 (a power of two no smaller)."""
+        self.validate()
+        cap = WARPGROUP
+        while cap < n_pools:
+            cap *= 2
+        return dataclasses.replace(self, block_p=min(self.block_p, cap))
+
+
+def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select_k, k_pad,
+                   block_p, radix_bits):
+    row = jax.lax.axis_index("row")
+    live = live_ref[row]
+    n_tiles = (live + (block_p - 1)) // block_p
+    n_dead = n_pools - live
+    # The iota's layout is the one a [block_p] int32 load gets (the strided layout with
+    # 2-element vectors per thread: 64-bit accesses).
+    strided = plmgpu.Layout.WG_STRIDED((block_p,), vec_size=min(2, block_p // WARPGROUP))
+    lanes = plmgpu.layout_cast(jnp.arange(block_p, dtype=jnp.int32), strided)
+
+    def load_keys(t):
+        start = t * block_p
+        key = order_key(s_ref[row, pl.ds(start, block_p)])
+        return jnp.where(start + lanes < live, key, jnp.int32(_INT_MIN))
+
+    # -- 1. threshold search (as radix_select's one-program kernel) ----------------------
+    n_digits = 1 << radix_bits
+
+    def radix_pass(i, carry):
+        prefix, n_gt = carry
+        shift = 32 - radix_bits * (i + 1)
+        cands = [(prefix | (jnp.int32(j) << shift)) ^ jnp.int32(_INT_MIN) for j in range(n_digits)]
+
+        def count_tile(t, counts):
+            key = load_keys(t)
+            return tuple(c + jnp.sum((key >= cand).astype(jnp.int32)) for c, cand in zip(counts, cands))
+
+        counts = jax.lax.fori_loop(0, n_tiles, count_tile, (jnp.int32(0),) * n_digits)
+        digit = jnp.int32(-1)
+        for c, cand in zip(counts, cands):
+            c = c + dead_counts(cand, n_dead)
+            enough = c >= select_k
+            digit = digit + enough.astype(jnp.int32)
+            n_gt = jnp.maximum(n_gt, jnp.where(enough, 0, c))
+        return prefix | (digit << shift), n_gt
+
+    prefix, n_gt = jax.lax.fori_loop(0, 32 // radix_bits, radix_pass, (jnp.int32(0), jnp.int32(0)))
+    thresh = prefix ^ jnp.int32(_INT_MIN)
+    real = thresh > jnp.int32(NEG_INF_KEY)  # T is -inf: only keys above it are taken
+    n_take_eq = jnp.where(real, select_k - n_gt, 0)
+    n_total = jnp.where(real, select_k, n_gt)
+
+    # -- 2. -1 everywhere, then the ids over it, ascending --------------------------------
+    for c in range(k_pad // WARPGROUP):
+        o_ref[row, pl.ds(c * WARPGROUP, WARPGROUP)] = jnp.full((WARPGROUP,), -1, jnp.int32)
+
+    def walk(start, n_sel, n_eq, n_tile):
+        """Scalar walk of the tile in ``tile_smem`` until its ``n_tile`` takes are written."""
+        def cond(c):
+            return c[3] < n_tile
+
+        def step(c):
+            j, sel, eq, done = c
+            key = tile_smem[j]
+            is_eq = key == thresh
+            take = (key > thresh) | (is_eq & (eq < n_take_eq))
+
+            @pl.when(take)
+            def _():
+                o_ref[row, sel] = start + j
+
+            t = take.astype(jnp.int32)
+            return j + 1, sel + t, eq + is_eq.astype(jnp.int32), done + t
+
+        return jax.lax.while_loop(cond, step, (jnp.int32(0), n_sel, n_eq, jnp.int32(0)))[1]
+
+    def tile_cond(c):
+        t, n_sel, _ = c
+        return (t < n_tiles) & (n_sel < n_total)
+
+    def compact_tile(c):
+        t, n_sel, n_eq = c
+        key = load_keys(t)
+        gt = jnp.sum((key > thresh).astype(jnp.int32))
+        eq = jnp.sum((key == thresh).astype(jnp.int32))
+        n_tile = gt + jnp.clip(n_take_eq - n_eq, 0, eq)
+
+        def with_takes(n_sel):
+            tile_smem[...] = key
+            return walk(t * block_p, n_sel, n_eq, n_tile)
+
+        n_sel = jax.lax.cond(n_tile > 0, with_takes, lambda n_sel: n_sel, n_sel)
+        return t + 1, n_sel, n_eq + eq
+
+    jax.lax.while_loop(tile_cond, compact_tile, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+
+
+def mosaic_topk_pools(scores, select_k: int, n_live, *, interpret: bool,
+                      block_sizes: MosaicTopkPoolsBlockSizes):
+    """``scores [B, Q, P]`` float32 -> ``[B, Q, select_k]`` int32 through the Mosaic GPU
+    kernel; ``n_live [B, Q]`` int32 or ``None`` (every pool). Arguments already checked by
+    ``topk_pools``; ``block_sizes`` validated."""
+    plmgpu = require_mosaic_gpu("topk_pools(implementation='mosaic')")
+    batch, n_q, n_pools = scores.shape
+    n_rows = batch * n_q
+    if select_k == 0 or n_rows == 0:
+        return jnp.full((batch, n_q, select_k), -1, jnp.int32)
+    blocks = block_sizes.resolve(n_pools)
+    p_pad = -(-n_pools // blocks.block_p) * blocks.block_p
+    k_pad = -(-select_k // WARPGROUP) * WARPGROUP
+    flat = scores.reshape(n_rows, n_pools)
+    if p_pad != n_pools:  # the last tile's loads stay in bounds; the live bound masks them
+        flat = jnp.pad(flat, ((0, 0), (0, p_pad - n_pools)))
+    if n_live is None:
+        live = jnp.full((n_rows,), n_pools, jnp.int32)
+    else:
+        live = jnp.clip(n_live.reshape(n_rows).astype(jnp.int32), 0, n_pools)
+    kernel = plmgpu.kernel(
+        functools.partial(
+            _select_kernel, plmgpu=plmgpu, n_pools=n_pools, select_k=select_k, k_pad=k_pad,
+            block_p=blocks.block_p, radix_bits=blocks.radix_bits,
+        ),
+        out_type=jax.ShapeDtypeStruct((n_rows, k_pad), jnp.int32),
+        scratch_types=[plmgpu.SMEM((blocks.block_p,), jnp.int32)],
+        grid=(n_rows,), grid_names=("row",),
+        compiler_params=plmgpu.CompilerParams(lowering_semantics=plmgpu.LoweringSemantics.Lane),
+        kernel_name="topk_pools_mosaic",
+        **({"interpret": plmgpu.InterpretGPUParams()} if interpret else {}),
+    )
+    out = kernel(flat, live)
+    return out[:, :select_k].reshape(batch, n_q, select_k)
