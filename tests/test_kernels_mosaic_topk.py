@@ -202,3 +202,40 @@ def test_layer_on_mosaic_interpret_equals_xla():
     o2, t2 = layer(jnp.asarray(x), attention_mask=jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(t2), np.asarray(t1))
     np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), atol=2e-5, rtol=2e-5)
+
+
+def test_every_mosaic_module_has_a_gpu_compile_case():
+    """A ``pallas_kernels/mosaic_*.py`` module without a ``MOSAIC_KERNEL_MODULES`` entry
+    would never be compiled by ``gpu_compile``."""
+    import os
+
+    from glm5_dsa_jax.gpu_compile import cases
+
+    root = os.path.dirname(pk.__file__)
+    modules = {f[:-3] for f in os.listdir(root) if f.startswith("mosaic_") and f.endswith(".py")}
+    assert "mosaic_selection" in modules
+    assert modules <= set(cases.MOSAIC_KERNEL_MODULES), sorted(modules - set(cases.MOSAIC_KERNEL_MODULES))
+    assert set(cases.MOSAIC_KERNEL_MODULES.values()) == set(cases.MOSAIC_KERNELS)
+    assert set(cases.MOSAIC_ENTRY) == set(cases.MOSAIC_THREADS) == set(cases.MOSAIC_KERNELS)
+
+
+@NEEDS_MOSAIC
+def test_compiles_to_cubin_for_sm90a_and_sm100a_without_a_gpu():
+    """``gpu_compile`` on the Mosaic kernel (needs the ``gpu-compile`` extra): cubin for
+    sm_90a and sm_100a from the compile-only devices, no spill, no stack, its SMEM read
+    from the plugin's dump; no sm_80 row (Mosaic GPU needs Hopper)."""
+    from glm5_dsa_jax import gpu_compile as gc
+
+    try:
+        gc.toolchain()
+    except gc.ToolchainMissing as e:
+        pytest.skip(f"deviceless GPU compile: {e}")
+    cases = gc.mosaic_cases(contexts=[4096, 1 << 20], batches=[1, 8], steps=["decode", "prefill"],
+                            caches=["contiguous", "paged"])
+    reports = gc.compile_cases(cases, ("sm_80", "sm_90", "sm_100"))
+    assert {(r.target, r.case) for r in reports} == {
+        (t, c.id) for t in ("sm_90", "sm_100") for c in cases}
+    assert all(r.ok for r in reports), gc.failures(reports)
+    for r in reports:
+        assert r.warps == 4 and r.regs > 0 and r.blocks_per_sm >= 1
+        assert r.smem_dynamic >= MosaicTopkPoolsBlockSizes().block_p * 4  # the SMEM tile
