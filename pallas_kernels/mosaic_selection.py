@@ -15,9 +15,11 @@ chip, so 262,144-pool rows cost what short ones do in SMEM).
 
 Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering rules):
 
-* Counting is vectorised: a tile is a 1-D ``[block_p]`` array in the warpgroup's strided
-  layout; ``key >= candidate`` and ``jnp.sum`` (a warpgroup reduction through SMEM) count
-  it, one sum per candidate digit (``2**radix_bits`` per tile).
+* Counting is vectorised: a pass streams the row in chunks of 256 pools (a 1-D array in
+  the warpgroup's strided layout, two pools per thread) and adds ``key >= candidate`` into
+  one vector of per-lane counters per candidate digit, kept in registers across the
+  chunks; only at the pass end does ``jnp.sum`` (a warpgroup reduction through SMEM and a
+  barrier) reduce each, ``2**radix_bits`` reductions per pass instead of per chunk.
 * The compaction is **not** vectorised. Mosaic GPU lowers no ``cumsum`` (no scan), no
   scatter, no gather and no sort, and a 1-D array cannot be broadcast against a second
   axis in the strided layout, so the Triton kernel's ``cumsum`` slot ranking and masked
@@ -55,6 +57,7 @@ __all__ = ["MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"]
 
 _INT_MIN = -(2**31)
 WARPGROUP = 128  # threads of the kernel's one warpgroup: the strided layout's unit
+COUNT_CHUNK = 2 * WARPGROUP  # pools a counting step loads: two per thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,9 @@ class MosaicTopkPoolsBlockSizes:
 
     * ``block_p``: pools per streamed tile, a power of two in ``[128, 8192]`` (128: one
       element per thread of the warpgroup; 8192: the SMEM tile the compaction walks).
-    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4, 8: ``32 / radix_bits``
-      counting passes of ``2**radix_bits`` vector sums per tile.
+    * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4: ``32 / radix_bits``
+      counting passes, each thread keeping ``2**radix_bits`` pairs of per-lane counters in
+      registers (8 bits would need 512 of them and spill).
     """
 
     block_p: int = 1024
@@ -80,8 +84,10 @@ class MosaicTopkPoolsBlockSizes:
             raise ValueError(
                 f"{name}block_p must be <= {self.MAX_BLOCK_P} (the SMEM tile), got {self.block_p}")
         check_power_of_two(name + "radix_bits", self.radix_bits)
-        if self.radix_bits > 8:
-            raise ValueError(f"{name}radix_bits must be one of 1, 2, 4, 8, got {self.radix_bits!r}")
+        if self.radix_bits > 4:
+            raise ValueError(
+                f"{name}radix_bits must be one of 1, 2, 4 (2**radix_bits per-lane counters in "
+                f"registers), got {self.radix_bits!r}")
         return self
 
     def resolve(self, n_pools: int) -> "MosaicTopkPoolsBlockSizes":
@@ -94,35 +100,51 @@ class MosaicTopkPoolsBlockSizes:
         return dataclasses.replace(self, block_p=min(self.block_p, cap))
 
 
+def _strided(plmgpu, x):
+    """``x`` (``[size]``) in the layout a ``[size]`` int32 load gets: the strided layout,
+    2-element vectors per thread when ``size >= 256`` (64-bit accesses). Mosaic cannot infer
+    it for an iota or a constant, and a loop carry must keep one layout."""
+    size = x.shape[0]
+    return plmgpu.layout_cast(x, plmgpu.Layout.WG_STRIDED((size,), vec_size=min(2, size // WARPGROUP)))
+
+
+def _iota(plmgpu, size):
+    return _strided(plmgpu, jnp.arange(size, dtype=jnp.int32))
+
+
 def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select_k, k_pad,
                    block_p, radix_bits):
     row = jax.lax.axis_index("row")
     live = live_ref[row]
     n_tiles = (live + (block_p - 1)) // block_p
     n_dead = n_pools - live
-    # The iota's layout is the one a [block_p] int32 load gets (the strided layout with
-    # 2-element vectors per thread: 64-bit accesses).
-    strided = plmgpu.Layout.WG_STRIDED((block_p,), vec_size=min(2, block_p // WARPGROUP))
-    lanes = plmgpu.layout_cast(jnp.arange(block_p, dtype=jnp.int32), strided)
+    lanes = _iota(plmgpu, block_p)
 
-    def load_keys(t):
-        start = t * block_p
-        key = order_key(s_ref[row, pl.ds(start, block_p)])
+    def load_keys(start, size, lanes):
+        key = order_key(s_ref[row, pl.ds(start, size)])
         return jnp.where(start + lanes < live, key, jnp.int32(_INT_MIN))
 
     # -- 1. threshold search (as radix_select's one-program kernel) ----------------------
+    # Counting streams chunks of COUNT_CHUNK pools (two per thread) and keeps one vector of
+    # per-lane counts per candidate digit: no cross-thread reduction (SMEM + barrier) until
+    # the pass ends, then one per digit.
     n_digits = 1 << radix_bits
+    chunk = min(block_p, COUNT_CHUNK)
+    chunk_lanes = _iota(plmgpu, chunk)
+    n_chunks = (live + (chunk - 1)) // chunk
 
     def radix_pass(i, carry):
         prefix, n_gt = carry
         shift = 32 - radix_bits * (i + 1)
         cands = [(prefix | (jnp.int32(j) << shift)) ^ jnp.int32(_INT_MIN) for j in range(n_digits)]
 
-        def count_tile(t, counts):
-            key = load_keys(t)
-            return tuple(c + jnp.sum((key >= cand).astype(jnp.int32)) for c, cand in zip(counts, cands))
+        def count_chunk(t, acc):
+            key = load_keys(t * chunk, chunk, chunk_lanes)
+            return tuple(a + (key >= cand).astype(jnp.int32) for a, cand in zip(acc, cands))
 
-        counts = jax.lax.fori_loop(0, n_tiles, count_tile, (jnp.int32(0),) * n_digits)
+        zero = _strided(plmgpu, jnp.zeros((chunk,), jnp.int32))
+        acc = jax.lax.fori_loop(0, n_chunks, count_chunk, (zero,) * n_digits)
+        counts = [jnp.sum(a) for a in acc]
         digit = jnp.int32(-1)
         for c, cand in zip(counts, cands):
             c = c + dead_counts(cand, n_dead)
@@ -167,7 +189,7 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
 
     def compact_tile(c):
         t, n_sel, n_eq = c
-        key = load_keys(t)
+        key = load_keys(t * block_p, block_p, lanes)
         gt = jnp.sum((key > thresh).astype(jnp.int32))
         eq = jnp.sum((key == thresh).astype(jnp.int32))
         n_tile = gt + jnp.clip(n_take_eq - n_eq, 0, eq)
