@@ -20,17 +20,17 @@ Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering 
   one vector of per-lane counters per candidate digit, kept in registers across the
   chunks; only at the pass end does ``jnp.sum`` (a warpgroup reduction through SMEM and a
   barrier) reduce each, ``2**radix_bits`` reductions per pass instead of per chunk.
-* The compaction is **not** vectorised. Mosaic GPU lowers no ``cumsum`` (no scan), no
+* The compaction is only partly vectorised. Mosaic GPU lowers no ``cumsum`` (no scan), no
   scatter, no gather and no sort, and a 1-D array cannot be broadcast against a second
   axis in the strided layout, so the Triton kernel's ``cumsum`` slot ranking and masked
-  scatter have no counterpart. The kernel instead counts each tile's takes with vector
-  sums (``#{key > T}``, ``#{key == T}``: a tile with none is skipped without a scalar
-  step), stores a tile that holds takes to an SMEM scratch and walks it with scalar code
-  (every thread runs the same scalar loop; a scalar store writes one id at its running
-  slot), stopping at the tile's last take; the tile loop stops once the row's
-  ``min(select_k, #{key > -inf})`` ids are written. The walk is latency bound (scalar
-  SMEM reads), so this path is correct first and fast second; a per-warp ballot compaction
-  (``inline_mgpu``) would vectorise it but has no interpret mode to test it on a CPU.
+  scatter have no counterpart. The kernel counts each tile's takes with vector sums
+  (``#{key > T}``, ``#{key == T}``; a tile with none costs no more), then writes them one
+  by one in pool order: each step finds the next take with a vector ``min`` over the
+  tile's candidate lanes and writes its id with a scalar store at the running slot (every
+  thread runs the same scalar code), so a row costs about ``select_k`` steps, however
+  sparse its takes; the tile loop stops once the row's ``min(select_k, #{key > -inf})``
+  ids are written. A per-warp ballot compaction (``inline_mgpu``) would write a tile's
+  ids at once but has no interpret mode to test it on a CPU.
 * One CTA per row: no multi-program path (the Triton one's ``segmented_select``) yet, so a
   batch-1 decode over a very long row keeps one SM busy.
 
@@ -163,25 +163,23 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
     for c in range(k_pad // WARPGROUP):
         o_ref[row, pl.ds(c * WARPGROUP, WARPGROUP)] = jnp.full((WARPGROUP,), -1, jnp.int32)
 
-    def walk(start, n_sel, n_eq, n_tile):
-        """Scalar walk of the tile in ``tile_smem`` until its ``n_tile`` takes are written."""
+    def walk(start, key, n_sel, eq_left, n_tile):
+        """Write the tile's ``n_tile`` takes, ascending, jumping from one to the next: each
+        step finds the lowest candidate at or after ``lo`` (a ``min`` over the tile) and
+        reads its key from ``tile_smem``. Candidates: ``key > T``, and ``key == T`` while
+        the tie quota ``eq_left`` lasts (so the earliest ties win)."""
         def cond(c):
-            return c[3] < n_tile
+            return c[2] < n_tile
 
         def step(c):
-            j, sel, eq, done = c
-            key = tile_smem[j]
-            is_eq = key == thresh
-            take = (key > thresh) | (is_eq & (eq < n_take_eq))
+            lo, sel, done, eq_left = c
+            cand = (key > thresh) | ((key == thresh) & (eq_left > 0))
+            j = jnp.min(jnp.where(cand & (lanes >= lo), lanes, block_p))
+            o_ref[row, sel] = start + j
+            is_eq = (tile_smem[j] == thresh).astype(jnp.int32)
+            return j + 1, sel + 1, done + 1, eq_left - is_eq
 
-            @pl.when(take)
-            def _():
-                o_ref[row, sel] = start + j
-
-            t = take.astype(jnp.int32)
-            return j + 1, sel + t, eq + is_eq.astype(jnp.int32), done + t
-
-        return jax.lax.while_loop(cond, step, (jnp.int32(0), n_sel, n_eq, jnp.int32(0)))[1]
+        return jax.lax.while_loop(cond, step, (jnp.int32(0), n_sel, jnp.int32(0), eq_left))[1]
 
     def tile_cond(c):
         t, n_sel, _ = c
@@ -196,7 +194,7 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
 
         def with_takes(n_sel):
             tile_smem[...] = key
-            return walk(t * block_p, n_sel, n_eq, n_tile)
+            return walk(t * block_p, key, n_sel, n_take_eq - n_eq, n_tile)
 
         n_sel = jax.lax.cond(n_tile > 0, with_takes, lambda n_sel: n_sel, n_sel)
         return t + 1, n_sel, n_eq + eq
