@@ -6,7 +6,7 @@ Every wrapper takes ``implementation`` (an ``Implementation``):
 * ``"xla"``: the plain-jnp reference in the same file (any device);
 * ``"pallas"``: the Pallas kernel, Triton backend (NVIDIA Ampere and newer);
 * ``"pallas_interpret"``: the same kernel in Pallas interpret mode (any device; how the
-  tests run it on a CPU).
+  tests run it on a CPU);
 * ``"mosaic"``: the step's Mosaic GPU kernel (``pallas_kernels/mosaic_*.py``; NVIDIA Hopper
   and newer, jax >= 0.11). A step with no Mosaic kernel runs its Triton one instead
   (``without_mosaic``: ``"mosaic"`` -> ``"pallas"``), so that a whole layer can be asked
@@ -14,7 +14,7 @@ Every wrapper takes ``implementation`` (an ``Implementation``):
   Triton backend runs on Hopper too, so the fallback is always runnable where Mosaic is.
 * ``"mosaic_interpret"``: the Mosaic GPU kernel in its CPU interpret mode
   (``plmgpu.InterpretGPUParams``, jax >= 0.11; it simulates the warpgroup's threads, so it
-  is slow: tests use small shapes); falls back to ``"pallas_interpret"`` like ``"mosaic"``.
+  is slow: tests use small shapes); falls back to ``"pallas_interpret"`` like ``"mosaic"``;
 * ``"auto"``: resolved when the wrapper is traced (``resolve_implementation``) from the
   device the program targets: a CUDA device of compute capability >= 9.0 -> ``"mosaic"``,
   an older CUDA device -> ``"pallas"``, anything else (CPU, TPU, ROCm) -> ``"xla"``.
@@ -23,14 +23,16 @@ and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``
 defaults). Invariants:
 
 * Checks run at trace time, before any launch, and raise ``ValueError`` naming the field (or
-  argument), the limit and the value.
+  argument), the limit and the value. A Mosaic path on jax < 0.11 raises
+  ``NotImplementedError`` naming the version (``require_mosaic_gpu``), after those checks.
 * Block sizes are validated under **every** implementation, ``"xla"`` included: a bad block
   size is an error whatever runs, so a CPU test run catches what a GPU run would refuse.
-* A wrapper's Pallas path (``"pallas"``, ``"pallas_interpret"``) is ``eager_jit``: called
-  outside any trace it runs as one ``jax.jit`` program, compiled once per shapes and static
-  arguments. Why: a ``pallas_call`` bound eagerly traces its kernel anew on every call, and
-  jax's compile cache keys the program by that (new) kernel jaxpr, so an eager decode step
-  compiled every kernel on every step. Under a trace the path is inlined as before.
+* A wrapper's kernel paths (``"pallas"``, ``"mosaic"`` and their ``*_interpret`` forms) are
+  ``eager_jit``: called outside any trace, one runs as one ``jax.jit`` program, compiled
+  once per shapes and static arguments. Why: a ``pallas_call`` bound eagerly traces its
+  kernel anew on every call, and jax's compile cache keys the program by that (new) kernel
+  jaxpr, so an eager decode step compiled every kernel on every step. Under a trace the
+  path is inlined as before.
 """
 
 from __future__ import annotations

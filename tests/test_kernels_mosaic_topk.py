@@ -239,3 +239,13 @@ def test_compiles_to_cubin_for_sm90a_and_sm100a_without_a_gpu():
     for r in reports:
         assert r.warps == 4 and r.regs > 0 and r.blocks_per_sm >= 1
         assert r.smem_dynamic >= MosaicTopkPoolsBlockSizes().block_p * 4  # the SMEM tile
+
+
+def test_layer_resolves_auto_when_built():
+    import glm5_dsa_jax as gd
+    from helpers import f32_layer
+
+    cfg = gd.DsaConfig.tiny()
+    assert f32_layer(cfg, 1, seed=0, implementation="auto").implementation == "xla"  # CPU host
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        f32_layer(cfg, 1, seed=0, implementation="triton")
