@@ -8,10 +8,19 @@ writes the pools with ``key > T`` and the first ``select_k - #{key > T}`` pools 
 bounds each row exactly as there: pools at or past it count as ``-inf`` and are never read
 (``dead_counts``).
 
-Kernel shape: ``plmgpu.kernel`` with one CTA (one warpgroup, 128 threads) per query row,
-Lane lowering semantics, every ref in global memory (GMEM). A row is streamed in tiles of
-``block_p`` pools read straight from GMEM (coalesced vector loads; nothing row-sized on
-chip, so 262,144-pool rows cost what short ones do in SMEM).
+Kernel shape: ``plmgpu.kernel`` (a ``pallas_call`` with Mosaic GPU compiler params has no
+CUDA lowering on jax 0.12), one warpgroup (128 threads) per CTA, Lane lowering semantics,
+every ref in global memory (GMEM). Pools are streamed in tiles read straight from GMEM
+(coalesced vector loads; nothing row-sized on chip, so 262,144-pool rows cost what short
+ones do in SMEM). Two paths, as the Triton kernels, chosen by ``P``
+(``MosaicTopkPoolsBlockSizes.multi_program``):
+
+* one-program: one CTA per query row does every pass (rows of fewer than ``4 * split_p``
+  pools: decode up to 32K tokens at ``index_kpool`` 4, prefill tiles);
+* multi-program: one CTA per ``split_p``-pool segment of every row, a counting launch per
+  pass and one compaction launch, the per-row decisions between them made by small XLA ops
+  on per-segment counts, exactly as ``radix_select.segmented_select`` (so a batch-1 decode
+  over a 1M-token row spreads over 128 CTAs instead of one).
 
 Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering rules):
 
@@ -31,12 +40,14 @@ Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering 
   sparse its takes; the tile loop stops once the row's ``min(select_k, #{key > -inf})``
   ids are written. A per-warp ballot compaction (``inline_mgpu``) would write a tile's
   ids at once but has no interpret mode to test it on a CPU.
-* One CTA per row: no multi-program path (the Triton one's ``segmented_select``) yet, so a
-  batch-1 decode over a very long row keeps one SM busy.
+* The multi-program compaction has no aliased output pre-filled with ``-1`` (Mosaic's
+  ``kernel`` takes none): each segment writes only its ids and XLA writes ``-1`` past each
+  row's taken count afterwards.
 
 Invariants: ``flat [rows, P_pad]`` float32 with ``P_pad`` a multiple of ``block_p`` (the
 wrapper pads; pools at or past ``P`` are masked by the live bound, so padding is never
-read as a key), ``live [rows]`` int32 already clipped to ``[0, P]``, output ``[rows,
+read as a key; ``block_p`` divides ``split_p`` on the multi-program path, so a segment's
+tiles never cross into the next one), ``live [rows]`` int32 already clipped to ``[0, P]``, output ``[rows,
 K_pad]`` int32 with ``K_pad`` a multiple of 128 (the wrapper slices ``[:, :select_k]``).
 ``order_key`` is the reference's own function, so no float compare enters a key.
 """
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +81,16 @@ class MosaicTopkPoolsBlockSizes:
     * ``radix_bits``: threshold bits found per pass, one of 1, 2, 4: ``32 / radix_bits``
       counting passes, each thread keeping ``2**radix_bits`` pairs of per-lane counters in
       registers (8 bits would need 512 of them and spill).
+    * ``split_p``: pools per CTA on the multi-program path, a power of two >= 128; rows of
+      at least ``MIN_SEGMENTS * split_p`` pools take that path (``multi_program``).
     """
 
     block_p: int = 1024
     radix_bits: int = 4
+    split_p: int = 2048
 
-    MAX_BLOCK_P = 8192
+    MAX_BLOCK_P: ClassVar[int] = 8192
+    MIN_SEGMENTS: ClassVar[int] = 4  # as TopkPoolsBlockSizes: rows of >= 4 segments split
 
     def validate(self) -> "MosaicTopkPoolsBlockSizes":
         """``self``, or a ``ValueError`` naming the bad field."""
@@ -88,15 +104,23 @@ class MosaicTopkPoolsBlockSizes:
             raise ValueError(
                 f"{name}radix_bits must be one of 1, 2, 4 (2**radix_bits per-lane counters in "
                 f"registers), got {self.radix_bits!r}")
+        check_power_of_two(name + "split_p", self.split_p, minimum=WARPGROUP)
         return self
 
+    def multi_program(self, n_pools: int) -> bool:
+        """Whether a row of ``P = n_pools`` pools takes the multi-program path."""
+        return n_pools >= self.MIN_SEGMENTS * self.split_p
+
     def resolve(self, n_pools: int) -> "MosaicTopkPoolsBlockSizes":
-        """The sizes the kernel launches with for rows of ``P = n_pools``: ``block_p``
-        capped at ``P`` rounded up to a multiple of 128 (a power of two no smaller)."""
+        """The sizes the kernels launch with for rows of ``P = n_pools``: ``block_p`` capped
+        at ``P`` rounded up to a power of two >= 128, and at ``split_p`` on the
+        multi-program path (a segment is whole tiles)."""
         self.validate()
         cap = WARPGROUP
         while cap < n_pools:
             cap *= 2
+        if self.multi_program(n_pools):
+            cap = min(cap, self.split_p)
         return dataclasses.replace(self, block_p=min(self.block_p, cap))
 
 
@@ -112,42 +136,96 @@ def _iota(plmgpu, size):
     return _strided(plmgpu, jnp.arange(size, dtype=jnp.int32))
 
 
+class _Row:
+    """One program's view of a row: pools ``[base, stop)`` of row ``row`` (``stop`` at most
+    the live bound), read in chunks of ``size`` pools; lanes at or past ``stop`` load as
+    ``INT_MIN`` keys, which no score maps to (the least real key is ``order_key(-inf)``)."""
+
+    def __init__(self, plmgpu, s_ref, row, base, stop):
+        self.plmgpu, self.s_ref, self.row, self.base, self.stop = plmgpu, s_ref, row, base, stop
+
+    def n_chunks(self, size):
+        return (jnp.maximum(self.stop - self.base, 0) + (size - 1)) // size
+
+    def keys(self, t, size, lanes):
+        start = self.base + t * size
+        key = order_key(self.s_ref[self.row, pl.ds(start, size)])
+        return jnp.where(start + lanes < self.stop, key, jnp.int32(_INT_MIN))
+
+    def counts(self, cands, block_p):
+        """``[#{key >= c} for c in cands]`` over the pools: per-lane counters in registers
+        across chunks of ``COUNT_CHUNK`` pools, one warpgroup reduction per candidate."""
+        size = min(block_p, COUNT_CHUNK)
+        lanes = _iota(self.plmgpu, size)
+
+        def count_chunk(t, acc):
+            key = self.keys(t, size, lanes)
+            return tuple(a + (key >= c).astype(jnp.int32) for a, c in zip(acc, cands))
+
+        zero = _strided(self.plmgpu, jnp.zeros((size,), jnp.int32))
+        acc = jax.lax.fori_loop(0, self.n_chunks(size), count_chunk, (zero,) * len(cands))
+        return [jnp.sum(a) for a in acc]
+
+    def compact(self, o_ref, tile_smem, block_p, thresh, n_sel, n_eq, n_take_eq, n_stop):
+        """Write the takes (``key > T``, and ``key == T`` while the row's tie rank stays
+        below ``n_take_eq``) at slots from ``n_sel`` on, ascending, tile by tile; ``n_eq``:
+        the ``== T`` keys before ``base``; stops once ``n_sel`` reaches ``n_stop``."""
+        lanes = _iota(self.plmgpu, block_p)
+        row = self.row
+
+        def walk(start, key, n_sel, eq_left, n_tile):
+            # Jump from one take to the next: the lowest candidate at or after ``lo`` (a
+            # ``min`` over the tile); ``== T`` ones while the tie quota ``eq_left`` lasts.
+            def step(c):
+                lo, sel, done, eq_left = c
+                cand = (key > thresh) | ((key == thresh) & (eq_left > 0))
+                j = jnp.min(jnp.where(cand & (lanes >= lo), lanes, block_p))
+                o_ref[row, sel] = start + j
+                is_eq = (tile_smem[j] == thresh).astype(jnp.int32)
+                return j + 1, sel + 1, done + 1, eq_left - is_eq
+
+            init = (jnp.int32(0), n_sel, jnp.int32(0), eq_left)
+            return jax.lax.while_loop(lambda c: c[2] < n_tile, step, init)[1]
+
+        def compact_tile(c):
+            t, n_sel, n_eq = c
+            key = self.keys(t, block_p, lanes)
+            gt = jnp.sum((key > thresh).astype(jnp.int32))
+            eq = jnp.sum((key == thresh).astype(jnp.int32))
+            n_tile = gt + jnp.clip(n_take_eq - n_eq, 0, eq)
+
+            def with_takes(n_sel):
+                tile_smem[...] = key
+                return walk(self.base + t * block_p, key, n_sel, n_take_eq - n_eq, n_tile)
+
+            n_sel = jax.lax.cond(n_tile > 0, with_takes, lambda n_sel: n_sel, n_sel)
+            return t + 1, n_sel, n_eq + eq
+
+        n_tiles = self.n_chunks(block_p)
+        jax.lax.while_loop(lambda c: (c[0] < n_tiles) & (c[1] < n_stop), compact_tile,
+                           (jnp.int32(0), n_sel, n_eq))
+
+
+def _candidates(prefix, i, radix_bits):
+    """The ``2**radix_bits`` candidate keys of pass ``i`` (as radix_select's kernels)."""
+    shift = 32 - radix_bits * (i + 1)
+    return shift, [(prefix | (jnp.int32(j) << shift)) ^ jnp.int32(_INT_MIN)
+                   for j in range(1 << radix_bits)]
+
+
+# -- the one-program path: one CTA per row does every pass --------------------------------
 def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select_k, k_pad,
                    block_p, radix_bits):
     row = jax.lax.axis_index("row")
     live = live_ref[row]
-    n_tiles = (live + (block_p - 1)) // block_p
-    n_dead = n_pools - live
-    lanes = _iota(plmgpu, block_p)
-
-    def load_keys(start, size, lanes):
-        key = order_key(s_ref[row, pl.ds(start, size)])
-        return jnp.where(start + lanes < live, key, jnp.int32(_INT_MIN))
-
-    # -- 1. threshold search (as radix_select's one-program kernel) ----------------------
-    # Counting streams chunks of COUNT_CHUNK pools (two per thread) and keeps one vector of
-    # per-lane counts per candidate digit: no cross-thread reduction (SMEM + barrier) until
-    # the pass ends, then one per digit.
-    n_digits = 1 << radix_bits
-    chunk = min(block_p, COUNT_CHUNK)
-    chunk_lanes = _iota(plmgpu, chunk)
-    n_chunks = (live + (chunk - 1)) // chunk
+    view = _Row(plmgpu, s_ref, row, jnp.int32(0), live)
 
     def radix_pass(i, carry):
         prefix, n_gt = carry
-        shift = 32 - radix_bits * (i + 1)
-        cands = [(prefix | (jnp.int32(j) << shift)) ^ jnp.int32(_INT_MIN) for j in range(n_digits)]
-
-        def count_chunk(t, acc):
-            key = load_keys(t * chunk, chunk, chunk_lanes)
-            return tuple(a + (key >= cand).astype(jnp.int32) for a, cand in zip(acc, cands))
-
-        zero = _strided(plmgpu, jnp.zeros((chunk,), jnp.int32))
-        acc = jax.lax.fori_loop(0, n_chunks, count_chunk, (zero,) * n_digits)
-        counts = [jnp.sum(a) for a in acc]
+        shift, cands = _candidates(prefix, i, radix_bits)
         digit = jnp.int32(-1)
-        for c, cand in zip(counts, cands):
-            c = c + dead_counts(cand, n_dead)
+        for c, cand in zip(view.counts(cands, block_p), cands):
+            c = c + dead_counts(cand, n_pools - live)
             enough = c >= select_k
             digit = digit + enough.astype(jnp.int32)
             n_gt = jnp.maximum(n_gt, jnp.where(enough, 0, c))
@@ -156,56 +234,88 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
     prefix, n_gt = jax.lax.fori_loop(0, 32 // radix_bits, radix_pass, (jnp.int32(0), jnp.int32(0)))
     thresh = prefix ^ jnp.int32(_INT_MIN)
     real = thresh > jnp.int32(NEG_INF_KEY)  # T is -inf: only keys above it are taken
-    n_take_eq = jnp.where(real, select_k - n_gt, 0)
-    n_total = jnp.where(real, select_k, n_gt)
-
-    # -- 2. -1 everywhere, then the ids over it, ascending --------------------------------
-    for c in range(k_pad // WARPGROUP):
+    for c in range(k_pad // WARPGROUP):  # -1 everywhere, then the ids over it
         o_ref[row, pl.ds(c * WARPGROUP, WARPGROUP)] = jnp.full((WARPGROUP,), -1, jnp.int32)
+    view.compact(o_ref, tile_smem, block_p, thresh, jnp.int32(0), jnp.int32(0),
+                 jnp.where(real, select_k - n_gt, 0), jnp.where(real, select_k, n_gt))
 
-    def walk(start, key, n_sel, eq_left, n_tile):
-        """Write the tile's ``n_tile`` takes, ascending, jumping from one to the next: each
-        step finds the lowest candidate at or after ``lo`` (a ``min`` over the tile) and
-        reads its key from ``tile_smem``. Candidates: ``key > T``, and ``key == T`` while
-        the tie quota ``eq_left`` lasts (so the earliest ties win)."""
-        def cond(c):
-            return c[2] < n_tile
 
-        def step(c):
-            lo, sel, done, eq_left = c
-            cand = (key > thresh) | ((key == thresh) & (eq_left > 0))
-            j = jnp.min(jnp.where(cand & (lanes >= lo), lanes, block_p))
-            o_ref[row, sel] = start + j
-            is_eq = (tile_smem[j] == thresh).astype(jnp.int32)
-            return j + 1, sel + 1, done + 1, eq_left - is_eq
+# -- the multi-program path: one CTA per (row, split_p-pool segment) ----------------------
+# As radix_select's segmented_select: a counting launch per pass writes per-segment counts
+# of each candidate, XLA sums them and picks the digit; the per-segment counts of key > T
+# and key == T fall out of the passes; XLA turns them into each segment's first output
+# slot and tie rank; one compaction launch writes every segment's ids. XLA then writes -1
+# past each row's taken count (a Mosaic kernel has no aliased, pre-filled output here).
+def _segment_view(plmgpu, s_ref, live_ref, split_p):
+    row, seg = jax.lax.axis_index("row"), jax.lax.axis_index("seg")
+    base = seg * split_p
+    return _Row(plmgpu, s_ref, row, base, jnp.minimum(live_ref[row], base + split_p)), row, seg
 
-        return jax.lax.while_loop(cond, step, (jnp.int32(0), n_sel, jnp.int32(0), eq_left))[1]
 
-    def tile_cond(c):
-        t, n_sel, _ = c
-        return (t < n_tiles) & (n_sel < n_total)
+def _count_kernel(s_ref, live_ref, c_ref, o_ref, *, plmgpu, split_p, block_p, n_digits):
+    view, row, seg = _segment_view(plmgpu, s_ref, live_ref, split_p)
+    cands = [c_ref[row, j] for j in range(n_digits)]
+    for j, c in enumerate(view.counts(cands, block_p)):
+        o_ref[row, seg, j] = c
 
-    def compact_tile(c):
-        t, n_sel, n_eq = c
-        key = load_keys(t * block_p, block_p, lanes)
-        gt = jnp.sum((key > thresh).astype(jnp.int32))
-        eq = jnp.sum((key == thresh).astype(jnp.int32))
-        n_tile = gt + jnp.clip(n_take_eq - n_eq, 0, eq)
 
-        def with_takes(n_sel):
-            tile_smem[...] = key
-            return walk(t * block_p, key, n_sel, n_take_eq - n_eq, n_tile)
+def _compact_kernel(s_ref, live_ref, t_ref, b_ref, o_ref, tile_smem, *, plmgpu, split_p,
+                    block_p):
+    view, row, seg = _segment_view(plmgpu, s_ref, live_ref, split_p)
+    n_sel, n_eq, n_take = b_ref[row, seg, 0], b_ref[row, seg, 1], b_ref[row, seg, 2]
+    view.compact(o_ref, tile_smem, block_p, t_ref[row, 0], n_sel, n_eq, t_ref[row, 1],
+                 n_sel + n_take)
 
-        n_sel = jax.lax.cond(n_tile > 0, with_takes, lambda n_sel: n_sel, n_sel)
-        return t + 1, n_sel, n_eq + eq
 
-    jax.lax.while_loop(tile_cond, compact_tile, (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+def _segmented(kernel_kw, flat, live, select_k, n_pools, blocks):
+    plmgpu = kernel_kw["plmgpu"]
+    n_rows = flat.shape[0]
+    n_seg = -(-n_pools // blocks.split_p)
+    n_digits = 1 << blocks.radix_bits
+    n_dead = (n_pools - live)[:, None]
+    params = dict(grid=(n_rows, n_seg), grid_names=("row", "seg"),
+                  compiler_params=kernel_kw["compiler_params"], **kernel_kw["interpret"])
+    common = dict(plmgpu=plmgpu, split_p=blocks.split_p, block_p=blocks.block_p)
+    count = plmgpu.kernel(
+        functools.partial(_count_kernel, n_digits=n_digits, **common),
+        out_type=jax.ShapeDtypeStruct((n_rows, n_seg, n_digits), jnp.int32),
+        kernel_name="topk_pools_mosaic_count", **params)
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+    prefix = jnp.zeros((n_rows, 1), jnp.int32)
+    n_gt = jnp.zeros((n_rows, 1), jnp.int32)
+    gt_seg = jnp.zeros((n_rows, n_seg), jnp.int32)
+    for i in range(32 // blocks.radix_bits):
+        shift = 32 - blocks.radix_bits * (i + 1)
+        cand = (prefix | (digits << shift)[None, :]) ^ jnp.int32(_INT_MIN)
+        seg_counts = count(flat, live, cand)
+        counts = jnp.sum(seg_counts, axis=1) + dead_counts(cand, n_dead)
+        enough = counts >= select_k
+        digit = jnp.sum(enough.astype(jnp.int32), axis=-1, keepdims=True) - 1
+        n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts), -1, keepdims=True))
+        gt_seg = jnp.maximum(gt_seg, jnp.max(jnp.where(enough[:, None, :], 0, seg_counts), -1))
+        prefix = prefix | (digit << shift)
+    thresh = prefix ^ jnp.int32(_INT_MIN)
+    eq_seg = jnp.take_along_axis(seg_counts, digit[:, :, None], axis=-1)[..., 0] - gt_seg
+    eq_before = jnp.cumsum(eq_seg, axis=1) - eq_seg
+    n_take_eq = jnp.where(thresh > NEG_INF_KEY, select_k - n_gt, 0)  # -inf / NaN: never taken
+    take_eq = jnp.clip(n_take_eq - eq_before, 0, eq_seg)
+    take_seg = gt_seg + take_eq
+    slot_before = jnp.cumsum(take_seg, axis=1) - take_seg
+    compact = plmgpu.kernel(
+        functools.partial(_compact_kernel, **common),
+        out_type=jax.ShapeDtypeStruct((n_rows, kernel_kw["k_pad"]), jnp.int32),
+        scratch_types=[plmgpu.SMEM((blocks.block_p,), jnp.int32)],
+        kernel_name="topk_pools_mosaic_compact", **params)
+    out = compact(flat, live, jnp.concatenate([thresh, n_take_eq], axis=1),
+                  jnp.stack([slot_before, eq_before, take_seg], axis=-1))
+    n_taken = jnp.sum(take_seg, axis=1, keepdims=True)
+    return jnp.where(jnp.arange(out.shape[1])[None, :] < n_taken, out, -1)
 
 
 def mosaic_topk_pools(scores, select_k: int, n_live, *, interpret: bool,
                       block_sizes: MosaicTopkPoolsBlockSizes):
     """``scores [B, Q, P]`` float32 -> ``[B, Q, select_k]`` int32 through the Mosaic GPU
-    kernel; ``n_live [B, Q]`` int32 or ``None`` (every pool). Arguments already checked by
+    kernels; ``n_live [B, Q]`` int32 or ``None`` (every pool). Arguments already checked by
     ``topk_pools``; ``block_sizes`` validated."""
     plmgpu = require_mosaic_gpu("topk_pools(implementation='mosaic')")
     batch, n_q, n_pools = scores.shape
@@ -222,17 +332,22 @@ def mosaic_topk_pools(scores, select_k: int, n_live, *, interpret: bool,
         live = jnp.full((n_rows,), n_pools, jnp.int32)
     else:
         live = jnp.clip(n_live.reshape(n_rows).astype(jnp.int32), 0, n_pools)
-    kernel = plmgpu.kernel(
-        functools.partial(
-            _select_kernel, plmgpu=plmgpu, n_pools=n_pools, select_k=select_k, k_pad=k_pad,
-            block_p=blocks.block_p, radix_bits=blocks.radix_bits,
-        ),
-        out_type=jax.ShapeDtypeStruct((n_rows, k_pad), jnp.int32),
-        scratch_types=[plmgpu.SMEM((blocks.block_p,), jnp.int32)],
-        grid=(n_rows,), grid_names=("row",),
+    kernel_kw = dict(
+        plmgpu=plmgpu, k_pad=k_pad,
         compiler_params=plmgpu.CompilerParams(lowering_semantics=plmgpu.LoweringSemantics.Lane),
-        kernel_name="topk_pools_mosaic",
-        **({"interpret": plmgpu.InterpretGPUParams()} if interpret else {}),
+        interpret={"interpret": plmgpu.InterpretGPUParams()} if interpret else {},
     )
-    out = kernel(flat, live)
+    if blocks.multi_program(n_pools):
+        out = _segmented(kernel_kw, flat, live, select_k, n_pools, blocks)
+    else:
+        out = plmgpu.kernel(
+            functools.partial(
+                _select_kernel, plmgpu=plmgpu, n_pools=n_pools, select_k=select_k, k_pad=k_pad,
+                block_p=blocks.block_p, radix_bits=blocks.radix_bits,
+            ),
+            out_type=jax.ShapeDtypeStruct((n_rows, k_pad), jnp.int32),
+            scratch_types=[plmgpu.SMEM((blocks.block_p,), jnp.int32)],
+            grid=(n_rows,), grid_names=("row",), kernel_name="topk_pools_mosaic",
+            compiler_params=kernel_kw["compiler_params"], **kernel_kw["interpret"],
+        )(flat, live)
     return out[:, :select_k].reshape(batch, n_q, select_k)

@@ -101,6 +101,20 @@ def test_ties_all_neg_inf_and_past_live_rows():
 
 
 @NEEDS_MOSAIC
+def test_multi_program_path_matches_reference():
+    """Rows cut into 128-pool segments (5 CTAs a row): ties across segment borders, all
+    ``-inf`` rows, live bounds inside a segment and past the first, select-all."""
+    rng = np.random.default_rng(7)
+    s = rng.choice(np.array([0, 0, 1, 2, -np.inf, 3, -0.0], np.float32), size=(1, 4, 600))
+    s[0, 2] = -np.inf
+    s[0, 3] = 1.0  # one plateau of ties over every segment
+    live = np.array([[600, 300, 600, 77]], np.int32)
+    for k in (150, 600):
+        _check(s, k, live, block_p=128, split_p=128)
+    assert MosaicTopkPoolsBlockSizes(block_p=128, split_p=128).multi_program(600)
+
+
+@NEEDS_MOSAIC
 def test_select_zero_and_all():
     s = np.random.default_rng(1).integers(-1, 2, size=(1, 2, 130)).astype(np.float32)
     _check(s, 0, block_p=128)
@@ -134,7 +148,9 @@ def test_lowers_for_cuda_at_model_shapes(preset):
             text = lower_for_cuda(fn, jax.ShapeDtypeStruct((b, q, p), jnp.float32),
                                   jax.ShapeDtypeStruct((b, q), jnp.int32)).as_text()
             calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
-            assert len(calls) == 1, (preset, context, b, q)
+            # one launch, or 8 counting launches and a compaction on the multi-program path
+            want = 9 if MosaicTopkPoolsBlockSizes().multi_program(p) else 1
+            assert len(calls) == want, (preset, context, b, q, len(calls))
             assert "triton" not in text, (preset, context, b, q)
 
 
@@ -144,6 +160,8 @@ def test_lowers_for_cuda_at_model_shapes(preset):
     ({"block_p": 16384}, "block_p"),
     ({"radix_bits": 3}, "radix_bits"),
     ({"radix_bits": 8}, "radix_bits"),
+    ({"split_p": 64}, "split_p"),
+    ({"split_p": 1000}, "split_p"),
 ])
 @pytest.mark.parametrize("impl", ["xla", "mosaic_interpret"])
 def test_bad_block_sizes(kwargs, name, impl):
@@ -165,6 +183,9 @@ def test_resolve_block_p_caps_at_the_row():
     assert MosaicTopkPoolsBlockSizes().resolve(5).block_p == 128
     assert MosaicTopkPoolsBlockSizes().resolve(300).block_p == 512
     assert MosaicTopkPoolsBlockSizes().resolve(1 << 20).block_p == 1024
+    assert MosaicTopkPoolsBlockSizes(block_p=4096, split_p=2048).resolve(1 << 20).block_p == 2048
+    assert not MosaicTopkPoolsBlockSizes().multi_program(8191)
+    assert MosaicTopkPoolsBlockSizes().multi_program(8192)
 
 
 @pytest.mark.skipif(jax_version() >= MOSAIC_MIN_JAX, reason="the jax < 0.11 error path")
@@ -216,7 +237,7 @@ def test_every_mosaic_module_has_a_gpu_compile_case():
     assert "mosaic_selection" in modules
     assert modules <= set(cases.MOSAIC_KERNEL_MODULES), sorted(modules - set(cases.MOSAIC_KERNEL_MODULES))
     assert set(cases.MOSAIC_KERNEL_MODULES.values()) == set(cases.MOSAIC_KERNELS)
-    assert set(cases.MOSAIC_ENTRY) == set(cases.MOSAIC_THREADS) == set(cases.MOSAIC_KERNELS)
+    assert set(cases.MOSAIC_LAUNCHES) == set(cases.MOSAIC_THREADS) == set(cases.MOSAIC_KERNELS)
 
 
 @NEEDS_MOSAIC
@@ -237,8 +258,12 @@ def test_compiles_to_cubin_for_sm90a_and_sm100a_without_a_gpu():
         (t, c.id) for t in ("sm_90", "sm_100") for c in cases}
     assert all(r.ok for r in reports), gc.failures(reports)
     for r in reports:
-        assert r.warps == 4 and r.regs > 0 and r.blocks_per_sm >= 1
-        assert r.smem_dynamic >= MosaicTopkPoolsBlockSizes().block_p * 4  # the SMEM tile
+        assert r.warps == 4 and r.regs > 0 and r.blocks_per_sm >= 1 and r.smem_dynamic > 0
+        if "_count" not in r.kernel:  # a compacting kernel holds its SMEM tile
+            assert r.smem_dynamic >= MosaicTopkPoolsBlockSizes().block_p * 4
+    # 4K tokens: one program a row; 1M: counting and compaction over 2,048-pool segments
+    kernels = {r.kernel for r in reports}
+    assert kernels == {f"topk_pools_mosaic{k}_mosaic_gpu_kernel" for k in ("", "_count", "_compact")}
 
 
 def test_layer_resolves_auto_when_built():

@@ -128,30 +128,35 @@ def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: f
 
 
 def _mosaic_compiled(rec: dict) -> dict:
-    """A Mosaic GPU case's launch (threads, dynamic SMEM from the plugin's
-    ``*.resources.txt``) and ptxas numbers (its ``*.ptxas``), read from its dump."""
-    entry = rec["calls"][0]["name"]
-    smem = None
+    """A Mosaic GPU case's launches (threads; dynamic SMEM from the plugin's
+    ``<kernel>_<n>.resources.txt``) and ptxas numbers (its ``*.ptxas``), read from its dump."""
+    entries = {c["name"] for c in rec["calls"]}
+    smem, stats, errors = {}, {}, []
     for fn in sorted(os.listdir(rec["dump"])):
-        if fn.endswith(".resources.txt"):
-            with open(os.path.join(rec["dump"], fn)) as f:
-                m = re.search(r"smem_scratch_bytes=(\d+)", f.read())
-            smem = int(m.group(1)) if m else smem
-    # The plugin's own ``ptxas -v`` of the cubin it built (its ptxas may be newer than
-    # ``find_ptxas``'s: Mosaic emits the newest PTX ISA it knows).
-    stats, errors = {}, []
-    for fn in sorted(os.listdir(rec["dump"])):
-        if fn.endswith(".ptxas"):
-            with open(os.path.join(rec["dump"], fn)) as f:
-                stats.update({k: v for k, v in parse_ptxas(f.read()).items() if k == entry})
-    if entry not in stats:
-        errors.append(f"the Mosaic GPU plugin dumped no ptxas report for {entry}")
-    if smem is None:
-        errors.append("the Mosaic GPU plugin wrote no *.resources.txt (dynamic shared memory)")
-        stats = {}
+        path = os.path.join(rec["dump"], fn)
+        m = re.fullmatch(r"(.+)_\d+\.resources\.txt", fn)
+        if m:
+            with open(path) as f:
+                b = re.search(r"smem_scratch_bytes=(\d+)", f.read())
+            if b:
+                smem[f"{m.group(1)}_mosaic_gpu_kernel"] = int(b.group(1))
+        elif fn.endswith(".ptxas"):
+            # The plugin's own ``ptxas -v`` of the cubin it built (its ptxas may be newer
+            # than ``find_ptxas``'s: Mosaic emits the newest PTX ISA it knows).
+            with open(path) as f:
+                stats.update({k: v for k, v in parse_ptxas(f.read()).items() if k in entries})
+    launches = []
     threads = MOSAIC_THREADS[rec["id"].split()[0]]
-    return dict(launches=[dict(name=entry, grid=tuple(rec["calls"][0]["grid"]), threads=threads,
-                               smem=smem)], stats=stats, errors=errors)
+    for call in rec["calls"]:
+        name = call["name"]
+        if name not in stats:
+            errors.append(f"the Mosaic GPU plugin dumped no ptxas report for {name}")
+        if name not in smem:
+            errors.append(f"the Mosaic GPU plugin wrote no resources (dynamic SMEM) for {name}")
+            stats.pop(name, None)
+        launches.append(dict(name=name, grid=tuple(call["grid"]), threads=threads,
+                             smem=smem.get(name)))
+    return dict(launches=launches, stats=stats, errors=errors)
 
 
 def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90"), *,

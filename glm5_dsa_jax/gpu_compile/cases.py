@@ -24,9 +24,10 @@ Invariants:
 * Mosaic GPU kernels (``MOSAIC_KERNELS``, Hopper and newer, jax >= 0.11) are cases like the
   others, kept out of ``KERNELS`` (so out of the default cases and the Triton checks that
   read ``KERNELS``): ``mosaic_cases`` lists them, ``compile_cases`` compiles them only for
-  targets of compute capability >= 9.0 (``sm_90a`` code). ``MOSAIC_ENTRY`` names each one's
-  PTX entry function (what ptxas reports), ``MOSAIC_THREADS`` its threads per block (one
-  warpgroup of 128 per Pallas thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module.
+  targets of compute capability >= 9.0 (``sm_90a`` code). ``MOSAIC_LAUNCHES`` names each
+  one's launches at a step (kernel names and grids: Mosaic's custom call carries neither in
+  readable form), ``MOSAIC_THREADS`` its threads per block (one warpgroup of 128 per Pallas
+  thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module.
 * ``_build`` returns, with the call, the key under which cases share a trace: the kernel,
   its input shapes and dtypes, the static arguments not visible in them, and the block sizes.
 """
@@ -42,7 +43,7 @@ import pallas_kernels as pk
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
-           "PAGED_KERNELS", "MOSAIC_KERNELS", "MOSAIC_KERNEL_MODULES", "MOSAIC_ENTRY",
+           "PAGED_KERNELS", "MOSAIC_KERNELS", "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES",
            "MOSAIC_THREADS", "mosaic_cases"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
@@ -211,8 +212,22 @@ MOSAIC_KERNELS: dict[str, Callable] = {
     "topk_pools_mosaic": _topk_pools_mosaic,
 }
 MOSAIC_KERNEL_MODULES: dict[str, str] = {"mosaic_selection": "topk_pools_mosaic"}
-MOSAIC_ENTRY: dict[str, str] = {"topk_pools_mosaic": "topk_pools_mosaic_mosaic_gpu_kernel"}
 MOSAIC_THREADS: dict[str, int] = {"topk_pools_mosaic": 128}
+
+
+def _topk_pools_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    p = max(1, s.context // cfg.index_kpool)
+    bs = pk.MosaicTopkPoolsBlockSizes(**blocks)
+    rows = s.batch * s.queries
+    if bs.multi_program(p):
+        grid = (rows, -(-p // bs.split_p), 1)
+        return {"topk_pools_mosaic_count": grid, "topk_pools_mosaic_compact": grid}
+    return {"topk_pools_mosaic": (rows, 1, 1)}
+
+
+#: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: grid}``, the launches its
+#: wrapper makes (a kernel name ``N`` compiles to the PTX entry ``N_mosaic_gpu_kernel``).
+MOSAIC_LAUNCHES: dict[str, Callable] = {"topk_pools_mosaic": _topk_pools_mosaic_launches}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ import re
 import sys
 import time
 
-from glm5_dsa_jax.gpu_compile.cases import MOSAIC_ENTRY, MOSAIC_KERNELS, Case, Step, _build
+from glm5_dsa_jax.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, _build
 from glm5_dsa_jax.gpu_compile.targets import TARGETS
 
 __all__ = ["run_worker"]
@@ -40,14 +40,14 @@ _IR_RE = re.compile(r'\bir = "((?:\\.|[^"\\])*)"')
 _MOSAIC_RE = re.compile(r'stablehlo\.custom_call @mosaic_gpu\w*\(.*?\bmodule = "((?:\\.|[^"\\])*)"')
 
 
-def _mosaic_signature(lowered, case: Case) -> tuple:
-    """(calls, signature) of a Mosaic GPU case: its one launch (the PTX entry, one CTA per
-    query row) and a hash of every Mosaic custom call's module."""
+def _mosaic_signature(cfg, lowered, case: Case) -> tuple:
+    """(calls, signature) of a Mosaic GPU case: its launches (PTX entry and grid, from
+    ``MOSAIC_LAUNCHES``) and a hash of every Mosaic custom call's module."""
     mods = [hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
             for m in _MOSAIC_RE.finditer(lowered.as_text())]
-    s = case.step
-    calls = [dict(name=MOSAIC_ENTRY[case.kernel], grid=(s.batch * s.queries, 1, 1))] if mods else []
-    return calls, (case.kernel, tuple(mods))
+    launches = MOSAIC_LAUNCHES[case.kernel](cfg, case.step, dict(case.blocks))
+    calls = [dict(name=f"{name}_mosaic_gpu_kernel", grid=grid) for name, grid in launches.items()]
+    return (calls if mods else []), (case.kernel, tuple(sorted(set(mods))))
 
 
 def _triton_signature(lowered) -> tuple:
@@ -103,7 +103,7 @@ def run_worker(target_name: str, dump_root: str) -> int:
             with jax.default_device(device):
                 lowered = jax.jit(fn).trace(*avals).lower()
             rec["stage"] = "compile"
-            calls, sig = _mosaic_signature(lowered, case) if mosaic else _triton_signature(lowered)
+            calls, sig = _mosaic_signature(cfg, lowered, case) if mosaic else _triton_signature(lowered)
             rec["calls"], rec["mosaic"] = calls, mosaic
             if not calls:
                 raise RuntimeError(
