@@ -35,7 +35,8 @@ past it do nothing. A step at 4K live tokens in a 128K-token row then costs what
 
 The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
 ``pallas_kernels.mosaic_selection``, jax >= 0.11, Hopper and newer) is the same radix select
-with the same bit-identical result, ``n_live`` included; it takes its own block sizes,
+on the same two paths with the same bit-identical result, ``n_live`` included; it takes its
+own block sizes,
 ``MosaicTopkPoolsBlockSizes`` (``block_sizes`` must then be one, or ``None``).
 
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
