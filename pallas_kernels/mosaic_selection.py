@@ -40,15 +40,16 @@ Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering 
   sparse its takes; the tile loop stops once the row's ``min(select_k, #{key > -inf})``
   ids are written. A per-warp ballot compaction (``inline_mgpu``) would write a tile's
   ids at once but has no interpret mode to test it on a CPU.
-* The multi-program compaction has no aliased output pre-filled with ``-1`` (Mosaic's
-  ``kernel`` takes none): each segment writes only its ids and XLA writes ``-1`` past each
-  row's taken count afterwards.
+* The multi-program compaction has no output pre-filled with ``-1`` (``plmgpu.kernel`` has
+  no ``input_output_aliases``): each segment writes only its ids, and XLA writes ``-1``
+  past each row's taken count afterwards.
 
 Invariants: ``flat [rows, P_pad]`` float32 with ``P_pad`` a multiple of ``block_p`` (the
-wrapper pads; pools at or past ``P`` are masked by the live bound, so padding is never
-read as a key; ``block_p`` divides ``split_p`` on the multi-program path, so a segment's
-tiles never cross into the next one), ``live [rows]`` int32 already clipped to ``[0, P]``, output ``[rows,
-K_pad]`` int32 with ``K_pad`` a multiple of 128 (the wrapper slices ``[:, :select_k]``).
+wrapper pads; pools at or past ``P`` are masked by the live bound, so padding is never read
+as a key; ``block_p`` divides ``split_p`` on the multi-program path, so a segment's tiles
+never cross into the next one), ``live [rows]`` int32 already clipped to ``[0, P]``, output
+``[rows, K_pad]`` int32 with ``K_pad`` a multiple of 128 (the wrapper slices
+``[:, :select_k]``).
 ``order_key`` is the reference's own function, so no float compare enters a key.
 """
 
