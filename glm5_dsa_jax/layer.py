@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
-from pallas_kernels._common import check_implementation
+from pallas_kernels._common import resolve_implementation
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import (
     DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scorer, pool_window, store_pools,
@@ -75,8 +75,8 @@ class DsaAttention(nnx.Module):
       cfg: the model's ``DsaConfig``.
       layer_idx: index of an ``indexed_attention`` layer of ``cfg``.
       rngs: initialisation randomness (weights are usually loaded after).
-      implementation: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"``, for every
-        pipeline step.
+      implementation: an ``Implementation`` for every pipeline step (``"xla"``, ``"pallas"``,
+        ``"mosaic"``, their ``*_interpret`` forms, or ``"auto"``: resolved here, for the default device).
       dtype: compute dtype of activations and of the default cache (bf16).
       param_dtype: storage dtype of the parameters (bf16).
       tp_axis: mesh axis name the head axis is sharded over (metadata only until the
@@ -134,7 +134,7 @@ class DsaAttention(nnx.Module):
     ):
         cfg.validate()
         cfg.check_layer(layer_idx)
-        check_implementation(implementation)
+        implementation = resolve_implementation(implementation)
         if not isinstance(block_q, int) or block_q <= 0:
             raise ValueError(f"block_q must be a positive int, got {block_q!r}")
         self.cfg = cfg

@@ -33,9 +33,17 @@ min(index_topk, L)``, and ``expand_selection`` maps pool ``p`` to token ``first_
 
 Each step module holds the Pallas kernel (Triton backend), its public wrapper and the
 plain-jnp reference that ``implementation="xla"`` runs. Every wrapper takes
-``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``)
-and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``None``: its
-defaults), validated under every implementation::
+``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``,
+``"mosaic"``, ``"mosaic_interpret"``, ``"auto"``; see ``_common``) and ``block_sizes``, an
+instance of the kernel's frozen block-size dataclass (``None``: its defaults), validated
+under every implementation. A step's Mosaic GPU kernel (Hopper and newer, jax >= 0.11)
+lives in ``mosaic_<step>.py`` beside the Triton one, dispatched from the same wrapper with
+its own block-size dataclass (``topk_pools``: ``mosaic_selection``); a step with no Mosaic
+kernel maps ``"mosaic"`` to ``"pallas"`` and ``"mosaic_interpret"`` to ``"pallas_interpret"``
+(``without_mosaic``: Triton runs wherever Mosaic GPU does, so a layer asked for
+``"mosaic"`` runs every step, the Mosaic kernels where they exist). ``"auto"`` resolves
+when a wrapper is traced: Mosaic on CUDA compute capability >= 9.0, Triton on older CUDA
+GPUs, ``"xla"`` elsewhere::
 
     k, gate, valid, ape -> kpool_compress   (pooling)   -> pooled keys [B, P, D], first_key, pool valid
                         -> index_scores     (scoring)   -> [B, Q, P] float32 scores (-inf = no candidate)
@@ -56,7 +64,7 @@ tile count (what ``implementation="xla"`` runs, so its work follows the live poo
 ``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
 """
 
-from pallas_kernels._common import IMPLEMENTATIONS, Implementation
+from pallas_kernels._common import IMPLEMENTATIONS, Implementation, resolve_implementation
 from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
@@ -73,11 +81,13 @@ from pallas_kernels.radix_select import order_key
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores, index_scores_reference, pool_last_token,
 )
-from pallas_kernels.selection import TopkPoolsBlockSizes, topk_pools, topk_pools_reference
+from pallas_kernels.selection import (
+    MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,
+)
 from pallas_kernels.streaming_topk import streaming_topk
 
 __all__ = [
-    "IMPLEMENTATIONS", "Implementation",
+    "IMPLEMENTATIONS", "Implementation", "resolve_implementation",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "visible_tail",
     "IndexScoresBlockSizes", "index_scores", "index_scores_reference", "pool_last_token",
@@ -86,6 +96,6 @@ __all__ = [
     "num_pools",
     "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla", "sparse_mla_reference",
     "topk_to_mask",
-    "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
+    "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
     "streaming_topk",
 ]

@@ -56,7 +56,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_positive_int,
+    without_mosaic,
+    Implementation, check_block_sizes, check_positive_int,
     check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
@@ -130,7 +131,7 @@ def sparse_mla(
     ``q [B, Q, H, CR]``, ``latent [B or 1, L, CR]``, ``token_ids [B, Q, W]`` ->
     ``[B, Q, H, V]`` (``V = value_width``, default ``CR``). ``block_sizes`` (validated under
     every implementation, see ``SparseMlaBlockSizes``) tiles the Pallas kernel."""
-    check_implementation(implementation)
+    implementation = without_mosaic(implementation)  # MOSAIC-MERGE: mosaic-a dispatches "mosaic" here
     blocks = check_block_sizes(block_sizes, SparseMlaBlockSizes)
     check_rank("q", q, 4, "[B, Q, H, CR]")
     check_rank("latent", latent, 3, "[B, L, CR]")

@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    without_mosaic,
+    Implementation, check_block_sizes, check_power_of_two, check_rank,
     check_triton_params, eager_jit, next_power_of_two,
 )
 
@@ -146,7 +147,7 @@ def expand_selection(
 ) -> jax.Array:
     """Expand pools to ``token_ids [B, Q, W]`` and append the tail; see the module doc.
     ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
-    check_implementation(implementation)
+    implementation = without_mosaic(implementation)  # no Mosaic kernel for this step: Triton's (see the package doc)
     blocks = check_block_sizes(block_sizes, ExpandSelectionBlockSizes)
     check_rank("pool_ids", pool_ids, 3, "[B, Q, K]")
     b, nq, k = pool_ids.shape

@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_rank, eager_jit, next_power_of_two,
+    without_mosaic,
+    Implementation, check_block_sizes, check_rank, eager_jit, next_power_of_two,
 )
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores_reference, score_rows, write_dead_tile,
@@ -129,7 +130,7 @@ def index_scores_paged(
     """Indexer scores over paged pooled keys; see the module doc. Shapes as
     ``index_scores_paged_reference``; ``block_sizes`` (``IndexScoresBlockSizes``, validated
     under every implementation) tiles the Pallas kernel as it tiles ``index_scores``'."""
-    check_implementation(implementation)
+    implementation = without_mosaic(implementation)  # no Mosaic kernel for this step: Triton's (see the package doc)
     blocks = check_block_sizes(block_sizes, IndexScoresBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape

@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    without_mosaic,
+    Implementation, check_block_sizes, check_power_of_two, check_rank,
     check_triton_params, eager_jit, next_power_of_two,
 )
 
@@ -145,7 +146,7 @@ def kpool_compress(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pool the indexer keys; see the module doc. Shapes as ``kpool_compress_reference``;
     ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
-    check_implementation(implementation)
+    implementation = without_mosaic(implementation)  # no Mosaic kernel for this step: Triton's (see the package doc)
     blocks = check_block_sizes(block_sizes, KpoolCompressBlockSizes)
     check_rank("keys", keys, 3, "[B, L, D]")
     if gate.shape != keys.shape:

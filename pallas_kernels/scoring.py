@@ -31,7 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
+    without_mosaic,
+    Implementation, check_block_sizes, check_power_of_two, check_rank,
     check_triton_params, eager_jit, next_power_of_two,
 )
 
@@ -140,7 +141,7 @@ def index_scores(
 ) -> jax.Array:
     """Indexer scores; see the module doc. Shapes as ``index_scores_reference``;
     ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
-    check_implementation(implementation)
+    implementation = without_mosaic(implementation)  # MOSAIC-MERGE: mosaic-a dispatches "mosaic" here
     blocks = check_block_sizes(block_sizes, IndexScoresBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape

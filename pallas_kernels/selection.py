@@ -33,6 +33,12 @@ there (the reference masks them; the result is bit-identical), and the Pallas ke
 not read them: their tile loops stop at the bound and the multi-program path's segments
 past it do nothing. A step at 4K live tokens in a 128K-token row then costs what 4K cost.
 
+The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
+``pallas_kernels.mosaic_selection``, jax >= 0.11, Hopper and newer) is the same radix select
+on the same two paths with the same bit-identical result, ``n_live`` included; it takes its
+own block sizes,
+``MosaicTopkPoolsBlockSizes`` (``block_sizes`` must then be one, or ``None``).
+
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
@@ -46,9 +52,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_implementation, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two,
+    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
+    check_triton_params, eager_jit, next_power_of_two, resolve_implementation,
 )
+from pallas_kernels.mosaic_selection import MosaicTopkPoolsBlockSizes, mosaic_topk_pools
 from pallas_kernels.radix_select import (
     MAX_COMPARE, NEG_INF_KEY, canonical_scores, one_program_select, order_key,
     segmented_select,
@@ -56,7 +63,7 @@ from pallas_kernels.radix_select import (
 
 __all__ = [
     "topk_pools", "topk_pools_reference", "topk_pools_lax_baseline", "TopkPoolsBlockSizes",
-    "order_key",
+    "order_key", "MosaicTopkPoolsBlockSizes",
 ]
 
 _MAX_FLAT_INDEX = 2**31 - 1  # Triton's int32 element offsets into a whole-array ref
@@ -170,15 +177,20 @@ def topk_pools(
     select_k: int,
     *,
     implementation: Implementation = "xla",
-    block_sizes: TopkPoolsBlockSizes | None = None,
+    block_sizes: TopkPoolsBlockSizes | MosaicTopkPoolsBlockSizes | None = None,
     n_live: jax.Array | None = None,
 ) -> jax.Array:
     """Top-``select_k`` pools of each row of ``scores [B, Q, P]`` -> ``[B, Q, K]`` int32
     (``K = select_k``). ``block_sizes`` (validated under every implementation) tiles the
-    Pallas kernels and picks their path. ``n_live`` (``[B, Q]`` or ``[B]`` integer, or
-    ``None``: every pool) bounds each row; see the module doc."""
-    check_implementation(implementation)
-    blocks = check_block_sizes(block_sizes, TopkPoolsBlockSizes)
+    kernels and picks the Triton path: a ``TopkPoolsBlockSizes`` for ``"pallas"``, a
+    ``MosaicTopkPoolsBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
+    defaults). ``n_live`` (``[B, Q]`` or ``[B]`` integer, or ``None``: every pool) bounds
+    each row; see the module doc."""
+    implementation = resolve_implementation(implementation)
+    mosaic = implementation in MOSAIC_IMPLEMENTATIONS
+    if implementation == "xla" and isinstance(block_sizes, MosaicTopkPoolsBlockSizes):
+        mosaic = True
+    blocks = check_block_sizes(block_sizes, MosaicTopkPoolsBlockSizes if mosaic else TopkPoolsBlockSizes)
     check_rank("scores", scores, 3, "[B, Q, P]")
     if scores.dtype != jnp.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")
@@ -197,6 +209,11 @@ def topk_pools(
         if n_live is not None:
             scores = mask_past_live(scores, n_live)
         return topk_pools_reference(scores, select_k)
+    if mosaic:
+        return _topk_pools_mosaic(
+            scores, select_k, n_live, interpret=implementation == "mosaic_interpret",
+            block_sizes=blocks,
+        )
     return _topk_pools_pallas(
         scores, select_k, n_live, interpret=implementation == "pallas_interpret",
         block_sizes=blocks,
@@ -213,6 +230,9 @@ def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:
     exactly, so no exact variant is offered.)
     """
     return jax.lax.top_k(scores, select_k)[1]
+
+
+_topk_pools_mosaic = eager_jit("select_k", "interpret", "block_sizes")(mosaic_topk_pools)
 
 
 @eager_jit("select_k", "interpret", "block_sizes")

@@ -21,6 +21,12 @@ missing kernel never hides another one. Per step, per case, rows for:
 * ``pallas``: the Pallas Triton kernel, with its check against ``xla`` (``ok (max err ..)``,
   ``MISMATCH ..``, ``not implemented`` when it still raises NotImplementedError, or
   ``error: ..``);
+* ``mosaic``: the step's Mosaic GPU kernel (``implementation="mosaic"``; the smoke run
+  ``"mosaic_interpret"``), checked against ``xla`` like ``pallas``, for every step whose
+  wrapper has one (found by lowering it for CUDA: a ``mosaic_gpu`` custom call; a step
+  without one would run its Triton kernel again and gets no row). jax >= 0.11 only (on
+  0.10 one log line says so); ``--no-mosaic`` leaves the rows out. ``topk_pools`` also gets
+  ``mosaic n_live``;
 * ``lax.top_k``: next to ``topk_pools``, a speed baseline only (its tie rule differs);
 * ``index_scores_paged`` (kernel row) / ``topk_pools`` ``pallas n_live`` / ``sparse_mla``
   ``pallas shared latent``: the paged cache's kernels on the same data laid out in pages of
@@ -68,6 +74,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from glm5_dsa_jax import roofline  # noqa: E402
+from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda  # noqa: E402
 from glm5_dsa_jax.config import DsaConfig  # noqa: E402
 from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 
@@ -254,6 +261,11 @@ class Runner:
         self.args = args
         self.geom = geom
         self.pallas_impl = args.impl or ("pallas_interpret" if args.smoke else "pallas")
+        # The Mosaic GPU rows (see the module doc): none on jax < 0.11 or with --no-mosaic.
+        self.mosaic_impl = None
+        if not args.no_mosaic and jax_version() >= MOSAIC_MIN_JAX:
+            self.mosaic_impl = "mosaic_interpret" if self.pallas_impl == "pallas_interpret" else "mosaic"
+        self._has_mosaic: dict[str, bool] = {}
         self.t0 = time.monotonic()
         self.rows: list[dict] = []
         self.failed = False
@@ -331,7 +343,25 @@ class Runner:
         if timed:
             self.measure(case, kernel, "pallas", make_fn(self.pallas_impl), args, nbytes=nbytes,
                          flops=flops, want=want, compare=compare)
+            if self.has_mosaic(kernel, make_fn, args):
+                self.measure(case, kernel, "mosaic", make_fn(self.mosaic_impl), args,
+                             nbytes=nbytes, flops=flops, want=want, compare=compare)
         return want
+
+    def has_mosaic(self, kernel, make_fn, args) -> bool:
+        """Whether ``kernel``'s wrapper runs a Mosaic GPU kernel for ``"mosaic"``: its CUDA
+        lowering holds a ``mosaic_gpu`` custom call (decided once per kernel)."""
+        if self.mosaic_impl is None:
+            return False
+        if kernel not in self._has_mosaic:
+            try:
+                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+                text = lower_for_cuda(make_fn("mosaic"), *avals).as_text()
+                self._has_mosaic[kernel] = "mosaic_gpu" in text
+            except Exception as e:  # noqa: BLE001 - reported as the kernel's row
+                _log(f"  {kernel}: lowering implementation='mosaic' failed: {_first_line(e)}")
+                self._has_mosaic[kernel] = True  # measure() reports the error as a row
+        return self._has_mosaic[kernel]
 
     def run_case(self, case: Case):
         g = self.geom
@@ -403,6 +433,11 @@ class Runner:
                          lambda s, n: pk.topk_pools(s, select_k, implementation=self.pallas_impl,
                                                     n_live=n),
                          (scores, n_live), nbytes=nbytes, want=pools, compare=_compare_equal)
+            if self.mosaic_impl is not None:
+                self.measure(case, "topk_pools", "mosaic n_live",
+                             lambda s, n: pk.topk_pools(s, select_k, implementation=self.mosaic_impl,
+                                                        n_live=n),
+                             (scores, n_live), nbytes=nbytes, want=pools, compare=_compare_equal)
 
         # 4. expand_selection (tail = the incomplete visible pool)
         n_vis = jnp.maximum(inp["q_pos"] + 1 - first_key[:, None], 0).astype(jnp.int32)
@@ -539,6 +574,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=None,
                     help="tokens a page for the paged rows (default 64; 8 with --smoke); a "
                          "multiple of the kpool width")
+    ap.add_argument("--no-mosaic", action="store_true",
+                    help="leave out the Mosaic GPU rows (implementation='mosaic')")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     ap.add_argument("--roofline-gpu", choices=sorted(roofline.GPUS), default=None,
                     help="GPU whose datasheet numbers the bound column uses (default: found "
@@ -579,6 +616,8 @@ def main(argv=None) -> int:
         _log("warning: no GPU backend; implementation='pallas' will not run here (use --smoke)")
 
     runner = Runner(args, geom)
+    if runner.mosaic_impl is None and not args.no_mosaic:
+        _log(f"no Mosaic GPU rows: they need jax >= {MOSAIC_MIN_JAX}, this is jax {jax.__version__}")
     kept = []  # (case, (inputs, ids)) for the sweep, kept on the device meanwhile
     for case in cases:
         try:

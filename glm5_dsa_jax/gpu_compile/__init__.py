@@ -29,6 +29,13 @@ SM. Invariants:
   (``Report.same_as`` names the case that compiled it). A kernel's registers and shared
   memory depend only on its IR and the target, not on the grid.
 
+Mosaic GPU kernels (``MOSAIC_KERNELS``, ``mosaic_cases``; jax >= 0.11) compile the same way
+for targets of compute capability >= 9.0 (``sm_90a``; a Mosaic kernel does not exist for
+older GPUs, so ``compile_cases`` leaves those pairs out): the CUDA plugin runs Mosaic's
+passes to PTX and its ptxas during ``.compile()`` on the compile-only device and dumps the
+PTX, ptxas's ``-v`` report (``*.ptxas``: registers, spills, stack) and the kernel's dynamic
+shared memory (``*.resources.txt``); threads per block are ``MOSAIC_THREADS``.
+
 Adding a kernel is one ``KERNELS`` entry: a function from the model config and a ``Step``
 to the wrapper call and its abstract inputs (and its module in ``KERNEL_MODULES``). Needs
 the ``gpu-compile`` extra (``toolchain()`` says what is missing).
@@ -55,7 +62,8 @@ import time
 from typing import Iterable
 
 from glm5_dsa_jax.gpu_compile.cases import (
-    BATCHES, CACHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, STEPS, Case, Step, default_cases,
+    BATCHES, CACHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS,
+    STEPS, Case, Step, default_cases, mosaic_cases,
 )
 from glm5_dsa_jax.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
@@ -68,6 +76,7 @@ from glm5_dsa_jax.gpu_compile.worker import run_worker
 
 __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
+    "MOSAIC_KERNELS", "mosaic_cases",
     "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
     "parse_ptxas", "parse_thunks", "find_ptxas", "main",
 ]
@@ -118,6 +127,38 @@ def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: f
     return records
 
 
+def _mosaic_compiled(rec: dict) -> dict:
+    """A Mosaic GPU case's launches (threads; dynamic SMEM from the plugin's
+    ``<kernel>_<n>.resources.txt``) and ptxas numbers (its ``*.ptxas``), read from its dump."""
+    entries = {c["name"] for c in rec["calls"]}
+    smem, stats, errors = {}, {}, []
+    for fn in sorted(os.listdir(rec["dump"])):
+        path = os.path.join(rec["dump"], fn)
+        m = re.fullmatch(r"(.+)_\d+\.resources\.txt", fn)
+        if m:
+            with open(path) as f:
+                b = re.search(r"smem_scratch_bytes=(\d+)", f.read())
+            if b:
+                smem[f"{m.group(1)}_mosaic_gpu_kernel"] = int(b.group(1))
+        elif fn.endswith(".ptxas"):
+            # The plugin's own ``ptxas -v`` of the cubin it built (its ptxas may be newer
+            # than ``find_ptxas``'s: Mosaic emits the newest PTX ISA it knows).
+            with open(path) as f:
+                stats.update({k: v for k, v in parse_ptxas(f.read()).items() if k in entries})
+    launches = []
+    threads = MOSAIC_THREADS[rec["id"].split()[0]]
+    for call in rec["calls"]:
+        name = call["name"]
+        if name not in stats:
+            errors.append(f"the Mosaic GPU plugin dumped no ptxas report for {name}")
+        if name not in smem:
+            errors.append(f"the Mosaic GPU plugin wrote no resources (dynamic SMEM) for {name}")
+            stats.pop(name, None)
+        launches.append(dict(name=name, grid=tuple(call["grid"]), threads=threads,
+                             smem=smem.get(name)))
+    return dict(launches=launches, stats=stats, errors=errors)
+
+
 def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90"), *,
                   dump_dir: str | None = None, timeout: float = 1800.0,
                   config: dict | None = None, log=None) -> list[Report]:
@@ -140,10 +181,14 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
             t0 = time.time()
             target_dump = os.path.join(root, n)
             os.makedirs(target_dump, exist_ok=True)
-            records = _run_worker(TARGETS[n], cases, target_dump, timeout, config or {})
+            on_target = [c for c in cases if c.kernel not in MOSAIC_KERNELS
+                         or TARGETS[n].compute_capability >= (9, 0)]
+            records = _run_worker(TARGETS[n], on_target, target_dump, timeout, config or {})
             compiled = {}
             for rec in records.values():
-                if rec.get("dump") and os.path.isdir(rec["dump"]):
+                if rec.get("mosaic") and rec.get("dump") and os.path.isdir(rec["dump"]):
+                    compiled[rec["id"]] = _mosaic_compiled(rec)
+                elif rec.get("dump") and os.path.isdir(rec["dump"]):
                     # The Triton launches: thunks named after a Triton call of the lowered
                     # module (XLA may add "_1"...; its own fusions are kCustomKernel on 0.12).
                     triton = {c["name"] for c in rec["calls"]}
@@ -160,7 +205,7 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
                     compiled[rec["id"]] = dict(launches=launches, stats=stats, errors=errors)
                 elif not rec.get("ok"):
                     compiled[rec["id"]] = dict(launches=[], error=rec.get("error"))
-            for c in cases:
+            for c in on_target:
                 rec = records[c.id]
                 if rec.get("same_inputs_as"):  # traced once: same inputs as an earlier case
                     first = records[rec["same_inputs_as"]]
@@ -182,7 +227,11 @@ def main(argv=None) -> int:
                     "sm_90 without a GPU; print registers, spills, stack, shared memory and "
                     "blocks per SM. Exit 0: all ok; 1: a kernel failed; 2: setup error.")
     ap.add_argument("--targets", default="sm_80,sm_90", help="comma list (default sm_80,sm_90)")
-    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma list (default: all)")
+    from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
+
+    kernels = list(KERNELS) + (list(MOSAIC_KERNELS) if jax_version() >= MOSAIC_MIN_JAX else [])
+    ap.add_argument("--kernels", default=",".join(kernels),
+                    help="comma list (default: all; the Mosaic GPU ones on jax >= 0.11)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
                     help="cache lengths in tokens (default 4096,131072,1048576)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="default 1,8")

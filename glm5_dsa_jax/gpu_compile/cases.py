@@ -21,6 +21,13 @@ Invariants:
   abstract inputs. ``KERNEL_MODULES`` names the entry that launches each kernel module's
   ``pallas_call`` (``tests/test_gpu_compile.py`` requires every such module to have one), so
   a new kernel module cannot go uncompiled.
+* Mosaic GPU kernels (``MOSAIC_KERNELS``, Hopper and newer, jax >= 0.11) are cases like the
+  others, kept out of ``KERNELS`` (so out of the default cases and the Triton checks that
+  read ``KERNELS``): ``mosaic_cases`` lists them, ``compile_cases`` compiles them only for
+  targets of compute capability >= 9.0 (``sm_90a`` code). ``MOSAIC_LAUNCHES`` names each
+  one's launches at a step (kernel names and grids: Mosaic's custom call carries neither in
+  readable form), ``MOSAIC_THREADS`` its threads per block (one warpgroup of 128 per Pallas
+  thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module.
 * ``_build`` returns, with the call, the key under which cases share a trace: the kernel,
   its input shapes and dtypes, the static arguments not visible in them, and the block sizes.
 """
@@ -36,7 +43,8 @@ import pallas_kernels as pk
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
-           "PAGED_KERNELS"]
+           "PAGED_KERNELS", "MOSAIC_KERNELS", "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES",
+           "MOSAIC_THREADS", "mosaic_cases"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
@@ -130,6 +138,19 @@ def _topk_pools(cfg, s: Step, blocks: dict):
     return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
 
 
+def _topk_pools_mosaic(cfg, s: Step, blocks: dict):
+    p = max(1, s.context // cfg.index_kpool)
+    k = cfg.select_k(p)
+    bs = pk.MosaicTopkPoolsBlockSizes(**blocks)
+    if s.cache == "paged":
+        fn = lambda scores, n_live: pk.topk_pools(  # noqa: E731
+            scores, k, implementation="mosaic", block_sizes=bs, n_live=n_live)
+        return fn, [((s.batch, s.queries, p), jnp.float32),
+                    ((s.batch, s.queries), jnp.int32)], (k,)
+    fn = lambda scores: pk.topk_pools(scores, k, implementation="mosaic", block_sizes=bs)  # noqa: E731
+    return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
+
+
 def _expand_selection(cfg, s: Step, blocks: dict):
     b, q, kp, ow = s.batch, s.queries, cfg.index_kpool, cfg.out_width
     bs = pk.ExpandSelectionBlockSizes(**blocks)
@@ -185,6 +206,30 @@ KERNEL_MODULES: dict[str, str] = {
 }
 
 
+#: The Mosaic GPU kernels, as ``KERNELS`` entries (``implementation="mosaic"``); see the
+#: module doc. One CTA per query row: grid ``(batch * queries, 1, 1)``.
+MOSAIC_KERNELS: dict[str, Callable] = {
+    "topk_pools_mosaic": _topk_pools_mosaic,
+}
+MOSAIC_KERNEL_MODULES: dict[str, str] = {"mosaic_selection": "topk_pools_mosaic"}
+MOSAIC_THREADS: dict[str, int] = {"topk_pools_mosaic": 128}
+
+
+def _topk_pools_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    p = max(1, s.context // cfg.index_kpool)
+    bs = pk.MosaicTopkPoolsBlockSizes(**blocks)
+    rows = s.batch * s.queries
+    if bs.multi_program(p):
+        grid = (rows, -(-p // bs.split_p), 1)
+        return {"topk_pools_mosaic_count": grid, "topk_pools_mosaic_compact": grid}
+    return {"topk_pools_mosaic": (rows, 1, 1)}
+
+
+#: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: grid}``, the launches its
+#: wrapper makes (a kernel name ``N`` compiles to the PTX entry ``N_mosaic_gpu_kernel``).
+MOSAIC_LAUNCHES: dict[str, Callable] = {"topk_pools_mosaic": _topk_pools_mosaic_launches}
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One kernel at one step; ``blocks`` (``(field, value)`` pairs of the kernel's
@@ -216,9 +261,9 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
     bfloat16, the serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8, contiguous and
     paged; a paged case only for ``PAGED_KERNELS``, the others being the same either way)."""
     kernels = list(KERNELS) if kernels is None else list(kernels)
-    unknown = sorted(set(kernels) - set(KERNELS))
+    unknown = sorted(set(kernels) - set(KERNELS) - set(MOSAIC_KERNELS))
     if unknown:
-        raise ValueError(f"unknown kernel(s) {unknown}; known: {sorted(KERNELS)}")
+        raise ValueError(f"unknown kernel(s) {unknown}; known: {sorted(KERNELS) + sorted(MOSAIC_KERNELS)}")
     for name, values in (("contexts", contexts), ("batches", batches)):
         if not values or any(not isinstance(v, int) or v <= 0 for v in values):
             raise ValueError(f"{name} must be positive ints, got {list(values)}")
@@ -228,13 +273,19 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
         raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
     if not caches or set(caches) - set(CACHES):
         raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
+    paged = set(PAGED_KERNELS) | set(MOSAIC_KERNELS)  # topk_pools_mosaic: n_live when paged
     return [Case(k, Step(kind, b, n, dt, cache=c)) for c in CACHES if c in caches
-            for k in kernels if c == "contiguous" or k in PAGED_KERNELS
+            for k in kernels if c == "contiguous" or k in paged
             for dt in dtypes for n in contexts for kind in steps for b in batches]
 
 
+def mosaic_cases(**kwargs) -> list[Case]:
+    """``default_cases`` of the Mosaic GPU kernels (same keyword arguments)."""
+    return default_cases(list(MOSAIC_KERNELS), **kwargs)
+
+
 def _build(cfg, case: Case):
-    out = KERNELS[case.kernel](cfg, case.step, dict(case.blocks))
+    out = {**KERNELS, **MOSAIC_KERNELS}[case.kernel](cfg, case.step, dict(case.blocks))
     fn, avals = out[0], out[1]
     static = out[2] if len(out) > 2 else ()
     key = (case.kernel, tuple((tuple(sh), str(dt)) for sh, dt in avals), tuple(static),

@@ -99,5 +99,12 @@ TARGETS = {
                   clock_ghz=1.98, memory_bandwidth=3_352_320_000_000, l2_bytes=50 << 20,
                   memory_bytes=84_978_434_048, smem_per_block_optin=232_448,
                   smem_per_sm=233_472),
+        # B200 (sm_100, the data-center Blackwell SM): the same per-SM limits as sm_90
+        # (CUDA Programming Guide, compute capability 10.0: 228 KiB of shared memory per SM,
+        # 227 KiB per block, 64K registers, 2048 threads, 32 blocks).
+        GpuTarget("sm_100", "NVIDIA B200", (10, 0), sm_count=148, fpus_per_sm=128,
+                  clock_ghz=1.965, memory_bandwidth=8_000_000_000_000, l2_bytes=126 << 20,
+                  memory_bytes=191_476_400_128, smem_per_block_optin=232_448,
+                  smem_per_sm=233_472),
     )
 }

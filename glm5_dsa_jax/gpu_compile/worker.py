@@ -13,6 +13,13 @@ with the cases as JSON on stdin; the worker prints one JSON line per case (after
   (``same_inputs_as``), cases whose Triton kernels (IR bytes, warps, stages) are identical
   are compiled once (``same_as``). A kernel's registers and shared memory depend only on
   its IR and the target, not on the grid.
+* A Mosaic GPU case (``MOSAIC_KERNELS``) has no Triton launch: its lowered module holds a
+  ``mosaic_gpu_v2`` custom call whose MLIR module the CUDA plugin compiles during
+  ``.compile()`` (Mosaic's passes -> PTX -> ptxas -> cubin, on the compile-only device: no
+  driver needed). The plugin dumps the PTX where ``MOSAIC_GPU_DUMP_TO`` says, read per
+  compile, and the kernel's resources (its dynamic SMEM) at lowering, so both env vars are
+  set per case before tracing. Same-module cases (hash of the custom call's module) compile
+  once.
 """
 
 from __future__ import annotations
@@ -24,12 +31,23 @@ import re
 import sys
 import time
 
-from glm5_dsa_jax.gpu_compile.cases import Case, Step, _build
+from glm5_dsa_jax.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, _build
 from glm5_dsa_jax.gpu_compile.targets import TARGETS
 
 __all__ = ["run_worker"]
 
 _IR_RE = re.compile(r'\bir = "((?:\\.|[^"\\])*)"')
+_MOSAIC_RE = re.compile(r'stablehlo\.custom_call @mosaic_gpu\w*\(.*?\bmodule = "((?:\\.|[^"\\])*)"')
+
+
+def _mosaic_signature(cfg, lowered, case: Case) -> tuple:
+    """(calls, signature) of a Mosaic GPU case: its launches (PTX entry and grid, from
+    ``MOSAIC_LAUNCHES``) and a hash of every Mosaic custom call's module."""
+    mods = [hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
+            for m in _MOSAIC_RE.finditer(lowered.as_text())]
+    launches = MOSAIC_LAUNCHES[case.kernel](cfg, case.step, dict(case.blocks))
+    calls = [dict(name=f"{name}_mosaic_gpu_kernel", grid=grid) for name, grid in launches.items()]
+    return (calls if mods else []), (case.kernel, tuple(sorted(set(mods))))
 
 
 def _triton_signature(lowered) -> tuple:
@@ -76,17 +94,23 @@ def run_worker(target_name: str, dump_root: str) -> int:
                 continue
             traced_as[key] = case.id
             avals = [jax.ShapeDtypeStruct(sh, dt, sharding=sharding) for sh, dt in avals]
+            mosaic = case.kernel in MOSAIC_KERNELS
+            dump = os.path.join(dump_root, re.sub(r"[^\w.-]+", "_", case.id))
+            if mosaic:  # see the module doc: set before tracing (resources) and compiling (PTX)
+                os.makedirs(dump, exist_ok=True)
+                os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_RESOURCES="1",
+                                  MOSAIC_GPU_DUMP_TO=dump)
             with jax.default_device(device):
                 lowered = jax.jit(fn).trace(*avals).lower()
             rec["stage"] = "compile"
-            calls, sig = _triton_signature(lowered)
-            rec["calls"] = calls
+            calls, sig = _mosaic_signature(cfg, lowered, case) if mosaic else _triton_signature(lowered)
+            rec["calls"], rec["mosaic"] = calls, mosaic
             if not calls:
-                raise RuntimeError("the lowered module has no Triton kernel launch")
+                raise RuntimeError(
+                    f"the lowered module has no {'Mosaic GPU' if mosaic else 'Triton'} kernel launch")
             if sig in compiled_as:
                 rec["same_as"] = compiled_as[sig]
             else:
-                dump = os.path.join(dump_root, re.sub(r"[^\w.-]+", "_", case.id))
                 rec["dump"] = dump
                 lowered.compile(compiler_options={
                     "xla_dump_to": dump,
