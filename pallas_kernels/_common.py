@@ -7,6 +7,17 @@ Every wrapper takes ``implementation`` (an ``Implementation``):
 * ``"pallas"``: the Pallas kernel, Triton backend (NVIDIA Ampere and newer);
 * ``"pallas_interpret"``: the same kernel in Pallas interpret mode (any device; how the
   tests run it on a CPU).
+* ``"mosaic"``: the step's Mosaic GPU kernel (``pallas_kernels/mosaic_*.py``; NVIDIA Hopper
+  and newer, jax >= 0.11). A step with no Mosaic kernel runs its Triton one instead
+  (``without_mosaic``: ``"mosaic"`` -> ``"pallas"``), so that a whole layer can be asked
+  for ``"mosaic"`` and get the Mosaic kernels that exist and Triton for the rest: the
+  Triton backend runs on Hopper too, so the fallback is always runnable where Mosaic is.
+* ``"mosaic_interpret"``: the Mosaic GPU kernel in its CPU interpret mode
+  (``plmgpu.InterpretGPUParams``, jax >= 0.11; it simulates the warpgroup's threads, so it
+  is slow: tests use small shapes); falls back to ``"pallas_interpret"`` like ``"mosaic"``.
+* ``"auto"``: resolved when the wrapper is traced (``resolve_implementation``) from the
+  device the program targets: a CUDA device of compute capability >= 9.0 -> ``"mosaic"``,
+  an older CUDA device -> ``"pallas"``, anything else (CPU, TPU, ROCm) -> ``"xla"``.
 
 and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``None``: its
 defaults). Invariants:
@@ -30,8 +41,12 @@ from typing import Callable, Literal
 
 import jax
 
-Implementation = Literal["xla", "pallas", "pallas_interpret"]
+Implementation = Literal["xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "auto"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
+MOSAIC_IMPLEMENTATIONS: tuple[Implementation, ...] = ("mosaic", "mosaic_interpret")
+
+# Compute capability of the GPU kinds an abstract device can name (``cuda_lowering``).
+_KIND_CAPABILITY = {"NVIDIA A100-SXM4-80GB": (8, 0), "NVIDIA H100": (9, 0), "NVIDIA H200": (9, 0)}
 
 
 def check_implementation(implementation: str) -> Implementation:
@@ -40,6 +55,74 @@ def check_implementation(implementation: str) -> Implementation:
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
         )
     return implementation
+
+
+def _target_device():
+    """(platform, compute capability or None) of the device the current trace targets: the
+    abstract device of an abstract mesh in use (``cuda_lowering``), else jax's default
+    device."""
+    try:
+        from jax.sharding import get_abstract_mesh
+        device = getattr(get_abstract_mesh(), "abstract_device", None)
+    except (ImportError, AttributeError):  # jax without abstract devices
+        device = None
+    if device is not None and getattr(device, "platform", None):
+        return device.platform, _KIND_CAPABILITY.get(device.device_kind)
+    device = jax.devices()[0]
+    if device.platform == "gpu" and "rocm" in getattr(device.client, "platform_version", "").lower():
+        return "rocm", None
+    try:
+        capability = tuple(int(p) for p in str(device.compute_capability).split(".")[:2])
+    except (AttributeError, ValueError):
+        capability = None
+    return device.platform, capability
+
+
+def resolve_implementation(implementation: str) -> Implementation:
+    """``implementation`` checked, with ``"auto"`` resolved for the device the program
+    targets (see the module doc): CUDA of compute capability >= 9.0 -> ``"mosaic"``, older
+    CUDA -> ``"pallas"``, anything else -> ``"xla"``. A CUDA device whose capability is not
+    known resolves to ``"pallas"`` (Triton runs on every CUDA GPU Pallas supports)."""
+    check_implementation(implementation)
+    if implementation != "auto":
+        return implementation
+    platform, capability = _target_device()
+    if platform not in ("cuda", "gpu"):
+        return "xla"
+    return "mosaic" if capability is not None and capability >= (9, 0) else "pallas"
+
+
+MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU's interpret mode and the kernels' API
+
+
+def jax_version() -> tuple[int, int]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def require_mosaic_gpu(owner: str):
+    """The ``jax.experimental.pallas.mosaic_gpu`` module, or a ``NotImplementedError`` naming
+    ``owner`` and the jax version when it is older than ``MOSAIC_MIN_JAX`` (the project
+    still imports and runs its other implementations on jax 0.10)."""
+    if jax_version() < MOSAIC_MIN_JAX:
+        raise NotImplementedError(
+            f"{owner}: the mosaic implementations need jax >= "
+            f"{'.'.join(map(str, MOSAIC_MIN_JAX))}, this is jax {jax.__version__}; use 'pallas' or 'xla'"
+        )
+    import importlib
+
+    # The registration module holds the CUDA lowering of ``plmgpu.kernel`` (not imported by
+    # ``plmgpu`` itself on jax 0.12).
+    importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
+    return importlib.import_module("jax.experimental.pallas.mosaic_gpu")
+
+
+def without_mosaic(implementation: str) -> Implementation:
+    """For a step with no Mosaic GPU kernel: ``implementation`` resolved, with ``"mosaic"``
+    -> ``"pallas"`` and ``"mosaic_interpret"`` -> ``"pallas_interpret"`` (see the module
+    doc); any other name as ``resolve_implementation`` gives it."""
+    implementation = resolve_implementation(implementation)
+    return {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}.get(
+        implementation, implementation)
 
 
 _B = typing.TypeVar("_B")

@@ -1,0 +1,211 @@
+"""``index_scores`` as a Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``).
+
+The contract is ``pallas_kernels.scoring``'s (the reference and the Triton kernel live
+there): ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``
+in float32, ``-inf`` where pool ``p`` is not a candidate for query ``t`` (not valid, or its
+last token after ``q_pos``) and where the score is NaN, ``-0.0`` returned as ``+0.0``, and a
+pool tile that no query of the program can see yet loads no key and writes ``-inf``.
+
+Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA, grid
+``(query tiles, B, pool tiles)``; every operand stays in GMEM and is copied by TMA):
+
+* A CTA owns ``block_q`` queries of row ``b`` and a tile of ``block_p`` pools. It reads
+  ``seen`` (the pools its queries can see, computed by the wrapper per query tile); a tile
+  at or past it is *dead*: ``-inf`` is written and nothing is loaded. A live tile copies its
+  ``[block_p, D]`` pooled keys into SMEM with one TMA (tiled and swizzled for the MMA), the
+  tile's queries ``[block_q, Hn, D]``, head weights and pool validity beside them.
+* Per query one warpgroup MMA (``plmgpu.wgmma``) ``keys [block_p, D] x q_t^T [D, Hn]``:
+  the **pools are the MMA's M** and the heads its N. Why not heads as M (as the Triton
+  kernel does): ``wgmma``'s M is 64 per warpgroup, so GLM-5.3's 32 indexer heads would
+  waste half of every MMA, while N only needs a multiple of 8; and the head sum then runs
+  along the accumulator's rows, the reduction Mosaic's WGMMA layout provides
+  (``Layout.WGMMA.reduce(1)``; the head weights broadcast along M from
+  ``Layout.WGMMA.reduce(0)``). The pool tile is 64 pools at least, so a decode step (one
+  query) still fills the MMA.
+* ReLU (keeping NaN, like ``jax.nn.relu``), the head weights, the head sum, ``-0.0 ->
+  +0.0`` and the candidate rule in registers; the ``[block_q, block_p]`` tile goes back
+  through SMEM with one TMA store.
+
+Precision and equality with the reference: ``wgmma`` multiplies 16-bit operands exactly
+and accumulates in float32, as the reference's ``einsum(..., preferred_element_type=f32)``
+does; float32 operands would be TF32 on the tensor cores, so this kernel takes bf16 / f16
+``q`` and ``pooled`` of one dtype only (``ValueError`` otherwise: float32 needs
+``"pallas"`` or ``"xla"``). The order of the sums (over ``D`` inside the MMA, over the
+heads in the warpgroup reduction) is the hardware's, not XLA's, so scores of arbitrary
+inputs agree with the reference within float32 rounding, not bit for bit. Where every
+partial sum is exact (dyadic inputs of few mantissa bits, a ``D`` whose ``D**-0.5`` is a
+power of two) the scores, and so the top-k selection, ties included, are bit-identical;
+``tests/test_kernels_mosaic_mla.py`` checks both.
+
+Layout limits the wrapper meets by padding (cheap unless noted): ``D`` a multiple of 16 (the
+MMA's K step; a ``ValueError`` otherwise), heads padded to ``Hn``, a multiple of 32 (zero
+queries and weights add exact zeros; a TMA moves whole 128-byte lines), queries to a
+multiple of ``block_q``; pools to a multiple of ``block_p`` (a copy of ``pooled`` when ``P``
+is not one already: size a contiguous cache so that ``max_length // KP`` is a multiple of
+64). Every CTA handles one tile; latency is hidden across CTAs, not by a multi-stage
+pipeline inside one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import check_positive_int, require_mosaic_gpu
+
+__all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores"]
+
+_HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
+_MAX_HEADS = 256  # wgmma's largest N
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicIndexScoresBlockSizes:
+    """Tiling of the Mosaic GPU ``index_scores`` (see the module doc).
+
+    * ``block_q``: queries per CTA, which share one SMEM tile of pooled keys (an int >= 1;
+      capped at ``Q``);
+    * ``block_p``: pools per CTA, the MMA's M: a multiple of 64 (one warpgroup MMA row
+      block) up to 256.
+    """
+
+    block_q: int = 8
+    block_p: int = 64
+
+    def validate(self) -> "MosaicIndexScoresBlockSizes":
+        """``self``, or a ``ValueError`` naming the bad field."""
+        check_positive_int("MosaicIndexScoresBlockSizes.block_q", self.block_q)
+        bp = self.block_p
+        if not isinstance(bp, int) or isinstance(bp, bool) or bp < 64 or bp > 256 or bp % 64:
+            raise ValueError(
+                "MosaicIndexScoresBlockSizes.block_p must be a multiple of 64 in [64, 256] "
+                f"(the warpgroup MMA's M), got {bp!r}"
+            )
+        return self
+
+    def resolve(self, n_queries: int) -> "MosaicIndexScoresBlockSizes":
+        """The sizes the kernel launches with for ``Q = n_queries``."""
+        self.validate()
+        return dataclasses.replace(self, block_q=max(1, min(self.block_q, n_queries)))
+
+
+def _swizzle(dim: int, itemsize: int) -> int:
+    """The widest TMA / MMA swizzle (bytes) that tiles a row of ``dim`` elements."""
+    for s in (128, 64, 32):
+        if (dim * itemsize) % s == 0:
+            return s
+    raise ValueError(f"no swizzle tiles a row of {dim} x {itemsize} bytes")
+
+
+def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, out_g,
+            q_s, w_s, pv_s, keys_s, out_s, bars, *, block_q, block_p, heads, scale, n_q):
+    plmgpu = require_mosaic_gpu("index_scores")
+    row_layout = plmgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row (a pool)
+    qt, b, pt = lax.axis_index("qt"), lax.axis_index("b"), lax.axis_index("pt")
+    p0 = pt * block_p
+    t0 = qt * block_q
+    n_rows = jnp.minimum(block_q, n_q - t0)
+
+    @pl.when(p0 >= seen_g[b, qt])
+    def _dead():
+        @pl.loop(0, n_rows)
+        def _(i):
+            out_s[i] = plmgpu.layout_cast(jnp.full((block_p,), -jnp.inf, jnp.float32), row_layout)
+
+    @pl.when(p0 < seen_g[b, qt])
+    def _live():
+        plmgpu.copy_gmem_to_smem(pooled_g.at[b, pl.ds(p0, block_p)], keys_s, bars.at[0])
+        plmgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(t0, block_q)], q_s, bars.at[1])
+        plmgpu.copy_gmem_to_smem(w_g.at[b, pl.ds(t0, block_q)], w_s, bars.at[2])
+        plmgpu.copy_gmem_to_smem(pv_g.at[b, pl.ds(p0, block_p)], pv_s, bars.at[3])
+        for j in range(4):
+            plmgpu.barrier_wait(bars.at[j])
+        pool = p0 + plmgpu.broadcasted_iota(jnp.int32, (block_p,), 0, layout=row_layout)
+        valid = plmgpu.load(pv_s, layout=row_layout) != 0
+
+        @pl.loop(0, n_rows)
+        def _(i):
+            def mma(acc_ref):
+                plmgpu.wgmma(acc_ref, keys_s, q_s.at[i].T)
+                return acc_ref[...]
+
+            s = pl.run_scoped(mma, plmgpu.ACC((block_p, heads), jnp.float32)) * scale
+            s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
+            w = plmgpu.load(w_s.at[i], layout=plmgpu.Layout.WGMMA.reduce(0))
+            score = jnp.sum(s * lax.broadcast_in_dim(w, (block_p, heads), [1]), axis=1)
+            score = jnp.where(score == 0.0, 0.0, score)
+            cand = valid & (pool < vis_g[b, t0 + i]) & (score == score)
+            out_s[i] = jnp.where(cand, score, -jnp.inf)
+
+    plmgpu.commit_smem()
+    plmgpu.copy_smem_to_gmem(out_s, out_g.at[b, pl.ds(t0, block_q), pl.ds(p0, block_p)])
+    plmgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
+                        block_sizes: MosaicIndexScoresBlockSizes):
+    """Scores ``[B, Q, P]`` float32 (shapes and meaning as ``index_scores_reference``; the
+    caller checked the shapes) with the Mosaic GPU kernel, tiled by ``block_sizes``."""
+    plmgpu = require_mosaic_gpu("index_scores")
+    b, n_q, heads, dim = q.shape
+    n_pools = pooled.shape[1]
+    if q.dtype != pooled.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
+            f"float32 is TF32): q and pooled must both be bfloat16 or both float16, got q "
+            f"{q.dtype} and pooled {pooled.dtype}; float32 needs 'pallas' or 'xla'"
+        )
+    if dim % 16:
+        raise ValueError(f"the mosaic index_scores needs D (q.shape[-1]) a multiple of 16, got {dim}")
+    if heads > _MAX_HEADS:
+        raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
+    if not isinstance(kpool, int) or kpool < 1:
+        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    if b == 0 or n_q == 0 or n_pools == 0:
+        return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
+    blocks = block_sizes.resolve(n_q)
+    block_q, block_p = blocks.block_q, blocks.block_p
+    hn = -(-heads // _HEAD_STEP) * _HEAD_STEP
+    q_pad = -(-n_q // block_q) * block_q
+    p_pad = -(-n_pools // block_p) * block_p
+
+    # vis[b, t]: pools query t can see causally; pool p is a candidate iff valid and p < vis
+    # (``first_key + (p + 1)*KP - 1 <= q_pos``; a padding query, q_pos = -1, sees none).
+    vis = jnp.floor_divide(q_pos.astype(jnp.int32) - first_key.astype(jnp.int32)[:, None] + 1, kpool)
+    vis = jnp.pad(vis, ((0, 0), (0, q_pad - n_q)))
+    seen = jnp.max(jnp.maximum(vis, 0).reshape(b, q_pad // block_q, block_q), axis=2)
+    qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, 0)))
+    wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
+    pv = pool_valid.astype(jnp.int32)
+    if p_pad != n_pools:  # a copy of the pooled keys: see the module doc
+        pooled = jnp.pad(pooled, ((0, 0), (0, p_pad - n_pools), (0, 0)))
+        pv = jnp.pad(pv, ((0, 0), (0, p_pad - n_pools)))
+
+    swizzle = _swizzle(dim, q.dtype.itemsize)
+    mma_tiles = (plmgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
+                 plmgpu.SwizzleTransform(swizzle))
+    kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
+                               scale=dim**-0.5, n_q=n_q)
+    out = plmgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, q_pad, p_pad), jnp.float32),
+        scratch_types=[
+            plmgpu.SMEM((block_q, hn, dim), q.dtype, transforms=mma_tiles),
+            plmgpu.SMEM((block_q, hn), jnp.float32),
+            plmgpu.SMEM((block_p,), jnp.int32),
+            plmgpu.SMEM((block_p, dim), q.dtype, transforms=mma_tiles),
+            plmgpu.SMEM((block_q, block_p), jnp.float32),
+            plmgpu.Barrier(num_barriers=4),
+        ],
+        grid=(q_pad // block_q, b, p_pad // block_p),
+        grid_names=("qt", "b", "pt"),
+        compiler_params=plmgpu.CompilerParams(lowering_semantics=plmgpu.LoweringSemantics.Lane),
+        interpret=plmgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="mosaic_index_scores",
+    )(qp, wp, vis, seen, pv, pooled)
+    return out[:, :n_q, :n_pools]
