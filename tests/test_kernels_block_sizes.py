@@ -125,7 +125,7 @@ def test_defaults_resolve_to_the_kernels_former_tiling():
 
 def test_implementation_type_and_check():
     assert typing.get_args(pk.Implementation) == pk.IMPLEMENTATIONS == (
-        "xla", "pallas", "pallas_interpret")
+        "xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "auto")
     assert _common.check_implementation("pallas") == "pallas"
     with pytest.raises(ValueError, match="implementation must be one of"):
         _common.check_implementation("triton")
