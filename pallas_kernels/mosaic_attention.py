@@ -13,18 +13,24 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 * The CTA's 64 heads are the warpgroup MMA's M (heads padded with zero queries); its query
   tile ``[64, CR]`` is copied into SMEM once by TMA.
 * Hopper has no TMA gather: per id block of ``block_w`` slots, every slot issues TMA copies
-  of its row (``CR`` elements) into an SMEM staging tile, all arriving on one barrier. A slot whose id is not a token copies a zero row from a
-  ``[1, CR]`` constant instead (a row copy is ``CR / 256`` or more TMA boxes: a box is at
-  most 256 elements wide), so the latent is never read there and the tile holds no
-  stale (possibly NaN) data that a zero weight could turn into NaN. The staging tile is
-  then moved through registers into the tiled, swizzled layout the MMA reads (TMA cannot
-  write one row of a tile: a slice of a tiled SMEM dimension must be a whole 8-row tile).
-  That move is not bank-conflict free (Mosaic's ``optimized=False`` transfer); a warp-level
-  gather straight into the swizzled tile would remove it.
+  of its row into an SMEM staging tile (``CR / 256`` or more boxes per row: a TMA box is at
+  most 256 elements wide), all arriving on one barrier of as many arrivals. A slot whose
+  id is not a token copies a zero row from a ``[1, CR]`` constant instead, so the latent is
+  never read there and the tile holds no stale (possibly NaN) data that a zero weight
+  could turn into NaN. The staging tile is then moved through registers into the tiled,
+  swizzled layout the MMA reads (TMA cannot write one row of a tile: a slice of a tiled
+  SMEM dimension must be a whole 8-row tile). That move is not bank-conflict free (Mosaic's
+  ``optimized=False`` transfer, in its ``SMEM_GMEM_COPY`` layout); a warp-level gather
+  straight into the swizzled tile would remove it.
 * ``scores = q_tile @ rows^T`` (``wgmma``, ``[64, block_w]`` f32), scaled, ``-inf`` at
-  invalid slots, online softmax in f32 (running max and sum per head); the probabilities
-  go to the second MMA from registers in the input dtype (as the Triton kernel's ``p``):
-  ``acc += p @ rows[:, value columns]`` in chunks of 128 columns (wgmma's N).
+  invalid slots, online softmax in f32 (running max and sum per head); the probabilities,
+  rounded to the input dtype (as the Triton kernel's ``p``), are stored to SMEM and
+  ``acc = alpha * acc + p @ rows[:, value columns]`` runs in chunks of 128 columns (wgmma's
+  N). Every MMA operand has the swizzle of one ``p`` row (``block_w`` 16-bit elements: 32,
+  64 or 128 bytes): wgmma wants its two operands' swizzles equal. (The probabilities go
+  through SMEM, not registers: the interpret mode runs the ref form of wgmma, an ``ACC``
+  of ``pl.run_scoped``, but not ``pl.run_state`` over ``ACC.init`` with a register operand,
+  whose ``wgmma`` primitive has no CPU translation in jax 0.12.0.1.)
 * A CTA accumulates ``block_v`` value columns (default 256): a 64 x 512 float32
   accumulator would need 256 registers per thread of one warpgroup, so ``V = 512`` runs as
   two value blocks, each re-scoring the rows (scores are ``CR / V`` of the MMA work, and
@@ -37,7 +43,7 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 
 Layout limits (``ValueError`` otherwise): ``q`` and ``latent`` of one 16-bit dtype (the
 tensor cores' float32 is TF32: float32 needs ``"pallas"`` or ``"xla"``), ``CR`` a multiple
-of 64 (the 128-byte swizzle tile), ``V`` a multiple of 128. Outputs agree with the reference
+of 64 (a 128-byte line), ``V`` a multiple of 128. Outputs agree with the reference
 within float32 rounding (different summation order, and ``p`` rounded to 16 bits before
 the value MMA as in the Triton kernel).
 """
