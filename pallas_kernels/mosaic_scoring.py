@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
 
-__all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores"]
+__all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
 _MAX_HEADS = 256  # wgmma's largest N
@@ -102,8 +102,12 @@ def _swizzle(dim: int, itemsize: int) -> int:
     raise ValueError(f"no swizzle tiles a row of {dim} x {itemsize} bytes")
 
 
-def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, out_g,
-            q_s, w_s, pv_s, keys_s, out_s, bars, *, block_q, block_p, heads, scale, n_q):
+def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, table_g, zero_g, out_g,
+            q_s, w_s, pv_s, keys_s, out_s, bars, key_bar, *, block_q, block_p, heads, scale,
+            n_q, page_chunk):
+    """One (query tile, row, pool tile) CTA; ``page_chunk`` is ``None`` for contiguous
+    ``pooled [B, P, D]``, else pooled keys are ``pooled_pages [N, PPP, D]`` read through
+    ``table_g`` in chunks of ``page_chunk`` pools (``zero_g`` replaces an unowned page)."""
     plmgpu = require_mosaic_gpu("index_scores")
     row_layout = plmgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row (a pool)
     qt, b, pt = lax.axis_index("qt"), lax.axis_index("b"), lax.axis_index("pt")
@@ -119,11 +123,13 @@ def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, out_g,
 
     @pl.when(p0 < seen_g[b, qt])
     def _live():
-        plmgpu.copy_gmem_to_smem(pooled_g.at[b, pl.ds(p0, block_p)], keys_s, bars.at[0])
+        _copy_keys(plmgpu, pooled_g, pv_g, table_g, zero_g, keys_s, key_bar, b=b, p0=p0,
+                   block_p=block_p, page_chunk=page_chunk)
         plmgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(t0, block_q)], q_s, bars.at[1])
         plmgpu.copy_gmem_to_smem(w_g.at[b, pl.ds(t0, block_q)], w_s, bars.at[2])
         plmgpu.copy_gmem_to_smem(pv_g.at[b, pl.ds(p0, block_p)], pv_s, bars.at[3])
-        for j in range(4):
+        plmgpu.barrier_wait(key_bar)
+        for j in range(1, 4):
             plmgpu.barrier_wait(bars.at[j])
         pool = p0 + plmgpu.broadcasted_iota(jnp.int32, (block_p,), 0, layout=row_layout)
         valid = plmgpu.load(pv_s, layout=row_layout) != 0
@@ -147,53 +153,50 @@ def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, out_g,
     plmgpu.wait_smem_to_gmem(0)
 
 
-def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
-                        block_sizes: MosaicIndexScoresBlockSizes):
-    """Scores ``[B, Q, P]`` float32 (shapes and meaning as ``index_scores_reference``; the
-    caller checked the shapes) with the Mosaic GPU kernel, tiled by ``block_sizes``."""
-    plmgpu = require_mosaic_gpu("index_scores")
+def _copy_keys(plmgpu, pooled_g, pv_g, table_g, zero_g, keys_s, key_bar, *, b, p0, block_p,
+               page_chunk):
+    """TMA the tile's ``[block_p, D]`` pooled keys into ``keys_s`` (arriving on ``key_bar``):
+    one copy of a contiguous row, or one per ``page_chunk`` pools through the block table;
+    a chunk whose first pool is not live (``pv_g``: its page entry is not a page, or it is
+    at or past the row's pool count) copies a zero chunk instead, its page is not read."""
+    if page_chunk is None:
+        plmgpu.copy_gmem_to_smem(pooled_g.at[b, pl.ds(p0, block_p)], keys_s, key_bar)
+        return
+    ppp = pooled_g.shape[1]
+    for k in range(block_p // page_chunk):
+        p = p0 + k * page_chunk
+        page = table_g[b, p // ppp]
+        dst = keys_s.at[pl.ds(k * page_chunk, page_chunk)]
+        owned = pv_g[b, p] != 0
+
+        @pl.when(owned)
+        def _():
+            plmgpu.copy_gmem_to_smem(pooled_g.at[page, pl.ds(p % ppp, page_chunk)], dst, key_bar)
+
+        @pl.when(~owned)
+        def _():
+            plmgpu.copy_gmem_to_smem(zero_g, dst, key_bar)
+
+
+def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, interpret, page_chunk):
+    """Pad the queries and heads, launch the kernel over ``n_pools`` pool positions (a
+    multiple of ``block_p``), return the ``[B, Q_pad, n_pools]`` scores."""
     b, n_q, heads, dim = q.shape
-    n_pools = pooled.shape[1]
-    if q.dtype != pooled.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(
-            "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
-            f"float32 is TF32): q and pooled must both be bfloat16 or both float16, got q "
-            f"{q.dtype} and pooled {pooled.dtype}; float32 needs 'pallas' or 'xla'"
-        )
-    if dim % 16:
-        raise ValueError(f"the mosaic index_scores needs D (q.shape[-1]) a multiple of 16, got {dim}")
-    if heads > _MAX_HEADS:
-        raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
-    if not isinstance(kpool, int) or kpool < 1:
-        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
-    if b == 0 or n_q == 0 or n_pools == 0:
-        return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
-    blocks = block_sizes.resolve(n_q)
     block_q, block_p = blocks.block_q, blocks.block_p
     hn = -(-heads // _HEAD_STEP) * _HEAD_STEP
-    q_pad = -(-n_q // block_q) * block_q
-    p_pad = -(-n_pools // block_p) * block_p
-
-    # vis[b, t]: pools query t can see causally; pool p is a candidate iff valid and p < vis
-    # (``first_key + (p + 1)*KP - 1 <= q_pos``; a padding query, q_pos = -1, sees none).
-    vis = jnp.floor_divide(q_pos.astype(jnp.int32) - first_key.astype(jnp.int32)[:, None] + 1, kpool)
-    vis = jnp.pad(vis, ((0, 0), (0, q_pad - n_q)))
-    seen = jnp.max(jnp.maximum(vis, 0).reshape(b, q_pad // block_q, block_q), axis=2)
+    q_pad = vis.shape[1]
     qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, 0)))
     wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
-    pv = pool_valid.astype(jnp.int32)
-    if p_pad != n_pools:  # a copy of the pooled keys: see the module doc
-        pooled = jnp.pad(pooled, ((0, 0), (0, p_pad - n_pools), (0, 0)))
-        pv = jnp.pad(pv, ((0, 0), (0, p_pad - n_pools)))
-
     swizzle = _swizzle(dim, q.dtype.itemsize)
     mma_tiles = (plmgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                  plmgpu.SwizzleTransform(swizzle))
     kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
-                               scale=dim**-0.5, n_q=n_q)
-    out = plmgpu.kernel(
+                               scale=dim**-0.5, n_q=n_q, page_chunk=page_chunk)
+    n_key_copies = 1 if page_chunk is None else block_p // page_chunk
+    zero = jnp.zeros((page_chunk or 8, dim), q.dtype)
+    return plmgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((b, q_pad, p_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((b, q_pad, n_pools), jnp.float32),
         scratch_types=[
             plmgpu.SMEM((block_q, hn, dim), q.dtype, transforms=mma_tiles),
             plmgpu.SMEM((block_q, hn), jnp.float32),
@@ -201,11 +204,100 @@ def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, in
             plmgpu.SMEM((block_p, dim), q.dtype, transforms=mma_tiles),
             plmgpu.SMEM((block_q, block_p), jnp.float32),
             plmgpu.Barrier(num_barriers=4),
+            plmgpu.Barrier(num_arrivals=n_key_copies),
         ],
-        grid=(q_pad // block_q, b, p_pad // block_p),
+        grid=(q_pad // block_q, b, n_pools // block_p),
         grid_names=("qt", "b", "pt"),
         compiler_params=plmgpu.CompilerParams(lowering_semantics=plmgpu.LoweringSemantics.Lane),
         interpret=plmgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="mosaic_index_scores",
-    )(qp, wp, vis, seen, pv, pooled)
+        kernel_name="mosaic_index_scores" if page_chunk is None else "mosaic_index_scores_paged",
+    )(qp, wp, vis, seen, pv, pooled, table, zero)
+
+
+def _check_operands(q, keys, keys_name, kpool):
+    b, n_q, heads, dim = q.shape
+    if q.dtype != keys.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
+            f"float32 is TF32): q and {keys_name} must both be bfloat16 or both float16, got q "
+            f"{q.dtype} and {keys_name} {keys.dtype}; float32 needs 'pallas' or 'xla'"
+        )
+    if dim % 16:
+        raise ValueError(f"the mosaic index_scores needs D (q.shape[-1]) a multiple of 16, got {dim}")
+    if heads > _MAX_HEADS:
+        raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
+    if not isinstance(kpool, int) or kpool < 1:
+        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+
+
+def _query_tiles(vis, block_q, bound=None):
+    """``vis [B, Q]`` padded to whole query tiles (padding queries see nothing) and each
+    tile's ``seen [B, Q_pad / block_q]``: the pools any of its queries can see, capped at
+    ``bound [B]`` when given."""
+    b, n_q = vis.shape
+    q_pad = -(-n_q // block_q) * block_q
+    vis = jnp.pad(vis, ((0, 0), (0, q_pad - n_q)))
+    seen = jnp.max(jnp.maximum(vis, 0).reshape(b, q_pad // block_q, block_q), axis=2)
+    if bound is not None:
+        seen = jnp.minimum(seen, bound[:, None])
+    return vis, seen
+
+
+def mosaic_index_scores_paged(q, w, pooled_pages, block_table, pool_counts, q_pos, *, kpool,
+                              interpret, block_sizes: MosaicIndexScoresBlockSizes):
+    """``index_scores_paged`` (``pallas_kernels.paged_scoring``'s contract; the caller
+    checked the shapes) with this kernel: ``[B, Q, PG * PPP]`` float32."""
+    plmgpu = require_mosaic_gpu("index_scores_paged")
+    _check_operands(q, pooled_pages, "pooled_pages", kpool)
+    b, n_q = q.shape[:2]
+    n_pages, ppp = pooled_pages.shape[:2]
+    n_pools = block_table.shape[1] * ppp
+    if b == 0 or n_q == 0 or n_pools == 0:
+        return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
+    blocks = block_sizes.resolve(n_q)
+    page_chunk = min(ppp, blocks.block_p)
+    if page_chunk % 8 or (ppp > blocks.block_p and ppp % blocks.block_p) or (
+            ppp < blocks.block_p and blocks.block_p % ppp):
+        raise ValueError(
+            f"the mosaic index_scores_paged copies whole 8-row tiles: pools per page PPP "
+            f"(pooled_pages.shape[1]) must be a multiple of 8 that divides or is a multiple "
+            f"of MosaicIndexScoresBlockSizes.block_p={blocks.block_p}, got {ppp}"
+        )
+    p_pad = -(-n_pools // blocks.block_p) * blocks.block_p
+    table = block_table.astype(jnp.int32)
+    pg_pad = p_pad // ppp if ppp <= blocks.block_p else -(-p_pad // ppp)
+    table = jnp.pad(table, ((0, 0), (0, pg_pad - table.shape[1])), constant_values=-1)
+    counts = pool_counts.astype(jnp.int32)
+    pool = jnp.arange(p_pad, dtype=jnp.int32)
+    page = jnp.repeat(table, ppp, axis=1)[:, :p_pad]
+    pv = ((page >= 0) & (page < n_pages) & (pool[None, :] < counts[:, None])).astype(jnp.int32)
+    vis, seen = _query_tiles(jnp.floor_divide(q_pos.astype(jnp.int32) + 1, kpool),
+                             blocks.block_q, bound=counts)
+    out = _launch(plmgpu, q, w, vis, seen, pv, pooled_pages, table, n_pools=p_pad, blocks=blocks,
+                  interpret=interpret, page_chunk=page_chunk)
+    return out[:, :n_q, :n_pools]
+
+
+def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
+                        block_sizes: MosaicIndexScoresBlockSizes):
+    """Scores ``[B, Q, P]`` float32 (shapes and meaning as ``index_scores_reference``; the
+    caller checked the shapes) with the Mosaic GPU kernel, tiled by ``block_sizes``."""
+    plmgpu = require_mosaic_gpu("index_scores")
+    _check_operands(q, pooled, "pooled", kpool)
+    b, n_q = q.shape[:2]
+    n_pools = pooled.shape[1]
+    if b == 0 or n_q == 0 or n_pools == 0:
+        return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
+    blocks = block_sizes.resolve(n_q)
+    p_pad = -(-n_pools // blocks.block_p) * blocks.block_p
+    pv = pool_valid.astype(jnp.int32)
+    if p_pad != n_pools:  # a copy of the pooled keys: see the module doc
+        pooled = jnp.pad(pooled, ((0, 0), (0, p_pad - n_pools), (0, 0)))
+        pv = jnp.pad(pv, ((0, 0), (0, p_pad - n_pools)))
+    # vis[b, t]: pools query t can see causally; pool p is a candidate iff valid and p < vis
+    # (``first_key + (p + 1)*KP - 1 <= q_pos``; a padding query, q_pos = -1, sees none).
+    vis = jnp.floor_divide(q_pos.astype(jnp.int32) - first_key.astype(jnp.int32)[:, None] + 1, kpool)
+    vis, seen = _query_tiles(vis, blocks.block_q)
+    out = _launch(plmgpu, q, w, vis, seen, pv, pooled, jnp.zeros((1, 1), jnp.int32),
+                  n_pools=p_pad, blocks=blocks, interpret=interpret, page_chunk=None)
     return out[:, :n_q, :n_pools]

@@ -1,5 +1,6 @@
-"""``index_scores`` and ``sparse_mla`` with ``implementation="mosaic"``: the Mosaic GPU kernels
-(``pallas_kernels.mosaic_scoring`` / ``mosaic_attention``) against their references.
+"""``index_scores``, ``index_scores_paged`` and ``sparse_mla`` with ``implementation="mosaic"``:
+the Mosaic GPU kernels (``pallas_kernels.mosaic_scoring`` / ``mosaic_attention``) against
+their references.
 
 * ``index_scores`` in GPU interpret mode (``"mosaic_interpret"``, jax >= 0.11) on shapes
   drawn by hypothesis, with dyadic inputs of few mantissa bits and ``D`` in {16, 64} (so
@@ -8,13 +9,14 @@
   in, and so must their top-k selection, ties included (integer-valued scores tie often,
   ReLU makes many exact zeros). Invalid pools, causality, padding queries, dead tiles, NaN
   keys and ``-0.0`` are drawn too. Random normal inputs at ``D = 128`` (where the order
-  matters) agree within float32 rounding.
+  matters) agree within float32 rounding. ``index_scores_paged`` likewise, bit for bit,
+  through drawn block tables (``-1`` entries, pool counts mid-page, NaN pages no row owns).
 * ``sparse_mla`` in interpret mode on drawn shapes: per-sequence and shared (paged)
   latents, ``value_width < CR`` (a RoPE tail), more than 64 heads (two head tiles), ids that
   are ``-1`` or past ``L``, a row with no valid id (exactly 0), several splits; within the
   16-bit output's rounding of the reference. A latent whose unnamed rows are NaN shows that
   an invalid id is never read.
-* ``lower_for_cuda`` of both kernels at every supported model's shapes (decode at batch 8
+* ``lower_for_cuda`` of the kernels at every supported model's shapes (decode at batch 8
   over a 128K-token context, a 64-query prefill chunk at 4K): one Mosaic GPU custom call,
   no Triton; ``"auto"`` picks the Mosaic kernel on an H100.
 * Bad input: float32 operands, widths the layouts cannot tile, bad block sizes (the field
@@ -107,6 +109,40 @@ def test_index_scores_dead_tiles_and_rounding_at_d128():
     assert np.isneginf(want[0, 0, 20:]).all() and np.isfinite(want[0, 1]).all()
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+
+
+@st.composite
+def _paged_case(draw):
+    ppp, kpool, block_p = draw(st.sampled_from([(16, 4, 64), (8, 1, 128), (128, 1, 64)]))
+    b, nq, heads, dim = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 9)), 16
+    n_pages, pg = 10, draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    pages = rng.integers(-3, 4, (n_pages, ppp, dim)) / 4
+    table = rng.permutation(n_pages)[: b * pg].reshape(b, pg).astype(np.int32)
+    table[rng.random(table.shape) < 0.2] = -1  # no page
+    table[rng.random(table.shape) < 0.1] = n_pages + 3  # not a page either
+    pages[np.setdiff1d(np.arange(n_pages), table)] = np.nan  # pages no row owns: never read
+    counts = rng.integers(0, pg * ppp + 1, b)
+    q_pos = rng.integers(-1, pg * ppp * kpool + 4, (b, nq))
+    args = (jnp.asarray(rng.integers(-3, 4, (b, nq, heads, dim)) / 4, jnp.bfloat16),
+            jnp.asarray(rng.integers(-3, 4, (b, nq, heads)) / 8, jnp.float32),
+            jnp.asarray(pages, jnp.bfloat16), jnp.asarray(table), jnp.asarray(counts, jnp.int32),
+            jnp.asarray(q_pos, jnp.int32))
+    return args, kpool, MosaicIndexScoresBlockSizes(block_q=2, block_p=block_p)
+
+
+@NEEDS_MOSAIC
+@settings(max_examples=4, deadline=None)
+@given(_paged_case())
+def test_index_scores_paged_bit_identical_on_exact_inputs(case):
+    """The block-table kernel: pages of 8, 16 and 128 pools (a page per chunk, several
+    chunks a tile, a page over several tiles), ``-1`` and out-of-range entries, pool counts
+    mid-page; pages no row owns are NaN and must never reach a score."""
+    args, kpool, blocks = case
+    got = pk.index_scores_paged(*args, kpool=kpool, implementation="mosaic_interpret",
+                                block_sizes=blocks)
+    want = pk.index_scores_paged_reference(*args, kpool=kpool)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,6 +245,14 @@ def test_lowers_for_cuda_at_model_shapes(preset):
                               sds((b, p, d), bf16), sds((b, p), jnp.bool_), sds((b,), jnp.int32),
                               sds((b, nq), jnp.int32)).as_text()
         assert _mosaic_calls(text) == 1, (preset, b, nq, context)
+        ppp = 64 // kp  # pages of 64 tokens
+        paged = lambda q, w, pages, table, counts, qp: pk.index_scores_paged(
+            q, w, pages, table, counts, qp, kpool=kp, implementation="mosaic")
+        text = lower_for_cuda(paged, sds((b, nq, hi, d), bf16), sds((b, nq, hi), jnp.float32),
+                              sds((b * context // 64, ppp, d), bf16),
+                              sds((b, context // 64), jnp.int32), sds((b,), jnp.int32),
+                              sds((b, nq), jnp.int32)).as_text()
+        assert _mosaic_calls(text) == 1, (preset, b, nq, context, "paged")
         for latent_rows in (b, 1):  # per-sequence cache, shared (paged) pool
             mla = lambda q, lat, ids: pk.sparse_mla(
                 q, lat, ids, scale=cfg.qk_head_dim**-0.5, value_width=cfg.kv_lora_rank,
