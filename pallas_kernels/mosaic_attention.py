@@ -59,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
+from pallas_kernels.mosaic_scoring import check_smem
 
 __all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
 
@@ -250,6 +251,12 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     if v % block_v:
         raise ValueError(f"MosaicSparseMlaBlockSizes.block_v ({block_v}) must divide value_width ({v})")
     h_pad = n_h * HEAD_TILE
+    item = q.dtype.itemsize
+    check_smem("the mosaic sparse_mla", {
+        "query tile": HEAD_TILE * c * item, "gathered rows": 2 * block_w * c * item,
+        "probabilities": HEAD_TILE * block_w * item,
+        "output": HEAD_TILE * _VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
+    }, blocks)
     qp = jnp.pad(q.reshape(rows, h, c), ((0, 0), (0, h_pad - h), (0, 0)))
     ids = token_ids.reshape(rows, width).astype(jnp.int32)
     w_pad = -(-width // block_w) * block_w
@@ -257,7 +264,6 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     ok = (ids >= 0) & (ids < length)
     n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
 
-    item = q.dtype.itemsize
     copy_c = max(k for k in (256, 192, 128, 64) if c % k == 0)  # TMA boxes: <= 256 wide
     # One swizzle for every MMA operand (wgmma wants its two operands' swizzles equal): one
     # row of probabilities, block_w 16-bit elements, is 32, 64 or 128 bytes.

@@ -62,6 +62,19 @@ __all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_s
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
 _MAX_HEADS = 256  # wgmma's largest N
+SMEM_BYTES = 227 * 1024  # the most shared memory one CTA may use on Hopper (sm_90)
+
+
+def check_smem(owner: str, buffers: dict[str, int], blocks) -> None:
+    """A ``ValueError`` naming ``blocks`` and the buffers when their bytes exceed
+    ``SMEM_BYTES`` (a launch would fail on the GPU; the lowering does not check it)."""
+    total = sum(buffers.values())
+    if total > SMEM_BYTES:
+        parts = ", ".join(f"{k} {v}" for k, v in buffers.items())
+        raise ValueError(
+            f"{owner}: {blocks} needs {total} bytes of shared memory ({parts}), more than "
+            f"the {SMEM_BYTES} a Hopper CTA has; use smaller blocks"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +206,10 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
                                scale=dim**-0.5, n_q=n_q, page_chunk=page_chunk)
     n_key_copies = 1 if page_chunk is None else block_p // page_chunk
+    check_smem("the mosaic index_scores", {
+        "queries": block_q * hn * dim * q.dtype.itemsize, "weights": block_q * hn * 4,
+        "keys": block_p * dim * q.dtype.itemsize, "scores": block_q * block_p * 4 + block_p * 4,
+    }, blocks)
     zero = jnp.zeros((page_chunk or 8, dim), q.dtype)
     return plmgpu.kernel(
         kernel,

@@ -327,6 +327,26 @@ def test_bad_sparse_mla_block_sizes(kwargs, name):
                       scale=0.1, block_sizes=MosaicSparseMlaBlockSizes(**kwargs))
 
 
+@NEEDS_MOSAIC
+def test_blocks_past_hopper_shared_memory_are_refused():
+    """``block_w=64`` at ``CR = 576`` (two 64-row tiles of 576 bf16 columns beside the query
+    tile) and 16 queries of 64 heads x 128 exceed a Hopper CTA's 227 KiB."""
+    sds = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="MosaicSparseMlaBlockSizes.*shared memory"):
+        lower_for_cuda(lambda q, lat, ids: pk.sparse_mla(
+            q, lat, ids, scale=0.1, value_width=512, implementation="mosaic",
+            block_sizes=MosaicSparseMlaBlockSizes(block_w=64)),
+            sds((1, 1, 64, 576), jnp.bfloat16), sds((1, 4096, 576), jnp.bfloat16),
+            sds((1, 1, 2048), jnp.int32))
+    with pytest.raises(ValueError, match="MosaicIndexScoresBlockSizes.*shared memory"):
+        lower_for_cuda(lambda q, w, p, pv, fk, qp: pk.index_scores(
+            q, w, p, pv, fk, qp, kpool=1, implementation="mosaic",
+            block_sizes=MosaicIndexScoresBlockSizes(block_q=16)),
+            sds((1, 16, 64, 128), jnp.bfloat16), sds((1, 16, 64), jnp.float32),
+            sds((1, 256, 128), jnp.bfloat16), sds((1, 256), jnp.bool_), sds((1,), jnp.int32),
+            sds((1, 16), jnp.int32))
+
+
 def test_block_sizes_must_match_the_implementation():
     with pytest.raises(TypeError, match="MosaicIndexScoresBlockSizes"):
         pk.index_scores(*_scores_args(), kpool=1, implementation="mosaic_interpret",
