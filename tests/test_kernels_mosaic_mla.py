@@ -77,7 +77,7 @@ def _scores_case(draw):
 
 
 @NEEDS_MOSAIC
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(_scores_case())
 def test_index_scores_bit_identical_on_exact_inputs(case):
     args, kpool, blocks = case
@@ -253,7 +253,7 @@ def test_lowers_for_cuda_at_model_shapes(preset):
                               sds((b, context // 64), jnp.int32), sds((b,), jnp.int32),
                               sds((b, nq), jnp.int32)).as_text()
         assert _mosaic_calls(text) == 1, (preset, b, nq, context, "paged")
-        for latent_rows in (b, 1):  # per-sequence cache, shared (paged) pool
+        for latent_rows in (b, 1) if nq == 1 else (b,):  # per-sequence cache; shared (paged) pool
             mla = lambda q, lat, ids: pk.sparse_mla(
                 q, lat, ids, scale=cfg.qk_head_dim**-0.5, value_width=cfg.kv_lora_rank,
                 implementation="mosaic")
