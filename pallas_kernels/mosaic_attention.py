@@ -67,6 +67,7 @@ HEAD_TILE = 64  # heads per CTA: the warpgroup MMA's M
 _VALUE_CHUNK = 128  # value columns per MMA (its N)
 _TARGET_CTAS = 256  # auto num_splits aims at about this many CTAs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4
+_IDS_COPY = 32  # ids copied per block (>= block_w): a TMA moves a multiple of 128 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     def step(j, carry):
         m_prev, l_prev, accs = carry
         base = j * block_w
-        plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, block_w)], ids_s, bars.at[1])
+        plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, _IDS_COPY))], ids_s, bars.at[1])
         for r in range(block_w):  # the gather: one TMA row copy per slot
             tok = ids_g[row, base + r]
             ok = (tok >= 0) & (tok < length)
@@ -174,7 +175,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
             return acc_ref[...]
 
         s = pl.run_scoped(score_mma, plmgpu.ACC((HEAD_TILE, block_w), jnp.float32))
-        ids = plmgpu.load(ids_s, layout=per_slot)
+        ids = plmgpu.load(ids_s.at[pl.ds(0, block_w)], layout=per_slot)
         ok = lax.broadcast_in_dim((ids >= 0) & (ids < length), (HEAD_TILE, block_w), [1])
         s = jnp.where(ok, s * scale, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -259,7 +260,8 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     }, blocks)
     qp = jnp.pad(q.reshape(rows, h, c), ((0, 0), (0, h_pad - h), (0, 0)))
     ids = token_ids.reshape(rows, width).astype(jnp.int32)
-    w_pad = -(-width // block_w) * block_w
+    # Whole id blocks, and room for the last block's copy of _IDS_COPY ids.
+    w_pad = -(-width // block_w) * block_w + max(0, _IDS_COPY - block_w)
     ids = jnp.pad(ids, ((0, 0), (0, w_pad - width)), constant_values=-1)
     ok = (ids >= 0) & (ids < length)
     n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
@@ -286,7 +288,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
             plmgpu.SMEM((block_w, c), q.dtype),  # gathered rows, as copied
             plmgpu.SMEM((block_w, c), q.dtype, transforms=mma_tiles),  # ... as the MMA reads them
             plmgpu.SMEM((HEAD_TILE, block_w), q.dtype, transforms=mma_tiles),  # probabilities
-            plmgpu.SMEM((block_w,), jnp.int32),
+            plmgpu.SMEM((max(block_w, _IDS_COPY),), jnp.int32),
             plmgpu.SMEM((HEAD_TILE, _VALUE_CHUNK), f32, transforms=f32_tiles),
             plmgpu.SMEM((2, HEAD_TILE), f32),
             plmgpu.Barrier(num_barriers=2),

@@ -264,6 +264,32 @@ def test_lowers_for_cuda_at_model_shapes(preset):
 
 
 @NEEDS_MOSAIC
+@pytest.mark.parametrize("block_w, cr, v", [(16, 512, 512), (32, 192, 128), (64, 256, 256)])
+def test_sparse_mla_block_sizes_lower(block_w, cr, v):
+    """Every ``block_w`` lowers (an id block of 16 is still copied as 32 ids: a TMA moves
+    whole 128-byte lines), with and without a RoPE tail."""
+    sds = jax.ShapeDtypeStruct
+    text = lower_for_cuda(lambda q, lat, ids: pk.sparse_mla(
+        q, lat, ids, scale=0.1, value_width=v, implementation="mosaic",
+        block_sizes=MosaicSparseMlaBlockSizes(block_w=block_w, block_v=128)),
+        sds((2, 1, 16, cr), jnp.float16), sds((1, 4096, cr), jnp.float16),
+        sds((2, 1, 300), jnp.int32)).as_text()
+    assert _mosaic_calls(text) == 1
+
+
+@NEEDS_MOSAIC
+@pytest.mark.parametrize("block_q, block_p, dim", [(1, 64, 16), (3, 128, 64), (8, 256, 128)])
+def test_index_scores_block_sizes_lower(block_q, block_p, dim):
+    sds = jax.ShapeDtypeStruct
+    text = lower_for_cuda(lambda q, w, p, pv, fk, qp: pk.index_scores(
+        q, w, p, pv, fk, qp, kpool=2, implementation="mosaic",
+        block_sizes=MosaicIndexScoresBlockSizes(block_q=block_q, block_p=block_p)),
+        sds((1, 5, 3, dim), jnp.float16), sds((1, 5, 3), jnp.float32), sds((1, 300, dim), jnp.float16),
+        sds((1, 300), jnp.bool_), sds((1,), jnp.int32), sds((1, 5), jnp.int32)).as_text()
+    assert _mosaic_calls(text) == 1
+
+
+@NEEDS_MOSAIC
 def test_auto_picks_mosaic_on_hopper():
     sds = jax.ShapeDtypeStruct
     fn = lambda q, w, pooled, pv, fk, qp: pk.index_scores(q, w, pooled, pv, fk, qp, kpool=4,
