@@ -12,8 +12,9 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 
 * The CTA's 64 heads are the warpgroup MMA's M (heads padded with zero queries); its query
   tile ``[64, CR]`` is copied into SMEM once by TMA.
-* Hopper has no TMA gather: per id block of ``block_w`` slots, every slot issues TMA copies
-  of its row into an SMEM staging tile (``CR / 256`` or more boxes per row: a TMA box is at
+* Hopper has no TMA gather: per id block of ``block_w`` slots (the ids first copied to
+  SMEM, then read there as scalars), every slot issues TMA copies of its row into an SMEM
+  staging tile (``CR / 256`` or more boxes per row: a TMA box is at
   most 256 elements wide), all arriving on one barrier of as many arrivals. A slot whose
   id is not a token copies a zero row from a ``[1, CR]`` constant instead, so the latent is
   never read there and the tile holds no stale (possibly NaN) data that a zero weight
@@ -149,8 +150,9 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         m_prev, l_prev, accs = carry
         base = j * block_w
         plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, _IDS_COPY))], ids_s, bars.at[1])
+        plmgpu.barrier_wait(bars.at[1])
         for r in range(block_w):  # the gather: one TMA row copy per slot
-            tok = ids_g[row, base + r]
+            tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
             ok = (tok >= 0) & (tok < length)
 
             for k in range(0, width_c, copy_c):  # a TMA box is at most 256 elements wide
@@ -165,7 +167,6 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
                 def _():
                     plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
 
-        plmgpu.barrier_wait(bars.at[1])
         plmgpu.barrier_wait(row_bar)
         plmgpu.store(kv_s, plmgpu.load(raw_s, layout=row_move, optimized=False), optimized=False)
         plmgpu.commit_smem()
