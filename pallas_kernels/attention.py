@@ -45,9 +45,10 @@ beyond float rounding.
 
 The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
 ``pallas_kernels.mosaic_attention``, jax >= 0.11, Hopper and newer) keeps this contract for
-16-bit ``q`` and ``latent`` of one dtype (``CR`` a multiple of 64, ``V`` of 128), with its
-own block sizes, ``MosaicSparseMlaBlockSizes`` (``block_sizes`` must then be one, or
-``None``).
+16-bit ``q`` and ``latent`` of one dtype, with its own block sizes,
+``MosaicSparseMlaBlockSizes`` (``block_sizes`` must then be one, or ``None``). Other dtypes
+(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
+step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
 from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
+from pallas_kernels.mosaic_scoring import mosaic_takes
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
 
@@ -161,6 +163,9 @@ def sparse_mla(
     v = check_value_width(value_width, cr)
     if implementation == "xla":
         return sparse_mla_reference(q, latent, token_ids, scale=scale, value_width=v)
+    if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, SparseMlaBlockSizes()
     if mosaic:
         return _sparse_mla_mosaic(
             q, latent, token_ids, scale=scale, value_width=v,

@@ -42,9 +42,12 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   wrapper merges them (``combine_splits``, a small XLA fusion), which also divides by the
   sum (0 for a row with no valid id: the output is exactly 0).
 
-Layout limits (``ValueError`` otherwise): ``q`` and ``latent`` of one 16-bit dtype (the
-tensor cores' float32 is TF32: float32 needs ``"pallas"`` or ``"xla"``), ``CR`` a multiple
-of 64 (a 128-byte line), ``V`` a multiple of 128. Outputs agree with the reference
+Operands: ``q`` and ``latent`` of one 16-bit dtype (``mosaic_takes``; the tensor cores'
+float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
+``index_scores`` does. Rows are padded with zero columns to a multiple of 64 (a 128-byte
+line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
+latent per call when ``CR`` is not already aligned (no real model: ``CR`` is 512 or 576,
+``V`` 512). Outputs agree with the reference
 within float32 rounding (different summation order, and ``p`` rounded to 16 bits before
 the value MMA as in the Triton kernel).
 """
@@ -60,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels.mosaic_scoring import check_smem
+from pallas_kernels.mosaic_scoring import check_smem, mosaic_takes
 
 __all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
 
@@ -79,7 +82,8 @@ class MosaicSparseMlaBlockSizes:
       (SMEM holds the query tile and two ``[block_w, CR]`` tiles: 32 fits Hopper's 227 KiB
       at ``CR = 576``, 64 does not);
     * ``block_v``: value columns per CTA, a multiple of 128 (the accumulator's registers:
-      256 is the most one warpgroup holds without spilling); capped at ``V``;
+      256 is the most one warpgroup holds without spilling); lowered to the largest
+      multiple of 128 that divides ``V`` (rounded up to 128);
     * ``num_splits``: CTAs each row's id blocks are split over (int >= 1; ``None``: enough
       for about 256 CTAs, each share at least 4 id blocks).
     """
@@ -105,6 +109,8 @@ class MosaicSparseMlaBlockSizes:
         rows of width ``W = width`` and ``V = v`` value columns."""
         self.validate()
         block_v = min(self.block_v, v)
+        while v % block_v:  # value blocks tile V (both multiples of 128)
+            block_v -= _VALUE_CHUNK
         splits = self.num_splits
         if splits is None:
             ctas = rows * head_blocks * (v // block_v)
@@ -229,16 +235,12 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     v = value_width
     length = latent.shape[1]
     width = token_ids.shape[2]
-    if q.dtype != latent.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+    if not mosaic_takes(q.dtype, latent.dtype):
         raise ValueError(
             "the mosaic sparse_mla multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): q and latent must both be bfloat16 or both float16, got q "
-            f"{q.dtype} and latent {latent.dtype}; float32 needs 'pallas' or 'xla'"
+            f"{q.dtype} and latent {latent.dtype}"
         )
-    if c % 64:
-        raise ValueError(f"the mosaic sparse_mla needs CR (q.shape[-1]) a multiple of 64, got {c}")
-    if v % _VALUE_CHUNK:
-        raise ValueError(f"the mosaic sparse_mla needs value_width a multiple of {_VALUE_CHUNK}, got {v}")
     if b * nq * h == 0 or width == 0 or length == 0:
         return jnp.zeros((b, nq, h, v), q.dtype)
     try:
@@ -246,12 +248,18 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     except (TypeError, jax.errors.ConcretizationTypeError) as e:
         raise ValueError(f"scale must be a static Python float for the Mosaic kernel, got {scale!r}") from e
 
+    # Rows padded to whole 64-column lines and to whole 128-column value chunks: zero
+    # columns add nothing to a score, and value columns past V are cut off below.
+    v_pad = -(-v // _VALUE_CHUNK) * _VALUE_CHUNK
+    c_pad = max(-(-c // 64) * 64, v_pad)
+    if c_pad != c:  # a copy of the latent (no real model: CR = 512 or 576, V = 512)
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, c_pad - c)))
+        latent = jnp.pad(latent, ((0, 0), (0, 0), (0, c_pad - c)))
+    v_true, v, c = v, v_pad, c_pad
     rows = b * nq
     n_h = -(-h // HEAD_TILE)
     blocks = block_sizes.resolve(rows, n_h, width, v)
     block_w, block_v, splits = blocks.block_w, blocks.block_v, blocks.num_splits
-    if v % block_v:
-        raise ValueError(f"MosaicSparseMlaBlockSizes.block_v ({block_v}) must divide value_width ({v})")
     h_pad = n_h * HEAD_TILE
     item = q.dtype.itemsize
     check_smem("the mosaic sparse_mla", {
@@ -302,4 +310,4 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
         kernel_name="mosaic_sparse_mla",
     )(ids, n_end, qp, latent, jnp.zeros((1, c), latent.dtype))
     out = combine_splits(acc, m, l).astype(q.dtype)
-    return out[:, :h].reshape(b, nq, h, v)
+    return out[:, :h, :v_true].reshape(b, nq, h, v_true)

@@ -29,16 +29,18 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 Precision and equality with the reference: ``wgmma`` multiplies 16-bit operands exactly
 and accumulates in float32, as the reference's ``einsum(..., preferred_element_type=f32)``
 does; float32 operands would be TF32 on the tensor cores, so this kernel takes bf16 / f16
-``q`` and ``pooled`` of one dtype only (``ValueError`` otherwise: float32 needs
-``"pallas"`` or ``"xla"``). The order of the sums (over ``D`` inside the MMA, over the
+``q`` and ``pooled`` of one dtype only (``mosaic_takes``): the wrappers run any other
+dtypes on the Triton kernel (IEEE float32), as a step with no Mosaic kernel does, so a
+float32 layer asked for ``"mosaic"`` still runs (an exact bf16 x 3 split, six MMAs, would
+bring float32 here). The order of the sums (over ``D`` inside the MMA, over the
 heads in the warpgroup reduction) is the hardware's, not XLA's, so scores of arbitrary
 inputs agree with the reference within float32 rounding, not bit for bit. Where every
 partial sum is exact (dyadic inputs of few mantissa bits, a ``D`` whose ``D**-0.5`` is a
 power of two) the scores, and so the top-k selection, ties included, are bit-identical;
 ``tests/test_kernels_mosaic_mla.py`` checks both.
 
-Layout limits the wrapper meets by padding (cheap unless noted): ``D`` a multiple of 16 (the
-MMA's K step; a ``ValueError`` otherwise), heads padded to ``Hn``, a multiple of 32 (zero
+Layout limits the wrapper meets by padding (cheap unless noted): ``D`` to a multiple of 16
+(the MMA's K step; a copy of the keys when it is not one, as in no real model), heads padded to ``Hn``, a multiple of 32 (zero
 queries and weights add exact zeros; a TMA moves whole 128-byte lines), queries to a
 multiple of ``block_q``; pools to a multiple of ``block_p`` (a copy of ``pooled`` when ``P``
 is not one already: size a contiguous cache so that ``max_length // KP`` is a multiple of
@@ -58,7 +60,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
 
-__all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"]
+__all__ = [
+    "MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged", "mosaic_takes",
+]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
 _MAX_HEADS = 256  # wgmma's largest N
@@ -191,10 +195,21 @@ def _copy_keys(plmgpu, pooled_g, pv_g, table_g, zero_g, keys_s, key_bar, *, b, p
             plmgpu.copy_gmem_to_smem(zero_g, dst, key_bar)
 
 
+def _pad_dim(x, dim: int):
+    """``x`` with its last axis (``D``) zero-padded to ``dim`` (the MMA's K step of 16):
+    zero channels add exact zeros to every dot."""
+    if x.shape[-1] == dim:
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
+
+
 def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, interpret, page_chunk):
-    """Pad the queries and heads, launch the kernel over ``n_pools`` pool positions (a
+    """Pad the queries, heads and ``D``, launch the kernel over ``n_pools`` pool positions (a
     multiple of ``block_p``), return the ``[B, Q_pad, n_pools]`` scores."""
-    b, n_q, heads, dim = q.shape
+    scale = q.shape[-1] ** -0.5  # of the true D
+    dim = -(-q.shape[-1] // 16) * 16
+    q, pooled = _pad_dim(q, dim), _pad_dim(pooled, dim)  # a copy of the keys if D % 16
+    b, n_q, heads, _ = q.shape
     block_q, block_p = blocks.block_q, blocks.block_p
     hn = -(-heads // _HEAD_STEP) * _HEAD_STEP
     q_pad = vis.shape[1]
@@ -204,7 +219,7 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     mma_tiles = (plmgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                  plmgpu.SwizzleTransform(swizzle))
     kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
-                               scale=dim**-0.5, n_q=n_q, page_chunk=page_chunk)
+                               scale=scale, n_q=n_q, page_chunk=page_chunk)
     n_key_copies = 1 if page_chunk is None else block_p // page_chunk
     check_smem("the mosaic index_scores", {
         "queries": block_q * hn * dim * q.dtype.itemsize, "weights": block_q * hn * 4,
@@ -231,16 +246,22 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     )(qp, wp, vis, seen, pv, pooled, table, zero)
 
 
+def mosaic_takes(*dtypes) -> bool:
+    """Whether the Mosaic kernels (scores and attention) take operands of these dtypes: one
+    16-bit float dtype. wgmma's float32 is TF32, so the wrappers run float32 (or mixed)
+    operands on the Triton kernel instead (see ``pallas_kernels.scoring``)."""
+    kinds = {jnp.dtype(d) for d in dtypes}
+    return len(kinds) == 1 and kinds <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+
+
 def _check_operands(q, keys, keys_name, kpool):
-    b, n_q, heads, dim = q.shape
-    if q.dtype != keys.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+    heads = q.shape[2]
+    if not mosaic_takes(q.dtype, keys.dtype):
         raise ValueError(
             "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): q and {keys_name} must both be bfloat16 or both float16, got q "
-            f"{q.dtype} and {keys_name} {keys.dtype}; float32 needs 'pallas' or 'xla'"
+            f"{q.dtype} and {keys_name} {keys.dtype}"
         )
-    if dim % 16:
-        raise ValueError(f"the mosaic index_scores needs D (q.shape[-1]) a multiple of 16, got {dim}")
     if heads > _MAX_HEADS:
         raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
     if not isinstance(kpool, int) or kpool < 1:

@@ -34,7 +34,8 @@ The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
 chunk of ``min(PPP, block_p)`` pools at a time (``PPP`` a multiple of 8): a chunk whose
 first pool is not live is never read, but the chunk holding a row's last written pool is
 copied whole, so that page's unwritten pools after it are loaded (each is its own MMA row
-and is masked to ``-inf``: its contents cannot reach another pool's score).
+and is masked to ``-inf``: its contents cannot reach another pool's score). As for
+``index_scores``, operands other than one 16-bit dtype run the Triton kernel.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from pallas_kernels._common import (
     MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_rank, eager_jit,
     next_power_of_two, resolve_implementation,
 )
-from pallas_kernels.mosaic_scoring import MosaicIndexScoresBlockSizes, mosaic_index_scores_paged
+from pallas_kernels.mosaic_scoring import (
+    MosaicIndexScoresBlockSizes, mosaic_index_scores_paged, mosaic_takes,
+)
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores_reference, score_rows, write_dead_tile,
 )
@@ -168,6 +171,9 @@ def index_scores_paged(
         return index_scores_paged_reference(
             q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool
         )
+    if mosaic and not mosaic_takes(q.dtype, pooled_pages.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, IndexScoresBlockSizes()
     if mosaic:
         return _index_scores_paged_mosaic(
             q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,

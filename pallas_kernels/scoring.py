@@ -23,7 +23,9 @@ The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
 ``pallas_kernels.mosaic_scoring``, jax >= 0.11, Hopper and newer) keeps this contract for
 16-bit ``q`` and ``pooled`` of one dtype, with its own block sizes,
 ``MosaicIndexScoresBlockSizes`` (``block_sizes`` must then be one, or ``None``); its
-summation order is the tensor cores' (see that module's doc on equality).
+summation order is the tensor cores' (see that module's doc on equality). Other dtypes
+(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
+step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from pallas_kernels._common import (
     MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
     check_triton_params, eager_jit, next_power_of_two, resolve_implementation,
 )
-from pallas_kernels.mosaic_scoring import MosaicIndexScoresBlockSizes, mosaic_index_scores
+from pallas_kernels.mosaic_scoring import (
+    MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
+)
 
 __all__ = [
     "index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token",
@@ -172,6 +176,9 @@ def index_scores(
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
     if implementation == "xla":
         return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool)
+    if mosaic and not mosaic_takes(q.dtype, pooled.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, IndexScoresBlockSizes()
     if mosaic:
         return _index_scores_mosaic(
             q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,

@@ -19,8 +19,9 @@ their references.
 * ``lower_for_cuda`` of the kernels at every supported model's shapes (decode at batch 8
   over a 128K-token context, a 64-query prefill chunk at 4K): one Mosaic GPU custom call,
   no Triton; ``"auto"`` picks the Mosaic kernel on an H100.
-* Bad input: float32 operands, widths the layouts cannot tile, bad block sizes (the field
-  is named) and block sizes of the other backend.
+* Float32 operands run the Triton kernel (wgmma's float32 is TF32); widths the layouts
+  cannot tile are zero-padded. Bad input: bad block sizes (the field is named), block sizes
+  of the other backend, blocks past Hopper's shared memory.
 
 Interpret mode simulates the warpgroup's threads, so shapes are small and examples few. On
 jax < 0.11 (the Python 3.11 leg) the Mosaic tests skip with that reason.
@@ -312,26 +313,49 @@ def _scores_args(dtype=jnp.bfloat16, dim=16):
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("dtype, dim, match", [
-    (jnp.float32, 16, "16-bit operands.*float32 needs 'pallas' or 'xla'"),
-    (jnp.bfloat16, 24, r"D \(q.shape\[-1\]\) a multiple of 16, got 24"),
-])
-def test_index_scores_rejects_what_the_layout_cannot_tile(dtype, dim, match):
-    with pytest.raises(ValueError, match=match):
-        pk.index_scores(*_scores_args(dtype, dim), kpool=1, implementation="mosaic_interpret")
+def test_float32_runs_the_triton_kernel():
+    """wgmma's float32 is TF32: float32 operands under ``"mosaic_interpret"`` run the Triton
+    kernel (``"pallas_interpret"``) at its default block sizes, bit for bit."""
+    rng = np.random.default_rng(7)
+    args = (jnp.asarray(rng.standard_normal((1, 2, 3, 16)), jnp.float32),
+            jnp.asarray(rng.standard_normal((1, 2, 3)), jnp.float32),
+            jnp.asarray(rng.standard_normal((1, 20, 16)), jnp.float32), jnp.ones((1, 20), bool),
+            jnp.zeros(1, jnp.int32), jnp.asarray([[9, 30]], jnp.int32))
+    np.testing.assert_array_equal(
+        np.asarray(pk.index_scores(*args, kpool=2, implementation="mosaic_interpret",
+                                   block_sizes=MosaicIndexScoresBlockSizes(block_q=1))),
+        np.asarray(pk.index_scores(*args, kpool=2, implementation="pallas_interpret")))
+    q = jnp.asarray(rng.standard_normal((1, 1, 2, 40)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((1, 9, 40)), jnp.float32)
+    ids = jnp.asarray([[[3, -1, 8, 0]]], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(pk.sparse_mla(q, lat, ids, scale=0.2, implementation="mosaic_interpret")),
+        np.asarray(pk.sparse_mla(q, lat, ids, scale=0.2, implementation="pallas_interpret")))
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("cr, v, dtype, match", [
-    (128, 128, jnp.float32, "16-bit operands.*float32 needs 'pallas' or 'xla'"),
-    (96, 96, jnp.bfloat16, r"CR \(q.shape\[-1\]\) a multiple of 64, got 96"),
-    (192, 64, jnp.bfloat16, "value_width a multiple of 128, got 64"),
-])
-def test_sparse_mla_rejects_what_the_layout_cannot_tile(cr, v, dtype, match):
-    with pytest.raises(ValueError, match=match):
-        pk.sparse_mla(jnp.zeros((1, 1, 2, cr), dtype), jnp.zeros((1, 4, cr), dtype),
-                      jnp.zeros((1, 1, 2), jnp.int32), scale=0.1, value_width=v,
-                      implementation="mosaic_interpret")
+def test_unaligned_widths_are_padded():
+    """``D = 24`` (not a multiple of the MMA's 16), ``CR = V = 40`` (the tiny config) and
+    ``CR = 96``, ``V = 64``: zero-padded in the wrapper, equal to the references."""
+    rng = np.random.default_rng(8)
+    args = (jnp.asarray(rng.integers(-3, 4, (1, 2, 3, 24)) / 4, jnp.bfloat16),
+            jnp.asarray(rng.integers(-3, 4, (1, 2, 3)) / 8, jnp.float32),
+            jnp.asarray(rng.integers(-3, 4, (1, 20, 24)) / 4, jnp.bfloat16), jnp.ones((1, 20), bool),
+            jnp.zeros(1, jnp.int32), jnp.asarray([[9, 30]], jnp.int32))
+    got = pk.index_scores(*args, kpool=2, implementation="mosaic_interpret")
+    want = pk.index_scores_reference(*args, kpool=2)  # 24**-0.5 is inexact: rounding only
+    np.testing.assert_array_equal(np.isneginf(np.asarray(got)), np.isneginf(np.asarray(want)))
+    fin = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got)[fin], np.asarray(want)[fin], rtol=1e-6, atol=1e-6)
+    for cr, v in ((40, None), (96, 64)):
+        q = jnp.asarray(rng.standard_normal((1, 1, 2, cr)), jnp.bfloat16)
+        lat = jnp.asarray(rng.standard_normal((1, 9, cr)), jnp.bfloat16)
+        ids = jnp.asarray([[[3, -1, 8, 0]]], jnp.int32)
+        got = pk.sparse_mla(q, lat, ids, scale=0.2, value_width=v, implementation="mosaic_interpret")
+        want = pk.sparse_mla_reference(q, lat, ids, scale=0.2, value_width=v)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -389,6 +413,7 @@ def test_resolve_sparse_mla_splits():
     assert blocks.block_v == 256 and 1 < blocks.num_splits <= 2051 // 32 // 4 + 1
     assert MosaicSparseMlaBlockSizes().resolve(rows=512, head_blocks=1, width=2051, v=512).num_splits == 1
     assert MosaicSparseMlaBlockSizes(block_v=512).resolve(1, 1, 64, 128).block_v == 128
+    assert MosaicSparseMlaBlockSizes(block_v=256).resolve(1, 1, 64, 384).block_v == 128
 
 
 @pytest.mark.skipif(jax_version() >= MOSAIC_MIN_JAX, reason="the jax < 0.11 error path")
