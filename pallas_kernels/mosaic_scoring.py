@@ -40,12 +40,19 @@ power of two) the scores, and so the top-k selection, ties included, are bit-ide
 ``tests/test_kernels_mosaic_mla.py`` checks both.
 
 Layout limits the wrapper meets by padding (cheap unless noted): ``D`` to a multiple of 16
-(the MMA's K step; a copy of the keys when it is not one, as in no real model), heads padded to ``Hn``, a multiple of 32 (zero
-queries and weights add exact zeros; a TMA moves whole 128-byte lines), queries to a
-multiple of ``block_q``; pools to a multiple of ``block_p`` (a copy of ``pooled`` when ``P``
-is not one already: size a contiguous cache so that ``max_length // KP`` is a multiple of
-64). Every CTA handles one tile; latency is hidden across CTAs, not by a multi-stage
-pipeline inside one.
+(the MMA's K step; a copy of the keys when it is not one, as in no real model), heads to
+``Hn``, a multiple of 32 (zero queries and weights add exact zeros; a TMA moves whole
+128-byte lines), queries to a multiple of ``block_q``, pools to a multiple of ``block_p``
+(a copy of ``pooled`` when ``P`` is not one already: size a contiguous cache so that
+``max_length // KP`` is a multiple of 64). Block sizes whose SMEM exceeds a Hopper CTA's
+227 KiB raise ``ValueError`` (``check_smem``). Every CTA handles one tile; latency is
+hidden across CTAs, not by a multi-stage pipeline inside one.
+
+``index_scores_paged`` (``mosaic_index_scores_paged``; ``pallas_kernels.paged_scoring``'s
+contract) is the same kernel with the key tile copied through the block table, one TMA per
+chunk of ``min(PPP, block_p)`` pools (``PPP`` a multiple of 8: a TMA into a tiled SMEM
+buffer starts and ends on whole 8-row tiles); a chunk whose first pool is not live (no
+page, or at or past the row's pool count) copies a zero chunk instead of reading a page.
 """
 
 from __future__ import annotations
