@@ -65,7 +65,9 @@ tile count (what ``implementation="xla"`` runs, so its work follows the live poo
 """
 
 from pallas_kernels._common import IMPLEMENTATIONS, Implementation, resolve_implementation
-from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
+from pallas_kernels.attention import (
+    MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_reference,
+)
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
     ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference,
@@ -79,7 +81,8 @@ from pallas_kernels.paged_scoring import (
 )
 from pallas_kernels.radix_select import order_key
 from pallas_kernels.scoring import (
-    IndexScoresBlockSizes, index_scores, index_scores_reference, pool_last_token,
+    IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, index_scores, index_scores_reference,
+    pool_last_token,
 )
 from pallas_kernels.selection import (
     MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,
@@ -90,11 +93,13 @@ __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "visible_tail",
-    "IndexScoresBlockSizes", "index_scores", "index_scores_reference", "pool_last_token",
+    "IndexScoresBlockSizes", "MosaicIndexScoresBlockSizes", "index_scores",
+    "index_scores_reference", "pool_last_token",
     "gather_pools", "index_scores_paged", "index_scores_paged_reference",
     "KpoolCompressBlockSizes", "first_valid", "kpool_compress", "kpool_compress_reference",
     "num_pools",
-    "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla", "sparse_mla_reference",
+    "MosaicSparseMlaBlockSizes", "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla",
+    "sparse_mla_reference",
     "topk_to_mask",
     "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
     "streaming_topk",

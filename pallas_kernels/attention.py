@@ -42,6 +42,13 @@ are padded to ``block_h``, the row is processed in ``block_c`` chunks (scores ov
 chunk, an accumulator only for the chunks holding value columns). Block sizes
 (``SparseMlaBlockSizes``) change the tiling and the order of the sums, not the result
 beyond float rounding.
+
+The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
+``pallas_kernels.mosaic_attention``, jax >= 0.11, Hopper and newer) keeps this contract for
+16-bit ``q`` and ``latent`` of one dtype, with its own block sizes,
+``MosaicSparseMlaBlockSizes`` (``block_sizes`` must then be one, or ``None``). Other dtypes
+(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
+step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
 """
 
 from __future__ import annotations
@@ -56,13 +63,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    without_mosaic,
-    Implementation, check_block_sizes, check_positive_int,
+    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_positive_int,
     check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
+    resolve_implementation,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
+from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
+from pallas_kernels.mosaic_scoring import mosaic_takes
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes"]
+__all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -125,14 +134,19 @@ def sparse_mla(
     scale: float,
     value_width: int | None = None,
     implementation: Implementation = "xla",
-    block_sizes: SparseMlaBlockSizes | None = None,
+    block_sizes: SparseMlaBlockSizes | MosaicSparseMlaBlockSizes | None = None,
 ) -> jax.Array:
     """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``:
     ``q [B, Q, H, CR]``, ``latent [B or 1, L, CR]``, ``token_ids [B, Q, W]`` ->
     ``[B, Q, H, V]`` (``V = value_width``, default ``CR``). ``block_sizes`` (validated under
-    every implementation, see ``SparseMlaBlockSizes``) tiles the Pallas kernel."""
-    implementation = without_mosaic(implementation)  # MOSAIC-MERGE: mosaic-a dispatches "mosaic" here
-    blocks = check_block_sizes(block_sizes, SparseMlaBlockSizes)
+    every implementation) tiles the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a
+    ``MosaicSparseMlaBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
+    defaults)."""
+    implementation = resolve_implementation(implementation)
+    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
+        implementation == "xla" and isinstance(block_sizes, MosaicSparseMlaBlockSizes))
+    blocks = check_block_sizes(
+        block_sizes, MosaicSparseMlaBlockSizes if mosaic else SparseMlaBlockSizes)
     check_rank("q", q, 4, "[B, Q, H, CR]")
     check_rank("latent", latent, 3, "[B, L, CR]")
     check_rank("token_ids", token_ids, 3, "[B, Q, W]")
@@ -149,6 +163,14 @@ def sparse_mla(
     v = check_value_width(value_width, cr)
     if implementation == "xla":
         return sparse_mla_reference(q, latent, token_ids, scale=scale, value_width=v)
+    if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, SparseMlaBlockSizes()
+    if mosaic:
+        return _sparse_mla_mosaic(
+            q, latent, token_ids, scale=scale, value_width=v,
+            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
+        )
     return _sparse_mla_pallas(
         q, latent, token_ids, scale=scale, value_width=v,
         interpret=implementation == "pallas_interpret",
@@ -382,6 +404,9 @@ class SparseMlaBlockSizes:
         return dataclasses.replace(
             self, block_w=block_w, block_c=block_c, num_splits=num_splits
         )
+
+
+_sparse_mla_mosaic = eager_jit("scale", "value_width", "interpret", "block_sizes")(mosaic_sparse_mla)
 
 
 @eager_jit("scale", "value_width", "interpret", "block_sizes")

@@ -28,6 +28,14 @@ Invariants:
 * Work follows the live pools: a Pallas program whose pool tile starts at or past its
   row's live bound (``min(pool_counts[b], pools any of its queries can see)``) loads no
   key and writes ``-inf``.
+
+The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
+``pallas_kernels.mosaic_scoring``, ``MosaicIndexScoresBlockSizes``) copies keys by TMA a
+chunk of ``min(PPP, block_p)`` pools at a time (``PPP`` a multiple of 8): a chunk whose
+first pool is not live is never read, but the chunk holding a row's last written pool is
+copied whole, so that page's unwritten pools after it are loaded (each is its own MMA row
+and is masked to ``-inf``: its contents cannot reach another pool's score). As for
+``index_scores``, operands other than one 16-bit dtype run the Triton kernel.
 """
 
 from __future__ import annotations
@@ -40,8 +48,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    without_mosaic,
-    Implementation, check_block_sizes, check_rank, eager_jit, next_power_of_two,
+    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_rank, eager_jit,
+    next_power_of_two, resolve_implementation,
+)
+from pallas_kernels.mosaic_scoring import (
+    MosaicIndexScoresBlockSizes, mosaic_index_scores_paged, mosaic_takes,
 )
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, index_scores_reference, score_rows, write_dead_tile,
@@ -125,13 +136,18 @@ def index_scores_paged(
     *,
     kpool: int,
     implementation: Implementation = "xla",
-    block_sizes: IndexScoresBlockSizes | None = None,
+    block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
 ) -> jax.Array:
     """Indexer scores over paged pooled keys; see the module doc. Shapes as
-    ``index_scores_paged_reference``; ``block_sizes`` (``IndexScoresBlockSizes``, validated
-    under every implementation) tiles the Pallas kernel as it tiles ``index_scores``'."""
-    implementation = without_mosaic(implementation)  # no Mosaic kernel for this step: Triton's (see the package doc)
-    blocks = check_block_sizes(block_sizes, IndexScoresBlockSizes)
+    ``index_scores_paged_reference``; ``block_sizes`` (validated under every
+    implementation) tiles the kernel as it tiles ``index_scores``': an
+    ``IndexScoresBlockSizes`` for ``"pallas"``, a ``MosaicIndexScoresBlockSizes`` for
+    ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
+    implementation = resolve_implementation(implementation)
+    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
+        implementation == "xla" and isinstance(block_sizes, MosaicIndexScoresBlockSizes))
+    blocks = check_block_sizes(
+        block_sizes, MosaicIndexScoresBlockSizes if mosaic else IndexScoresBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape
     if w.shape != (b, nq, h):
@@ -155,10 +171,21 @@ def index_scores_paged(
         return index_scores_paged_reference(
             q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool
         )
+    if mosaic and not mosaic_takes(q.dtype, pooled_pages.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, IndexScoresBlockSizes()
+    if mosaic:
+        return _index_scores_paged_mosaic(
+            q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,
+            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
+        )
     return _index_scores_paged_pallas(
         q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,
         interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
+
+
+_index_scores_paged_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores_paged)
 
 
 # --------------------------------------------------------------------------------------

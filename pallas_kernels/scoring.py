@@ -18,6 +18,14 @@ Invariants:
   query of the tile) loads no key and writes ``-inf``, so a cache sized for a long
   capacity costs what its filled part costs. ``index_scores_paged``
   (``pallas_kernels.paged_scoring``) is this kernel through a block table.
+
+The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
+``pallas_kernels.mosaic_scoring``, jax >= 0.11, Hopper and newer) keeps this contract for
+16-bit ``q`` and ``pooled`` of one dtype, with its own block sizes,
+``MosaicIndexScoresBlockSizes`` (``block_sizes`` must then be one, or ``None``); its
+summation order is the tensor cores' (see that module's doc on equality). Other dtypes
+(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
+step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
 """
 
 from __future__ import annotations
@@ -31,12 +39,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    without_mosaic,
-    Implementation, check_block_sizes, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two,
+    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
+    check_triton_params, eager_jit, next_power_of_two, resolve_implementation,
+)
+from pallas_kernels.mosaic_scoring import (
+    MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
 )
 
-__all__ = ["index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token"]
+__all__ = [
+    "index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token",
+    "MosaicIndexScoresBlockSizes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,12 +150,17 @@ def index_scores(
     *,
     kpool: int,
     implementation: Implementation = "xla",
-    block_sizes: IndexScoresBlockSizes | None = None,
+    block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
 ) -> jax.Array:
     """Indexer scores; see the module doc. Shapes as ``index_scores_reference``;
-    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
-    implementation = without_mosaic(implementation)  # MOSAIC-MERGE: mosaic-a dispatches "mosaic" here
-    blocks = check_block_sizes(block_sizes, IndexScoresBlockSizes)
+    ``block_sizes`` (validated under every implementation) tiles the kernel: an
+    ``IndexScoresBlockSizes`` for ``"pallas"``, a ``MosaicIndexScoresBlockSizes`` for
+    ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
+    implementation = resolve_implementation(implementation)
+    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
+        implementation == "xla" and isinstance(block_sizes, MosaicIndexScoresBlockSizes))
+    blocks = check_block_sizes(
+        block_sizes, MosaicIndexScoresBlockSizes if mosaic else IndexScoresBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape
     if w.shape != (b, nq, h):
@@ -158,6 +176,14 @@ def index_scores(
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
     if implementation == "xla":
         return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool)
+    if mosaic and not mosaic_takes(q.dtype, pooled.dtype):  # see the module doc
+        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
+        mosaic, blocks = False, IndexScoresBlockSizes()
+    if mosaic:
+        return _index_scores_mosaic(
+            q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
+            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
+        )
     return _index_scores_pallas(
         q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
         interpret=implementation == "pallas_interpret", block_sizes=blocks,
@@ -286,6 +312,8 @@ def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, *, b, pool, 
 
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+_index_scores_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores)
 
 
 @eager_jit("kpool", "interpret", "block_sizes")
