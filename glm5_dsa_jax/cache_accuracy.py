@@ -13,9 +13,11 @@ measured and attending them would cost ``context`` times a decode step); the las
 * ``changed``: pools (of ``select_k`` per query, the cache's pools) in one selection and
   not the other, summed over queries (a swap counts twice), and how many of them
   sit at a **tie** (the pool's bf16 score equals the bf16 cutoff, the ``select_k``-th
-  score, exactly) or a **near-tie** (within ``NEAR_TIE`` of it, relative): a change there
-  swaps pools the bf16 indexer itself barely tells apart. ``gap_median`` / ``gap_max``:
-  the relative gaps ``|s - cutoff| / |cutoff|`` of the changed pools.
+  score, exactly) or a **near-tie** (``gap <= NEAR_TIE``): a change there swaps pools the
+  bf16 indexer itself barely tells apart. A pool's ``gap`` is ``|s - cutoff|`` in units of
+  the standard deviation of its query's live bf16 scores (not relative to the cutoff,
+  which can be near 0: the indexer weights can be negative); ``gap_median`` / ``gap_max``
+  over the changed pools.
 
 Weights and prompts resemble a trained model's (``trained_like_weights``,
 ``prompt_states``) because an fp8 cache's error depends on the rows' dynamic range: a
@@ -50,7 +52,7 @@ import pallas_kernels as pk
 __all__ = ["trained_like_weights", "prompt_states", "fill", "measure", "Fp8Accuracy",
            "NEAR_TIE", "OUTLIER_SHARE", "OUTLIER_GAIN", "VOCAB"]
 
-NEAR_TIE = 1e-3  # relative gap to the cutoff under which a changed pool counts as a near-tie
+NEAR_TIE = 0.01  # gap to the cutoff (in score standard deviations) of a near-tie
 OUTLIER_SHARE = 0.01
 OUTLIER_GAIN = 10.0
 VOCAB = 4096
@@ -146,7 +148,7 @@ def _scores(layer, cache, x, queries):
     # The queries' own pools complete within the chunk: score the cache's pools only
     # (those written by ``fill``), as a decode step at ``length`` sees them.
     return pk.index_scores_reference(qi, w, cache.pooled, cache.pool_valid, cache.first_key, pos,
-                                     kpool=layer.cfg.index_kpool)[0]
+                                     kpool=layer.cfg.index_kpool, pooled_scale=cache.pooled_scale)[0]
 
 
 def measure(cfg, context: int, *, queries: int = 16, seed: int = 0, layer_idx: int | None = None,
@@ -179,8 +181,9 @@ def measure(cfg, context: int, *, queries: int = 16, seed: int = 0, layer_idx: i
         top16 = set(np.argsort(-a, kind="stable")[:kk])
         top8 = set(np.argsort(-b, kind="stable")[:kk])
         cut = np.sort(a[live])[::-1][kk - 1]
+        spread = max(float(np.std(a[live])), 1e-30)
         for p in top16 ^ top8:
-            gap = abs(a[p] - cut) / max(abs(cut), 1e-30)
+            gap = abs(a[p] - cut) / spread
             gaps.append(gap)
             changed += 1
             ties += a[p] == cut

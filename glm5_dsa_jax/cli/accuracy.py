@@ -45,5 +45,5 @@ def main(args) -> int:
         print(f"{r['context']:>8} {r['recall']:8.4f} {r['rel_l2']:9.2e} {r['changed']:>8} {r['ties']:>5} "
               f"{r['near_ties']:>5} {r['gap_median']:9.1e} {r['gap_max']:9.1e}")
     print(f"changed: pools in one selection and not the other (of select_k per query); ties: at the "
-          f"bf16 cutoff score exactly; near: within {NEAR_TIE:g} of it (relative)")
+          f"bf16 cutoff score exactly; near: within {NEAR_TIE:g} score standard deviations of it")
     return 0
