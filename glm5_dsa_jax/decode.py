@@ -34,6 +34,7 @@ from glm5_dsa_jax.cache import DsaCache
 from glm5_dsa_jax.float32_copies import float32_params
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.paged_cache import PagedCache, check_room
+from glm5_dsa_jax.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
 
@@ -58,28 +59,36 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         module.wide = wide
         return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
-    shardings = {}
     mesh = layer.mesh
-    if mesh is not None:
-        # A placed layer: explicit shardings, so the parameters stay where shard_layer put
-        # them and the inputs, outputs and (replicated) cache never move between steps.
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        shardings = dict(
-            in_shardings=(jax.tree.map(lambda a: a.sharding, params), rep, rep, rep, rep),
-            out_shardings=(rep, rep, rep),
-        )
-    jitted_fn = jax.jit(step_fn, donate_argnames=("cache",) if donate else (), **shardings)
+    donated = ("cache",) if donate else ()
+    jits = {}
+
+    def jitted_for(cache):
+        """The compiled step for a cache of this structure. A placed layer gets explicit
+        shardings, so the parameters stay where shard_layer put them and the inputs,
+        outputs and cache (replicated, or split over a batch axis) never move."""
+        if mesh is None:
+            return jits.setdefault(None, jax.jit(step_fn, donate_argnames=donated))
+        key = jax.tree.structure(cache)
+        if key not in jits:
+            rows = batch_sharding(layer)
+            cache_sh = cache_shardings(cache, mesh, layer.batch_axis)
+            jits[key] = jax.jit(
+                step_fn, donate_argnames=donated,
+                in_shardings=(jax.tree.map(lambda a: a.sharding, params), rows, rows, cache_sh, rows),
+                out_shardings=(rows, rows, cache_sh))
+        return jits[key]
 
     class _Step:
         """The compiled step; ``traces`` is the number of compilations so far."""
 
-        jitted = staticmethod(jitted_fn)
+        jitted = staticmethod(jitted_for)  # jitted(cache): the jax.jit function for that cache
 
         def __call__(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache)(compute(params), hidden, mask, cache, prev_topk)
 
         def lower(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn.lower(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache).lower(compute(params), hidden, mask, cache, prev_topk)
 
         float32 = wide
         compute_params = staticmethod(compute)
