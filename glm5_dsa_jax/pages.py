@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from glm5_dsa_jax.parallel import put
+
 __all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "STATUS_NAMES"]
 
 #: ``status`` values of ``PageTable.reserve``, one per row.
@@ -51,6 +53,19 @@ def _take_pages(left, row):
     need_b, bad_b = row
     ok_b = ~bad_b & (need_b <= left)
     return left - jnp.where(ok_b, need_b, 0), ok_b
+
+
+def _placed_like(a, ref):
+    """``a`` (``[max_seqs]`` rows) placed as ``ref`` (the table's ``lengths``): ``vmap`` over
+    the shard axis wants every mapped input split alike under ``Explicit`` mesh axes."""
+    if isinstance(ref, jax.core.Tracer):
+        sh = getattr(jax.typeof(ref), "sharding", None)
+        if sh is None or sh.mesh.empty or jax.sharding.AxisType.Explicit not in sh.mesh.axis_types:
+            return a
+        return jax.sharding.reshard(a, sh)
+    if isinstance(getattr(ref, "sharding", None), jax.sharding.NamedSharding):
+        return put(a, ref.sharding)
+    return a
 
 
 @struct.dataclass
@@ -98,19 +113,20 @@ class PageTable:
         m = self.max_seqs // k
         local = self.replace(block_table=self.block_table.reshape(k, m, -1),
                              lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1))
-        table, *rest = jax.vmap(fn)(local, *(jnp.asarray(r).reshape(k, m) for r in rows))
+        rows = (_placed_like(jnp.asarray(r), self.lengths).reshape(k, m) for r in rows)
+        table, *rest = jax.vmap(fn)(local, *rows)
         table = table.replace(block_table=table.block_table.reshape(self.max_seqs, -1),
                               lengths=table.lengths.reshape(-1), free=table.free.reshape(-1))
         return (table, *(r.reshape(-1) for r in rest))
 
     def shard(self, k: int) -> "PageTable":
-        """Shard ``k``'s own one-shard table (a view for checks and tests; page ids local)."""
-        if self.shards == 1:
-            return self
+        """Shard ``k``'s own one-shard table, as host (numpy) arrays: for checks, tests and
+        reports (page ids are local to the shard)."""
         m, n = self.max_seqs // self.shards, self.pages_per_shard
-        return self.replace(block_table=self.block_table[k * m:(k + 1) * m],
-                            lengths=self.lengths[k * m:(k + 1) * m],
-                            free=self.free[k * n:(k + 1) * n], n_free=self.n_free[k])
+        return self.replace(block_table=np.asarray(self.block_table)[k * m:(k + 1) * m],
+                            lengths=np.asarray(self.lengths)[k * m:(k + 1) * m],
+                            free=np.asarray(self.free)[k * n:(k + 1) * n],
+                            n_free=np.asarray(self.n_free).reshape(-1)[k])
 
     def pages_needed(self, lengths: jax.Array) -> jax.Array:
         """Pages that hold ``lengths`` tokens."""
