@@ -139,6 +139,15 @@ def dp_paged_cache(cfg, mesh: jax.sharding.Mesh, batch_axis: str, max_seqs: int,
     return place_cache(cache.replace(pages=table), mesh, batch_axis)
 
 
+def _trim(spec) -> P:
+    """``spec`` without trailing ``None``s (``P('data', None)`` and ``P('data')`` are one
+    placement)."""
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
 def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> None:
     """``ValueError`` unless every concrete field of ``cache`` is on ``mesh`` as
     ``cache_shardings`` says (a traced field is checked only when its type carries a
@@ -167,9 +176,9 @@ def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> No
                 f"cache field {name} is on {where}, not on the layer's mesh {dict(mesh.shape)} "
                 f"(devices {[d.id for d in mesh.devices.flat]}): make the cache with the placed "
                 "layer's init_cache / init_paged_cache, or sharding.place_cache it")
-        if tuple(got) + (None,) * (np.ndim(a) - len(tuple(got))) != tuple(spec) + (None,) * (np.ndim(a) - len(tuple(spec))):
+        if _trim(got) != _trim(spec):
             raise ValueError(
-                f"cache field {name} is placed as {got} but a data-parallel layer needs {spec} "
+                f"cache field {name} is placed as {_trim(got)} but a data-parallel layer needs {spec} "
                 f"(split by sequence over {batch_axis!r}): make the cache with the placed layer's "
                 "init_cache / init_paged_cache, or sharding.place_cache(cache, mesh, batch_axis=...)")
 
