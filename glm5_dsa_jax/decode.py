@@ -67,10 +67,10 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         """The compiled step for a cache of this structure. A placed layer gets explicit
         shardings, so the parameters stay where shard_layer put them and the inputs,
         outputs and cache (replicated, or split over a batch axis) never move."""
-        if mesh is None:
-            return jits.setdefault(None, jax.jit(step_fn, donate_argnames=donated))
-        key = jax.tree.structure(cache)
-        if key not in jits:
+        key = None if mesh is None else jax.tree.structure(cache)
+        if key not in jits and mesh is None:
+            jits[key] = jax.jit(step_fn, donate_argnames=donated)
+        elif key not in jits:
             rows = batch_sharding(layer)
             cache_sh = cache_shardings(cache, mesh, layer.batch_axis)
             jits[key] = jax.jit(
