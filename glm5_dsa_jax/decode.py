@@ -6,6 +6,11 @@ Invariants:
   ``(params, hidden, mask, cache, prev_topk)`` that merges the graph inside the trace, so
   no Python object is traversed per step.
 * The cache argument is donated: a step updates the caches in place on the device.
+* On a placed layer the step's inputs, outputs and cache have explicit shardings
+  (``sharding.batch_sharding`` for the rows: split over a ``batch_axis`` or replicated;
+  ``sharding.cache_shardings`` for the cache), so nothing moves between steps; the jitted
+  function is made once per cache structure (contiguous or paged, with or without indexer
+  state), since the cache's shardings are a pytree of its fields.
 * No shape depends on the current length (``cache.length`` is a traced scalar), so a
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
