@@ -29,6 +29,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
 from glm5_dsa_jax.pages import init_page_table
 from helpers import f32_layer, jitted_call, padded_batch
+from test_layer_steps import backend_compiles
 
 ATOL = RTOL = 1e-5
 B, S, STEPS, MAX_LEN = 4, 24, 3, 32
@@ -132,10 +133,12 @@ def test_eager_calls_and_shared_layer(reference):
     cache = full.init_cache(B, MAX_LEN)
     assert cache.latent_store.sharding.spec[0] == "data" and cache.length.sharding.is_fully_replicated
     for i, sl in enumerate((slice(0, S), slice(S, S + 1), slice(S + 1, S + 2))):
-        out, topk, cache = full(x[:, sl], attention_mask=mask[:, sl], cache=cache)
+        with backend_compiles() as seen:
+            out, topk, cache = full(x[:, sl], attention_mask=mask[:, sl], cache=cache)
         o0, t0 = reference["contiguous"][i]
         np.testing.assert_array_equal(np.asarray(topk), t0)
         np.testing.assert_allclose(np.asarray(out), o0, atol=ATOL, rtol=RTOL)
+    assert len(seen) == 0, f"the second eager decode step compiled {len(seen)} XLA programs"
     assert out.sharding.spec[0] == "data"
     prev = reference["prefill"][0][1]
     shared = sh.shard_layer(layer_of(layer_idx=2), mesh, "tp", batch_axis="data")
