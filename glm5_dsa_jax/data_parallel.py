@@ -39,7 +39,8 @@ Invariants:
   reads another shard's pages. Globally: ``lengths`` / ``status`` / ``block_table`` rows
   are per sequence as before (block-table entries are local page ids of the row's shard);
   ``n_free [dp]`` is each shard's free-page count (their sum is the global one); ``free``
-  is the shards' stacks side by side. ``release`` takes global row masks.
+  is the shards' stacks side by side; ``latent_pool`` (every page, flat) holds shard ``k``'s
+  page ``j`` at page ``k * N / dp + j``. ``release`` takes global row masks.
 * A cache handed to a data-parallel layer must be placed as ``cache_shardings`` says on the
   layer's mesh (``init_cache`` / ``init_paged_cache`` of the placed layer do it; another
   mesh or placement raises ``ValueError``): moving a cache silently would gather or copy it.
@@ -116,13 +117,14 @@ def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str):
     return jax.tree.map(put, cache, cache_shardings(cache, mesh, batch_axis))
 
 
-def dp_paged_cache(cfg, mesh: jax.sharding.Mesh, batch_axis: str, max_seqs: int, num_pages: int,
-                   page_size: int = 64, pages_per_seq: int | None = None, **kw) -> PagedCache:
-    """An empty paged cache split over ``batch_axis`` (size ``dp``):
+def dp_paged_cache(layer, max_seqs: int, num_pages: int, page_size: int = 64,
+                   pages_per_seq: int | None = None, **kw) -> PagedCache:
+    """An empty paged cache of a data-parallel ``layer`` split over its ``batch_axis`` (size ``dp``):
     ``paged_cache.init_paged_cache`` (``kw``: ``has_indexer``, ``dtype``) with its page
     table made ``dp`` shards of ``max_seqs / dp`` sequences and ``num_pages / dp`` pages
     (``pages``' module doc), then placed. ``pages_per_seq`` defaults to a shard's pages
     (capped at ``max_position_embeddings``). ``ValueError`` unless both divide by ``dp``."""
+    cfg, mesh, batch_axis = layer.cfg, layer.mesh, layer.batch_axis
     dp = int(mesh.shape[batch_axis])
     for name, v in (("max_seqs", max_seqs), ("num_pages", num_pages)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -163,7 +165,8 @@ def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> No
                     t == jax.sharding.AxisType.Explicit for t in sh.mesh.axis_types):
                 continue
             got_mesh, got = sh.mesh, sh.spec
-            same_mesh = tuple(got_mesh.axis_names) == tuple(mesh.axis_names) and dict(got_mesh.shape) == dict(mesh.shape)
+            same_mesh = (tuple(got_mesh.axis_names), dict(got_mesh.shape)) == (
+                tuple(mesh.axis_names), dict(mesh.shape))
         else:
             sh = getattr(a, "sharding", None)
             got_mesh = getattr(sh, "mesh", None)
@@ -247,8 +250,8 @@ def dp_call(layer, x, mask, cache, prev_topk, position_ids):
     for k, v in args.items():
         if not isinstance(v, jax.core.Tracer):
             args[k] = put(v, rows)
-        elif explicit and getattr(jax.typeof(v), "sharding", None) is not None and jax.typeof(v).sharding.mesh.empty:
-            args[k] = jax.device_put(v, rows)
+        elif explicit and getattr(jax.typeof(v), "sharding", rows).mesh.empty:
+            args[k] = jax.device_put(v, rows)  # a jit argument passed as a host array
     specs = {k: P(bax) for k in args}
     if cache is not None:
         args["cache"], specs["cache"] = cache, cache_specs(cache, bax)

@@ -230,8 +230,7 @@ class DsaAttention(nnx.Module):
         split by sequence and page over a ``batch_axis`` (``data_parallel.dp_paged_cache``)."""
         kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype)
         if self.batch_axis is not None:
-            return dp_paged_cache(self.cfg, self.mesh, self.batch_axis, max_seqs, num_pages, page_size,
-                                  pages_per_seq, **kw)
+            return dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
         return replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
                                           pages_per_seq=pages_per_seq, **kw), self.mesh)
 
@@ -312,7 +311,8 @@ class DsaAttention(nnx.Module):
         rope = self.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
         q_resid, _, _ = self.project(x, rope)
         qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
-        cache = self.compress_pools(self.init_cache(b, s), ki, gate, mask, jnp.bool_(True))
+        fresh = replicate(init_cache(self.cfg, b, s, dtype=self.dtype), self.mesh)  # like x, also under DP
+        cache = self.compress_pools(fresh, ki, gate, mask, jnp.bool_(True))
         q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
         return self.score_pools(qi, w, cache, q_pos), cache.first_key
 

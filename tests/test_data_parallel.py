@@ -161,8 +161,9 @@ def replica_groups(line: str, mesh) -> list[list[int]]:
     axes = [a.strip().strip("'") for a in m.group(1).split(",")]
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     keep = [i for i, n in enumerate(mesh.axis_names) if n not in axes]
-    moved = np.moveaxis(ids, keep, list(range(len(keep)))).reshape(int(np.prod([ids.shape[i] for i in keep])), -1)
-    return sorted(sorted(int(i) for i in g) for g in moved)
+    groups = np.moveaxis(ids, keep, list(range(len(keep))))
+    groups = groups.reshape(int(np.prod([ids.shape[i] for i in keep])), -1)
+    return sorted(sorted(int(i) for i in g) for g in groups)
 
 
 def collectives(hlo: str) -> dict[str, list[str]]:
@@ -270,9 +271,11 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"already placed.*batch_axis 'data'.*batch_axis None"):
         sh.shard_layer(layer, mesh, "tp")
     x, mask = inputs()
-    with pytest.raises(ValueError, match=r"batch of 3 rows is not divisible by the 2 data shards of mesh axis 'data'"):
+    with pytest.raises(ValueError, match=r"batch of 3 rows is not divisible by the 2 data shards of "
+                                         r"mesh axis 'data'"):
         layer(x[:3, :4], attention_mask=mask[:3, :4])
-    with pytest.raises(ValueError, match=r"field \.latent_store has 3 rows, not divisible by the 2 data shards of mesh axis 'data'"):
+    with pytest.raises(ValueError, match=r"field \.latent_store has 3 rows, not divisible by the 2 "
+                                         r"data shards of mesh axis 'data'"):
         layer.init_cache(3, MAX_LEN)
     with pytest.raises(ValueError, match=r"max_seqs=4 and num_pages=15 must both divide by the 2 data shards"):
         layer.init_paged_cache(4, 15, PAGE)
@@ -298,3 +301,14 @@ def test_bad_input():
     f, state = jitted_call(layer)
     with pytest.raises(ValueError, match=r"placed as \S*\(\) but a data-parallel layer needs"):
         f(state, x[:, :4], attention_mask=mask[:, :4], cache=tp_only)
+
+
+def test_selection_scores_on_dp_layer():
+    """The notebook view of a prompt (``selection_scores``: the whole batch, replicated) on a
+    data-parallel layer with ``Explicit`` axes: the unsharded layer's scores."""
+    x, mask = inputs()
+    want = layer_of().selection_scores(x[:, :8], mask[:, :8])
+    layer = sh.shard_layer(layer_of(), mesh_of((2, 4), "explicit"), "tp", batch_axis="data")
+    got = layer.selection_scores(x[:, :8], mask[:, :8])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
