@@ -12,11 +12,12 @@ its tp shard of the head-sharded parameters (``layout``'s specs), merges a copy 
 layer with no mesh and runs the plain, single-device pipeline on them; only the
 row-parallel ``o_proj`` is followed by an explicit ``psum`` over the tp axis
 (``DsaAttention.reduce_axis``). Why manual over every axis rather than over the data axis
-only with the TP logic nested inside: a nested ``shard_map`` / sharding constraint inside a
-partially manual region behaves differently across jax 0.10 and 0.12 and across
-``Explicit`` and ``Auto`` axes, whereas a fully manual body is plain per-device code, the
-same on both versions and both axis types, eagerly (one cached ``jax.jit`` program, as
-``glm5_dsa_jax.parallel``'s) and under ``jax.jit``.
+only with the TP path (``glm5_dsa_jax.parallel``) nested inside: the body is then plain
+per-device code, so none of the TP path's ``shard_map``s, ``device_put``s and output
+shardings has to work inside a partially manual region (on jax 0.10 and 0.12, ``Explicit``
+and ``Auto`` axes alike), and the step's collectives are exactly the one the body writes.
+It runs eagerly as one cached ``jax.jit`` program (as ``parallel``'s do) and inline under a
+trace.
 
 Invariants:
 
