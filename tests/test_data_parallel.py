@@ -19,11 +19,10 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
