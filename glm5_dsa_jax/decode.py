@@ -6,6 +6,11 @@ Invariants:
   ``(params, hidden, mask, cache, prev_topk)`` that merges the graph inside the trace, so
   no Python object is traversed per step.
 * The cache argument is donated: a step updates the caches in place on the device.
+* On a placed layer the step's inputs, outputs and cache have explicit shardings
+  (``sharding.batch_sharding`` for the rows: split over a ``batch_axis`` or replicated;
+  ``sharding.cache_shardings`` for the cache), so nothing moves between steps; the jitted
+  function is made once per cache structure (contiguous or paged, with or without indexer
+  state), since the cache's shardings are a pytree of its fields.
 * No shape depends on the current length (``cache.length`` is a traced scalar), so a
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
@@ -34,6 +39,7 @@ from glm5_dsa_jax.cache import DsaCache
 from glm5_dsa_jax.float32_copies import float32_params
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.paged_cache import PagedCache, check_room
+from glm5_dsa_jax.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
 
@@ -58,28 +64,36 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         module.wide = wide
         return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
-    shardings = {}
     mesh = layer.mesh
-    if mesh is not None:
-        # A placed layer: explicit shardings, so the parameters stay where shard_layer put
-        # them and the inputs, outputs and (replicated) cache never move between steps.
-        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        shardings = dict(
-            in_shardings=(jax.tree.map(lambda a: a.sharding, params), rep, rep, rep, rep),
-            out_shardings=(rep, rep, rep),
-        )
-    jitted_fn = jax.jit(step_fn, donate_argnames=("cache",) if donate else (), **shardings)
+    donated = ("cache",) if donate else ()
+    jits = {}
+
+    def jitted_for(cache):
+        """The compiled step for a cache of this structure. A placed layer gets explicit
+        shardings, so the parameters stay where shard_layer put them and the inputs,
+        outputs and cache (replicated, or split over a batch axis) never move."""
+        key = None if mesh is None else jax.tree.structure(cache)
+        if key not in jits and mesh is None:
+            jits[key] = jax.jit(step_fn, donate_argnames=donated)
+        elif key not in jits:
+            rows = batch_sharding(layer)
+            cache_sh = cache_shardings(cache, mesh, layer.batch_axis)
+            jits[key] = jax.jit(
+                step_fn, donate_argnames=donated,
+                in_shardings=(jax.tree.map(lambda a: a.sharding, params), rows, rows, cache_sh, rows),
+                out_shardings=(rows, rows, cache_sh))
+        return jits[key]
 
     class _Step:
         """The compiled step; ``traces`` is the number of compilations so far."""
 
-        jitted = staticmethod(jitted_fn)
+        jitted = staticmethod(jitted_for)  # jitted(cache): the jax.jit function for that cache
 
         def __call__(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache)(compute(params), hidden, mask, cache, prev_topk)
 
         def lower(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_fn.lower(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache).lower(compute(params), hidden, mask, cache, prev_topk)
 
         float32 = wide
         compute_params = staticmethod(compute)

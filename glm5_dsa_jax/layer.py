@@ -32,7 +32,8 @@ Invariants:
   can differ (bf16 -> float32 is exact). ``cpu_float32=False`` opts out; other platforms
   never use the copies.
 * The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
-  runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part.
+  runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
+  ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from glm5_dsa_jax.cache import (
     DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scorer, pool_window, store_pools,
 )
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
 from glm5_dsa_jax.inputs import check_inputs
 from glm5_dsa_jax.layout import hf_weight_shapes
@@ -149,6 +151,11 @@ class DsaAttention(nnx.Module):
         #: layer's caches and call inputs are replicated on it and its steps run through
         #: ``glm5_dsa_jax.parallel`` (attention per head shard, indexer replicated).
         self.mesh: jax.sharding.Mesh | None = None
+        #: ``shard_layer(..., batch_axis=)``'s axis (calls go to ``data_parallel.dp_call``);
+        #: ``reduce_axis``, the axis ``o_proj`` is ``psum``-ed over, is set only on the
+        #: per-device copy that call merges inside its ``shard_map``.
+        self.batch_axis: str | None = None
+        self.reduce_axis: str | None = None
         #: Float32 products (``ops.matmul``): set only on the copy a compiled step merges
         #: (``decode.make_step``, when ``float32_compute()``), never on the user's layer.
         self.wide = False
@@ -207,24 +214,25 @@ class DsaAttention(nnx.Module):
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype),
-        replicated on ``self.mesh`` once the layer is placed."""
-        cache = init_cache(
-            self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
-            dtype=self.dtype if dtype is None else dtype,
-        )
-        return replicate(cache, self.mesh)
+        replicated on ``self.mesh`` once the layer is placed, split by sequence over a
+        ``batch_axis`` (``batch_size`` must divide by its size)."""
+        cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
+                           dtype=self.dtype if dtype is None else dtype)
+        return replicate(cache, self.mesh) if self.batch_axis is None else place_cache(
+            cache, self.mesh, self.batch_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None) -> PagedCache:
         """An empty paged cache (``glm5_dsa_jax.paged_cache``): ``num_pages`` pages of
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
-        defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed."""
-        cache = init_paged_cache(
-            self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
-            has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
-        )
-        return replicate(cache, self.mesh)
+        defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,
+        split by sequence and page over a ``batch_axis`` (``data_parallel.dp_paged_cache``)."""
+        kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype)
+        if self.batch_axis is not None:
+            return dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
+        return replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
+                                          pages_per_seq=pages_per_seq, **kw), self.mesh)
 
     # ------------------------------------------------------------------ forward
     def check_inputs(self, hidden_states, attention_mask=None, prev_topk=None, *, start=None):
@@ -252,23 +260,25 @@ class DsaAttention(nnx.Module):
             cache.check(self.cfg, self.has_indexer, x.shape[0])
             if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
                 check_room(cache, mask)
+            if self.batch_axis is not None:
+                return dp_call(self, x, mask, cache, prev_topk, position_ids)
             x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
             return paged_call(self, x, mask, cache, prev_topk, position_ids)
         start = 0 if cache is None else cache.length
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
-        x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
         b, s, _ = x.shape
+        if cache is not None:
+            cache.check(self.cfg, self.has_indexer, b)
+            if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) + s > cache.max_length:
+                raise ValueError(
+                    f"chunk of {s} tokens does not fit the cache: {int(cache.length)} of "
+                    f"{cache.max_length} slots are used; nothing was written")
+        if self.batch_axis is not None:
+            return dp_call(self, x, mask, cache, prev_topk, position_ids)
+        x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
         if cache is None:
             out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk, position_ids)
             return out, topk
-        cache.check(self.cfg, self.has_indexer, b)
-        if not isinstance(cache.length, jax.core.Tracer):
-            length = int(cache.length)
-            if length + s > cache.max_length:
-                raise ValueError(
-                    f"chunk of {s} tokens does not fit the cache: {length} of "
-                    f"{cache.max_length} slots are used; nothing was written"
-                )
         return self._step(x, mask, cache, prev_topk, position_ids)
 
     def _check_position_ids(self, position_ids, shape):
@@ -301,7 +311,8 @@ class DsaAttention(nnx.Module):
         rope = self.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
         q_resid, _, _ = self.project(x, rope)
         qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
-        cache = self.compress_pools(self.init_cache(b, s), ki, gate, mask, jnp.bool_(True))
+        fresh = replicate(init_cache(self.cfg, b, s, dtype=self.dtype), self.mesh)  # like x, also under DP
+        cache = self.compress_pools(fresh, ki, gate, mask, jnp.bool_(True))
         q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
         return self.score_pools(qi, w, cache, q_pos), cache.first_key
 
@@ -477,7 +488,8 @@ class DsaAttention(nnx.Module):
         ``w_uv`` and the row-parallel ``o_proj`` (plus its bias)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
         with jax.named_scope("absorb_o"):
-            return absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide)
+            return absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
+                            reduce_axis=self.reduce_axis)
 
     def _replicated(self, fn, *args, **kwargs):
         """An indexer kernel: on a placed layer a Pallas kernel runs on every device over

@@ -67,13 +67,19 @@ def absorb_q(q_nope: jax.Array, w_uk: jax.Array, *, wide: bool = False) -> jax.A
 
 def absorb_o(
     o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None,
-    *, wide: bool = False,
+    *, wide: bool = False, reduce_axis: str | None = None,
 ) -> jax.Array:
-    """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``."""
+    """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``.
+
+    ``reduce_axis``: inside a ``shard_map`` manual over it (a data-parallel call, whose
+    device holds only its heads), the partial sums are ``psum``-ed over it before the bias
+    is added (once)."""
     o = matmul("bshc,hvc->bshv", o_lat, w_uv, wide)
     # Row-parallel under TP: the head axis contracted here may be sharded; the partial sums
     # are all-reduced once. Explicit mesh axes need the output sharding spelled out.
     out = matmul("bshv,hvo->bso", o, o_proj, wide, out_sharding=row_parallel_out_sharding(o))
+    if reduce_axis is not None:
+        out = jax.lax.psum(out, reduce_axis)
     return out if bias is None else out + bias.astype(out.dtype)
 
 

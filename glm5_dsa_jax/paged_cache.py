@@ -159,13 +159,13 @@ class PagedCache:
                     f"{want} (index_kpool={kp}, index_head_dim={d}) and stage {(max_seqs, kp, d)}")
         table = self.pages.block_table
         if not isinstance(table, jax.core.Tracer):
-            t = np.asarray(table)
-            bad = (t < -1) | (t >= self.num_pages)
+            t, n = np.asarray(table), self.pages.pages_per_shard  # ids are local to a data shard
+            bad = (t < -1) | (t >= n)
             if bad.any():
                 b, j = (int(v[0]) for v in np.nonzero(bad))
                 raise ValueError(
                     f"paged cache block_table[{b}, {j}] = {int(t[b, j])} is out of range: page "
-                    f"ids are 0 .. {self.num_pages - 1}, or -1 for none")
+                    f"ids are 0 .. {n - 1}, or -1 for none")
 
     # ------------------------------------------------------------------ sequences
     def release(self, rows) -> "PagedCache":
@@ -239,9 +239,12 @@ def check_room(cache: PagedCache, mask) -> None:
     if (status == OK).all():
         return
     lengths = np.asarray(cache.pages.lengths)
-    n_free, ps = int(cache.pages.n_free), cache.page_size
-    problems, left = [], n_free
+    n_free, ps = np.asarray(cache.pages.n_free).reshape(-1), cache.page_size
+    m = cache.max_seqs // n_free.size  # rows per data shard, each with its own free pages
+    problems = []
     for b in range(cache.max_seqs):
+        if b % m == 0:
+            left = int(n_free[b // m])
         have = -(-int(lengths[b]) // ps)
         need = -(-(int(lengths[b]) + int(n_new[b])) // ps) - have
         if status[b] == TOO_LONG:
@@ -250,8 +253,9 @@ def check_room(cache: PagedCache, mask) -> None:
                 f"pages_per_seq * page_size = {cache.max_length} (over by "
                 f"{int(lengths[b]) + int(n_new[b]) - cache.max_length})")
         elif status[b] == NO_FREE_PAGES:
+            where = "" if n_free.size == 1 else f" in data shard {b // m}"
             problems.append(f"sequence {b} needs {need} more page(s) of {ps} tokens but only {left} "
-                            f"are free after the rows before it (short by {need - left})")
+                            f"are free{where} after the rows before it (short by {need - left})")
         else:
             left -= max(need, 0)
     raise ValueError("chunk does not fit the paged cache; nothing was written: " + "; ".join(problems))

@@ -30,6 +30,12 @@ Invariants:
   (``jax.distributed``: every process passes the same host values and keeps its shards).
 * Works with ``Explicit`` axis types (``jax.make_mesh``'s default) and ``Auto`` ones,
   eagerly and under ``jax.jit``.
+* **Data parallelism is not run here.** A layer placed with a ``batch_axis`` runs its whole
+  call under one ``shard_map`` manual over every mesh axis (``glm5_dsa_jax.data_parallel``):
+  inside it the layer has no mesh, so these helpers make plain calls, and the one
+  all-reduce is an explicit ``psum`` of the ``o_proj`` output over the head axis
+  (``ops.absorb_o(..., reduce_axis=)``). What is split and replicated there is listed in
+  ``glm5_dsa_jax.sharding``'s module doc.
 * **No compilation per eager call.** A ``shard_map`` applied outside any trace compiles
   its body op by op, and those programs are not reused from one call to the next (a
   placed layer's eager decode step compiled 45 of them per step on a TP-2 mesh). So the

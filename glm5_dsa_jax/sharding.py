@@ -1,4 +1,4 @@
-"""Tensor parallelism for one DSA layer: placing its parameters and caches on a mesh.
+"""Tensor and data parallelism for one DSA layer: placing its parameters and caches on a mesh.
 
 The plan (which tensor is split how, its PartitionSpecs and byte figures) is data in
 ``glm5_dsa_jax.plan``, re-exported here; how each pipeline step then runs on the mesh is
@@ -11,9 +11,17 @@ Invariants:
 * Caches (``DsaCache``) are replicated over the whole mesh: the latent ``[B, L, C]`` has no
   head axis, every head reads every selected row, and the indexer state is replicated like
   the indexer. Each rank therefore reads its *local* copy of the latent rows it attends
-  to: no step gathers a cache. Other mesh axes (a ``"data"`` axis, say) are allowed and
-  everything that is not head-sharded is replicated over them; batch (data) parallelism
-  over such an axis is not done by this module.
+  to: no step gathers a cache. Other mesh axes are allowed and everything that is not
+  head-sharded is replicated over them, unless one is named ``batch_axis``:
+* **Data parallelism** (``shard_layer(layer, mesh, axis="tp", batch_axis="data")``): the
+  call's rows and every cache field with a batch / sequence / page axis are split over
+  ``batch_axis`` (``DsaCache.length`` stays replicated; a ``PagedCache`` becomes one page
+  table and one block of pages per data shard), the heads over ``axis`` as above. The
+  indexer and top-k are replicated within each tp group and computed once per sequence,
+  by its own data shard; the only collective of a step is the ``o_proj`` all-reduce
+  within the tp group, and no cache is gathered, because each device holds the cache rows
+  of exactly the sequences it computes. How the call runs, and why that way, is
+  ``glm5_dsa_jax.data_parallel``.
 * ``shard_layer`` places a layer: parameters by those specs, and the mesh recorded on the
   layer (``layer.mesh``), from which its caches (``init_cache``) and its concrete call
   inputs are replicated and its steps run on the mesh: the sparse attention per head
@@ -32,12 +40,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm5_dsa_jax import data_parallel as dpar
 from glm5_dsa_jax.parallel import put, replicate
 from glm5_dsa_jax.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",
-    "cache_shardings", "param_shardings",
+    "cache_shardings", "param_shardings", "batch_sharding",
 ]
 
 
@@ -62,8 +71,9 @@ def _param_vars(layer) -> list[tuple[tuple[str, ...], Any]]:
     return out
 
 
-def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp"):
-    """Place ``layer`` (a ``DsaAttention``) on ``mesh``, heads split over ``axis``.
+def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: str | None = None):
+    """Place ``layer`` (a ``DsaAttention``) on ``mesh``, heads split over ``axis`` (and the
+    batch over ``batch_axis``, when given: data parallelism, see the module doc).
 
     * Every parameter is put on ``NamedSharding(mesh, partition_specs(...)[path])`` and its
       ``out_sharding`` metadata is set to that spec (it survives ``nnx.split``/``merge``).
@@ -72,10 +82,13 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp"):
       each device on its own heads, reading its local copy of the latent.
     * The mesh's axis types may be ``Explicit`` or ``Auto``; other axes than ``axis`` are
       allowed (everything not head-sharded is replicated over them).
+    * ``batch_axis``: the layer's calls split their rows, and its caches their sequences
+      (and pages), over that axis; the batch of a call must divide by its size.
 
-    Placing a layer again on the same mesh and axis is a no-op. Raises ``ValueError`` for a
-    mesh without ``axis``, an axis size that does not divide the heads, or a layer (or one
-    of its parameters) already placed on another mesh. Returns ``layer``.
+    Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
+    mesh without ``axis`` or ``batch_axis``, ``batch_axis == axis``, an axis size that does
+    not divide the heads, or a layer (or one of its parameters) already placed on another
+    mesh or axes. Returns ``layer``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(
@@ -87,14 +100,17 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp"):
             f"mesh has axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)}) but no axis "
             f"{axis!r} to split the heads of q_b_proj, kv_b_proj and o_proj over"
         )
+    if batch_axis is not None:
+        dpar.check_dp_mesh(mesh, axis, batch_axis)
     size = int(mesh.shape[axis])
     check_tp_size(layer.cfg, size, axis)
     old = layer.mesh
-    if old is not None and (old != mesh or layer.tp_axis != axis):
+    if old is not None and (old != mesh or layer.tp_axis != axis or layer.batch_axis != batch_axis):
         raise ValueError(
             f"layer {layer.layer_idx} is already placed on mesh {dict(old.shape)} (axis "
-            f"{layer.tp_axis!r}, devices {[d.id for d in old.devices.flat]}); cannot place it on "
-            f"mesh {dict(mesh.shape)} (axis {axis!r}, devices "
+            f"{layer.tp_axis!r}, batch_axis {layer.batch_axis!r}, devices "
+            f"{[d.id for d in old.devices.flat]}); cannot place it on mesh {dict(mesh.shape)} "
+            f"(axis {axis!r}, batch_axis {batch_axis!r}, devices "
             f"{[d.id for d in mesh.devices.flat]}): build a new layer (or nnx.clone it before "
             "placing) to use another mesh"
         )
@@ -118,20 +134,37 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp"):
         var.set_value(put(var[...], NamedSharding(mesh, spec)))
         var.set_metadata(out_sharding=tuple(spec))
     layer.tp_axis = axis
+    layer.batch_axis = batch_axis
     layer.mesh = mesh
     return layer
 
 
 # ------------------------------------------------------------------------------- caches
-def cache_shardings(cache, mesh: jax.sharding.Mesh):
-    """The placement of a ``DsaCache`` on ``mesh`` (a pytree of ``NamedSharding``, ``None``
-    leaves kept): every field replicated. Use it for a decode step's ``in_shardings`` /
-    ``out_shardings`` so the cache never moves."""
+def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
+    """The placement of a cache (``DsaCache`` or ``PagedCache``) on ``mesh`` (a pytree of
+    ``NamedSharding``, ``None`` leaves kept): every field replicated, or with a
+    ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
+    axis over it and the scalars replicated (``data_parallel.cache_specs``). Use it for a
+    decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves."""
+    if batch_axis is not None:
+        return dpar.cache_shardings(cache, mesh, batch_axis)
     return jax.tree.map(lambda _: NamedSharding(mesh, P()), cache)
 
 
-def place_cache(cache, mesh: jax.sharding.Mesh):
-    """``cache`` replicated on ``mesh`` (works on traced values too, as a constraint): the
-    placement ``cache_shardings`` describes, done by ``parallel.replicate``."""
+def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
+    """``cache`` placed as ``cache_shardings`` describes (works on traced values too, as a
+    constraint). ``ValueError`` when a leading axis does not divide by ``batch_axis``'s
+    size, or a paged cache's page table was not made with that many shards."""
+    if batch_axis is not None:
+        dpar.check_dp_mesh(mesh, None, batch_axis)
+        return dpar.place_cache(cache, mesh, batch_axis)
     return replicate(cache, mesh)
+
+
+def batch_sharding(layer) -> NamedSharding:
+    """Where a placed layer's call inputs and outputs (``[B, ...]`` rows) live: split over
+    its ``batch_axis``, or replicated on a layer without one."""
+    if layer.mesh is None:
+        raise ValueError("the layer is not placed on a mesh: call shard_layer(layer, mesh) first")
+    return NamedSharding(layer.mesh, P(layer.batch_axis) if layer.batch_axis else P())
 

@@ -1,10 +1,16 @@
-"""One process of the 2-process ``jax.distributed`` test (tests/test_multihost.py).
+"""One process of the 2-process ``jax.distributed`` tests (tests/test_multihost.py).
 
-``python _multihost_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_DIR``: joins the job on
-127.0.0.1:PORT, builds the global 8-device CPU mesh, places the test layer with
-``shard_layer``, runs the jitted prefill and a decode step, and writes what this process
-holds (every addressable shard of the replicated outputs) to ``OUT_DIR/proc{ID}.npz``.
-The environment (set by the test) gives each process 4 CPU devices.
+``python _multihost_worker.py PORT PROCESS_ID NUM_PROCESSES OUT_DIR [tp|dp]``: joins the
+job on 127.0.0.1:PORT and writes what this process holds to ``OUT_DIR/proc{ID}.npz``.
+
+* ``tp`` (default; each process has 4 CPU devices): the global 8-device mesh ``("tp",)``,
+  the test layer placed with ``shard_layer``, the jitted prefill and a decode step; every
+  addressable shard of the replicated outputs is written.
+* ``dp`` (each process has 2 CPU devices): the mesh ``("data", "tp") = (2, 2)`` with the
+  data axis across the processes and tp within each, the layer placed with
+  ``batch_axis="data"``; a jitted prefill chunk and a decode step on a contiguous and on a
+  paged cache. Each process holds only its own sequences' rows: every addressable shard is
+  written with the first row it holds.
 """
 
 from __future__ import annotations
@@ -53,13 +59,74 @@ def run(layer, mesh, x, mask):
     return out, topk, out2, topk2
 
 
+def build_dp_inputs(cfg):
+    """The data-parallel case's layer and inputs: 4 sequences (2 per data shard)."""
+    layer, _, _ = build_inputs(cfg)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 14, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((4, 14), bool)
+    mask[1, :3] = False
+    mask[3, :6] = False
+    return layer, x, mask
+
+
+def dp_mesh():
+    """``("data", "tp") = (2, 2)``: row k of the device grid is process k's devices."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.array(devices).reshape(2, 2), ("data", "tp"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def run_dp(layer, mesh, x, mask):
+    """Jitted prefill (13 tokens) then one decode step on a contiguous and a paged cache;
+    ``mesh=None``: the unsharded layer (the reference)."""
+    if mesh is not None:
+        sh.shard_layer(layer, mesh, "tp", batch_axis="data")
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def step(state, x, mask, cache):
+        return nnx.merge(graphdef, state)(x, attention_mask=mask, cache=cache)
+
+    results = []
+    for cache in (layer.init_cache(4, 16), layer.init_paged_cache(4, 8, 8, pages_per_seq=2)):
+        for sl in (slice(0, 13), slice(13, 14)):
+            xs, ms = x[:, sl], mask[:, sl]
+            if mesh is not None:  # global arrays split by sequence: every process passes all rows
+                rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+                xs, ms = parallel.put(xs, rows), parallel.put(ms, rows)
+            out, topk, cache = step(state, xs, ms, cache)
+            results += [out, topk]
+    return results
+
+
+DP_NAMES = ("out", "topk", "out2", "topk2", "pout", "ptopk", "pout2", "ptopk2")
+
+
+def main_dp(pid, out_dir):
+    assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    layer, x, mask = build_dp_inputs(gd.DsaConfig.tiny(num_attention_heads=8))
+    mesh = dp_mesh()
+    saved = {}
+    for name, a in zip(DP_NAMES, run_dp(layer, mesh, x, mask)):
+        assert not a.is_fully_addressable and a.sharding.spec[0] == "data"
+        for k, s in enumerate(a.addressable_shards):
+            saved[f"{name}_{k}"] = np.asarray(s.data)
+            saved[f"{name}_{k}_row"] = np.int64(s.index[0].start or 0)
+    np.savez(f"{out_dir}/proc{pid}.npz", **saved)
+    jax.distributed.shutdown()
+
+
 def main():
     port, pid, nproc, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    mode = sys.argv[5] if len(sys.argv) > 5 else "tp"
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
         initialization_timeout=60,
     )
     assert jax.process_count() == nproc, jax.process_count()
+    if mode == "dp":
+        return main_dp(pid, out_dir)
     assert len(jax.devices()) == 8 and len(jax.local_devices()) == 8 // nproc
     cfg = gd.DsaConfig.tiny(num_attention_heads=8)
     layer, x, mask = build_inputs(cfg)

@@ -1,6 +1,9 @@
 """Many hosts: 2 local processes x 4 CPU devices, joined by ``jax.distributed`` on loopback
 into one 8-device mesh, run the sharded prefill and a decode step; the result must equal
 the single-process 8-device run (and so, through test_sharding, the unsharded layer).
+Data parallelism: 2 processes x 2 CPU devices as the mesh ``("data", "tp") = (2, 2)``, data
+across the processes and tp within each, on both cache kinds; each process's rows must
+equal the unsharded layer's.
 
 Each process writes every addressable shard of the replicated outputs
 (tests/_multihost_worker.py); the test checks all 8 device copies. Top-k rows must be
@@ -25,6 +28,7 @@ import glm5_dsa_jax as gd
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TIMEOUT_S = 120
+DP_TIMEOUT_S = 240  # two caches, four compiled steps per process
 NPROC = 2
 
 
@@ -34,9 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(out_dir):
+def start_workers(out_dir, mode="tp"):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mode == 'tp' else 2}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     port = free_port()
@@ -45,14 +49,14 @@ def start_workers(out_dir):
         log = open(os.path.join(out_dir, f"proc{pid}.log"), "w")
         procs.append((subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_multihost_worker.py"), str(port), str(pid),
-             str(NPROC), str(out_dir)],
+             str(NPROC), str(out_dir), mode],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         ), log))
     return procs
 
 
-def wait_all(procs, out_dir):
-    deadline = time.monotonic() + TIMEOUT_S
+def wait_all(procs, out_dir, timeout_s=TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
     try:
         for p, _ in procs:
             p.wait(timeout=max(deadline - time.monotonic(), 0.1))
@@ -96,3 +100,30 @@ def test_two_processes_one_mesh_equal_single_process(tmp_path):
         heads += got["q_b_proj_heads"].tolist()
     assert sorted(heads) == list(range(8))  # one head per device, split across processes
     assert (ref[1][2, :7] == -1).all()  # padded rows select nothing
+
+
+def test_data_parallel_across_processes_equals_unsharded(tmp_path):
+    procs = start_workers(tmp_path, "dp")
+    try:
+        import _multihost_worker as worker
+
+        layer, x, mask = worker.build_dp_inputs(gd.DsaConfig.tiny(num_attention_heads=8))
+        ref = [np.asarray(a) for a in worker.run_dp(layer, None, x, mask)]
+    finally:
+        codes, logs = wait_all(procs, tmp_path, DP_TIMEOUT_S)
+    assert codes == [0] * NPROC, f"workers failed or timed out after {DP_TIMEOUT_S} s:\n{logs}"
+    rows = set()
+    for pid in range(NPROC):
+        got = np.load(tmp_path / f"proc{pid}.npz")
+        for name, want in zip(worker.DP_NAMES, ref):
+            for k in range(2):  # the process's two tp devices hold the same rows
+                a, r = got[f"{name}_{k}"], int(got[f"{name}_{k}_row"])
+                assert a.shape[0] == 2
+                rows.add(r)
+                if "topk" in name:
+                    np.testing.assert_array_equal(a, want[r:r + 2], err_msg=f"{name} process {pid}")
+                else:
+                    np.testing.assert_allclose(a, want[r:r + 2], atol=1e-5, rtol=1e-5,
+                                               err_msg=f"{name} process {pid}")
+        assert {int(got[f"out_{k}_row"]) for k in range(2)} == {2 * pid}  # process k: data shard k
+    assert rows == {0, 2}

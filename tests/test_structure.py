@@ -115,6 +115,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.cache",),
     ("glm5_dsa_jax.paged_cache",),
     ("glm5_dsa_jax.paged_step",),  # the paged call (takes the layer, imports none)
+    ("glm5_dsa_jax.data_parallel",),  # the data-parallel call (takes the layer, imports none)
     ("glm5_dsa_jax.layer",),
     ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
     ("glm5_dsa_jax.memory_plan",),  # per-device weights and caches (reads the caches' shapes)
