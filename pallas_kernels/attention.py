@@ -25,6 +25,13 @@ row, ``V``: its leading value columns). Invariants:
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
 * Softmax in float32 with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
   ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
+* fp8 rows: with ``latent_scale [B or 1, L]`` (float32, one per row) ``latent`` is
+  ``float8_e4m3fn`` and row ``id`` is ``latent[b, id] * latent_scale[b, id]``
+  (``glm5_dsa_jax.fp8``). The scale is folded into the sums rather than into the row:
+  a row's score is ``(q . row8) * s_id * scale`` and its softmax weight is multiplied by
+  ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
+  e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same
+  products in the same order (in float32).
 * A row must not repeat an id (the selection never does): the dense oracle
   ``topk_to_mask`` counts a repeated id once, the sparse path would weigh it twice.
 
@@ -60,6 +67,7 @@ from pallas_kernels._common import (
     check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
+from pallas_kernels.scoring import FP8, check_key_scale, key_dot_dtype
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes"]
 
@@ -70,23 +78,25 @@ def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
     """``latent [B, L, CR]`` or shared ``[1, L, CR]``, in-range ``token_ids [B, Q, W]`` ->
     ``[B, Q, W, CR]``.
 
-    16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
-    ``[B, L, CR]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
-    A shared ``[1, L, CR]`` pool is gathered from directly (never broadcast to ``B`` rows).
+    8- and 16-bit floats are gathered through their bits: XLA:CPU otherwise converts the
+    whole ``[B, L, CR]`` cache to a wider float before gathering ``W`` rows of it, an
+    O(context) pass. A shared ``[1, L, CR]`` pool is gathered from directly (never
+    broadcast to ``B`` rows).
     """
     if latent.shape[0] == 1:
         take = lambda lat, i: lat[0][i]
     else:
         take = jax.vmap(lambda lat, i: lat[i])
-    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize == 2:
+    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize in (1, 2):
         bits = jax.lax.bitcast_convert_type
-        return bits(take(bits(latent, jnp.uint16), token_ids), latent.dtype)
+        uint = jnp.uint8 if latent.dtype.itemsize == 1 else jnp.uint16
+        return bits(take(bits(latent, uint), token_ids), latent.dtype)
     return take(latent, token_ids)
 
 
 def sparse_mla_reference(
-    q: jax.Array, latent: jax.Array, token_ids: jax.Array, *, scale: float,
-    value_width: int | None = None,
+    q: jax.Array, latent: jax.Array, token_ids: jax.Array, latent_scale: jax.Array | None = None,
+    *, scale: float, value_width: int | None = None,
 ) -> jax.Array:
     """Plain-jnp sparse attention.
 
@@ -96,6 +106,8 @@ def sparse_mla_reference(
         shared by every batch row (the paged cache's flat pool).
       token_ids: ``[B, Q, W]`` int32 selected token ids (slots of ``latent``'s ``L``
         axis), ``-1`` = none.
+      latent_scale: ``[B or 1, L]`` float32 scale of each row when ``latent`` is fp8, else
+        None.
       scale: softmax scale (``qk_head_dim**-0.5``, with YaRN's ``mscale**2`` if any).
       value_width: ``V``, the leading columns of a row that are values (``None``: all
         ``CR``; ``kv_lora_rank`` with RoPE).
@@ -110,8 +122,14 @@ def sparse_mla_reference(
     kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     kv = jnp.where(valid[..., None], kv, 0.0)
-    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI) * scale
-    p = masked_softmax(s, valid[:, :, None, :])
+    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI)
+    if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
+        row_scale = gather_rows(latent_scale.astype(jnp.float32)[..., None], safe)[..., 0]
+        row_scale = jnp.where(valid, row_scale, 0.0)[:, :, None, :]  # [B, Q, 1, W]
+        s = s * row_scale
+    p = masked_softmax(s * scale, valid[:, :, None, :])
+    if latent_scale is not None:
+        p = p * row_scale
     o = jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
     return o.astype(q.dtype)
 
@@ -120,6 +138,7 @@ def sparse_mla(
     q: jax.Array,
     latent: jax.Array,
     token_ids: jax.Array,
+    latent_scale: jax.Array | None = None,
     *,
     scale: float,
     value_width: int | None = None,
@@ -128,7 +147,8 @@ def sparse_mla(
 ) -> jax.Array:
     """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``:
     ``q [B, Q, H, CR]``, ``latent [B or 1, L, CR]``, ``token_ids [B, Q, W]`` ->
-    ``[B, Q, H, V]`` (``V = value_width``, default ``CR``). ``block_sizes`` (validated under
+    ``[B, Q, H, V]`` (``V = value_width``, default ``CR``); ``latent_scale [B or 1, L]``
+    with an fp8 ``latent``. ``block_sizes`` (validated under
     every implementation, see ``SparseMlaBlockSizes``) tiles the Pallas kernel."""
     check_implementation(implementation)
     blocks = check_block_sizes(block_sizes, SparseMlaBlockSizes)
@@ -146,10 +166,11 @@ def sparse_mla(
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
     v = check_value_width(value_width, cr)
+    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
     if implementation == "xla":
-        return sparse_mla_reference(q, latent, token_ids, scale=scale, value_width=v)
+        return sparse_mla_reference(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
     return _sparse_mla_pallas(
-        q, latent, token_ids, scale=scale, value_width=v,
+        q, latent, token_ids, latent_scale, scale=scale, value_width=v,
         interpret=implementation == "pallas_interpret",
         block_sizes=blocks.resolve(q.shape, token_ids.shape[2]),
     )
@@ -237,11 +258,12 @@ def _dot_nn(a, b):
 
 
 def _sparse_mla_kernel(
-    ids_ref, q_ref, lat_ref, *out_refs,
-    scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c,
+    ids_ref, q_ref, lat_ref, *refs,
+    scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c, fp8,
 ):
     # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, CR] (this row's batch, or
-    # the shared pool); outputs n_v*block_c columns wide.
+    # the shared pool), with fp8 rows then scale_ref [L]; outputs n_v*block_c columns wide.
+    scale_ref, out_refs = (refs[0], refs[1:]) if fp8 else (None, refs)
     split = pl.program_id(1)
     f32 = jnp.float32
 
@@ -263,7 +285,8 @@ def _sparse_mla_kernel(
     hi = (split + 1) * n_blocks // num_splits
 
     qs = [q_ref[:, pl.ds(c * block_c, block_c)] for c in range(n_c)]
-    kv_dtype = lat_ref.dtype
+    # fp8 rows are converted (exactly) to the query's 16-bit dtype, or float32, for the dots.
+    kv_dtype = key_dot_dtype(q_ref.dtype) if fp8 else lat_ref.dtype
     col_ok = [c * block_c + jnp.arange(block_c, dtype=jnp.int32) < latent_c for c in range(n_c)]
     cols = [jnp.minimum(c * block_c + jnp.arange(block_c, dtype=jnp.int32), latent_c - 1)
             for c in range(n_c)]
@@ -280,16 +303,19 @@ def _sparse_mla_kernel(
             kv = plgpu.load(
                 lat_ref.at[rows[:, None], cols[c][None, :]],
                 mask=ok[:, None] & col_ok[c][None, :], other=0,
-            )
+            ).astype(kv_dtype)
             kvs.append(kv)
             s += _dot_nt(qs[c], kv)
+        if fp8:  # each row's scale on its score (0 where masked: never read)
+            row_scale = plgpu.load(scale_ref.at[rows], mask=ok, other=0.0)
+            s = s * row_scale[None, :]
         s = jnp.where(ok[None, :], s * scale, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         alpha = jnp.exp(m_prev - m_safe)  # 0 while m_prev is -inf
         p = jnp.exp(s - m_safe[:, None])  # 0 at masked slots
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = p.astype(kv_dtype)
+        pv = (p * row_scale[None, :] if fp8 else p).astype(kv_dtype)
         accs = tuple(  # the value chunks only: zip stops at the n_v accumulators
             alpha[:, None] * acc + _dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
         )
@@ -385,7 +411,8 @@ class SparseMlaBlockSizes:
 
 @eager_jit("scale", "value_width", "interpret", "block_sizes")
 def _sparse_mla_pallas(
-    q, latent, token_ids, *, scale, value_width, interpret, block_sizes: SparseMlaBlockSizes,
+    q, latent, token_ids, latent_scale, *, scale, value_width, interpret,
+    block_sizes: SparseMlaBlockSizes,
 ):
     """Pallas attention with the resolved ``block_sizes`` (every field set) and ``V =
     value_width`` (checked)."""
@@ -423,6 +450,7 @@ def _sparse_mla_pallas(
     kernel = functools.partial(
         _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c, n_v=n_v,
         block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
+        fp8=latent_scale is not None,
     )
     shared = latent.shape[0] == 1  # one pool for every batch row: always block 0
     in_specs = [
@@ -433,6 +461,11 @@ def _sparse_mla_pallas(
             (lambda i, s: (0, 0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0, 0)),
         ),
     ]
+    operands = [ids, q, latent]
+    if latent_scale is not None:  # the rows' scales, blocked as the rows
+        in_specs.append(pl.BlockSpec(
+            (None, length), (lambda i, s: (0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0))))
+        operands.append(latent_scale.astype(jnp.float32))
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype)
         out_specs = pl.BlockSpec((None, block_h, v_pad), lambda i, s: (i // n_h, i % n_h, 0))
@@ -458,7 +491,7 @@ def _sparse_mla_pallas(
         ),
         interpret=interpret,
         name="sparse_mla",
-    )(ids, q, latent)
+    )(*operands)
     if num_splits > 1:
         out = _combine_splits(*out).astype(q_dtype)
     return out[:, :h, :v].reshape(b, nq, h, v)
