@@ -99,6 +99,8 @@ def check_readable(dtype, implementation: str, devices) -> None:
 def check_cache_readable(cache, implementation: str) -> None:
     """``check_readable`` for ``cache`` (a ``DsaCache`` or ``PagedCache``) on the devices that
     hold it (inside a trace: the default backend's devices)."""
-    leaf = cache.latent_store
-    devices = jax.devices() if isinstance(leaf, jax.core.Tracer) else leaf.devices()
-    check_readable(cache.dtype, implementation, devices)
+    check_readable(cache.dtype, implementation, _devices_of(cache.latent_store))
+
+
+def _devices_of(leaf):
+    return jax.devices() if isinstance(leaf, jax.core.Tracer) else leaf.devices()
