@@ -203,6 +203,10 @@ def sparse_mla(
 #    accumulated). Columns past CR are masked to 0. A chunk straddling the value boundary
 #    (``V`` not a multiple of ``block_c``) is accumulated whole: its columns ``[V, n_v *
 #    block_c)`` (``k_rot`` or padding) land in output columns that the wrapper cuts off.
+#    fp8 rows (``latent_scale``): the gathered e4m3 chunks are converted to q's 16-bit
+#    dtype (exact) or float32, the block's ``block_w`` row scales are loaded once (masked
+#    like the ids), multiply the summed scores before ``scale``, and multiply ``p`` before
+#    the value dot.
 # 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
 #    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
 #

@@ -199,7 +199,10 @@ def index_scores(
 # Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
 # accumulator (their products are exact in f32, as in the reference's f32 einsum); any
 # other combination is cast to float32 and multiplied with ``allow_tf32=False`` (IEEE
-# f32, not TF32), like the reference's ``Precision.HIGHEST``.
+# f32, not TF32), like the reference's ``Precision.HIGHEST``. fp8 (e4m3) keys are
+# converted to the query's 16-bit dtype (exact) or float32 after the load, and the tile's
+# pool scales (one load of ``block_p`` floats) multiply the head-summed score row; Triton
+# converts e4m3 from compute capability 8.9 (``glm5_dsa_jax.fp8.check_readable``).
 
 
 def _index_scores_kernel(
