@@ -306,7 +306,7 @@ def _sparse_mla_kernel(
         for c in range(n_c):
             kv = plgpu.load(
                 lat_ref.at[rows[:, None], cols[c][None, :]],
-                mask=ok[:, None] & col_ok[c][None, :], other=0,
+                mask=ok[:, None] & col_ok[c][None, :], other=0.0 if fp8 else 0,  # Triton: no i32 -> e4m3
             ).astype(kv_dtype)
             kvs.append(kv)
             s += _dot_nt(qs[c], kv)

@@ -357,3 +357,23 @@ def test_fp8_refused_where_triton_cannot_convert_e4m3(monkeypatch):
         layer.init_paged_cache(1, 2, 8, dtype="fp8")
     with pytest.raises(ValueError, match="compute capability is 8.0"):
         layer(jnp.zeros((1, 1, CFG.hidden_size)), cache=cache)
+
+
+def test_fp8_kernels_lower_for_cuda():
+    """The Pallas-to-Triton lowering of the three fp8 readers at GLM-5.3-Flash widths (no
+    GPU needed; compiling the Triton IR to cubin needs the ``gpu-compile`` extra and, for
+    e4m3, sm_89+)."""
+    from pallas_kernels._common import lower_for_cuda, triton_calls
+
+    sds, bf, f8, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, E4M3, jnp.float32, jnp.int32
+    q, w, qp = sds((2, 1, 32, 128), bf), sds((2, 1, 32), f32), sds((2, 1), i32)
+    calls = triton_calls(lower_for_cuda(
+        lambda *a: pk.index_scores(*a, kpool=4, implementation="pallas"),
+        q, w, sds((2, 4096, 128), f8), sds((2, 4096), jnp.bool_), sds((2,), i32), qp, sds((2, 4096), f32)))
+    calls += triton_calls(lower_for_cuda(
+        lambda *a: pk.index_scores_paged(*a, kpool=4, implementation="pallas"),
+        q, w, sds((64, 16, 128), f8), sds((2, 32), i32), sds((2,), i32), qp, sds((64, 16), f32)))
+    calls += triton_calls(lower_for_cuda(
+        lambda *a: pk.sparse_mla(*a, scale=0.06, value_width=512, implementation="pallas"),
+        sds((2, 1, 64, 576), bf), sds((1, 8192, 576), f8), sds((2, 1, 2051), i32), sds((1, 8192), f32)))
+    assert [c["name"] for c in calls] == ["index_scores", "index_scores_paged", "sparse_mla"]
