@@ -17,7 +17,9 @@ Invariants:
   + q_rot . k_rot``, the values ``c`` (``sparse_mla(..., value_width=kv_lora_rank)``).
 * Two cache kinds: the contiguous ``DsaCache`` (one timeline for the batch, as HF's
   ``DynamicCache``; RoPE positions are its slots) and the paged ``PagedCache`` (a sequence
-  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``).
+  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``). Either may be
+  fp8 (``glm5_dsa_jax.fp8``): rows are quantised by the cache's writes, and the scales go
+  with the rows to the kernels (``score_pools``, ``score_and_select``, ``sparse_attention``).
 * Every call goes through the same path, with or without a cache: a call without a cache
   runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
   ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.

@@ -67,7 +67,7 @@ from pallas_kernels._common import (
     check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
-from pallas_kernels.scoring import FP8, check_key_scale, key_dot_dtype
+from pallas_kernels.scoring import check_key_scale, key_dot_dtype
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes"]
 
@@ -203,10 +203,8 @@ def sparse_mla(
 #    accumulated). Columns past CR are masked to 0. A chunk straddling the value boundary
 #    (``V`` not a multiple of ``block_c``) is accumulated whole: its columns ``[V, n_v *
 #    block_c)`` (``k_rot`` or padding) land in output columns that the wrapper cuts off.
-#    fp8 rows (``latent_scale``): the gathered e4m3 chunks are converted to q's 16-bit
-#    dtype (exact) or float32, the block's ``block_w`` row scales are loaded once (masked
-#    like the ids), multiply the summed scores before ``scale``, and multiply ``p`` before
-#    the value dot.
+#    fp8 rows: e4m3 chunks converted to q's 16-bit dtype (exact) or f32; the block's row
+#    scales (one masked load) multiply the scores before ``scale`` and ``p`` before ``p @ kv``.
 # 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
 #    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
 #

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import glm5_dsa_jax as gd
@@ -271,9 +272,8 @@ def _chunks(layer, dtype, x):
 
 
 def test_fp8_close_to_bf16_on_tiny_and_a_missing_scale_is_caught():
-    layer = gd.DsaAttention(CFG, 1, rngs=__import__("flax").nnx.Rngs(0))
+    layer = gd.DsaAttention(CFG, 1, rngs=nnx.Rngs(0))
     x = jnp.asarray(hidden_states(CFG, 2, 48, seed=0), jnp.bfloat16)
-    mask = jnp.ones((2, 48), bool)
     (t8, o8), (tb, ob) = (_chunks(layer, dt, x)[0] for dt in ("fp8", jnp.bfloat16))
     same = np.array([set(u) == set(v) for u, v in zip(t8.reshape(-1, t8.shape[-1]), tb.reshape(-1, tb.shape[-1]))])
     same = same.reshape(t8.shape[:2])
@@ -318,7 +318,7 @@ def _whole_buffer_ops(hlo: str, buffers) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_decode_step_writes_fp8_buffers_in_place(kind):
-    layer = gd.DsaAttention(CFG, 1, rngs=__import__("flax").nnx.Rngs(0))
+    layer = gd.DsaAttention(CFG, 1, rngs=nnx.Rngs(0))
     step, params = make_step(layer)
     # capacities whose element counts no other tensor of the step has
     # (and more than POOL_TILE pools: the "xla" score loop converts a 512-pool tile it reads)
