@@ -46,10 +46,23 @@ a prefill chunk are a Python loop when eager (``ops.by_query_tiles``). So an eag
 decode or prefill chunk, placed or not, compiles nothing once a step of its shapes has run
 (``tests/test_layer_steps.py`` counts the compilations).
 
-The cache ``dtype`` must be a 16- or 32-bit float (``bfloat16``, ``float16``, ``float32``):
-the latent and pooled keys are activations written by a float projection, so an integer
-or bool cache would silently round them (``int8`` gave outputs off by 4), and ``float64``
-is not a compute dtype of this project (it would promote the attention to double).
+The cache ``dtype`` must be a 16- or 32-bit float (``bfloat16``, ``float16``, ``float32``)
+or fp8 (``float8_e4m3fn``, alias ``"fp8"``): the latent and pooled keys are activations
+written by a float projection, so an integer or bool cache would silently round them
+(``int8`` gave outputs off by 4), and ``float64`` is not a compute dtype of this project
+(it would promote the attention to double).
+
+**fp8 caches** (``glm5_dsa_jax.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with one
+float32 scale per row, ``latent_scale [B, L]`` and ``pooled_scale [B, P]`` (``None`` for a
+float cache: nothing else changes for those). Rows are quantised once, in ``append_rows``
+and ``store_pools``; the stage of the incomplete pool stays in the compute dtype
+(``stage_dtype``), and the kernels dequantise (``index_scores``' and ``sparse_mla``'s scale
+arguments). Per slot of capacity at GLM-5.3-Flash dims, kpool 4: 512 latent + 4 scale + 1
+validity + (128 + 4) / 4 pooled = 550 bytes (+ the per-batch stage; ``<= 560`` is tested).
+A scale per 128-wide group instead of per row would cost 12 bytes more and break 560. On a
+CPU the e4m3 buffers hold their bits as ``uint8``, for the reason 16-bit ones hold
+``uint16``: XLA:CPU converted a whole e4m3 buffer to f16 and back around a one-row
+``dynamic_update_slice`` (checked with jax 0.10), whereas ``uint8`` is written in place.
 """
 
 from __future__ import annotations
@@ -63,43 +76,49 @@ import jax.numpy as jnp
 from flax import struct
 
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.fp8 import FP8, is_fp8, quantize_rows
 import pallas_kernels as pk
 from pallas_kernels import first_valid
 
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
     "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
-    "live_pool_tiles",
+    "live_pool_tiles", "default_stage_dtype",
     "pool_tile_scores", "pool_tile_scorer",
 ]
 
-#: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers.
-CACHE_DTYPES = ("bfloat16", "float16", "float32")
+#: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
+#: alias of ``float8_e4m3fn``).
+CACHE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+_FLOATS = list(CACHE_DTYPES[:3])
 
 
 def check_cache_dtype(dtype):
-    """``jnp.dtype(dtype)`` if it is one of ``CACHE_DTYPES``, else ``ValueError``."""
+    """``jnp.dtype(dtype)`` if it is one of ``CACHE_DTYPES`` (or ``"fp8"``), else
+    ``ValueError`` naming ``dtype``."""
+    want = f"a 16- or 32-bit float, one of {_FLOATS}, or fp8 ('{FP8.name}', alias 'fp8')"
+    if isinstance(dtype, str) and dtype.lower() == "fp8":
+        return FP8
     try:
         dt = jnp.dtype(dtype)
     except TypeError:
-        raise ValueError(
-            f"cache dtype must be one of {list(CACHE_DTYPES)}, got {dtype!r}"
-        ) from None
+        raise ValueError(f"cache dtype must be {want}; got dtype={dtype!r}") from None
     if dt.name not in CACHE_DTYPES:
         raise ValueError(
-            f"cache dtype must be a 16- or 32-bit float, one of {list(CACHE_DTYPES)}; got "
-            f"{dt.name} (an integer or bool cache would silently round the latent rows)"
+            f"cache dtype must be {want}; got dtype={dt.name} (an integer or bool cache would "
+            "silently round the latent rows)"
         )
     return dt
 
 
 def store_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     """The dtype a cache of float ``dtype`` stores its rows in on ``platform`` (default:
-    jax's default backend): ``uint16`` for a 16-bit float on a CPU (see the module doc),
-    else ``dtype``."""
+    jax's default backend): on a CPU ``uint16`` for a 16-bit float and ``uint8`` for fp8
+    (see the module doc), else ``dtype``."""
     dtype = jnp.dtype(dtype)
     platform = jax.default_backend() if platform is None else platform
-    return jnp.dtype(jnp.uint16) if dtype.itemsize == 2 and platform == "cpu" else dtype
+    bits = {1: jnp.uint8, 2: jnp.uint16}.get(dtype.itemsize)
+    return jnp.dtype(bits) if bits is not None and platform == "cpu" else dtype
 
 
 def to_store(x: jax.Array, dtype, store) -> jax.Array:
@@ -111,7 +130,7 @@ def to_store(x: jax.Array, dtype, store) -> jax.Array:
 
 
 def from_store(a: jax.Array, dtype) -> jax.Array:
-    """Stored rows ``a`` as floats of ``dtype`` (a bitcast for a 16-bit float cache)."""
+    """Stored rows ``a`` as floats of ``dtype`` (a bitcast for a 8- or 16-bit float cache)."""
     dtype = jnp.dtype(dtype)
     return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
@@ -131,18 +150,25 @@ class DsaCache:
     stage_valid: jax.Array | None = None  # [B, KP] bool
     first_key: jax.Array | None = None  # [B] int32
     n_valid: jax.Array | None = None  # [B] int32
+    latent_scale: jax.Array | None = None  # [B, max_length] float32, fp8 caches only
+    pooled_scale: jax.Array | None = None  # [B, max_pools] float32, fp8 caches only
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
     @property
     def latent(self) -> jax.Array:
-        """``[B, max_length, kv_lora_rank]`` latent rows in the cache ``dtype``."""
+        """``[B, max_length, kv_lora_rank]`` latent rows in the cache ``dtype`` (e4m3 for
+        an fp8 cache: times ``latent_scale`` to dequantise)."""
         return from_store(self.latent_store, self.dtype)
 
     @property
     def pooled(self) -> jax.Array | None:
         """``[B, max_pools, index_head_dim]`` pooled keys in the cache ``dtype`` (None on a
-        shared-indexer layer)."""
+        shared-indexer layer; e4m3 for an fp8 cache: times ``pooled_scale``)."""
         return None if self.pooled_store is None else from_store(self.pooled_store, self.dtype)
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
 
     @property
     def batch_size(self) -> int:
@@ -195,11 +221,15 @@ _replace_fields = DsaCache.replace
 
 def _replace(self, **updates) -> DsaCache:
     """``dataclasses.replace``, where ``latent=`` / ``pooled=`` (float rows) are stored as
-    ``latent_store`` / ``pooled_store`` (``to_store``)."""
+    ``latent_store`` / ``pooled_store`` (``to_store``; an fp8 cache quantises them and sets
+    ``latent_scale`` / ``pooled_scale`` too)."""
     for name in ("latent", "pooled"):
         if name in updates:
             store = getattr(self, name + "_store").dtype
-            updates[name + "_store"] = to_store(updates.pop(name), self.dtype, store)
+            rows = updates.pop(name)
+            if self.is_fp8:
+                rows, updates[name + "_scale"] = quantize_rows(rows)
+            updates[name + "_store"] = to_store(rows, self.dtype, store)
     return _replace_fields(self, **updates)
 
 
@@ -213,13 +243,17 @@ def init_cache(
     *,
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
+    stage_dtype=None,
 ) -> DsaCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
 
-    ``dtype`` (of the latent and pooled keys) must be one of ``CACHE_DTYPES``; anything
-    else raises ``ValueError`` naming ``dtype``.
+    ``dtype`` (of the latent and pooled keys) must be one of ``CACHE_DTYPES`` or ``"fp8"``;
+    anything else raises ``ValueError`` naming ``dtype``. ``stage_dtype``: the compute dtype
+    an fp8 cache stages the incomplete pool's keys in (default bfloat16; the layer passes
+    its own); a float cache stages in its ``dtype`` and ignores it.
     """
     dtype = check_cache_dtype(dtype)
+    stage_dtype = default_stage_dtype(dtype, stage_dtype)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
@@ -235,6 +269,7 @@ def init_cache(
         latent_store=jnp.zeros((b, max_length, cfg.kv_cache_dim), st),
         key_valid=jnp.zeros((b, max_length), bool),
         length=jnp.zeros((), jnp.int32),
+        latent_scale=jnp.ones((b, max_length), jnp.float32) if is_fp8(dtype) else None,
         dtype=dtype,
     )
     if not has_indexer:
@@ -244,13 +279,27 @@ def init_cache(
     return DsaCache(
         **base,
         pooled_store=jnp.zeros((b, max_pools, d), st),
+        pooled_scale=jnp.ones((b, max_pools), jnp.float32) if is_fp8(dtype) else None,
         pool_valid=jnp.zeros((b, max_pools), bool),
-        stage_keys=jnp.zeros((b, kp, d), dtype),
+        stage_keys=jnp.zeros((b, kp, d), stage_dtype),
         stage_gate=jnp.zeros((b, kp, d), jnp.float32),
         stage_valid=jnp.zeros((b, kp), bool),
         first_key=jnp.full((b,), max_length, jnp.int32),
         n_valid=jnp.zeros((b,), jnp.int32),
     )
+
+
+def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:
+    """The stage's dtype: a float cache's own ``dtype``; for an fp8 cache ``stage_dtype`` (a
+    float of ``_FLOATS``), bfloat16 when None (its stage stays in a compute dtype)."""
+    if not is_fp8(dtype):
+        return jnp.dtype(dtype)
+    if stage_dtype is None:
+        return jnp.dtype(jnp.bfloat16)
+    dt = jnp.dtype(stage_dtype)
+    if dt.name not in _FLOATS:
+        raise ValueError(f"stage_dtype must be one of {_FLOATS}, got {dt.name}")
+    return dt
 
 
 # ---------------------------------------------------------------------------- in-place writes
@@ -275,44 +324,52 @@ def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Arra
     return jax.lax.cond(fits, _update_slice, _keep, buf, rows.astype(buf.dtype), idx)
 
 
-def _write_pool(bufs, rows, valid_rows, pool_ids, r, j):
-    buf, vbuf = bufs
+def _write_pool(bufs, rows, pool_ids, r, j):
     p, zero = pool_ids[r, j], jnp.zeros((), jnp.int32)
-    buf = jax.lax.dynamic_update_slice(buf, rows[r, j][None, None], (r, p, zero))
-    vbuf = jax.lax.dynamic_update_slice(vbuf, valid_rows[r, j][None, None], (r, p))
-    return buf, vbuf
+    return tuple(
+        jax.lax.dynamic_update_slice(buf, row[r, j][None, None], (r, p) + (zero,) * (buf.ndim - 2))
+        for buf, row in zip(bufs, rows))
 
 
 def _write_pool_step(i, carry):
-    bufs, rows, valid_rows, pool_ids, new = carry
+    bufs, rows, pool_ids, new = carry
     n = pool_ids.shape[1]
     r, j = i // n, i % n
-    bufs = jax.lax.cond(new[r, j], _write_pool, _keep, bufs, rows, valid_rows, pool_ids, r, j)
-    return bufs, rows, valid_rows, pool_ids, new
+    bufs = jax.lax.cond(new[r, j], _write_pool, _keep, bufs, rows, pool_ids, r, j)
+    return bufs, rows, pool_ids, new
 
 
-def write_pools(buf, valid_buf, rows, valid_rows, pool_ids, new):
-    """``buf[b, pool_ids[b, i]] = rows[b, i]`` (and the validity) where ``new[b, i]``.
+def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
+    """``buf[b, pool_ids[b, i]] = row[b, i]`` where ``new[b, i]``, for each ``buf [B, P,
+    ...]`` of ``bufs`` and its ``row [B, n, ...]`` of ``rows`` (the keys, their validity, the
+    fp8 scales).
 
-    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place (``buf``
-    holds the bits of a 16-bit float cache, see the module doc). A masked scatter is the
-    natural form, but XLA:CPU has no 16-bit-float scatter and converts the whole
-    ``[B, max_pools, D]`` cache to float32 and back around it on every step.
+    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place (the
+    keys' buffer holds the bits of an 8- or 16-bit float cache, see the module doc). A
+    masked scatter is the natural form, but XLA:CPU has no 16-bit-float scatter and
+    converts the whole ``[B, max_pools, D]`` cache to float32 and back around it on every
+    step.
     """
     b, n = pool_ids.shape
-    carry = ((buf, valid_buf), rows.astype(buf.dtype), valid_rows, pool_ids, new)
-    (buf, valid_buf), *_ = jax.lax.fori_loop(0, b * n, _write_pool_step, carry)
-    return buf, valid_buf
+    rows = tuple(row.astype(buf.dtype) for buf, row in zip(bufs, rows))
+    bufs, *_ = jax.lax.fori_loop(0, b * n, _write_pool_step, (tuple(bufs), rows, pool_ids, new))
+    return bufs
 
 
 def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> DsaCache:
     """The chunk's latent rows ``[B, S, C]`` and validity ``[B, S]`` written at slots
-    ``length .. length+S-1`` (nothing when not ``fits``); ``length`` is not moved here."""
+    ``length .. length+S-1`` (nothing when not ``fits``); ``length`` is not moved here. An
+    fp8 cache quantises the rows here, once, and writes their scales."""
+    upd = {}
+    if cache.is_fp8:
+        latent, scale = quantize_rows(latent)
+        upd["latent_scale"] = write_rows(cache.latent_scale, scale, cache.length, fits)
     return cache.replace(
         latent_store=write_rows(
             cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
             cache.length, fits),
         key_valid=write_rows(cache.key_valid, mask, cache.length, fits),
+        **upd,
     )
 
 
@@ -376,12 +433,17 @@ def store_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_v
     pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
     new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
     new &= pool_ids < cache.max_pools
-    rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
-    pooled_cache, pool_valid = write_pools(
-        cache.pooled_store, cache.pool_valid, rows, pooled_valid, pool_ids, new)
+    bufs, rows = [cache.pooled_store, cache.pool_valid], [pooled, pooled_valid]
+    if cache.is_fp8:  # quantised once, here
+        rows[0], scale = quantize_rows(pooled)
+        bufs.append(cache.pooled_scale)
+        rows.append(scale)
+    rows[0] = to_store(rows[0], cache.dtype, cache.pooled_store.dtype)
+    pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
     return cache.replace(
         pooled_store=pooled_cache,
         pool_valid=pool_valid,
+        pooled_scale=scale[0] if scale else None,
         stage_keys=jnp.where(fits, window.keys[:, s:], cache.stage_keys),
         stage_gate=jnp.where(fits, window.gate[:, s:], cache.stage_gate),
         stage_valid=jnp.where(fits, window.valid[:, s:], cache.stage_valid),
@@ -403,15 +465,16 @@ def live_pool_tiles(cache: DsaCache, q_pos: jax.Array, tile: int) -> jax.Array:
     return ((n_live + tile - 1) // tile).astype(jnp.int32)
 
 
-def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, *, tile: int,
-                     kpool: int, dtype, score_fn) -> jax.Array:
+def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, pooled_scale=None, *,
+                     tile: int, kpool: int, dtype, score_fn) -> jax.Array:
     """``[B, Q, tile]`` float32 scores (``score_fn``, ``index_scores``'s signature) of pools
-    ``start .. start + tile - 1`` of the cache: only that slice of the pooled keys is read
-    (and converted from bits). The pool grid of the slice starts ``start`` pools after
-    ``first_key``, so its candidate rule is the whole row's."""
+    ``start .. start + tile - 1`` of the cache: only that slice of the pooled keys (and of
+    their fp8 scales) is read (and converted from bits). The pool grid of the slice starts
+    ``start`` pools after ``first_key``, so its candidate rule is the whole row's."""
     keys = from_store(jax.lax.dynamic_slice_in_dim(pooled_store, start, tile, axis=1), dtype)
     valid = jax.lax.dynamic_slice_in_dim(pool_valid, start, tile, axis=1)
-    return score_fn(qi, w, keys, valid, first_key + start * kpool, q_pos, kpool=kpool)
+    scale = None if pooled_scale is None else jax.lax.dynamic_slice_in_dim(pooled_scale, start, tile, axis=1)
+    return score_fn(qi, w, keys, valid, first_key + start * kpool, q_pos, scale, kpool=kpool)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ import numpy as np
 
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["as_index_array", "check_causal_topk", "check_inputs"]
+__all__ = ["as_index_array", "check_causal_topk", "check_inputs", "check_position_ids"]
 
 
 def as_index_array(prev_topk):
@@ -110,3 +110,18 @@ def check_inputs(cfg: DsaConfig, layer_idx: int, dtype, hidden_states, attention
         if start is not None and concrete:
             check_causal_topk(np.asarray(prev_topk), np.asarray(mask), int(start))
     return x.astype(dtype), mask, prev_topk
+
+
+def check_position_ids(position_ids, shape) -> jax.Array:
+    """``position_ids`` as ``[B, S]`` int32 for a call of ``shape = (B, S)`` (a ``[S]`` row is
+    broadcast), else ``ValueError``."""
+    pos = jnp.asarray(position_ids)
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+        raise ValueError(f"position_ids must be integers, got dtype {pos.dtype}")
+    if pos.ndim == 1:
+        pos = jnp.broadcast_to(pos[None], (shape[0], pos.shape[0]))
+    if tuple(pos.shape) != tuple(shape):
+        raise ValueError(f"position_ids must be [B, S] = {tuple(shape)}, got {tuple(jnp.shape(position_ids))}")
+    if not isinstance(pos, jax.core.Tracer) and bool((pos < 0).any()):
+        raise ValueError("position_ids must be >= 0")
+    return pos.astype(jnp.int32)

@@ -17,7 +17,9 @@ Invariants:
   + q_rot . k_rot``, the values ``c`` (``sparse_mla(..., value_width=kv_lora_rank)``).
 * Two cache kinds: the contiguous ``DsaCache`` (one timeline for the batch, as HF's
   ``DynamicCache``; RoPE positions are its slots) and the paged ``PagedCache`` (a sequence
-  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``).
+  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``). Either may be
+  fp8 (``glm5_dsa_jax.fp8``): rows are quantised by the cache's writes, and the scales go
+  with the rows to the kernels (``score_pools``, ``score_and_select``, ``sparse_attention``).
 * Every call goes through the same path, with or without a cache: a call without a cache
   runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
   ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
@@ -53,7 +55,8 @@ from glm5_dsa_jax.cache import (
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
-from glm5_dsa_jax.inputs import check_inputs
+from glm5_dsa_jax.fp8 import check_cache_readable
+from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import (
     absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
@@ -213,11 +216,14 @@ class DsaAttention(nnx.Module):
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
-        """An empty decode cache for this layer (``dtype`` defaults to the compute dtype),
-        replicated on ``self.mesh`` once the layer is placed, split by sequence over a
-        ``batch_axis`` (``batch_size`` must divide by its size)."""
+        """An empty decode cache for this layer (``dtype`` defaults to the compute dtype;
+        ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
+        once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
+        must divide by its size). ``ValueError`` for an fp8 cache this layer's kernels
+        cannot read (``fp8.check_readable``)."""
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
-                           dtype=self.dtype if dtype is None else dtype)
+                           dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype)
+        check_cache_readable(cache, self.implementation)
         return replicate(cache, self.mesh) if self.batch_axis is None else place_cache(
             cache, self.mesh, self.batch_axis)
 
@@ -228,11 +234,15 @@ class DsaAttention(nnx.Module):
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
         defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,
         split by sequence and page over a ``batch_axis`` (``data_parallel.dp_paged_cache``)."""
-        kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype)
+        kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
+                  stage_dtype=self.dtype)
         if self.batch_axis is not None:
-            return dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
-        return replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
-                                          pages_per_seq=pages_per_seq, **kw), self.mesh)
+            cache = dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
+        else:
+            cache = replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
+                                               pages_per_seq=pages_per_seq, **kw), self.mesh)
+        check_cache_readable(cache, self.implementation)
+        return cache
 
     # ------------------------------------------------------------------ forward
     def check_inputs(self, hidden_states, attention_mask=None, prev_topk=None, *, start=None):
@@ -243,17 +253,13 @@ class DsaAttention(nnx.Module):
         return check_inputs(self.cfg, self.layer_idx, self.dtype, hidden_states, attention_mask,
                             prev_topk, start=start)
 
-    def __call__(
-        self,
-        hidden_states: jax.Array,
-        attention_mask: jax.Array | None = None,
-        *,
-        cache: DsaCache | None = None,
-        prev_topk: jax.Array | None = None,
-        position_ids: jax.Array | None = None,
-    ):
+    def __call__(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None, *,
+                 cache: DsaCache | PagedCache | None = None, prev_topk: jax.Array | None = None,
+                 position_ids: jax.Array | None = None):
         if position_ids is not None:
-            position_ids = self._check_position_ids(position_ids, jnp.shape(hidden_states)[:2])
+            position_ids = check_position_ids(position_ids, jnp.shape(hidden_states)[:2])
+        if cache is not None:
+            check_cache_readable(cache, self.implementation)
         if isinstance(cache, PagedCache):
             # Positions are per sequence: a prev_topk is checked causal inside the step.
             x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk)
@@ -280,19 +286,6 @@ class DsaAttention(nnx.Module):
             out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk, position_ids)
             return out, topk
         return self._step(x, mask, cache, prev_topk, position_ids)
-
-    def _check_position_ids(self, position_ids, shape):
-        """``position_ids`` as ``[B, S]`` int32 (a ``[S]`` row is broadcast), else ValueError."""
-        pos = jnp.asarray(position_ids)
-        if not jnp.issubdtype(pos.dtype, jnp.integer):
-            raise ValueError(f"position_ids must be integers, got dtype {pos.dtype}")
-        if pos.ndim == 1:
-            pos = jnp.broadcast_to(pos[None], (shape[0], pos.shape[0]))
-        if tuple(pos.shape) != tuple(shape):
-            raise ValueError(f"position_ids must be [B, S] = {tuple(shape)}, got {tuple(jnp.shape(position_ids))}")
-        if not isinstance(pos, jax.core.Tracer) and bool((pos < 0).any()):
-            raise ValueError("position_ids must be >= 0")
-        return pos.astype(jnp.int32)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -348,7 +341,7 @@ class DsaAttention(nnx.Module):
                                       0, cache.max_pools)
                     pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
                 token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
-                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids)
+                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids, cache.latent_scale)
 
             topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (q_pos, -1), (qi, 0), (w, 0), (n_vis, 0))
             cache = cache.replace(n_valid=jnp.where(fits, n_vis[:, -1], cache.n_valid))
@@ -360,7 +353,7 @@ class DsaAttention(nnx.Module):
             topk = jnp.where((prev >= 0) & (prev <= q_pos[..., None]), prev, -1)
 
             def tile(q_lat, token_ids):
-                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids)
+                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids, cache.latent_scale)
 
             _, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (topk, -1))
 
@@ -423,7 +416,7 @@ class DsaAttention(nnx.Module):
         with jax.named_scope("index_scores"):
             return self._replicated(
                 pk.index_scores, qi, w, cache.pooled, cache.pool_valid, cache.first_key, q_pos,
-                kpool=self.cfg.index_kpool, implementation=self.implementation,
+                cache.pooled_scale, kpool=self.cfg.index_kpool, implementation=self.implementation,
             )
 
     def select_pools(self, scores, select_k: int, n_live=None) -> jax.Array:
@@ -448,7 +441,8 @@ class DsaAttention(nnx.Module):
             n_tiles = live_pool_tiles(cache, q_pos, tile)
             return pk.streaming_topk(
                 pool_tile_scorer(tile, self.cfg.index_kpool, cache.dtype),
-                (qi, w, cache.pooled_store, cache.pool_valid, cache.first_key, q_pos), n_tiles,
+                (qi, w, cache.pooled_store, cache.pool_valid, cache.first_key, q_pos, cache.pooled_scale),
+                n_tiles,
                 tile=tile, n_pools=cache.max_pools, select_k=select_k, rows=(b, q),
             )
 
@@ -474,13 +468,15 @@ class DsaAttention(nnx.Module):
             )
             return jnp.where(q_pos[..., None] >= 0, token_ids, -1)
 
-    def sparse_attention(self, q_lat, latent, token_ids) -> jax.Array:
-        """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` at
-        ``token_ids [B, Q, W]`` -> ``o_lat [B, Q, H, C]``. On a placed layer it runs per
-        head shard, each device reading its local latent (``parallel.sharded_sparse_mla``)."""
+    def sparse_attention(self, q_lat, latent, token_ids, latent_scale=None) -> jax.Array:
+        """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` (e4m3
+        with ``latent_scale [B, L]`` for an fp8 cache) at ``token_ids [B, Q, W]`` -> ``o_lat
+        [B, Q, H, C]``. On a placed layer it runs per head shard, each device reading its
+        local latent (``parallel.sharded_sparse_mla``)."""
         kernel = mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
+        rows = latent if latent_scale is None else (latent, latent_scale)  # placed alike
         with jax.named_scope("sparse_mla"):
-            return sharded_sparse_mla(q_lat, latent, token_ids, mesh=self.mesh, axis=self.tp_axis,
+            return sharded_sparse_mla(q_lat, rows, token_ids, mesh=self.mesh, axis=self.tp_axis,
                                       kernel=kernel)
 
     def output_projection(self, o_lat) -> jax.Array:

@@ -126,10 +126,13 @@ def topk_live(scores, n_live, select_k: int, *, implementation):
 @functools.lru_cache(maxsize=None)
 def mla_kernel(scale: float, value_width: int, implementation: str):
     """``pk.sparse_mla`` with its statics bound, one function per statics: the stable
-    kernel ``parallel.sharded_sparse_mla`` keys its cached eager program by."""
+    kernel ``parallel.sharded_sparse_mla`` keys its cached eager program by. Its ``latent``
+    is the rows, or ``(rows, latent_scale)`` of an fp8 cache: one operand, so a placement
+    of the latent places its scales alike."""
 
     def kernel(q_lat, latent, token_ids):
-        return pk.sparse_mla(q_lat, latent, token_ids, scale=scale, value_width=value_width,
+        rows, row_scale = latent if isinstance(latent, tuple) else (latent, None)
+        return pk.sparse_mla(q_lat, rows, token_ids, row_scale, scale=scale, value_width=value_width,
                              implementation=implementation)
 
     return kernel

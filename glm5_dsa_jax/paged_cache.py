@@ -35,9 +35,17 @@ Invariants:
 Bytes per token of capacity (``N * page_size`` tokens) at GLM-5.3-Flash dims in bf16: 1,024
 latent + 64 pooled keys, plus the block tables (4 bytes per entry), the free stack and the
 per-sequence stage: 1,088.6 for 8 sequences over 131,072-token-a-sequence worth of pages
-(``bytes_per_token``; ``tests/test_paged.py`` keeps it <= 1,100). 16-bit pools are stored as bits on a CPU, like the contiguous cache
-(``cache.store_dtype``): XLA:CPU scatters a ``uint16`` buffer in place but converts a bf16
-one to float32 and back around every write.
+(``bytes_per_token``; ``tests/test_paged.py`` keeps it <= 1,100). 16-bit pools are stored
+as bits on a CPU, like the contiguous cache (``cache.store_dtype``): XLA:CPU scatters a
+``uint16`` buffer in place but converts a bf16 one to float32 and back around every write.
+
+**fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.fp8``): the latent and pooled pages hold e4m3
+(``uint8`` bits on a CPU, for the same reason), and their float32 scales page with them:
+``latent_scale [N, page_size]`` (one per token) and ``pooled_scale [N, PPP]`` (one per
+pool); ``None`` for a float cache. Rows are quantised once, in ``write_latent`` and
+``store_paged_pools``; the stage stays in the compute dtype. Bytes per token of capacity
+at GLM-5.3-Flash dims: 512 + 4 + (128 + 4) / 4 = 549, plus the block tables, stage and
+free stack: 549.6 at 8 x 131,072 tokens (``tests/test_fp8_cache.py`` keeps it <= 560).
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from glm5_dsa_jax.cache import check_cache_dtype, from_store, store_dtype, to_store
+from glm5_dsa_jax.cache import check_cache_dtype, default_stage_dtype, from_store, store_dtype, to_store
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.fp8 import is_fp8, quantize_rows
 from glm5_dsa_jax.pages import NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
 
 __all__ = [
@@ -68,6 +77,8 @@ class PagedCache:
     pooled_store: jax.Array | None = None  # [N, PPP, index_head_dim], stored
     stage_keys: jax.Array | None = None  # [max_seqs, KP, index_head_dim], cache dtype
     stage_gate: jax.Array | None = None  # [max_seqs, KP, index_head_dim] float32
+    latent_scale: jax.Array | None = None  # [N, page_size] float32, fp8 caches only
+    pooled_scale: jax.Array | None = None  # [N, PPP] float32, fp8 caches only
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
     # ------------------------------------------------------------------ geometry
@@ -119,6 +130,16 @@ class PagedCache:
         """``[N * page_size, C]`` every page's latent rows, in the cache ``dtype``."""
         lat = self.latent_store
         return from_store(lat.reshape(-1, lat.shape[-1]), self.dtype)
+
+    @property
+    def latent_pool_scale(self) -> jax.Array | None:
+        """``[N * page_size]`` the fp8 scale of every latent row of ``latent_pool`` (None for
+        a float cache)."""
+        return None if self.latent_scale is None else self.latent_scale.reshape(-1)
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
 
     def nbytes(self) -> int:
         """Bytes held on devices by this cache (pools, block tables, free stack, stage)."""
@@ -192,15 +213,19 @@ def init_paged_cache(
     pages_per_seq: int | None = None,
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
+    stage_dtype=None,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
     ``pages_per_seq``: every page, capped at ``max_position_embeddings``).
 
     ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
-    ``dtype`` one of ``cache.CACHE_DTYPES``; anything else raises ``ValueError``.
+    ``dtype`` one of ``cache.CACHE_DTYPES`` or ``"fp8"``; anything else raises
+    ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s.
     """
     dtype = check_cache_dtype(dtype)
+    stage_dtype = default_stage_dtype(dtype, stage_dtype)
+    fp8 = is_fp8(dtype)
     kp = cfg.index_kpool
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % kp:
         raise ValueError(f"page_size must be a positive multiple of index_kpool={kp} (a page "
@@ -216,6 +241,7 @@ def init_paged_cache(
         pages=table,
         latent_store=jnp.zeros((num_pages, page_size, cfg.kv_cache_dim), st),
         status=jnp.zeros((max_seqs,), jnp.int32),
+        latent_scale=jnp.ones((num_pages, page_size), jnp.float32) if fp8 else None,
         dtype=dtype,
     )
     if not has_indexer:
@@ -224,7 +250,8 @@ def init_paged_cache(
     return PagedCache(
         **base,
         pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
-        stage_keys=jnp.zeros((max_seqs, kp, d), dtype),
+        pooled_scale=jnp.ones((num_pages, page_size // kp), jnp.float32) if fp8 else None,
+        stage_keys=jnp.zeros((max_seqs, kp, d), stage_dtype),
         stage_gate=jnp.zeros((max_seqs, kp, d), jnp.float32),
     )
 
@@ -303,10 +330,15 @@ def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
 
 def write_latent(cache: PagedCache, latent: jax.Array, positions: jax.Array) -> PagedCache:
     """The chunk's latent rows ``[B, S, C]`` written at their positions (``-1``: not
-    written), through the (already reserved) block table."""
+    written), through the (already reserved) block table; an fp8 cache quantises them here,
+    once, and writes their scales beside them."""
     slots = token_slots(cache.pages.block_table, positions, cache.page_size)
+    upd = {}
+    if cache.is_fp8:
+        latent, scale = quantize_rows(latent)
+        upd["latent_scale"] = _scatter_rows(cache.latent_scale[..., None], scale[..., None], slots)[..., 0]
     rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
-    return cache.replace(latent_store=_scatter_rows(cache.latent_store, rows, slots))
+    return cache.replace(latent_store=_scatter_rows(cache.latent_store, rows, slots), **upd)
 
 
 # ---------------------------------------------------------------------------- pooled keys
@@ -348,21 +380,27 @@ def store_paged_pools(cache: PagedCache, old_lengths, window, pooled, pooled_val
     j = jnp.clip(pool_id // ppp, 0, cache.pages_per_seq - 1)
     page = jnp.take_along_axis(cache.pages.block_table, j, axis=1)
     slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
+    upd = {}
+    if cache.is_fp8:  # quantised once, here
+        pooled, scale = quantize_rows(pooled)
+        upd["pooled_scale"] = _scatter_rows(cache.pooled_scale[..., None], scale[..., None], slots)[..., 0]
     rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
     take = n_new[:, None] + jnp.arange(kp, dtype=jnp.int32)[None]
     return cache.replace(
+        **upd,
         pooled_store=_scatter_rows(cache.pooled_store, rows, slots),
         stage_keys=_compact(win_keys, take),
         stage_gate=_compact(win_gate, take),
     )
 
 
-def paged_tile_scores(start, qi, w, pooled_store, block_table, pool_counts, q_pos, *, tile: int,
-                      ppp: int, kpool: int, dtype, score_fn) -> jax.Array:
+def paged_tile_scores(start, qi, w, pooled_store, block_table, pool_counts, q_pos, pooled_scale=None,
+                      *, tile: int, ppp: int, kpool: int, dtype, score_fn) -> jax.Array:
     """``[B, Q, tile]`` float32 scores (``score_fn``: ``index_scores``'s signature) of each
     sequence's pools ``start .. start + tile - 1``, read through its block table: only the
     pages of those pools that the sequence owns are read (a ``-1`` entry is filled, not
-    read) and pools at or past ``pool_counts[b]`` are no candidates."""
+    read) and pools at or past ``pool_counts[b]`` are no candidates. ``pooled_scale [N,
+    PPP]``: the fp8 scales, gathered like the keys."""
     b = block_table.shape[0]
     n, _, d = pooled_store.shape
     p = start + jnp.arange(tile, dtype=jnp.int32)
@@ -370,9 +408,13 @@ def paged_tile_scores(start, qi, w, pooled_store, block_table, pool_counts, q_po
     slot = jnp.where(page >= 0, page * ppp + p % ppp, n * ppp)
     keys = jnp.take(pooled_store.reshape(n * ppp, d), slot.reshape(-1), axis=0, mode="fill", fill_value=0)
     keys = from_store(keys.reshape(b, tile, d), dtype)
+    scale = None
+    if pooled_scale is not None:
+        scale = jnp.take(pooled_scale.reshape(n * ppp), slot.reshape(-1), mode="fill",
+                         fill_value=0).reshape(b, tile)
     valid = (page >= 0) & (p[None] < pool_counts[:, None])
     first_key = jnp.full((b,), start * kpool, jnp.int32)
-    return score_fn(qi, w, keys, valid, first_key, q_pos, kpool=kpool)
+    return score_fn(qi, w, keys, valid, first_key, q_pos, scale, kpool=kpool)
 
 
 def paged_tail(q_pos: jax.Array, kpool: int) -> jax.Array:

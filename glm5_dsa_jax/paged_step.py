@@ -80,6 +80,7 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
     q_resid, q_lat, latent = layer.project(x, rope)
     cache = write_latent(cache, latent, q_pos)
     latent_pool = cache.latent_pool[None]
+    pool_scale = None if cache.latent_scale is None else cache.latent_pool_scale[None]  # fp8
     ps = cache.page_size
 
     if layer.indexer is not None:
@@ -103,7 +104,7 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
                     kpool=cfg.index_kpool, out_width=cfg.out_width, implementation=layer.implementation)
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             slots = token_slots(cache.pages.block_table, token_ids, ps)
-            return token_ids, layer.sparse_attention(q_lat, latent_pool, slots)
+            return token_ids, layer.sparse_attention(q_lat, latent_pool, slots, pool_scale)
 
         topk, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (q_pos, -1), (qi, 0), (w, 0))
     else:
@@ -114,7 +115,7 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
 
         def tile(q_lat, token_ids):
             slots = token_slots(cache.pages.block_table, token_ids, ps)
-            return token_ids, layer.sparse_attention(q_lat, latent_pool, slots)
+            return token_ids, layer.sparse_attention(q_lat, latent_pool, slots, pool_scale)
 
         _, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (topk, -1))
 
@@ -136,12 +137,14 @@ def _select(layer, qi, w, cache: PagedCache, pool_counts, q_pos, select_k: int):
             n_tiles = ((n_live + tile - 1) // tile).astype(jnp.int32)
             return pk.streaming_topk(
                 _tile_scorer(tile, ppp, kp, cache.dtype),
-                (qi, w, cache.pooled_store, cache.pages.block_table, pool_counts, q_pos), n_tiles,
+                (qi, w, cache.pooled_store, cache.pages.block_table, pool_counts, q_pos, cache.pooled_scale),
+                n_tiles,
                 tile=tile, n_pools=cache.max_pools, select_k=select_k, rows=(b, q))
     with jax.named_scope("index_scores"):
         scores = layer._replicated(
             pk.index_scores_paged, qi, w, from_store(cache.pooled_store, cache.dtype),
-            cache.pages.block_table, pool_counts, q_pos, kpool=kp, implementation=layer.implementation)
+            cache.pages.block_table, pool_counts, q_pos, cache.pooled_scale, kpool=kp,
+            implementation=layer.implementation)
     with jax.named_scope("topk_pools"):
         n_live = jnp.clip((q_pos + 1) // kp, 0, pool_counts[:, None])
         return layer._replicated(topk_live, scores, n_live, select_k, implementation=layer.implementation)

@@ -25,6 +25,13 @@ row, ``V``: its leading value columns). Invariants:
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
 * Softmax in float32 with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
   ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
+* fp8 rows: with ``latent_scale [B or 1, L]`` (float32, one per row) ``latent`` is
+  ``float8_e4m3fn`` and row ``id`` is ``latent[b, id] * latent_scale[b, id]``
+  (``glm5_dsa_jax.fp8``). The scale is folded into the sums rather than into the row:
+  a row's score is ``(q . row8) * s_id * scale`` and its softmax weight is multiplied by
+  ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
+  e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same
+  products in the same order (in float32).
 * A row must not repeat an id (the selection never does): the dense oracle
   ``topk_to_mask`` counts a repeated id once, the sparse path would weigh it twice.
 
@@ -43,12 +50,9 @@ chunk, an accumulator only for the chunks holding value columns). Block sizes
 (``SparseMlaBlockSizes``) change the tiling and the order of the sums, not the result
 beyond float rounding.
 
-The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
-``pallas_kernels.mosaic_attention``, jax >= 0.11, Hopper and newer) keeps this contract for
-16-bit ``q`` and ``latent`` of one dtype, with its own block sizes,
-``MosaicSparseMlaBlockSizes`` (``block_sizes`` must then be one, or ``None``). Other dtypes
-(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
-step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
+The Mosaic GPU kernel (``"mosaic"``, ``pallas_kernels.mosaic_attention``, its block sizes
+``MosaicSparseMlaBlockSizes``) keeps this contract for 16-bit ``q`` and ``latent`` of one
+dtype; other dtypes (float32: wgmma's is TF32; an fp8 cache) run the Triton kernel here.
 """
 
 from __future__ import annotations
@@ -65,11 +69,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import (
     MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_positive_int,
     check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
-    resolve_implementation,
+    resolve_implementation, without_mosaic,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
-from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
+from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, combine_splits, mosaic_sparse_mla
 from pallas_kernels.mosaic_scoring import mosaic_takes
+from pallas_kernels.scoring import check_key_scale, key_dot_dtype
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
 
@@ -80,23 +85,25 @@ def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
     """``latent [B, L, CR]`` or shared ``[1, L, CR]``, in-range ``token_ids [B, Q, W]`` ->
     ``[B, Q, W, CR]``.
 
-    16-bit floats are gathered through their bits: XLA:CPU otherwise converts the whole
-    ``[B, L, CR]`` cache to float32 before gathering ``W`` rows of it, an O(context) pass.
-    A shared ``[1, L, CR]`` pool is gathered from directly (never broadcast to ``B`` rows).
+    8- and 16-bit floats are gathered through their bits: XLA:CPU otherwise converts the
+    whole ``[B, L, CR]`` cache to a wider float before gathering ``W`` rows of it, an
+    O(context) pass. A shared ``[1, L, CR]`` pool is gathered from directly (never
+    broadcast to ``B`` rows).
     """
     if latent.shape[0] == 1:
         take = lambda lat, i: lat[0][i]
     else:
         take = jax.vmap(lambda lat, i: lat[i])
-    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize == 2:
+    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize in (1, 2):
         bits = jax.lax.bitcast_convert_type
-        return bits(take(bits(latent, jnp.uint16), token_ids), latent.dtype)
+        uint = jnp.uint8 if latent.dtype.itemsize == 1 else jnp.uint16
+        return bits(take(bits(latent, uint), token_ids), latent.dtype)
     return take(latent, token_ids)
 
 
 def sparse_mla_reference(
-    q: jax.Array, latent: jax.Array, token_ids: jax.Array, *, scale: float,
-    value_width: int | None = None,
+    q: jax.Array, latent: jax.Array, token_ids: jax.Array, latent_scale: jax.Array | None = None,
+    *, scale: float, value_width: int | None = None,
 ) -> jax.Array:
     """Plain-jnp sparse attention.
 
@@ -106,6 +113,7 @@ def sparse_mla_reference(
         shared by every batch row (the paged cache's flat pool).
       token_ids: ``[B, Q, W]`` int32 selected token ids (slots of ``latent``'s ``L``
         axis), ``-1`` = none.
+      latent_scale: ``[B or 1, L]`` float32 row scales of an fp8 ``latent``, else None.
       scale: softmax scale (``qk_head_dim**-0.5``, with YaRN's ``mscale**2`` if any).
       value_width: ``V``, the leading columns of a row that are values (``None``: all
         ``CR``; ``kv_lora_rank`` with RoPE).
@@ -120,28 +128,29 @@ def sparse_mla_reference(
     kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     kv = jnp.where(valid[..., None], kv, 0.0)
-    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI) * scale
-    p = masked_softmax(s, valid[:, :, None, :])
+    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI)
+    if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
+        row_scale = gather_rows(latent_scale.astype(jnp.float32)[..., None], safe)[..., 0]
+        row_scale = jnp.where(valid, row_scale, 0.0)[:, :, None, :]  # [B, Q, 1, W]
+        s = s * row_scale
+    p = masked_softmax(s * scale, valid[:, :, None, :])
+    if latent_scale is not None:
+        p = p * row_scale
     o = jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
     return o.astype(q.dtype)
 
 
 def sparse_mla(
-    q: jax.Array,
-    latent: jax.Array,
-    token_ids: jax.Array,
-    *,
-    scale: float,
-    value_width: int | None = None,
-    implementation: Implementation = "xla",
+    q: jax.Array, latent: jax.Array, token_ids: jax.Array, latent_scale: jax.Array | None = None,
+    *, scale: float, value_width: int | None = None, implementation: Implementation = "xla",
     block_sizes: SparseMlaBlockSizes | MosaicSparseMlaBlockSizes | None = None,
 ) -> jax.Array:
     """Sparse absorbed MLA; see the module doc. Shapes as ``sparse_mla_reference``:
     ``q [B, Q, H, CR]``, ``latent [B or 1, L, CR]``, ``token_ids [B, Q, W]`` ->
-    ``[B, Q, H, V]`` (``V = value_width``, default ``CR``). ``block_sizes`` (validated under
-    every implementation) tiles the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a
-    ``MosaicSparseMlaBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
-    defaults)."""
+    ``[B, Q, H, V]`` (``V = value_width``, default ``CR``); ``latent_scale [B or 1, L]``
+    with an fp8 ``latent``. ``block_sizes`` (validated under every implementation) tiles
+    the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a ``MosaicSparseMlaBlockSizes``
+    for ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
     implementation = resolve_implementation(implementation)
     mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
         implementation == "xla" and isinstance(block_sizes, MosaicSparseMlaBlockSizes))
@@ -161,27 +170,24 @@ def sparse_mla(
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
     v = check_value_width(value_width, cr)
+    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
     if implementation == "xla":
-        return sparse_mla_reference(q, latent, token_ids, scale=scale, value_width=v)
-    if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # see the module doc
-        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
-        mosaic, blocks = False, SparseMlaBlockSizes()
+        return sparse_mla_reference(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
+    if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: see the module doc
+        implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
     if mosaic:
         return _sparse_mla_mosaic(
             q, latent, token_ids, scale=scale, value_width=v,
             interpret=implementation == "mosaic_interpret", block_sizes=blocks,
         )
     return _sparse_mla_pallas(
-        q, latent, token_ids, scale=scale, value_width=v,
+        q, latent, token_ids, latent_scale, scale=scale, value_width=v,
         interpret=implementation == "pallas_interpret",
         block_sizes=blocks.resolve(q.shape, token_ids.shape[2]),
     )
 
 
-# ---------------------------------------------------------------------------------------
-# Pallas kernel (Triton backend)
-# ---------------------------------------------------------------------------------------
-#
+# ------------------------------------------------------------- Pallas kernel (Triton backend)
 # Grid: (B*Q*head_blocks, num_splits). One program owns one (batch, query) row and a block
 # of ``block_h`` heads (head blocks of the same row are adjacent program ids, so they run
 # together and share the gathered latent rows through L2), and one of ``num_splits``
@@ -205,6 +211,8 @@ def sparse_mla(
 #    accumulated). Columns past CR are masked to 0. A chunk straddling the value boundary
 #    (``V`` not a multiple of ``block_c``) is accumulated whole: its columns ``[V, n_v *
 #    block_c)`` (``k_rot`` or padding) land in output columns that the wrapper cuts off.
+#    fp8 rows: e4m3 chunks converted to q's 16-bit dtype (exact) or f32; the block's row
+#    scales (one masked load) multiply the scores before ``scale`` and ``p`` before ``p @ kv``.
 # 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
 #    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
 #
@@ -260,11 +268,12 @@ def _dot_nn(a, b):
 
 
 def _sparse_mla_kernel(
-    ids_ref, q_ref, lat_ref, *out_refs,
-    scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c,
+    ids_ref, q_ref, lat_ref, *refs,
+    scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c, fp8,
 ):
     # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, CR] (this row's batch, or
-    # the shared pool); outputs n_v*block_c columns wide.
+    # the shared pool), with fp8 rows then scale_ref [L]; outputs n_v*block_c columns wide.
+    scale_ref, out_refs = (refs[0], refs[1:]) if fp8 else (None, refs)
     split = pl.program_id(1)
     f32 = jnp.float32
 
@@ -286,7 +295,8 @@ def _sparse_mla_kernel(
     hi = (split + 1) * n_blocks // num_splits
 
     qs = [q_ref[:, pl.ds(c * block_c, block_c)] for c in range(n_c)]
-    kv_dtype = lat_ref.dtype
+    # fp8 rows are converted (exactly) to the query's 16-bit dtype, or float32, for the dots.
+    kv_dtype = key_dot_dtype(q_ref.dtype) if fp8 else lat_ref.dtype
     col_ok = [c * block_c + jnp.arange(block_c, dtype=jnp.int32) < latent_c for c in range(n_c)]
     cols = [jnp.minimum(c * block_c + jnp.arange(block_c, dtype=jnp.int32), latent_c - 1)
             for c in range(n_c)]
@@ -302,17 +312,20 @@ def _sparse_mla_kernel(
         for c in range(n_c):
             kv = plgpu.load(
                 lat_ref.at[rows[:, None], cols[c][None, :]],
-                mask=ok[:, None] & col_ok[c][None, :], other=0,
-            )
+                mask=ok[:, None] & col_ok[c][None, :], other=0.0 if fp8 else 0,  # Triton: no i32 -> e4m3
+            ).astype(kv_dtype)
             kvs.append(kv)
             s += _dot_nt(qs[c], kv)
+        if fp8:  # each row's scale on its score (0 where masked: never read)
+            row_scale = plgpu.load(scale_ref.at[rows], mask=ok, other=0.0)
+            s = s * row_scale[None, :]
         s = jnp.where(ok[None, :], s * scale, -jnp.inf)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)
         alpha = jnp.exp(m_prev - m_safe)  # 0 while m_prev is -inf
         p = jnp.exp(s - m_safe[:, None])  # 0 at masked slots
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = p.astype(kv_dtype)
+        pv = (p * row_scale[None, :] if fp8 else p).astype(kv_dtype)
         accs = tuple(  # the value chunks only: zip stops at the n_v accumulators
             alpha[:, None] * acc + _dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
         )
@@ -336,17 +349,6 @@ def _sparse_mla_kernel(
             plgpu.store(acc_ref.at[:, pl.ds(c * block_c, block_c)], acc)
         plgpu.store(m_ref.at[:], m_i)
         plgpu.store(l_ref.at[:], l_i)
-
-
-def _combine_splits(acc, m, l):
-    """Merge per-split partials ``acc [..., num_splits, H, V]``, ``m, l [..., num_splits, H]``
-    (f32)."""
-    m_all = jnp.max(m, axis=-2, keepdims=True)
-    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
-    denom = jnp.sum(w * l, axis=-2)
-    num = jnp.sum(w[..., None] * acc, axis=-3)
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +413,8 @@ _sparse_mla_mosaic = eager_jit("scale", "value_width", "interpret", "block_sizes
 
 @eager_jit("scale", "value_width", "interpret", "block_sizes")
 def _sparse_mla_pallas(
-    q, latent, token_ids, *, scale, value_width, interpret, block_sizes: SparseMlaBlockSizes,
+    q, latent, token_ids, latent_scale, *, scale, value_width, interpret,
+    block_sizes: SparseMlaBlockSizes,
 ):
     """Pallas attention with the resolved ``block_sizes`` (every field set) and ``V =
     value_width`` (checked)."""
@@ -449,6 +452,7 @@ def _sparse_mla_pallas(
     kernel = functools.partial(
         _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c, n_v=n_v,
         block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
+        fp8=latent_scale is not None,
     )
     shared = latent.shape[0] == 1  # one pool for every batch row: always block 0
     in_specs = [
@@ -459,6 +463,11 @@ def _sparse_mla_pallas(
             (lambda i, s: (0, 0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0, 0)),
         ),
     ]
+    operands = [ids, q, latent]
+    if latent_scale is not None:  # the rows' scales, blocked as the rows
+        in_specs.append(pl.BlockSpec(
+            (None, length), (lambda i, s: (0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0))))
+        operands.append(latent_scale.astype(jnp.float32))
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype)
         out_specs = pl.BlockSpec((None, block_h, v_pad), lambda i, s: (i // n_h, i % n_h, 0))
@@ -484,7 +493,7 @@ def _sparse_mla_pallas(
         ),
         interpret=interpret,
         name="sparse_mla",
-    )(ids, q, latent)
+    )(*operands)
     if num_splits > 1:
-        out = _combine_splits(*out).astype(q_dtype)
+        out = combine_splits(*out).astype(q_dtype)
     return out[:, :h, :v].reshape(b, nq, h, v)

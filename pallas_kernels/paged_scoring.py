@@ -12,6 +12,8 @@ pages per sequence, ``PPP`` pools per page). The paged layout (the paged cache's
   at 0 with no holes, so pools start at ``first_key = 0``.
 * ``pool_counts [B]``: the sequence's complete pools (its pools ``[0, pool_counts[b])``
   are written).
+* fp8 keys: ``pooled_pages`` in ``float8_e4m3fn`` with ``pooled_scale [N, PPP]`` (float32,
+  one per pool, paged with it), applied as ``index_scores`` applies its ``pooled_scale``.
 
 Invariants:
 
@@ -49,13 +51,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_rank, eager_jit,
-    next_power_of_two, resolve_implementation,
+    next_power_of_two, resolve_implementation, without_mosaic,
 )
 from pallas_kernels.mosaic_scoring import (
     MosaicIndexScoresBlockSizes, mosaic_index_scores_paged, mosaic_takes,
 )
 from pallas_kernels.scoring import (
-    IndexScoresBlockSizes, index_scores_reference, score_rows, write_dead_tile,
+    FP8, IndexScoresBlockSizes, check_key_scale, index_scores_reference, key_dot_dtype, score_rows,
+    write_dead_tile,
 )
 
 __all__ = ["index_scores_paged", "index_scores_paged_reference", "gather_pools"]
@@ -78,16 +81,18 @@ def gather_pools(pooled_pages: jax.Array, block_table: jax.Array) -> jax.Array:
     sequence's pools in order; a pool whose page entry is ``-1`` (or out of range) is zeros
     and is never read (``jnp.take(..., mode="fill")`` on a slot past the pool).
 
-    16-bit floats are gathered through their bits (as ``attention.gather_rows``): XLA:CPU
-    would otherwise convert the whole pool to float32 first.
+    8- and 16-bit floats are gathered through their bits (as ``attention.gather_rows``):
+    XLA:CPU would otherwise convert the whole pool to a wider float first. ``pooled_pages``
+    may also be ``[N, PPP]`` (the fp8 scales), giving ``[B, PG * PPP]``.
     """
-    n_pages, ppp, d = pooled_pages.shape
-    flat = pooled_pages.reshape(n_pages * ppp, d)
+    n_pages, ppp = pooled_pages.shape[:2]
+    flat = pooled_pages.reshape((n_pages * ppp,) + pooled_pages.shape[2:])
     slots, _ = _pool_slots(pooled_pages, block_table)
     take = lambda x: jnp.take(x, slots, axis=0, mode="fill", fill_value=0)
-    if jnp.issubdtype(flat.dtype, jnp.floating) and flat.dtype.itemsize == 2:
+    if jnp.issubdtype(flat.dtype, jnp.floating) and flat.dtype.itemsize in (1, 2):
         bits = jax.lax.bitcast_convert_type
-        return bits(take(bits(flat, jnp.uint16)), flat.dtype)
+        uint = jnp.uint8 if flat.dtype.itemsize == 1 else jnp.uint16
+        return bits(take(bits(flat, uint)), flat.dtype)
     return take(flat)
 
 
@@ -98,11 +103,13 @@ def index_scores_paged_reference(
     block_table: jax.Array,
     pool_counts: jax.Array,
     q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
     *,
     kpool: int,
 ) -> jax.Array:
-    """Plain-jnp paged scores: ``gather_pools`` then ``index_scores_reference`` with
-    ``first_key = 0`` and ``pool_valid = owned & (p < pool_counts[b])``.
+    """Plain-jnp paged scores: ``gather_pools`` (of the keys and of their fp8 scales) then
+    ``index_scores_reference`` with ``first_key = 0`` and ``pool_valid = owned & (p <
+    pool_counts[b])``.
 
     Args:
       q: ``[B, Q, Hi, D]`` indexer queries.
@@ -111,6 +118,7 @@ def index_scores_paged_reference(
       block_table: ``[B, PG]`` int32 page of each ``page_size`` tokens, ``-1`` = none.
       pool_counts: ``[B]`` int32 complete pools of each sequence.
       q_pos: ``[B, Q]`` int32 position of each query in its sequence, ``-1`` = padding.
+      pooled_scale: ``[N, PPP]`` float32 scale of each pool when ``pooled_pages`` is fp8.
       kpool: tokens per pool.
 
     Returns:
@@ -120,8 +128,9 @@ def index_scores_paged_reference(
     pool = jnp.arange(owned.shape[1], dtype=jnp.int32)
     pool_valid = owned & (pool[None, :] < pool_counts.astype(jnp.int32)[:, None])
     first_key = jnp.zeros(block_table.shape[:1], jnp.int32)
+    scale = None if pooled_scale is None else gather_pools(pooled_scale, block_table)
     return index_scores_reference(
-        q, w, gather_pools(pooled_pages, block_table), pool_valid, first_key, q_pos,
+        q, w, gather_pools(pooled_pages, block_table), pool_valid, first_key, q_pos, scale,
         kpool=kpool,
     )
 
@@ -133,16 +142,18 @@ def index_scores_paged(
     block_table: jax.Array,
     pool_counts: jax.Array,
     q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
     *,
     kpool: int,
     implementation: Implementation = "xla",
     block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
 ) -> jax.Array:
     """Indexer scores over paged pooled keys; see the module doc. Shapes as
-    ``index_scores_paged_reference``; ``block_sizes`` (validated under every
-    implementation) tiles the kernel as it tiles ``index_scores``': an
-    ``IndexScoresBlockSizes`` for ``"pallas"``, a ``MosaicIndexScoresBlockSizes`` for
-    ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
+    ``index_scores_paged_reference`` (``pooled_scale [N, PPP]`` with fp8 keys);
+    ``block_sizes`` (validated under every implementation) tiles the kernel as it tiles
+    ``index_scores``': an ``IndexScoresBlockSizes`` for ``"pallas"``, a
+    ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
+    defaults)."""
     implementation = resolve_implementation(implementation)
     mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
         implementation == "xla" and isinstance(block_sizes, MosaicIndexScoresBlockSizes))
@@ -167,20 +178,20 @@ def index_scores_paged(
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
     if not isinstance(kpool, int) or isinstance(kpool, bool) or kpool < 1:
         raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    check_key_scale("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
     if implementation == "xla":
         return index_scores_paged_reference(
-            q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool
+            q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, kpool=kpool
         )
-    if mosaic and not mosaic_takes(q.dtype, pooled_pages.dtype):  # see the module doc
-        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
-        mosaic, blocks = False, IndexScoresBlockSizes()
+    if mosaic and not mosaic_takes(q.dtype, pooled_pages.dtype):  # float32 or fp8 keys: see the module doc
+        implementation, mosaic, blocks = without_mosaic(implementation), False, IndexScoresBlockSizes()
     if mosaic:
         return _index_scores_paged_mosaic(
             q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,
             interpret=implementation == "mosaic_interpret", block_sizes=blocks,
         )
     return _index_scores_paged_pallas(
-        q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,
+        q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, kpool=kpool,
         interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
 
@@ -214,11 +225,11 @@ _index_scores_paged_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosa
 
 
 def _index_scores_paged_kernel(
-    q_ref, w_ref, keys_ref, bt_ref, counts_ref, qpos_ref,  # inputs
-    out_ref,  # output
-    *, kpool: int, ppp: int, n_slots: int, n_q: int, n_pools: int, heads: int, dim: int,
+    q_ref, w_ref, keys_ref, bt_ref, counts_ref, qpos_ref, *refs,  # inputs [, pscale_ref], output
+    kpool: int, ppp: int, n_slots: int, n_q: int, n_pools: int, heads: int, dim: int,
     block_q: int, block_p: int, block_h: int, block_d: int, dot_dtype,
 ):
+    *pscale_ref, out_ref = refs
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     p0 = p_tile * block_p
     pool = p0 + jnp.arange(block_p, dtype=jnp.int32)
@@ -257,16 +268,19 @@ def _index_scores_paged_kernel(
             mask=jnp.broadcast_to(loaded[:, None] & ch_ok[None, :], kshape),
             other=0.0,
         ).astype(dot_dtype)
+        pscale = None
+        if pscale_ref:  # fp8 keys: each loaded pool's scale (0 where not loaded: no candidate)
+            pscale = plgpu.load(pscale_ref[0].at[slot], mask=loaded, other=0.0)
 
         # 3. index_scores' arithmetic per query (the same function as index_scores').
-        score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, (pool + 1) * kpool - 1, b=b,
+        score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, (pool + 1) * kpool - 1, pscale, b=b,
                    pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim,
                    block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
 
 
 @eager_jit("kpool", "interpret", "block_sizes")
 def _index_scores_paged_pallas(
-    q, w, pooled_pages, block_table, pool_counts, q_pos, *, kpool, interpret,
+    q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, *, kpool, interpret,
     block_sizes: IndexScoresBlockSizes,
 ):
     """Pallas paged scores, tiled by ``block_sizes``."""
@@ -277,14 +291,16 @@ def _index_scores_paged_pallas(
     if heads < 1 or dim < 1:
         raise ValueError(f"the Pallas index_scores_paged needs Hi, D >= 1, got Hi={heads}, D={dim}")
     for name, x in (("q", q), ("pooled_pages", pooled_pages), ("w", w)):
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in _FLOAT_DTYPES and not (name == "pooled_pages" and x.dtype == FP8):
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
     if b == 0 or n_q == 0 or n_pools == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
     if n_slots == 0:  # no page at all: nothing is a candidate
         return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
 
-    if q.dtype == pooled_pages.dtype and q.dtype != jnp.float32:
+    if pooled_pages.dtype == FP8:
+        dot_dtype = key_dot_dtype(q.dtype)
+    elif q.dtype == pooled_pages.dtype and q.dtype != jnp.float32:
         dot_dtype = q.dtype
     else:
         dot_dtype = jnp.float32
@@ -308,4 +324,5 @@ def _index_scores_paged_pallas(
     )(
         q, w.astype(jnp.float32), pooled_pages.reshape(n_slots, dim),
         block_table.astype(jnp.int32), pool_counts.astype(jnp.int32), q_pos.astype(jnp.int32),
+        *(() if pooled_scale is None else (pooled_scale.reshape(n_slots).astype(jnp.float32),)),
     )

@@ -13,6 +13,13 @@ Invariants:
   must see ``w * 0 < 0`` and ``0`` as the same score.
 * Block sizes (``IndexScoresBlockSizes``) change the tiling only; within a pool tile, the
   head sum's order is the kernel's own (see the float tolerance of the tests).
+* fp8 keys: with ``pooled_scale [B, P]`` (float32, one per pool) ``pooled`` is
+  ``float8_e4m3fn`` and the key of pool ``p`` is ``pooled[b, p] * pooled_scale[b, p]``
+  (``glm5_dsa_jax.fp8``). The scale multiplies the head-summed score, after the ReLU:
+  ``score = pooled_scale[b, p] * sum_h w * relu((q . k8) * D**-0.5)``, equal to the score
+  of the dequantised key because a scale is positive. The e4m3 key is converted to the
+  query's dtype (exact for bf16 / f16, whose products stay exact in float32) inside the
+  kernel; the reference does the same conversion, the same dot and the same order.
 * Work follows the queries' positions: a Pallas program whose pool tile lies wholly past
   what its queries can see (``first_key + (p + 1)*KP - 1 > q_pos`` for every pool and
   query of the tile) loads no key and writes ``-inf``, so a cache sized for a long
@@ -40,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two, resolve_implementation,
+    check_triton_params, eager_jit, next_power_of_two, resolve_implementation, without_mosaic,
 )
 from pallas_kernels.mosaic_scoring import (
     MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
@@ -48,7 +55,7 @@ from pallas_kernels.mosaic_scoring import (
 
 __all__ = [
     "index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token",
-    "MosaicIndexScoresBlockSizes",
+    "MosaicIndexScoresBlockSizes", "key_dot_dtype",
 ]
 
 
@@ -107,6 +114,7 @@ def index_scores_reference(
     pool_valid: jax.Array,
     first_key: jax.Array,
     q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
     *,
     kpool: int,
 ) -> jax.Array:
@@ -119,6 +127,8 @@ def index_scores_reference(
       pool_valid: ``[B, P]`` bool.
       first_key: ``[B]`` int32.
       q_pos: ``[B, Q]`` int32 token position of each query, ``-1`` for a padding query.
+      pooled_scale: ``[B, P]`` float32 scale of each pool when ``pooled`` is fp8 (e4m3),
+        else None.
       kpool: tokens per pool.
 
     Returns:
@@ -128,7 +138,7 @@ def index_scores_reference(
     # Products of 16-bit floats are exact in float32, so a dot in the inputs' dtype with a
     # float32 accumulator is the float32 computation (up to summation order) without
     # converting the whole pooled cache to float32 on every step.
-    dt = jnp.promote_types(q.dtype, pooled.dtype)
+    dt = key_dot_dtype(q.dtype) if pooled_scale is not None else jnp.promote_types(q.dtype, pooled.dtype)
     s = jnp.einsum(
         "bqhd,bpd->bqhp", q.astype(dt), pooled.astype(dt),
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
@@ -137,6 +147,8 @@ def index_scores_reference(
     score = jnp.einsum(
         "bqh,bqhp->bqp", w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST
     )
+    if pooled_scale is not None:  # fp8 keys: the pool's scale, after the head sum
+        score = score * pooled_scale.astype(jnp.float32)[:, None, :]
     return finish_scores(score, pool_valid, first_key, q_pos, kpool)
 
 
@@ -147,15 +159,17 @@ def index_scores(
     pool_valid: jax.Array,
     first_key: jax.Array,
     q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
     *,
     kpool: int,
     implementation: Implementation = "xla",
     block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
 ) -> jax.Array:
-    """Indexer scores; see the module doc. Shapes as ``index_scores_reference``;
-    ``block_sizes`` (validated under every implementation) tiles the kernel: an
-    ``IndexScoresBlockSizes`` for ``"pallas"``, a ``MosaicIndexScoresBlockSizes`` for
-    ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
+    """Indexer scores; see the module doc. Shapes as ``index_scores_reference``
+    (``pooled_scale [B, P]`` with fp8 ``pooled``); ``block_sizes`` (validated under every
+    implementation) tiles the kernel: an ``IndexScoresBlockSizes`` for ``"pallas"``, a
+    ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
+    defaults)."""
     implementation = resolve_implementation(implementation)
     mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
         implementation == "xla" and isinstance(block_sizes, MosaicIndexScoresBlockSizes))
@@ -174,18 +188,19 @@ def index_scores(
         raise ValueError(f"first_key must be [B] = ({b},), got {tuple(first_key.shape)}")
     if q_pos.shape != (b, nq):
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
+    check_key_scale("pooled", pooled, "pooled_scale", pooled_scale, "[B, P]")
     if implementation == "xla":
-        return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool)
-    if mosaic and not mosaic_takes(q.dtype, pooled.dtype):  # see the module doc
-        implementation = {"mosaic": "pallas", "mosaic_interpret": "pallas_interpret"}[implementation]
-        mosaic, blocks = False, IndexScoresBlockSizes()
+        return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, pooled_scale,
+                                      kpool=kpool)
+    if mosaic and not mosaic_takes(q.dtype, pooled.dtype):  # float32 or fp8 keys: see the module doc
+        implementation, mosaic, blocks = without_mosaic(implementation), False, IndexScoresBlockSizes()
     if mosaic:
         return _index_scores_mosaic(
             q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
             interpret=implementation == "mosaic_interpret", block_sizes=blocks,
         )
     return _index_scores_pallas(
-        q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
+        q, w, pooled, pool_valid, first_key, q_pos, pooled_scale, kpool=kpool,
         interpret=implementation == "pallas_interpret", block_sizes=blocks,
     )
 
@@ -209,15 +224,18 @@ def index_scores(
 # Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
 # accumulator (their products are exact in f32, as in the reference's f32 einsum); any
 # other combination is cast to float32 and multiplied with ``allow_tf32=False`` (IEEE
-# f32, not TF32), like the reference's ``Precision.HIGHEST``.
+# f32, not TF32), like the reference's ``Precision.HIGHEST``. fp8 (e4m3) keys are
+# converted to the query's 16-bit dtype (exact) or float32 after the load, and the tile's
+# pool scales (one load of ``block_p`` floats) multiply the head-summed score row; Triton
+# converts e4m3 from compute capability 8.9 (``glm5_dsa_jax.fp8.check_readable``).
 
 
 def _index_scores_kernel(
-    q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref,  # inputs
-    out_ref,  # output
-    *, kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
+    q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, *refs,  # inputs [, pscale_ref], output
+    kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
     block_p: int, block_h: int, block_d: int, dot_dtype,
 ):
+    *pscale_ref, out_ref = refs
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pool = p_tile * block_p + jnp.arange(block_p, dtype=jnp.int32)
     pool_in = pool < n_pools
@@ -236,13 +254,13 @@ def _index_scores_kernel(
 
     @pl.when(p_tile * block_p < seen)
     def _live_tile():
-        _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref, b=b,
+        _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, pscale_ref, out_ref, b=b,
                     pool=pool, t0=t0, n_rows=n_rows, kpool=kpool, n_pools=n_pools,
                     heads=heads, dim=dim, block_p=block_p, block_h=block_h, block_d=block_d,
                     dot_dtype=dot_dtype)
 
 
-def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref, *, b, pool,
+def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, pscale_ref, out_ref, *, b, pool,
                 t0, n_rows, kpool, n_pools, heads, dim, block_p, block_h, block_d, dot_dtype):
     """One live tile: load its pooled keys once, then score its queries one by one."""
     pool_in = pool < n_pools
@@ -262,8 +280,9 @@ def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, out_ref,
     ).astype(dot_dtype)
     pool_valid = plgpu.load(pvalid_ref.at[b, pool_safe]) != 0
     last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
+    pscale = plgpu.load(pscale_ref[0].at[b, pool_safe]) if pscale_ref else None
 
-    score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, pool_valid, last, b=b, pool=pool,
+    score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, pool_valid, last, pscale, b=b, pool=pool,
                pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim, block_h=block_h,
                block_d=block_d, dot_dtype=dot_dtype)
 
@@ -277,11 +296,12 @@ def write_dead_tile(out_ref, *, b, pool, pool_in, t0, n_rows):
                     mask=pool_in)
 
 
-def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, *, b, pool, pool_in, t0,
-               n_rows, heads, dim, block_h, block_d, dot_dtype):
+def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b, pool, pool_in,
+               t0, n_rows, heads, dim, block_h, block_d, dot_dtype):
     """Score a loaded ``[block_p, block_d]`` key tile for queries ``t0 .. t0 + n_rows - 1``
     of row ``b``: per query one ``[Hi, D] x [D, block_p]`` dot, ReLU, the head weights, the
-    head sum, then ``finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
+    head sum, times the pools' fp8 scales ``pscale [block_p]`` (None: no scale), then
+    ``finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
     ``loaded`` or whose ``last`` token is after the query -> ``-inf``). Shared with
     ``paged_scoring``, so both kernels do the same arithmetic."""
     f32 = jnp.float32
@@ -306,19 +326,45 @@ def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, *, b, pool, 
         s = s * scale
         s = jnp.where(s < 0.0, 0.0, s)  # ReLU that keeps NaN, like jax.nn.relu
         score = jnp.sum(wt[:, None] * s, axis=0)  # padded heads have w = 0
+        if pscale is not None:
+            score = score * pscale
         score = jnp.where(score == 0.0, 0.0, score)
         cand = loaded & (last <= qpos_ref[b, t]) & (score == score)
         plgpu.store(out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in)
 
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+def key_dot_dtype(q_dtype):
+    """The dtype fp8 keys are converted to for the dot with queries of ``q_dtype``: a
+    16-bit float itself (e4m3 -> bf16 / f16 is exact, and so are their products in
+    float32), else float32."""
+    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
+def check_key_scale(name, keys, scale_name, scale, shape_doc):
+    """``scale`` (float, ``keys.shape[:2]``) must come with e4m3 ``keys`` and only with
+    them; else ``ValueError`` naming both and the sizes (shared with the paged scores and
+    ``sparse_mla``)."""
+    if (scale is None) != (keys.dtype != FP8):
+        raise ValueError(
+            f"{scale_name} must be given exactly when {name} is {FP8.name} (fp8); got {name} "
+            f"{keys.dtype} and {scale_name} {None if scale is None else tuple(scale.shape)}")
+    if scale is not None:
+        if tuple(scale.shape) != tuple(keys.shape[:2]):
+            raise ValueError(f"{scale_name} must be {shape_doc} = {tuple(keys.shape[:2])}, got "
+                             f"{tuple(scale.shape)}")
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise ValueError(f"{scale_name} must be float, got dtype {scale.dtype}")
 
 _index_scores_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores)
 
 
 @eager_jit("kpool", "interpret", "block_sizes")
 def _index_scores_pallas(
-    q, w, pooled, pool_valid, first_key, q_pos, *, kpool, interpret,
+    q, w, pooled, pool_valid, first_key, q_pos, pooled_scale, *, kpool, interpret,
     block_sizes: IndexScoresBlockSizes,
 ):
     """Pallas scores, tiled by ``block_sizes`` (see ``IndexScoresBlockSizes``)."""
@@ -331,7 +377,7 @@ def _index_scores_pallas(
             f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
         )
     for name, x in (("q", q), ("pooled", pooled), ("w", w)):
-        if x.dtype not in _FLOAT_DTYPES:
+        if x.dtype not in _FLOAT_DTYPES and not (name == "pooled" and x.dtype == FP8):
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
     if pool_valid.dtype != jnp.bool_:
         raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
@@ -341,7 +387,9 @@ def _index_scores_pallas(
     if b == 0 or n_q == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
 
-    if q.dtype == pooled.dtype and q.dtype != jnp.float32:
+    if pooled.dtype == FP8:
+        dot_dtype = key_dot_dtype(q.dtype)
+    elif q.dtype == pooled.dtype and q.dtype != jnp.float32:
         dot_dtype = q.dtype
     else:
         dot_dtype = jnp.float32
@@ -364,4 +412,5 @@ def _index_scores_pallas(
     )(
         q, w.astype(jnp.float32), pooled, pool_valid.astype(jnp.int8),
         first_key.astype(jnp.int32), q_pos.astype(jnp.int32),
+        *(() if pooled_scale is None else (pooled_scale.astype(jnp.float32),)),
     )

@@ -109,7 +109,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "glm5_dsa_jax.gpu_compile.targets", "glm5_dsa_jax.gpu_compile.ptxas", "pallas_kernels._common"),
     ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks
     ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
-    ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops"),  # how a step runs on a mesh; layer math
+    ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops", "glm5_dsa_jax.fp8"),  # how a step runs on a mesh; layer math; fp8 rows
     ("glm5_dsa_jax.param_init", "glm5_dsa_jax.pages"),  # parameters from the table; page bookkeeping
     ("glm5_dsa_jax.indexer",),  # the indexer's parameters and projections
     ("glm5_dsa_jax.cache",),
