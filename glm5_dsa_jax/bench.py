@@ -38,7 +38,10 @@ sized to for ``dense_fit``; the context for HF). A paged cache of capacity ``T``
 exactly the tokens a contiguous one of ``T`` slots per sequence does (``T / PAGE_SIZE``
 pages per sequence, ``batch`` times that in the pool), so the two kinds' rows compare
 like for like. ``cache_bytes_per_token`` is the sparse row's cache size divided by its
-batch size and capacity (block tables and free stack included for a paged cache).
+batch size and capacity (block tables and free stack included for a paged cache). Each row
+names its cache dtype (``cache_dtype``): ``run``'s ``cache_dtype`` (``--cache-dtype fp8``)
+applies to the sparse rows (and ``sparse_attn``); the dense rows stay bf16, the baseline
+an fp8 cache is measured against.
 
 The weight-read floor: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
@@ -61,9 +64,10 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cache import from_store, to_store
+from glm5_dsa_jax.cache import check_cache_dtype, from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.fp8 import quantize_rows
 from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
 from glm5_dsa_jax.paged_cache import PagedCache
 from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
@@ -78,12 +82,15 @@ __all__ = ["filled_cache", "filled_paged_cache", "run", "default_capacity", "che
            "PAGE_SIZE", "CACHE_KINDS"]
 
 
-def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0):
-    """A cache holding ``context`` valid tokens of random content, room for ``max_length``."""
+def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0,
+                 dtype=None):
+    """A cache holding ``context`` valid tokens of random content, room for ``max_length``
+    (``dtype``: the cache dtype, default the layer's; an fp8 cache quantises the rows as
+    its writes do)."""
     cfg = layer.cfg
-    cache = layer.init_cache(batch, max_length)
+    cache = layer.init_cache(batch, max_length, dtype=dtype)
     k1, k2 = jax.random.split(jax.random.key(seed))
-    dt = cache.dtype
+    dt = jnp.float32 if cache.is_fp8 else cache.dtype  # float rows; replace() quantises fp8
     latent = jax.random.normal(k1, cache.latent_store.shape, jnp.float32).astype(dt)
     valid = jnp.arange(max_length)[None] < context
     n_pools = context // cfg.index_kpool
@@ -106,7 +113,7 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
 
 
 def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: int,
-                       page_size: int = PAGE_SIZE, seed: int = 0) -> PagedCache:
+                       page_size: int = PAGE_SIZE, seed: int = 0, dtype=None) -> PagedCache:
     """A paged cache of ``batch`` sequences holding ``context`` tokens each of random
     content, room for ``capacity`` tokens per sequence: ``capacity / page_size`` pages per
     sequence and ``batch`` times that in the pool (``capacity`` a multiple of
@@ -118,7 +125,8 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
     ``ceil(context / page_size)`` pages of a random permutation of the pool (so its pages
     are scattered, as after sequences came and went), the rest are on the free stack, and
     the stage holds random keys and gate logits for positions ``context - KP ..
-    context - 1``. The bookkeeping passes ``cache.pages.check()``."""
+    context - 1``. The bookkeeping passes ``cache.pages.check()``. ``dtype``: the cache
+    dtype (default the layer's; fp8 rows are quantised with their scales)."""
     if capacity % page_size:
         raise ValueError(f"capacity must be a multiple of page_size={page_size} for a paged "
                          f"cache, got {capacity}")
@@ -126,7 +134,7 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
         raise ValueError(f"context must be in [0, capacity={capacity}], got {context}")
     pps = capacity // page_size
     n = batch * pps
-    cache = layer.init_paged_cache(batch, n, page_size, pages_per_seq=pps)
+    cache = layer.init_paged_cache(batch, n, page_size, pages_per_seq=pps, dtype=dtype)
     used = -(-context // page_size)
     perm = np.random.default_rng(seed).permutation(n).astype(np.int32)
     table = np.full((batch, pps), -1, np.int32)
@@ -139,16 +147,23 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
         free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32))
     dt = cache.dtype
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-    upd = dict(pages=pages, latent_store=to_store(
-        jax.random.normal(k1, cache.latent_store.shape, dt), dt, cache.latent_store.dtype))
+
+    def rows(key, store):  # random rows as the cache stores them, and their fp8 scales
+        if not cache.is_fp8:
+            return dict(store=to_store(jax.random.normal(key, store.shape, dt), dt, store.dtype))
+        q, scale = quantize_rows(jax.random.normal(key, store.shape, jnp.float32))
+        return dict(store=to_store(q, dt, store.dtype), scale=scale)
+
+    upd = dict(pages=pages)
+    upd.update({f"latent_{k}": v for k, v in rows(k1, cache.latent_store).items()})
     if cache.has_indexer:
         kp = cache.stage_keys.shape[1]
         # The stage is right-aligned: entry i holds position context - KP + i (none if < 0).
         held = (context - kp + jnp.arange(kp) >= 0)[None, :, None]
+        sdt = cache.stage_keys.dtype
+        upd.update({f"pooled_{k}": v for k, v in rows(k2, cache.pooled_store).items()})
         upd.update(
-            pooled_store=to_store(jax.random.normal(k2, cache.pooled_store.shape, dt), dt,
-                                  cache.pooled_store.dtype),
-            stage_keys=jnp.where(held, jax.random.normal(k3, cache.stage_keys.shape, dt), 0).astype(dt),
+            stage_keys=jnp.where(held, jax.random.normal(k3, cache.stage_keys.shape, sdt), 0).astype(sdt),
             stage_gate=jnp.where(held, jax.random.normal(k4, cache.stage_gate.shape, jnp.float32), 0.0))
     return cache.replace(**upd)
 
@@ -293,10 +308,12 @@ def check_capacity(capacity: int, contexts: list[int], iters: int, cache: str = 
 
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
         log=print, hf_max_context: int = 16384, capacity: int | None = None,
-        cache: str = "contiguous") -> dict:
+        cache: str = "contiguous", cache_dtype: str | None = None) -> dict:
     """The benchmark's rows (see the module doc); ``capacity``: cache slots per sequence of
     the sparse, dense and attention rows (None: ``default_capacity``); ``cache``: the
-    sparse rows' cache kind, ``"contiguous"`` or ``"paged"``."""
+    sparse rows' cache kind, ``"contiguous"`` or ``"paged"``; ``cache_dtype``: the sparse
+    and attention rows' cache dtype (None: the layer's, bf16; ``"fp8"``). The dense rows
+    keep a bf16 cache: they are the baseline."""
     if capacity is None:
         capacity = default_capacity(contexts, iters, cache)
     check_capacity(capacity, contexts, iters, cache)
@@ -309,7 +326,9 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     dense_step, dense_params, dense_traces = _dense_layer_step(layer, wide=step.float32)
     # The weights as the step reads them (the float32 copies on a CPU).
     w_eb = max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step.compute_params(params)))
-    cache_eb = jnp.dtype(layer.dtype).itemsize
+    cache_dtype = check_cache_dtype(layer.dtype if cache_dtype is None else cache_dtype)
+    # Floors count the rows' own bytes (an fp8 row's 4-byte scale, < 1 %, is not counted).
+    cache_eb, dense_eb = cache_dtype.itemsize, jnp.dtype(layer.dtype).itemsize
     bw = read_bandwidth()
     log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); step weights "
         f"{weight_bytes(cfg, w_eb) / 1e6:.1f} MB ({'float32 copies' if step.float32 else layer.param_dtype})")
@@ -318,11 +337,11 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         if impl == "sparse":
             n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
         elif impl in ("dense", "dense_fit"):
-            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_lora_rank * cache_eb
+            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_lora_rank * dense_eb
         elif impl == "sparse_attn":
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
         elif impl == "dense_attn":
-            n = b * ctx * cfg.kv_lora_rank * cache_eb
+            n = b * ctx * cfg.kv_lora_rank * dense_eb
         else:
             return {}
         return dict(floor_bytes=int(n), floor_ms=n / bw * 1e3)
@@ -335,15 +354,17 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         max_length = capacity
         x = jax.random.normal(key, (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
         mask = jnp.ones((b, 1), bool)
-        shapes = jax.eval_shape(lambda: fill(layer, b, contexts[0], max_length))
+        shapes = jax.eval_shape(lambda: fill(layer, b, contexts[0], max_length, dtype=cache_dtype))
         traces0, dense_compiles = step.traces, {}
         step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
         for ctx in contexts:
-            kv = fill(layer, b, ctx, max_length)
+            kv = fill(layer, b, ctx, max_length, dtype=cache_dtype)
             if bytes_per_token is None:
                 bytes_per_token = kv.nbytes() / (b * max_length)
-            if not paged:
-                rows.extend(_attention_rows(layer, kv, b, ctx, iters, log, max_length))
+            if not paged:  # dense attention over a bf16 cache of the same tokens: the baseline
+                dense_kv = filled_cache(layer, b, ctx, max_length) if kv.is_fp8 else kv
+                rows.extend(_attention_rows(layer, kv, dense_kv, b, ctx, iters, log, max_length))
+                del dense_kv
             # Dense on the sparse row's capacity (one compilation across contexts), then
             # its best case, a cache sized to this context (a compilation per context).
             for impl, cap in (("dense", max_length), ("dense_fit", ctx + iters + 2)):
@@ -357,15 +378,15 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                 compiles = dense_compiles[impl] if impl == "dense" else dense_traces["n"] - n0
                 rows.append(dict(impl=impl, batch=b, context=ctx, median_ms=t_dense,
                                  compiles=compiles, peak_bytes=dense_peak, cache="contiguous",
-                                 capacity=cap))
+                                 capacity=cap, cache_dtype=jnp.dtype(layer.dtype).name))
                 log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
                     f"compiles={compiles}")
             t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), kv, iters)
             rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
                              compiles=step.traces - traces0, peak_bytes=step_peak,
-                             cache=cache, capacity=max_length))
+                             cache=cache, capacity=max_length, cache_dtype=cache_dtype.name))
             log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t_sparse:9.2f} ms  "
-                f"compiles={step.traces - traces0}  ({cache} cache)")
+                f"compiles={step.traces - traces0}  ({cache} {cache_dtype.name} cache)")
             del kv
         if b == 1:
             for ctx in [c for c in contexts if c <= hf_max_context]:
@@ -374,6 +395,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                     log("hf      skipped: transformers (torch) is not installed")
                     break
                 rows.append(dict(impl="hf", batch=1, context=ctx, median_ms=t_hf, compiles=0, peak_bytes=-1,
+                                 cache_dtype="bfloat16",
                                  cache="dynamic", capacity=ctx))
                 log(f"hf      B=1  ctx={ctx:<7} {t_hf:9.2f} ms  (eager Glm5NextTextAttention, bf16)")
     for r in rows:
@@ -381,15 +403,16 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
-            "cache": cache,
+            "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "float32_compute": bool(step.float32),
             "weight_bytes_step": weight_bytes(cfg, w_eb),
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
 
-def _attention_rows(layer, cache, b, ctx, iters, log, capacity):
-    """The attention part alone: selection + sparse MLA, against dense masked MLA."""
+def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
+    """The attention part alone: selection + sparse MLA on ``cache``, against dense masked
+    MLA on ``dense_cache`` (the same tokens; bf16 when ``cache`` is fp8)."""
     cfg = layer.cfg
     impl = layer.implementation
     k = jax.random.key(2)
@@ -403,12 +426,13 @@ def _attention_rows(layer, cache, b, ctx, iters, log, capacity):
     @jax.jit
     def sparse(q_lat, qi, w, cache):
         s = pk.index_scores(qi, w, cache.pooled, cache.pool_valid, cache.first_key, pos,
-                            kpool=cfg.index_kpool, implementation=impl)
+                            cache.pooled_scale, kpool=cfg.index_kpool, implementation=impl)
         pools = pk.topk_pools(s, select_k, implementation=impl)
         tail = pk.visible_tail(cache.first_key, n_vis, pos, cache.key_valid, cfg.index_kpool) if cfg.tail_width else None
         ids = pk.expand_selection(pools, cache.first_key, tail, kpool=cfg.index_kpool,
                                   out_width=cfg.out_width, implementation=impl)
-        return pk.sparse_mla(q_lat, cache.latent, ids, scale=cfg.softmax_scale, implementation=impl)
+        return pk.sparse_mla(q_lat, cache.latent, ids, cache.latent_scale, scale=cfg.softmax_scale,
+                             implementation=impl)
 
     @jax.jit
     def dense(q_lat, cache):
@@ -417,7 +441,8 @@ def _attention_rows(layer, cache, b, ctx, iters, log, capacity):
         return pk.mla_masked_attention(q_lat, cache.latent[:, :ctx], mask, scale=cfg.softmax_scale)
 
     ts = _time(sparse, (q_lat, qi, w, cache), iters)
-    td = _time(dense, (q_lat, cache), iters)
+    td = _time(dense, (q_lat, dense_cache), iters)
     log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)")
     common = dict(batch=b, context=ctx, compiles=1, peak_bytes=-1, cache="contiguous", capacity=capacity)
-    return [dict(impl="sparse_attn", median_ms=ts, **common), dict(impl="dense_attn", median_ms=td, **common)]
+    return [dict(impl="sparse_attn", median_ms=ts, cache_dtype=cache.dtype.name, **common),
+            dict(impl="dense_attn", median_ms=td, cache_dtype=dense_cache.dtype.name, **common)]

@@ -45,7 +45,8 @@ def test_bench_decode_json(capsys):
     res = json.loads(capsys.readouterr().out)
     rows = res["rows"]
     assert {r["impl"] for r in rows} >= {"sparse", "dense", "dense_fit"}
-    base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes", "cache", "capacity"}
+    base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes", "cache", "capacity",
+            "cache_dtype"}
     floor = {"floor_bytes", "floor_ms", "x_floor"}
     for r in rows:
         assert set(r) == (base if r["impl"] == "hf" else base | floor)
@@ -108,7 +109,23 @@ def test_bench_decode_paged_json(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1",
                  "--iters", "1", "--cache", "paged", "--capacity", "128", "--hf-max-context", "0"]) == 0
     out = capsys.readouterr().out
-    assert "sparse       paged" in out and "paged cache bytes per token" in out
+    assert "sparse       paged" in out and "paged bfloat16 cache bytes per token" in out
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_bench_decode_fp8_cache_rows(capsys, kind):
+    argv = ["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "2", "--iters", "1",
+            "--cache", kind, "--hf-max-context", "0", "--json"]
+    assert main(argv) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--cache-dtype", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert (bf16["cache_dtype"], fp8["cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
+    for r in fp8["rows"]:  # the sparse rows read fp8; the dense baseline stays bf16
+        want = "float8_e4m3fn" if r["impl"] in ("sparse", "sparse_attn") else "bfloat16"
+        assert r["cache_dtype"] == want and r["median_ms"] > 0, r
+    # e4m3 rows + a float32 scale per row: a little over half the bf16 cache's bytes.
+    assert 0.5 < fp8["cache_bytes_per_token"] / bf16["cache_bytes_per_token"] < 0.7
 
 
 @pytest.mark.parametrize("context", [0, 2, 64, 130])

@@ -454,3 +454,7 @@ def test_notebook_runs(tmp_path, monkeypatch):
     assert "image/png" in text  # the bytes-per-rank plot
     assert text.count("TpPlan") >= 4  # the four plan tables
     assert "all-reduce: 1 | all-gather: 0" in text
+    # 5. data parallelism, 6. the selection picture (bf16 and fp8 caches); public API only.
+    assert "top-k equal to unsharded: True" in text and "data=2 x tp=4" in text
+    assert text.count("image/png") >= 2 and "cells selected by bf16" in text
+    assert "._" not in "".join(c.source for c in nb.cells if c.cell_type == "code")

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", default="contiguous", choices=list(bench.CACHE_KINDS),
                    help="the sparse rows' cache: contiguous (init_cache) or paged (init_paged_cache, "
                         f"{bench.PAGE_SIZE}-token pages, batch * capacity / {bench.PAGE_SIZE} of them)")
+    p.add_argument("--cache-dtype", default=None, choices=["bfloat16", "fp8"],
+                   help="the sparse rows' cache dtype (default: the layer's, bfloat16); the dense "
+                        "rows keep bfloat16")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -44,19 +47,20 @@ def main(args) -> int:
             print(f"glm5-dsa bench: error: --capacity: {e}", file=sys.stderr)
             return 2
     res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
-                    hf_max_context=args.hf_max_context, capacity=args.capacity, cache=args.cache)
+                    hf_max_context=args.hf_max_context, capacity=args.capacity, cache=args.cache,
+                    cache_dtype=args.cache_dtype)
     if args.json:
         print(json.dumps(res))
         return 0
     print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
           f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
-    print(f"{'impl':<12} {'cache':<10} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} "
-          f"{'floor ms':>9} {'x floor':>8}")
+    print(f"{'impl':<12} {'cache':<10} {'dtype':<13} {'batch':>5} {'context':>8} {'capacity':>9} "
+          f"{'median ms':>10} {'floor ms':>9} {'x floor':>8}")
     for r in res["rows"]:
         fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
-        print(f"{r['impl']:<12} {r['cache']:<10} {r['batch']:>5} {r['context']:>8} {r['capacity']:>9} "
-              f"{r['median_ms']:10.2f} {fl}")
-    print(f"\n{res['cache']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")
+        print(f"{r['impl']:<12} {r['cache']:<10} {r.get('cache_dtype', 'bfloat16'):<13} {r['batch']:>5} "
+              f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}")
+    print(f"\n{res['cache']} {res['cache_dtype']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
     for b in args.batch:
         c0, c1 = args.contexts[0], args.contexts[-1]
