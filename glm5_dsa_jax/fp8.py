@@ -33,7 +33,9 @@ Invariants:
 * **Which kernels can read e4m3.** Triton converts e4m3 only on compute capability 8.9 and
   newer (Ada, Hopper): ``check_readable`` refuses an fp8 cache for ``implementation=
   "pallas"`` on an older GPU (an A100 is 8.0), naming the capability and the dtype. The
-  ``"xla"`` and ``"pallas_interpret"`` paths read e4m3 anywhere.
+  ``"xla"`` and ``"pallas_interpret"`` paths read e4m3 anywhere. The Mosaic GPU kernels
+  read 16-bit rows only: under ``"mosaic"`` the scoring and attention steps of an fp8
+  cache run the Triton kernels (sm_90+ converts e4m3), as float32 operands do.
 """
 
 from __future__ import annotations
@@ -82,15 +84,16 @@ def _capability(device) -> tuple[int, int] | None:
 
 def check_readable(dtype, implementation: str, devices) -> None:
     """Raise ``ValueError`` when a cache of ``dtype`` is fp8, ``implementation`` is
-    ``"pallas"`` and one of ``devices`` is a GPU of compute capability below 8.9 (Triton
-    cannot convert e4m3 there)."""
-    if not is_fp8(dtype) or implementation != "pallas":
+    ``"pallas"`` or ``"mosaic"`` (whose wrappers run the Triton kernels on fp8 rows) and one
+    of ``devices`` is a GPU of compute capability below 8.9 (Triton cannot convert e4m3
+    there)."""
+    if not is_fp8(dtype) or implementation not in ("pallas", "mosaic"):
         return
     for d in devices:
         cc = _capability(d)
         if getattr(d, "platform", None) in ("gpu", "cuda") and cc is not None and cc < MIN_CAPABILITY:
             raise ValueError(
-                f"an fp8 cache (dtype {FP8.name}) cannot be read by implementation='pallas' on "
+                f"an fp8 cache (dtype {FP8.name}) cannot be read by implementation={implementation!r} on "
                 f"{d}: its compute capability is {cc[0]}.{cc[1]}, and Triton converts e4m3 only "
                 f"from {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} (Ada, Hopper); use a bfloat16 "
                 "cache or implementation='xla'")

@@ -39,11 +39,12 @@ def main(args) -> int:
         print(json.dumps(dict(preset=args.preset, near_tie=NEAR_TIE, rows=rows)))
         return 0
     print(f"{args.preset}: fp8 cache against bf16 cache, {args.queries} queries after the context")
-    print(f"{'context':>8} {'recall':>8} {'rel L2':>9} {'changed':>8} {'ties':>5} {'near':>5} "
-          f"{'gap med':>9} {'gap max':>9}")
+    print(f"{'context':>8} {'recall':>8} {'rel L2':>9} {'same sel':>9} {'changed':>8} {'ties':>5} "
+          f"{'near':>5} {'gap med':>9} {'gap max':>9}")
     for r in rows:
-        print(f"{r['context']:>8} {r['recall']:8.4f} {r['rel_l2']:9.2e} {r['changed']:>8} {r['ties']:>5} "
-              f"{r['near_ties']:>5} {r['gap_median']:9.1e} {r['gap_max']:9.1e}")
+        print(f"{r['context']:>8} {r['recall']:8.4f} {r['rel_l2']:9.2e} {r['rel_l2_same_selection']:9.2e} "
+              f"{r['changed']:>8} {r['ties']:>5} {r['near_ties']:>5} {r['gap_median']:9.1e} {r['gap_max']:9.1e}")
+    print("same sel: the output error over the bf16 selection (the fp8 rows' own error)")
     print(f"changed: pools in one selection and not the other (of select_k per query); ties: at the "
           f"bf16 cutoff score exactly; near: within {NEAR_TIE:g} score standard deviations of it")
     return 0
