@@ -44,10 +44,11 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   wrapper merges them (``combine_splits``, a small XLA fusion), which also divides by the
   sum (0 for a row with no valid id: the output is exactly 0).
 
-Operands: ``q`` and ``latent`` of one 16-bit dtype (``mosaic_takes``; the tensor cores'
+Operands: ``q`` and ``latent`` of one 16-bit dtype (``takes_dtypes``; the tensor cores'
 float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
-``index_scores`` does. Rows are padded with zero columns to a multiple of 64 (a 128-byte
-line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
+``index_scores`` does, and so it does on a Blackwell GPU, which has no ``wgmma``
+(``mosaic_scoring.wgmma_on_target``). Rows are padded with zero columns to a multiple of
+64 (a 128-byte line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
 latent per call when ``CR`` is not already aligned (no real model: ``CR`` is 512 or 576,
 ``V`` 512). Outputs agree with the reference
 within float32 rounding (different summation order, and ``p`` rounded to 16 bits before
@@ -65,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels.mosaic_scoring import check_smem, mosaic_takes
+from pallas_kernels.mosaic_scoring import check_smem, takes_dtypes
 
 __all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
 
@@ -249,7 +250,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     v = value_width
     length = latent.shape[1]
     width = token_ids.shape[2]
-    if not mosaic_takes(q.dtype, latent.dtype):
+    if not takes_dtypes(q.dtype, latent.dtype):
         raise ValueError(
             "the mosaic sparse_mla multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): q and latent must both be bfloat16 or both float16, got q "

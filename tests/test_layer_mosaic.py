@@ -181,3 +181,27 @@ def test_tp_sharded_layer_equals_xla(monkeypatch):
     for step, ((o1, t1), (o2, t2)) in enumerate(zip(*runs)):
         np.testing.assert_array_equal(t2, t1, err_msg=f"step {step}")
         _close(o2, o1, f"step {step}")
+
+
+@pytest.mark.parametrize("capability, mosaic", [((9, 0), True), ((10, 0), False)])
+def test_blackwell_runs_scoring_and_attention_on_triton(monkeypatch, capability, mosaic):
+    """The Mosaic scoring and attention kernels are wgmma, which Blackwell lacks (its
+    compile aborts the process): on a CUDA target of capability >= 10 the wrappers asked for
+    ``"mosaic"`` lower the Triton kernels instead; on Hopper the Mosaic ones."""
+    import pallas_kernels as pk
+    import pallas_kernels.mosaic_scoring as ms
+    from pallas_kernels._common import lower_for_cuda, triton_calls
+
+    monkeypatch.setattr(ms, "_target_device", lambda: ("cuda", capability))
+    bf = jnp.bfloat16
+    s = jax.ShapeDtypeStruct
+    scores = lower_for_cuda(
+        lambda q, w, p, v, f, t: pk.index_scores(q, w, p, v, f, t, kpool=4, implementation="mosaic"),
+        s((1, 1, 32, 128), bf), s((1, 1, 32), jnp.float32), s((1, 256, 128), bf),
+        s((1, 256), jnp.bool_), s((1,), jnp.int32), s((1, 1), jnp.int32))
+    mla = lower_for_cuda(
+        lambda q, lat, ids: pk.sparse_mla(q, lat, ids, scale=0.1, implementation="mosaic"),
+        s((1, 1, 64, 512), bf), s((1, 1024, 512), bf), s((1, 1, 64), jnp.int32))
+    for lowered, name in ((scores, "index_scores"), (mla, "sparse_mla")):
+        assert ("mosaic_gpu" in lowered.as_text()) == mosaic, name
+        assert bool(triton_calls(lowered)) == (not mosaic), name
