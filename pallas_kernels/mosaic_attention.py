@@ -18,7 +18,9 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   most 256 elements wide), all arriving on one barrier of as many arrivals. A slot whose
   id is not a token copies a zero row from a ``[1, CR]`` constant instead, so the latent is
   never read there and the tile holds no stale (possibly NaN) data that a zero weight
-  could turn into NaN. The staging tile is then moved through registers into the tiled,
+  could turn into NaN. The slots are a loop, not unrolled (unrolled, the copies' addresses
+  made ptxas spill). The staging tile is then moved, a TMA box of columns at a time,
+  through registers into the tiled,
   swizzled layout the MMA reads (TMA cannot write one row of a tile: a slice of a tiled
   SMEM dimension must be a whole 8-row tile). That move is not bank-conflict free (Mosaic's
   ``optimized=False`` transfer, in its ``SMEM_GMEM_COPY`` layout); a warp-level gather
@@ -32,20 +34,21 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   through SMEM, not registers: the interpret mode runs the ref form of wgmma, an ``ACC``
   of ``pl.run_scoped``, but not ``pl.run_state`` over ``ACC.init`` with a register operand,
   whose ``wgmma`` primitive has no CPU translation in jax 0.12.0.1.)
-* A CTA accumulates ``block_v`` value columns (default 256): a 64 x 512 float32
+* A CTA accumulates ``block_v`` value columns (default 128): a 64 x 512 float32
   accumulator would need 256 registers per thread of one warpgroup, so ``V = 512`` runs as
-  two value blocks, each re-scoring the rows (scores are ``CR / V`` of the MMA work, and
-  the second CTA's row reads hit L2).
+  ``V / block_v`` value blocks, each re-scoring the rows (the later CTAs' row reads hit
+  L2). 128 rather than 256: with 256 ptxas spills (see ``MosaicSparseMlaBlockSizes``).
 * Decode splits each row's id blocks over ``num_splits`` CTAs (flash decoding); a CTA
   processes only the blocks up to the row's last valid id (``n_end``, computed by the
   wrapper). Every CTA writes its unnormalised accumulator, running max and sum; the
   wrapper merges them (``combine_splits``, a small XLA fusion), which also divides by the
   sum (0 for a row with no valid id: the output is exactly 0).
 
-Operands: ``q`` and ``latent`` of one 16-bit dtype (``mosaic_takes``; the tensor cores'
+Operands: ``q`` and ``latent`` of one 16-bit dtype (``takes_dtypes``; the tensor cores'
 float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
-``index_scores`` does. Rows are padded with zero columns to a multiple of 64 (a 128-byte
-line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
+``index_scores`` does, and so it does on a Blackwell GPU, which has no ``wgmma``
+(``mosaic_scoring.wgmma_on_target``). Rows are padded with zero columns to a multiple of
+64 (a 128-byte line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
 latent per call when ``CR`` is not already aligned (no real model: ``CR`` is 512 or 576,
 ``V`` 512). Outputs agree with the reference
 within float32 rounding (different summation order, and ``p`` rounded to 16 bits before
@@ -63,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels.mosaic_scoring import check_smem, mosaic_takes
+from pallas_kernels.mosaic_scoring import check_smem, takes_dtypes
 
 __all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
 
@@ -81,15 +84,20 @@ class MosaicSparseMlaBlockSizes:
     * ``block_w``: selected ids gathered per step, the score MMA's N: 16, 32 or 64
       (SMEM holds the query tile and two ``[block_w, CR]`` tiles: 32 fits Hopper's 227 KiB
       at ``CR = 576``, 64 does not);
-    * ``block_v``: value columns per CTA, a multiple of 128 (the accumulator's registers:
-      256 is the most one warpgroup holds without spilling); lowered to the largest
-      multiple of 128 that divides ``V`` (rounded up to 128);
+    * ``block_v``: value columns per CTA, a multiple of 128; lowered to the largest
+      multiple of 128 that divides ``V`` (rounded up to 128).
+
+    The defaults (32, 128) compile for sm_90a without spilling at ``CR = 512`` and ``576``,
+    ``V = 512`` (``python -m glm5_dsa_jax.gpu_compile``; 255 registers): with
+    ``block_v=256`` the two 64 x 128 float32 accumulators alone take 128 registers a thread
+    and ptxas spills about 300 bytes a thread, so ``V = 512`` runs as four value blocks,
+    each re-scoring its rows (unmeasured: no GPU here);
     * ``num_splits``: CTAs each row's id blocks are split over (int >= 1; ``None``: enough
       for about 256 CTAs, each share at least 4 id blocks).
     """
 
     block_w: int = 32
-    block_v: int = 256
+    block_v: int = 128
     num_splits: int | None = None
 
     def validate(self) -> "MosaicSparseMlaBlockSizes":
@@ -138,7 +146,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     per_head = wgmma_layout.reduce(1)
     per_slot = wgmma_layout.reduce(0)
     # The staging -> MMA tile move: a layout made for copying 128-byte swizzled tiles.
-    row_move = plmgpu.Layout.SMEM_GMEM_COPY((block_w, width_c), dtype, swizzle)
+    row_move = plmgpu.Layout.SMEM_GMEM_COPY((block_w, copy_c), dtype, swizzle)
     row, hb, vb, split = (lax.axis_index(a) for a in ("row", "hb", "vb", "split"))
     lat_b = 0 if shared else row // nq
     h0 = hb * HEAD_TILE
@@ -157,7 +165,11 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         base = j * block_w
         plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, _IDS_COPY))], ids_s, bars.at[1])
         plmgpu.barrier_wait(bars.at[1])
-        for r in range(block_w):  # the gather: one TMA row copy per slot
+
+        # The gather: one TMA row copy per slot, in a loop (unrolled, the 32 x 3 copies'
+        # addresses made ptxas spill at CR = 576).
+        @pl.loop(0, block_w)
+        def _(r):
             tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
             ok = (tok >= 0) & (tok < length)
 
@@ -174,7 +186,10 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
                     plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
 
         plmgpu.barrier_wait(row_bar)
-        plmgpu.store(kv_s, plmgpu.load(raw_s, layout=row_move, optimized=False), optimized=False)
+        for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
+            cols = pl.ds(k, copy_c)
+            plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
+                         optimized=False)
         plmgpu.commit_smem()
 
         def score_mma(acc_ref):
@@ -235,7 +250,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     v = value_width
     length = latent.shape[1]
     width = token_ids.shape[2]
-    if not mosaic_takes(q.dtype, latent.dtype):
+    if not takes_dtypes(q.dtype, latent.dtype):
         raise ValueError(
             "the mosaic sparse_mla multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): q and latent must both be bfloat16 or both float16, got q "

@@ -29,10 +29,11 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 Precision and equality with the reference: ``wgmma`` multiplies 16-bit operands exactly
 and accumulates in float32, as the reference's ``einsum(..., preferred_element_type=f32)``
 does; float32 operands would be TF32 on the tensor cores, so this kernel takes bf16 / f16
-``q`` and ``pooled`` of one dtype only (``mosaic_takes``): the wrappers run any other
+``q`` and ``pooled`` of one dtype only (``takes_dtypes``): the wrappers run any other
 dtypes on the Triton kernel (IEEE float32), as a step with no Mosaic kernel does, so a
 float32 layer asked for ``"mosaic"`` still runs (an exact bf16 x 3 split, six MMAs, would
-bring float32 here). The order of the sums (over ``D`` inside the MMA, over the
+bring float32 here). Blackwell (compute capability >= 10) has no ``wgmma``: there too the
+wrappers run the Triton kernel (``mosaic_takes``, ``wgmma_on_target``). The order of the sums (over ``D`` inside the MMA, over the
 heads in the warpgroup reduction) is the hardware's, not XLA's, so scores of arbitrary
 inputs agree with the reference within float32 rounding, not bit for bit. Where every
 partial sum is exact (dyadic inputs of few mantissa bits, a ``D`` whose ``D**-0.5`` is a
@@ -65,10 +66,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_positive_int, require_mosaic_gpu
+from pallas_kernels._common import _target_device, check_positive_int, require_mosaic_gpu
 
 __all__ = [
     "MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged", "mosaic_takes",
+    "takes_dtypes", "wgmma_on_target",
 ]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
@@ -253,17 +255,34 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     )(qp, wp, vis, seen, pv, pooled, table, zero)
 
 
-def mosaic_takes(*dtypes) -> bool:
+def takes_dtypes(*dtypes) -> bool:
     """Whether the Mosaic kernels (scores and attention) take operands of these dtypes: one
-    16-bit float dtype. wgmma's float32 is TF32, so the wrappers run float32 (or mixed)
-    operands on the Triton kernel instead (see ``pallas_kernels.scoring``)."""
+    16-bit float dtype (wgmma's float32 is TF32)."""
     kinds = {jnp.dtype(d) for d in dtypes}
     return len(kinds) == 1 and kinds <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
 
 
+def wgmma_on_target() -> bool:
+    """Whether the device the trace targets can run these kernels' ``wgmma``: anything but
+    a CUDA GPU of compute capability 10 or newer. Blackwell has no ``wgmma`` (its MMAs are
+    ``tcgen05``; LLVM cannot select ``wgmma`` for sm_100a and the compile aborts the
+    process); interpret mode and the abstract H100 of ``cuda_lowering`` are fine."""
+    platform, capability = _target_device()
+    return not (platform in ("cuda", "gpu") and capability is not None and capability[0] >= 10)
+
+
+def mosaic_takes(*dtypes) -> bool:
+    """Whether the wrappers run the Mosaic scoring / attention kernel on operands of these
+    dtypes here: 16-bit operands (``takes_dtypes``) on a target with ``wgmma``
+    (``wgmma_on_target``). Otherwise they run the Triton kernel (IEEE float32; any GPU), as
+    a step with no Mosaic kernel does (see ``pallas_kernels.scoring``), so a float32 layer,
+    or any layer on a Blackwell GPU, asked for ``"mosaic"`` (or ``"auto"``) still runs."""
+    return takes_dtypes(*dtypes) and wgmma_on_target()
+
+
 def _check_operands(q, keys, keys_name, kpool):
     heads = q.shape[2]
-    if not mosaic_takes(q.dtype, keys.dtype):
+    if not takes_dtypes(q.dtype, keys.dtype):
         raise ValueError(
             "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): q and {keys_name} must both be bfloat16 or both float16, got q "

@@ -26,11 +26,16 @@ missing kernel never hides another one. Per step, per case, rows for:
   wrapper has one (found by lowering it for CUDA: a ``mosaic_gpu`` custom call; a step
   without one would run its Triton kernel again and gets no row). jax >= 0.11 only (on
   0.10 one log line says so); ``--no-mosaic`` leaves the rows out. ``topk_pools`` also gets
-  ``mosaic n_live``;
+  ``mosaic n_live``, ``index_scores_paged`` a ``mosaic`` row and ``sparse_mla`` ``mosaic
+  shared latent``. The smoke run's geometry is float32, which the Mosaic scoring and
+  attention kernels do not take (the wrappers run it on Triton): their rows run on bf16
+  copies of the 16-bit operands, checked against the reference on the same copies, and
+  say ``(bf16 operands)``;
 * ``lax.top_k``: next to ``topk_pools``, a speed baseline only (its tie rule differs);
 * ``index_scores_paged`` (kernel row) / ``topk_pools`` ``pallas n_live`` / ``sparse_mla``
   ``pallas shared latent``: the paged cache's kernels on the same data laid out in pages of
-  ``--page-size`` tokens (64; the smoke run 8) through a random block table, checked
+  ``--page-size`` tokens (64; the smoke run 32: 8 pools a page, the whole 8-row tiles the
+  Mosaic paged scorer copies) through a random block table, checked
   against the contiguous results: the scores through the block table, the top-k bounded by
   each query's visible pools, attention over the flat latent pool ``[1, B * L, C]``;
 * ``sparse_mla`` ``pallas rope``: the RoPE models' rows ``[c, k_rot]`` (``C + R`` wide, R =
@@ -327,7 +332,8 @@ class Runner:
         return out
 
     # One pipeline step: the reference, then the kernel checked against it.
-    def step(self, case, kernel, make_fn, args, *, nbytes, flops=0, compare, timed=True):
+    def step(self, case, kernel, make_fn, args, *, nbytes, flops=0, compare, timed=True,
+             cast=()):
         ref_fn = make_fn("xla")
         if timed:
             want = self.measure(case, kernel, "xla", ref_fn, args, nbytes=nbytes, flops=flops)
@@ -343,10 +349,33 @@ class Runner:
         if timed:
             self.measure(case, kernel, "pallas", make_fn(self.pallas_impl), args, nbytes=nbytes,
                          flops=flops, want=want, compare=compare)
-            if self.has_mosaic(kernel, make_fn, args):
-                self.measure(case, kernel, "mosaic", make_fn(self.mosaic_impl), args,
-                             nbytes=nbytes, flops=flops, want=want, compare=compare)
+            self.mosaic_row(case, kernel, "mosaic", make_fn, args, cast=cast, want=want,
+                            nbytes=nbytes, flops=flops, compare=compare)
         return want
+
+    def mosaic_args(self, args, cast=()):
+        """The operands of a Mosaic row: ``args``, with those at the positions ``cast`` made
+        bfloat16 when the geometry is float32 (the smoke run). The Mosaic scoring and
+        attention kernels take 16-bit operands only (wgmma's float32 is TF32: the wrappers
+        run float32 on the Triton kernel), so the smoke run checks them on bf16 copies
+        against the reference on the same copies; the real run is bf16 already."""
+        if jnp.dtype(self.geom.dtype) != jnp.float32 or not cast:
+            return args
+        return tuple(a.astype(jnp.bfloat16) if i in cast else a for i, a in enumerate(args))
+
+    def mosaic_row(self, case, kernel, label, make_fn, args, *, cast=(), want, nbytes, flops,
+                   compare):
+        """A Mosaic row (``label``) of ``kernel`` on ``mosaic_args(args, cast)``, checked
+        against ``want`` (the reference on ``args``), or against the reference rerun on the
+        bf16 copies when the operands were cast."""
+        if not self.has_mosaic(kernel, make_fn, self.mosaic_args(args, cast)):
+            return
+        margs = self.mosaic_args(args, cast)
+        if margs is not args:
+            want = jax.block_until_ready(jax.jit(make_fn("xla"))(*margs))
+            label += " (bf16 operands)"
+        self.measure(case, kernel, label, make_fn(self.mosaic_impl), margs, nbytes=nbytes,
+                     flops=flops, want=want, compare=compare)
 
     def has_mosaic(self, kernel, make_fn, args) -> bool:
         """Whether ``kernel``'s wrapper runs a Mosaic GPU kernel for ``"mosaic"``: its CUDA
@@ -397,7 +426,7 @@ class Runner:
         scores = self.step(
             case, "index_scores",
             lambda impl: (lambda *a: pk.index_scores(*a, kpool=kp, implementation=impl)),
-            args, nbytes=nbytes, flops=flops, timed="index_scores" in run,
+            args, nbytes=nbytes, flops=flops, timed="index_scores" in run, cast=(0, 2),
             compare=lambda x, y: _compare_close(x, y, rtol=1e-3, atol=1e-3),
         )
         if scores is None:
@@ -472,12 +501,14 @@ class Runner:
         counts = jnp.sum(pool_valid, axis=1, dtype=jnp.int32)  # valid pools are a prefix here
         args = (inp["q_idx"], inp["w"], pages, table, counts, inp["q_pos"])
         kp = self.geom.kpool
-        self.measure(
-            case, "index_scores_paged", "pallas",
-            lambda *a: pk.index_scores_paged(*a, kpool=kp, implementation=self.pallas_impl)[
-                ..., :n_pools],
-            args, nbytes=nbytes, flops=flops, want=scores,
-            compare=lambda x, y: _compare_close(x, y, rtol=1e-3, atol=1e-3))
+        make = lambda impl: (  # noqa: E731
+            lambda *a: pk.index_scores_paged(*a, kpool=kp, implementation=impl)[..., :n_pools])
+        close = lambda x, y: _compare_close(x, y, rtol=1e-3, atol=1e-3)  # noqa: E731
+        self.measure(case, "index_scores_paged", "pallas", make(self.pallas_impl), args,
+                     nbytes=nbytes, flops=flops, want=scores, compare=close)
+        if self.mosaic_impl is not None:
+            self.mosaic_row(case, "index_scores_paged", "mosaic", make, args, cast=(0, 2),
+                            want=scores, nbytes=nbytes, flops=flops, compare=close)
 
     def _mla_cost(self, inp, ids):
         n_valid = int(jnp.sum(ids >= 0))
@@ -492,20 +523,23 @@ class Runner:
         nbytes, flops = self._mla_cost(inp, ids)
         args = (inp["q_lat"], inp["latent"], ids)
         close = lambda x, y: _compare_close(x, y, rtol=2e-2, atol=2e-2)  # noqa: E731
-        make = lambda impl, **bs: (  # noqa: E731
+        make = lambda impl, **bs: (  # noqa: E731  (block sizes: the sweep's Triton ones)
             lambda q, lat, i: pk.sparse_mla(q, lat, i, scale=g.scale, implementation=impl,
-                                            block_sizes=pk.SparseMlaBlockSizes(**bs)))
+                                            block_sizes=pk.SparseMlaBlockSizes(**bs) if bs else None))
         if sweep is None:
             want = self.step(case, "sparse_mla", make, args, nbytes=nbytes, flops=flops,
-                             compare=close)
+                             compare=close, cast=(0, 1))
             # The same rows read from one flat pool shared by every batch row (the paged
             # cache's latent): ids become slots b * L + id.
             b, length, c = inp["latent"].shape
             slots = jnp.where(ids >= 0, ids + length * jnp.arange(b, dtype=ids.dtype)[:, None, None],
                               -1)
+            shared = (inp["q_lat"], inp["latent"].reshape(1, b * length, c), slots)
             self.measure(case, "sparse_mla", "pallas shared latent", make(self.pallas_impl),
-                         (inp["q_lat"], inp["latent"].reshape(1, b * length, c), slots),
-                         nbytes=nbytes, flops=flops, want=want, compare=close)
+                         shared, nbytes=nbytes, flops=flops, want=want, compare=close)
+            if self.mosaic_impl is not None:
+                self.mosaic_row(case, "sparse_mla", "mosaic shared latent", make, shared,
+                                cast=(0, 1), want=want, nbytes=nbytes, flops=flops, compare=close)
             self.rope_row(case, ids, nbytes, flops, close)
             return
         want = jax.block_until_ready(jax.jit(make("xla"))(*args))
@@ -572,7 +606,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", choices=("pallas", "pallas_interpret"), default=None,
                     help="kernel implementation (default: pallas; pallas_interpret with --smoke)")
     ap.add_argument("--page-size", type=int, default=None,
-                    help="tokens a page for the paged rows (default 64; 8 with --smoke); a "
+                    help="tokens a page for the paged rows (default 64; 32 with --smoke); a "
                          "multiple of the kpool width")
     ap.add_argument("--no-mosaic", action="store_true",
                     help="leave out the Mosaic GPU rows (implementation='mosaic')")
@@ -588,7 +622,7 @@ def main(argv=None) -> int:
     if args.inner is None:
         args.inner = 1 if args.smoke else 10
     if args.page_size is None:
-        args.page_size = 8 if args.smoke else 64
+        args.page_size = 32 if args.smoke else 64  # smoke: 8 pools a page (see the doc)
 
     if args.smoke:
         geom = Geometry(heads=4, latent=40, rope=8, index_heads=3, index_dim=16, topk=16,

@@ -282,3 +282,65 @@ def test_spills_and_shared_memory_over_the_limit_fail(toolchain):
     assert "SPILL" in reports[spill.id].problems and reports[spill.id].spill_stores > 0
     assert reports[smem.id].problems == ("COMPILE",)
     assert "Shared memory size limit exceeded" in reports[smem.id].error
+
+
+# ------------------------------------------------------------------------------------
+# Mosaic GPU kernels (jax >= 0.11): sm_90a at every supported model's shapes
+# ------------------------------------------------------------------------------------
+
+#: Presets whose Mosaic scoring / attention shapes differ (glm52's equal glm5's: checked).
+_MOSAIC_PRESETS = ("glm53-flash", "glm5", "deepseek-v32")
+
+
+def test_mosaic_kernels_exist_per_target():
+    """Mosaic kernels from sm_90 on; the wgmma ones (scoring, attention) not on sm_100
+    (Blackwell has tcgen05 MMAs, no wgmma: LLVM cannot select them for sm_100a)."""
+    on = gc.cases.mosaic_on_target
+    assert all(on(k, (8, 0)) for k in gc.KERNELS)
+    assert not any(on(k, (8, 0)) for k in gc.MOSAIC_KERNELS)
+    assert all(on(k, (9, 0)) for k in gc.MOSAIC_KERNELS)
+    assert {k for k in gc.MOSAIC_KERNELS if on(k, (10, 0))} == {"topk_pools_mosaic"}
+    # CUDA launch grids: Pallas' (q tiles, B, pool tiles) reversed; (rows, heads, vb, splits)
+    # with the leading two flattened, reversed.
+    import glm5_dsa_jax as gd
+
+    cfg = gd.DsaConfig.glm53_flash()
+    step = gc.Step("prefill", 8, 131072)
+    assert gc.cases.MOSAIC_LAUNCHES["index_scores_mosaic"](cfg, step, {}) == {
+        "mosaic_index_scores": (131072 // 4 // 64, 8, 64 // 8)}
+    assert gc.cases.MOSAIC_LAUNCHES["sparse_mla_mosaic"](cfg, step, {}) == {
+        "mosaic_sparse_mla": (1, 512 // 128, 8 * 64)}
+
+
+def test_mosaic_shapes_of_glm52_are_glm5s():
+    import glm5_dsa_jax as gd
+
+    fields = ("index_n_heads", "index_head_dim", "index_kpool", "num_attention_heads",
+              "kv_cache_dim", "kv_lora_rank", "out_width", "tail_width")
+    a, b = gd.DsaConfig.preset("glm5"), gd.DsaConfig.preset("glm52")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+
+
+@pytest.mark.parametrize("preset", _MOSAIC_PRESETS)
+def test_mosaic_kernels_compile_for_sm90a(toolchain, preset):
+    """The Mosaic ``index_scores`` (contiguous and paged) and ``sparse_mla`` of ``preset``
+    compiled to sm_90a cubin without a GPU: decode at batch 1 and 8 at 128K tokens and a
+    prefill chunk, contiguous and paged caches; no spill, no stack, one CTA fits an SM.
+    No sm_100 row (see ``test_mosaic_kernels_exist_per_target``)."""
+    from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
+
+    if jax_version() < MOSAIC_MIN_JAX:
+        pytest.skip(f"Mosaic GPU kernels need jax >= {MOSAIC_MIN_JAX}")
+    kernels = ["index_scores_mosaic", "sparse_mla_mosaic"]
+    cases = [c for c in gc.mosaic_cases(contexts=[131072], batches=[1, 8],
+                                        steps=["decode", "prefill"])
+             if c.kernel in kernels and not (c.step.kind == "prefill" and c.step.batch == 8)]
+    assert len(cases) == 2 * 3 * 2
+    reports = gc.compile_cases(cases, ("sm_90", "sm_100"), config={"preset": preset})
+    assert {(r.target, r.case) for r in reports} == {("sm_90", c.id) for c in cases}
+    assert all(r.ok for r in reports), gc.failures(reports)
+    names = {r.kernel for r in reports}
+    assert names == {f"mosaic_{k}_mosaic_gpu_kernel"
+                     for k in ("index_scores", "index_scores_paged", "sparse_mla")}
+    for r in reports:
+        assert r.warps == 4 and 0 < r.regs <= 255 and r.blocks_per_sm >= 1 and r.smem_dynamic > 0

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels.attention as attention
-from pallas_kernels._common import lower_for_cuda, triton_calls
+from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda, triton_calls
 from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,9 +259,19 @@ def test_gpu_check_smoke_runs_on_cpu():
     topk = {r["impl"]: r["check"] for r in rows if r["kernel"] == "topk_pools"}
     assert topk["pallas"].startswith("ok") and topk["pallas split_p=2"].startswith("ok"), topk
     # the paged cache's kernels on the same data, through a block table / a shared pool
-    paged = [r for r in rows if r["kernel"] == "index_scores_paged"
+    paged = [r for r in rows if (r["kernel"] == "index_scores_paged" and r["impl"] == "pallas")
              or r["impl"] in ("pallas n_live", "pallas shared latent")]
     assert len(paged) == 3 * 2 and all(r["check"].startswith("ok") for r in paged), paged
+    # jax >= 0.11: a mosaic row (interpret mode) for every step with a Mosaic kernel, checked
+    mosaic = {(r["kernel"], r["impl"].split(" (")[0]): r["check"] for r in rows
+              if r["impl"].startswith("mosaic")}
+    if jax_version() >= MOSAIC_MIN_JAX:
+        want = {(k, "mosaic") for k in ("index_scores", "index_scores_paged", "topk_pools",
+                                        "sparse_mla")}
+        want |= {("topk_pools", "mosaic n_live"), ("sparse_mla", "mosaic shared latent")}
+        assert set(mosaic) == want and all(c.startswith("ok") for c in mosaic.values()), mosaic
+    else:
+        assert not mosaic, mosaic
     # the roofline column: a bound for every modelled kernel of the main table
     assert report["roofline_gpu"] == "h100"
     assert all(r["bound_us"] > 0 for r in rows

@@ -410,7 +410,7 @@ def test_resolve_sparse_mla_splits():
     """Decode at batch 1 splits a 2051-id row over several CTAs (shares of >= 4 blocks of
     32); a prefill chunk of many rows does not split."""
     blocks = MosaicSparseMlaBlockSizes().resolve(rows=1, head_blocks=1, width=2051, v=512)
-    assert blocks.block_v == 256 and 1 < blocks.num_splits <= 2051 // 32 // 4 + 1
+    assert blocks.block_v == 128 and 1 < blocks.num_splits <= 2051 // 32 // 4 + 1
     assert MosaicSparseMlaBlockSizes().resolve(rows=512, head_blocks=1, width=2051, v=512).num_splits == 1
     assert MosaicSparseMlaBlockSizes(block_v=512).resolve(1, 1, 64, 128).block_v == 128
     assert MosaicSparseMlaBlockSizes(block_v=256).resolve(1, 1, 64, 384).block_v == 128

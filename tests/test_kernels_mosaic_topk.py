@@ -251,8 +251,8 @@ def test_compiles_to_cubin_for_sm90a_and_sm100a_without_a_gpu():
         gc.toolchain()
     except gc.ToolchainMissing as e:
         pytest.skip(f"deviceless GPU compile: {e}")
-    cases = gc.mosaic_cases(contexts=[4096, 1 << 20], batches=[1, 8], steps=["decode", "prefill"],
-                            caches=["contiguous", "paged"])
+    cases = gc.default_cases(["topk_pools_mosaic"], contexts=[4096, 1 << 20], batches=[1, 8],
+                             steps=["decode", "prefill"], caches=["contiguous", "paged"])
     reports = gc.compile_cases(cases, ("sm_80", "sm_90", "sm_100"))
     assert {(r.target, r.case) for r in reports} == {
         (t, c.id) for t in ("sm_90", "sm_100") for c in cases}

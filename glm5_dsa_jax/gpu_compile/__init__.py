@@ -31,7 +31,8 @@ SM. Invariants:
 
 Mosaic GPU kernels (``MOSAIC_KERNELS``, ``mosaic_cases``; jax >= 0.11) compile the same way
 for targets of compute capability >= 9.0 (``sm_90a``; a Mosaic kernel does not exist for
-older GPUs, so ``compile_cases`` leaves those pairs out): the CUDA plugin runs Mosaic's
+older GPUs, so ``compile_cases`` leaves those pairs out, and the ``wgmma`` ones,
+``MOSAIC_HOPPER_ONLY``, none for Blackwell's sm_100 either): the CUDA plugin runs Mosaic's
 passes to PTX and its ptxas during ``.compile()`` on the compile-only device and dumps the
 PTX, ptxas's ``-v`` report (``*.ptxas``: registers, spills, stack) and the kernel's dynamic
 shared memory (``*.resources.txt``); threads per block are ``MOSAIC_THREADS``.
@@ -63,7 +64,7 @@ from typing import Iterable
 
 from glm5_dsa_jax.gpu_compile.cases import (
     BATCHES, CACHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS,
-    STEPS, Case, Step, default_cases, mosaic_cases,
+    STEPS, Case, Step, default_cases, mosaic_cases, mosaic_on_target,
 )
 from glm5_dsa_jax.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
@@ -76,7 +77,7 @@ from glm5_dsa_jax.gpu_compile.worker import run_worker
 
 __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
-    "MOSAIC_KERNELS", "mosaic_cases",
+    "MOSAIC_KERNELS", "mosaic_cases", "mosaic_on_target",
     "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
     "parse_ptxas", "parse_thunks", "find_ptxas", "main",
 ]
@@ -165,7 +166,7 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
     """Compile ``cases`` for each target (one worker process per target, run one after
     the other: the compile is CPU-bound) and return one ``Report`` per Triton launch.
     ``dump_dir`` keeps XLA's dumps (HLO, PTX, thunks); ``config`` overrides fields of the
-    GLM-5.3-Flash preset. Raises ``ToolchainMissing`` without the ``gpu-compile`` extra."""
+    GLM-5.3-Flash preset, or is ``{"preset": name}``: another model's shapes. Raises ``ToolchainMissing`` without the ``gpu-compile`` extra."""
     info = toolchain()
     names = list(targets)
     for n in names:
@@ -181,8 +182,8 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
             t0 = time.time()
             target_dump = os.path.join(root, n)
             os.makedirs(target_dump, exist_ok=True)
-            on_target = [c for c in cases if c.kernel not in MOSAIC_KERNELS
-                         or TARGETS[n].compute_capability >= (9, 0)]
+            on_target = [c for c in cases
+                         if mosaic_on_target(c.kernel, TARGETS[n].compute_capability)]
             records = _run_worker(TARGETS[n], on_target, target_dump, timeout, config or {})
             compiled = {}
             for rec in records.values():
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
                     help="bfloat16 (default; the serving dtype), float32, or both")
     ap.add_argument("--caches", default=",".join(CACHES),
                     help="contiguous,paged (default both; paged: the kernels the paged cache changes)")
+    ap.add_argument("--preset", help="the model's shapes (DsaConfig.preset; default glm53-flash)")
     ap.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
     ap.add_argument("--json", help="write every report here")
     ap.add_argument("--dump-dir", help="keep XLA's dumps (HLO, PTX, thunk sequence) here")
@@ -258,6 +260,7 @@ def main(argv=None) -> int:
               f"{info['jax-cuda12-plugin']}, ptxas {info['ptxas_version']}", flush=True)
         t0 = time.time()
         reports = compile_cases(cases, split(args.targets), dump_dir=args.dump_dir,
+                                config={"preset": args.preset} if args.preset else None,
                                 log=lambda m: print(m, flush=True))
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,8 +26,14 @@ Invariants:
   read ``KERNELS``): ``mosaic_cases`` lists them, ``compile_cases`` compiles them only for
   targets of compute capability >= 9.0 (``sm_90a`` code). ``MOSAIC_LAUNCHES`` names each
   one's launches at a step (kernel names and grids: Mosaic's custom call carries neither in
-  readable form), ``MOSAIC_THREADS`` its threads per block (one warpgroup of 128 per Pallas
-  thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module.
+  readable form; as CUDA launches them: Pallas' leading grid dims past three flattened, the
+  order reversed), ``MOSAIC_THREADS`` its threads per block (one warpgroup of 128 per
+  Pallas thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module. The ``wgmma``
+  kernels (``MOSAIC_HOPPER_ONLY``: scoring and attention) exist for 9.x only: Blackwell
+  has no ``wgmma`` (``mosaic_on_target``).
+* The model: ``DsaConfig.glm53_flash`` with the worker's ``config`` overrides, or, when
+  ``config`` holds ``"preset"``, that preset (``glm5``, ``glm52``, ``deepseek-v32``: the
+  Mosaic kernels are compiled at every supported model's shapes).
 * ``_build`` returns, with the call, the key under which cases share a trace: the kernel,
   its input shapes and dtypes, the static arguments not visible in them, and the block sizes.
 """
@@ -44,7 +50,7 @@ import pallas_kernels as pk
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
            "PAGED_KERNELS", "MOSAIC_KERNELS", "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES",
-           "MOSAIC_THREADS", "mosaic_cases"]
+           "MOSAIC_THREADS", "MOSAIC_HOPPER_ONLY", "mosaic_cases", "mosaic_on_target"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
@@ -151,6 +157,31 @@ def _topk_pools_mosaic(cfg, s: Step, blocks: dict):
     return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
 
 
+def _index_scores_mosaic(cfg, s: Step, blocks: dict):
+    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
+    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    bs = pk.MosaicIndexScoresBlockSizes(**blocks)
+    if s.cache == "paged":
+        pg, ppp = s.context // PAGE_SIZE, PAGE_SIZE // kp
+        fn = lambda qi, w, pages, bt, counts, qp: pk.index_scores_paged(  # noqa: E731
+            qi, w, pages, bt, counts, qp, kpool=kp, implementation="mosaic", block_sizes=bs)
+        return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), dt),
+                    ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
+    fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
+        qi, w, pooled, pv, fk, qp, kpool=kp, implementation="mosaic", block_sizes=bs)
+    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
+                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
+
+
+def _sparse_mla_mosaic(cfg, s: Step, blocks: dict):
+    fn, avals, static = _sparse_mla(cfg, s, {})
+    bs = pk.MosaicSparseMlaBlockSizes(**blocks)
+    scale, v = cfg.softmax_scale, cfg.kv_lora_rank
+    fn = lambda qr, lat, ids: pk.sparse_mla(  # noqa: E731
+        qr, lat, ids, scale=scale, value_width=v, implementation="mosaic", block_sizes=bs)
+    return fn, avals, static
+
+
 def _expand_selection(cfg, s: Step, blocks: dict):
     b, q, kp, ow = s.batch, s.queries, cfg.index_kpool, cfg.out_width
     bs = pk.ExpandSelectionBlockSizes(**blocks)
@@ -207,12 +238,36 @@ KERNEL_MODULES: dict[str, str] = {
 
 
 #: The Mosaic GPU kernels, as ``KERNELS`` entries (``implementation="mosaic"``); see the
-#: module doc. One CTA per query row: grid ``(batch * queries, 1, 1)``.
+#: module doc.
 MOSAIC_KERNELS: dict[str, Callable] = {
+    "index_scores_mosaic": _index_scores_mosaic,
     "topk_pools_mosaic": _topk_pools_mosaic,
+    "sparse_mla_mosaic": _sparse_mla_mosaic,
 }
-MOSAIC_KERNEL_MODULES: dict[str, str] = {"mosaic_selection": "topk_pools_mosaic"}
-MOSAIC_THREADS: dict[str, int] = {"topk_pools_mosaic": 128}
+MOSAIC_KERNEL_MODULES: dict[str, str] = {
+    "mosaic_scoring": "index_scores_mosaic",  # index_scores_paged too, on paged steps
+    "mosaic_selection": "topk_pools_mosaic",
+    "mosaic_attention": "sparse_mla_mosaic",
+}
+#: The Mosaic kernels whose MMAs are Hopper's ``wgmma``, which Blackwell (sm_100) does not
+#: have (its tensor cores take ``tcgen05`` MMAs into tensor memory; LLVM cannot select
+#: ``wgmma.fence`` for sm_100a): they compile only for compute capability 9.x.
+MOSAIC_HOPPER_ONLY: tuple[str, ...] = ("index_scores_mosaic", "sparse_mla_mosaic")
+#: One warpgroup (128 threads) per CTA in every Mosaic kernel of this package.
+MOSAIC_THREADS: dict[str, int] = {k: 128 for k in MOSAIC_KERNELS}
+
+
+def _cuda_grid(grid: tuple) -> tuple:
+    """The CUDA launch grid of a Pallas Mosaic GPU ``grid``: its leading dims past the last
+    two flattened into one, then reversed (Pallas iterates row-major, CUDA's x is minor);
+    so a ``(rows,)`` grid launches ``(rows, 1, 1)``."""
+    grid = tuple(grid)
+    if len(grid) > 3:
+        n = 1
+        for g in grid[:-2]:
+            n *= g
+        grid = (n, *grid[-2:])
+    return ((1,) * (3 - len(grid)) + grid)[::-1]
 
 
 def _topk_pools_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
@@ -220,14 +275,38 @@ def _topk_pools_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
     bs = pk.MosaicTopkPoolsBlockSizes(**blocks)
     rows = s.batch * s.queries
     if bs.multi_program(p):
-        grid = (rows, -(-p // bs.split_p), 1)
+        grid = _cuda_grid((rows, -(-p // bs.split_p)))
         return {"topk_pools_mosaic_count": grid, "topk_pools_mosaic_compact": grid}
-    return {"topk_pools_mosaic": (rows, 1, 1)}
+    return {"topk_pools_mosaic": _cuda_grid((rows,))}
 
 
-#: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: grid}``, the launches its
+def _index_scores_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    # mosaic_scoring._launch: grid (query tiles, B, pool tiles of block_p)
+    bs = pk.MosaicIndexScoresBlockSizes(**blocks).resolve(s.queries)
+    p = s.context // PAGE_SIZE * (PAGE_SIZE // cfg.index_kpool) if s.cache == "paged" else \
+        max(1, s.context // cfg.index_kpool)
+    grid = (-(-s.queries // bs.block_q), s.batch, -(-p // bs.block_p))
+    name = "mosaic_index_scores_paged" if s.cache == "paged" else "mosaic_index_scores"
+    return {name: _cuda_grid(grid)}
+
+
+def _sparse_mla_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    # mosaic_attention.mosaic_sparse_mla: grid (B*Q rows, head blocks, value blocks, splits)
+    from pallas_kernels.mosaic_attention import HEAD_TILE
+
+    rows, n_h = s.batch * s.queries, -(-cfg.num_attention_heads // HEAD_TILE)
+    v = -(-cfg.kv_lora_rank // 128) * 128
+    bs = pk.MosaicSparseMlaBlockSizes(**blocks).resolve(rows, n_h, cfg.out_width, v)
+    return {"mosaic_sparse_mla": _cuda_grid((rows, n_h, v // bs.block_v, bs.num_splits))}
+
+
+#: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: CUDA grid}``, the launches its
 #: wrapper makes (a kernel name ``N`` compiles to the PTX entry ``N_mosaic_gpu_kernel``).
-MOSAIC_LAUNCHES: dict[str, Callable] = {"topk_pools_mosaic": _topk_pools_mosaic_launches}
+MOSAIC_LAUNCHES: dict[str, Callable] = {
+    "index_scores_mosaic": _index_scores_mosaic_launches,
+    "topk_pools_mosaic": _topk_pools_mosaic_launches,
+    "sparse_mla_mosaic": _sparse_mla_mosaic_launches,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +352,7 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
         raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
     if not caches or set(caches) - set(CACHES):
         raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
-    paged = set(PAGED_KERNELS) | set(MOSAIC_KERNELS)  # topk_pools_mosaic: n_live when paged
+    paged = set(PAGED_KERNELS) | set(MOSAIC_KERNELS)  # each Mosaic kernel has a paged form
     return [Case(k, Step(kind, b, n, dt, cache=c)) for c in CACHES if c in caches
             for k in kernels if c == "contiguous" or k in paged
             for dt in dtypes for n in contexts for kind in steps for b in batches]
@@ -282,6 +361,15 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
 def mosaic_cases(**kwargs) -> list[Case]:
     """``default_cases`` of the Mosaic GPU kernels (same keyword arguments)."""
     return default_cases(list(MOSAIC_KERNELS), **kwargs)
+
+
+def mosaic_on_target(kernel: str, capability: tuple[int, int]) -> bool:
+    """Whether ``kernel`` (any ``KERNELS`` or ``MOSAIC_KERNELS`` name) exists for a GPU of
+    compute ``capability``: Triton kernels everywhere, Mosaic ones from 9.0 on (sm_90a
+    code), the ``wgmma`` ones (``MOSAIC_HOPPER_ONLY``) on 9.x only."""
+    if kernel not in MOSAIC_KERNELS:
+        return True
+    return capability >= (9, 0) and (kernel not in MOSAIC_HOPPER_ONLY or capability[0] == 9)
 
 
 def _build(cfg, case: Case):

@@ -72,7 +72,11 @@ def run_worker(target_name: str, dump_root: str) -> int:
     from glm5_dsa_jax.config import DsaConfig
 
     spec = json.load(sys.stdin)
-    cfg = DsaConfig.glm53_flash(**spec.get("config", {}))
+    config = dict(spec.get("config", {}))
+    preset = config.pop("preset", None)  # a supported model's shapes (see cases' doc)
+    if preset and config:
+        raise ValueError(f"config: a preset ({preset!r}) takes no overrides, got {sorted(config)}")
+    cfg = DsaConfig.preset(preset) if preset else DsaConfig.glm53_flash(**config)
     target = TARGETS[target_name]
     topo = topologies.get_topology_desc(
         f"glm5_dsa_{target.name}", "cuda", target_config=target.target_config(), topology="1x1x1")
