@@ -167,6 +167,18 @@ def check_block_sizes(block_sizes: _B | None, cls: type[_B]) -> _B:
     return block_sizes.validate()
 
 
+def kernel_family(implementation: str, block_sizes, triton_cls: type, mosaic_cls: type):
+    """``(implementation, mosaic, blocks)`` for a wrapper with a Triton and a Mosaic kernel:
+    ``implementation`` resolved (``"auto"``), whether the Mosaic family is asked for (a
+    ``"mosaic*"`` implementation, or ``"xla"`` given the Mosaic block sizes, which are then
+    validated like any others), and ``block_sizes`` validated as that family's dataclass
+    (``check_block_sizes``: a ``TypeError`` for the other family's)."""
+    implementation = resolve_implementation(implementation)
+    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
+        implementation == "xla" and isinstance(block_sizes, mosaic_cls))
+    return implementation, mosaic, check_block_sizes(block_sizes, mosaic_cls if mosaic else triton_cls)
+
+
 def check_positive_int(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")

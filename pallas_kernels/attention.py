@@ -67,9 +67,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_positive_int,
-    check_power_of_two, check_rank, check_triton_params, eager_jit, next_power_of_two,
-    resolve_implementation, without_mosaic,
+    Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
+    eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
 from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, combine_splits, mosaic_sparse_mla
@@ -151,11 +150,7 @@ def sparse_mla(
     with an fp8 ``latent``. ``block_sizes`` (validated under every implementation) tiles
     the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a ``MosaicSparseMlaBlockSizes``
     for ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
-    implementation = resolve_implementation(implementation)
-    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
-        implementation == "xla" and isinstance(block_sizes, MosaicSparseMlaBlockSizes))
-    blocks = check_block_sizes(
-        block_sizes, MosaicSparseMlaBlockSizes if mosaic else SparseMlaBlockSizes)
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes)
     check_rank("q", q, 4, "[B, Q, H, CR]")
     check_rank("latent", latent, 3, "[B, L, CR]")
     check_rank("token_ids", token_ids, 3, "[B, Q, W]")

@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two, resolve_implementation, without_mosaic,
+    Implementation, check_power_of_two, check_rank, check_triton_params, eager_jit, kernel_family,
+    next_power_of_two, without_mosaic,
 )
 from pallas_kernels.mosaic_scoring import (
     MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
@@ -170,11 +170,7 @@ def index_scores(
     implementation) tiles the kernel: an ``IndexScoresBlockSizes`` for ``"pallas"``, a
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
-    implementation = resolve_implementation(implementation)
-    mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
-        implementation == "xla" and isinstance(block_sizes, MosaicIndexScoresBlockSizes))
-    blocks = check_block_sizes(
-        block_sizes, MosaicIndexScoresBlockSizes if mosaic else IndexScoresBlockSizes)
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape
     if w.shape != (b, nq, h):

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    MOSAIC_IMPLEMENTATIONS, Implementation, check_block_sizes, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two, resolve_implementation,
+    Implementation, check_power_of_two, check_rank, check_triton_params, eager_jit, kernel_family,
+    next_power_of_two,
 )
 from pallas_kernels.mosaic_selection import MosaicTopkPoolsBlockSizes, mosaic_topk_pools
 from pallas_kernels.radix_select import (
@@ -186,11 +186,8 @@ def topk_pools(
     ``MosaicTopkPoolsBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults). ``n_live`` (``[B, Q]`` or ``[B]`` integer, or ``None``: every pool) bounds
     each row; see the module doc."""
-    implementation = resolve_implementation(implementation)
-    mosaic = implementation in MOSAIC_IMPLEMENTATIONS
-    if implementation == "xla" and isinstance(block_sizes, MosaicTopkPoolsBlockSizes):
-        mosaic = True
-    blocks = check_block_sizes(block_sizes, MosaicTopkPoolsBlockSizes if mosaic else TopkPoolsBlockSizes)
+    implementation, mosaic, blocks = kernel_family(
+        implementation, block_sizes, TopkPoolsBlockSizes, MosaicTopkPoolsBlockSizes)
     check_rank("scores", scores, 3, "[B, Q, P]")
     if scores.dtype != jnp.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")

@@ -53,15 +53,17 @@ def layer_of(implementation="xla", layer_idx=1):
     return f32_layer(cfg(), layer_idx, implementation=implementation, block_q=8)
 
 
-def run(layer, kinds=("prefill", "contiguous", "paged"), steps=STEPS):
-    """No-cache prefill (jitted), then the decoders: a chunk of S, then ``steps`` steps."""
+def run(layer, kinds=("prefill", "contiguous", "paged"), steps=STEPS, cache_dtype=None):
+    """No-cache prefill (jitted), then the decoders: a chunk of S, then ``steps`` steps
+    (caches of ``cache_dtype``, default the layer's)."""
     x, mask = inputs()
     res = {}
     if "prefill" in kinds:
         f, state = jitted_call(layer)
         res["prefill"] = [f(state, x[:, :S], attention_mask=mask[:, :S])]
-    decoders = {"contiguous": lambda: gd.DsaDecoder(layer, B, MAX_LEN),
-                "paged": lambda: gd.PagedDecoder(layer, B, NUM_PAGES, PAGE, pages_per_seq=PAGES_PER_SEQ)}
+    decoders = {"contiguous": lambda: gd.DsaDecoder(layer, B, MAX_LEN, cache_dtype=cache_dtype),
+                "paged": lambda: gd.PagedDecoder(layer, B, NUM_PAGES, PAGE, pages_per_seq=PAGES_PER_SEQ,
+                                                 cache_dtype=cache_dtype)}
     made = {}
     for name in ("contiguous", "paged"):
         if name in kinds:
@@ -109,6 +111,19 @@ def test_dp_equals_unsharded(shape, mode, kinds, reference):
     got, made = run(layer, kinds)
     assert_equal_results(got, {k: reference[k] for k in kinds})
     assert all(d.step.traces == 2 for d in made.values())  # the chunk, then every decode step
+    check_placement(mesh, made)
+
+
+def test_dp_fp8_caches_equal_unsharded():
+    """fp8 caches split by sequence: the row scales (``latent_scale``, ``pooled_scale``) go
+    with their rows to each data shard; top-k and outputs as the unsharded fp8 layer's."""
+    kinds = ("contiguous", "paged")
+    want, _ = run(layer_of(), kinds, steps=1, cache_dtype="fp8")
+    mesh = mesh_of((2, 4), "explicit")
+    layer = sh.shard_layer(layer_of(), mesh, "tp", batch_axis="data")
+    got, made = run(layer, kinds, steps=1, cache_dtype="fp8")
+    assert_equal_results(got, want)
+    assert all(d.cache.is_fp8 and d.cache.latent_scale is not None for d in made.values())
     check_placement(mesh, made)
 
 
