@@ -9,6 +9,8 @@ Public API (see README.md)::
     out, topk = layer(hidden_states, attention_mask=mask)
     paged = layer.init_paged_cache(max_seqs=8, num_pages=1024)   # serving: a sequence per row
     out, topk, paged = layer(x, attention_mask=mask, cache=paged)
+    fp8 = layer.init_cache(batch_size=8, max_length=32768, dtype="fp8")  # e4m3 rows, row scales
+    gd.shard_layer(layer, jax.make_mesh((2, 4), ("data", "tp")), "tp", batch_axis="data")
 """
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
@@ -19,6 +21,7 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder, make_step
 from glm5_dsa_jax.layout import hf_weight_shapes
+from glm5_dsa_jax.memory_plan import MemoryPlan
 from glm5_dsa_jax.plan import TpPlan, partition_specs
 from glm5_dsa_jax.sharding import shard_layer
 from glm5_dsa_jax.layer import (
@@ -31,6 +34,6 @@ __all__ = [
     "DsaCache", "init_cache", "PagedCache", "init_paged_cache", "DsaDecoder", "PagedDecoder",
     "make_step", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
     "hf_weight_shapes", "float32_params", "clear_float32_copies",
-    "TpPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
+    "TpPlan", "MemoryPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
 ]
 __version__ = "0.1.0"

@@ -14,7 +14,8 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
-from glm5_dsa_jax.memory_plan import MemoryPlan, cache_bytes
+from glm5_dsa_jax.memory_plan import cache_bytes
+MemoryPlan = gd.MemoryPlan  # the public name
 from glm5_dsa_jax.plan import TpPlan
 
 TINY = gd.DsaConfig.preset("tiny")
