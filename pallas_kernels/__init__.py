@@ -57,8 +57,9 @@ GPUs, ``"xla"`` elsewhere::
                         -> expand_selection -> positions; the caller maps them to slots of the latent pool
                         -> sparse_mla over latent [1, N*page_size, CR] (shared by every row)
 
-``streaming_topk`` is ``topk_pools`` over a row scored tile by tile up to a device-side
-tile count (what ``implementation="xla"`` runs, so its work follows the live pools);
+``streaming_selection`` holds ``streaming_topk``: ``topk_pools`` over a row scored tile by
+tile up to a device-side tile count (what ``implementation="xla"`` runs, so its work follows
+the live pools);
 ``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
 ``dense_mla`` the dense oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``);
 ``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
@@ -87,7 +88,7 @@ from pallas_kernels.scoring import (
 from pallas_kernels.selection import (
     MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,
 )
-from pallas_kernels.streaming_topk import streaming_topk
+from pallas_kernels.streaming_selection import streaming_topk
 
 __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation",

@@ -10,7 +10,6 @@ functions' names (``import pallas_kernels.selection`` gives a module).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import typing
 
 import jax.numpy as jnp
@@ -134,13 +133,3 @@ def test_implementation_type_and_check():
         hints = typing.get_type_hints(fn)
         assert hints["implementation"] == pk.Implementation, fn.__name__
         assert "block_sizes" in hints, fn.__name__
-
-
-@pytest.mark.parametrize("module", ["pooling", "scoring", "paged_scoring", "selection", "dense_mla",
-                                    "radix_select", "expansion", "attention"])
-def test_modules_do_not_share_their_functions_names(module):
-    import pallas_kernels
-
-    imported = importlib.import_module(f"pallas_kernels.{module}")
-    assert getattr(pallas_kernels, module) is imported  # not shadowed by a function
-    assert not hasattr(pk, module) or isinstance(getattr(pk, module), type(importlib))

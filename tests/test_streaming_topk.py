@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from pallas_kernels.selection import topk_pools_reference
-from pallas_kernels.streaming_topk import streaming_topk
+from pallas_kernels.streaming_selection import streaming_topk
 
 # Few distinct values, so ties (and -0.0 against +0.0, and -inf, NaN) are the common case.
 VALUES = [-np.inf, -1.0, -0.0, 0.0, 0.5, 1.0, 2.0, np.nan]

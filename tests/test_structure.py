@@ -9,6 +9,8 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
   execution -> cache -> layer -> plan / placement -> decode -> checkpoint -> tools -> cli):
   a module imports only from its own layer or the ones before it.
 * No module over 500 lines.
+* No module defines a function or class of its own name (the package's re-export would
+  shadow the module).
 * The HF name ``kv_a_proj_with_mqa`` written in at most two modules of ``glm5_dsa_jax``
   (the layout table and at most one doc): every other module reads names from the table.
 """
@@ -171,3 +173,23 @@ def test_hf_layout_written_once():
         if m.startswith("glm5_dsa_jax") and "kv_a_proj_with_mqa" in p.read_text()
     )
     assert len(holders) <= 2, f"the HF name kv_a_proj_with_mqa is written in {holders}"
+
+
+def public_names(module: str) -> set[str]:
+    """Functions and classes ``module`` defines at its top level."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_function_shares_its_modules_name(module):
+    # `from pkg import name` must not be ambiguous between a module and a function: a package
+    # that re-exports a function of its module's name shadows the module (tests then need
+    # importlib to reach it).
+    leaf = module.rpartition(".")[2]
+    assert leaf not in public_names(module), f"{MODULES[module].relative_to(ROOT)} defines {leaf}"
+
+
+def test_public_names_finds_what_the_rule_would_catch():
+    # Had streaming_selection kept its old name (streaming_topk), the rule above would fail.
+    assert "streaming_topk" in public_names("pallas_kernels.streaming_selection")

@@ -1,5 +1,5 @@
-"""``streaming_topk``: ``topk_pools`` over a row that arrives tile by tile, for as many
-tiles as are live.
+"""Streaming selection: ``streaming_topk``, ``topk_pools`` over a row that arrives tile by
+tile, for as many tiles as are live.
 
 Axis letters as in the package glossary (``pallas_kernels``). A decode step should score
 only the pools a sequence has, not the cache's capacity. The scores then arrive one tile
