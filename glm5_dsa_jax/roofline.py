@@ -12,6 +12,20 @@ Invariants and assumptions (why the numbers are what they are):
   ``elem_bytes`` (bf16: 2), index scores and gate logits in float32, ids int32. The cache
   is sized to the context (``max_length = context``): kernels that scan the pool axis
   (``index_scores``, ``topk_pools``) pay for its capacity, not for the valid pools.
+  ``cache_dtype="fp8"`` makes each latent row and pooled key ``width`` e4m3 bytes plus a
+  float32 scale (``cache_row_bytes``, as ``glm5_dsa_jax.fp8`` stores them); the stage of
+  the incomplete pool stays in the compute dtype.
+* Every width is the model's, read from ``cfg`` as the layer uses it: latent rows and the
+  absorbed query are ``CR = kv_cache_dim`` wide (``[c, k_rot]`` with RoPE, 576 in
+  ``glm_moe_dsa`` / ``deepseek_v32``), the values and ``sparse_mla``'s output ``V =
+  kv_lora_rank`` (its ``value_width``); pools are ``index_kpool`` tokens (1 without k-pool
+  compression: ``kpool_compress`` then copies the window's keys, and the layer still runs
+  it, so it is still counted).
+* The projections are the layout table's (``matmuls``): every parameter with a product
+  weight's initialiser (``"normal"``, ``fan_in ** -0.5``), its fan-in axes the input, so
+  a model type's own tensors (no k-pool gate without k-pool compression, RoPE parts in
+  ``q_b_proj`` and ``kv_a_proj_with_mqa``) are counted without a second list.
+  ``kv_b_proj``'s parts are the absorbed per-head W_UK / W_UV (``_ABSORBED``).
 * Bytes are DRAM bytes as the kernels' own tiling issues them: data a program loads once
   and reuses from registers/shared memory is counted once per program; data reloaded by a
   later pass or by another program is counted again (``index_scores`` reads every pool's
@@ -31,7 +45,8 @@ Invariants and assumptions (why the numbers are what they are):
   (the ``programs`` column says how many programs a kernel launches per pass; ``topk_pools``
   runs one per query row up to 32K-token contexts and one per 2,048-pool segment beyond).
 * The projections are XLA matmuls: each reads its weight once per call and its input and
-  output activations once.
+  output activations once. Element-wise work around them (RoPE, the norms, joining
+  ``[q_lat, q_rot]`` and ``[c, k_rot]``) is fused by XLA and not counted.
 
 ``weight_bytes`` and ``step_read_bytes`` are also the weight-read floor of
 ``glm5-dsa bench decode`` (the bytes a step must read at least): one home for those facts.
