@@ -146,43 +146,63 @@ def test_glm53_figures_unchanged():
 
 
 def _readme_tables():
-    """The README's roofline tables: ``{(phase, kernel): [(MB, us, compute?) per context]}``."""
+    """The README's roofline tables: ``{(phase or "presets", first cell): [(MB, us,
+    compute?) per column]}``."""
     import pathlib
     import re
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     section = text[text.index("## Roofline"):]
     section = section[:section.index("\n## ", 5)]
-    out, phase = {}, None
+    out, table = {}, None
     for line in section.splitlines():
-        if line.startswith("Decode step"):
-            phase = "decode"
-        elif line.startswith("Prefill chunk"):
-            phase = "prefill"
-        m = re.match(r"\| (?:`([^`]+)`|\*\*(total)\*\*) \|(.*)\|$", line)
-        if m and phase:
-            cells = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in m.group(3).split("|")]
-            out[(phase, m.group(1) or m.group(2))] = [
+        for start, name in (("Decode step", "decode"), ("Prefill chunk", "prefill"), ("The other presets", "presets")):
+            table = name if line.startswith(start) else table
+        m = re.match(r"\| (`[^|]+|\*\*total\*\*) \|(.*)\|$", line)
+        if m and table:
+            cells = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in m.group(2).split("|")]
+            out[(table, m.group(1).replace("`", "").replace("**", ""))] = [
                 (float(c[1].replace(",", "")), float(c[2].replace(",", "")), bool(c[3])) for c in cells]
     return out
 
 
+def _cell(r):
+    return round(r.bytes / 1e6, 2), round(r.bound_s * 1e6, 2), r.limit == "compute"
+
+
 def test_readme_tables_are_the_model():
     tables = _readme_tables()
-    assert len(tables) == 2 * 17
+    assert len(tables) == 2 * 17 + 5
     by_context = [rl.rows(CFG, "h200", n) for n in (4096, 131072, 1048576)]
-    for (phase, kernel), cells in tables.items():
-        for rows, (mb, us, compute) in zip(by_context, cells):
-            r = _by(rows, phase)[kernel]
-            assert (round(r.bytes / 1e6, 2), round(r.bound_s * 1e6, 2), r.limit == "compute") == (mb, us, compute)
+    for (table, kernel), cells in tables.items():
+        if table == "presets":
+            preset, cache_dtype = kernel.split(", ")
+            cfg = gd.DsaConfig.preset(preset)
+            mid = rl.rows(cfg, "h200", 131072, cache_dtype=cache_dtype)
+            long = _by(rl.rows(cfg, "h200", 1 << 20, cache_dtype=cache_dtype, phases=("decode",)), "decode")
+            want = [_by(mid, "decode")["sparse_mla"], _by(mid, "decode")["total"], long["total"],
+                    _by(mid, "prefill")["sparse_mla"], _by(mid, "prefill")["total"]]
+        else:
+            want = [_by(rows, table)[kernel] for rows in by_context]
+        assert [_cell(r) for r in want] == cells, (table, kernel)
 
 
-def _abstract_layer(cfg):
-    return nnx.eval_shape(lambda: gd.DsaAttention(cfg, cfg.dsa_layers[0], rngs=nnx.Rngs(0)))
+def _layer_shapes(cfg):
+    """A real layer of ``cfg`` built abstractly (``nnx.eval_shape``): ``{param path:
+    shape}`` and the shapes of one decode token's ``q_resid``, ``q_lat``, cache row and
+    ``sparse_attention`` output."""
+    layer = nnx.eval_shape(lambda: gd.DsaAttention(cfg, cfg.dsa_layers[0], rngs=nnx.Rngs(0)))
+    params = {tuple(str(k) for k in path): tuple(v.shape)
+              for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    graphdef, state = nnx.split(layer)
 
+    def step(state, x):
+        lay = nnx.merge(graphdef, state)
+        q_resid, q_lat, latent = lay.project(x, lay.rope(jnp.zeros((1, 1), jnp.int32)))
+        o_lat = lay.sparse_attention(q_lat, latent, jnp.zeros((1, 1, cfg.out_width), jnp.int32))
+        return q_resid, q_lat, latent, o_lat
 
-def _param_shapes(layer):
-    return {tuple(str(k) for k in path): tuple(v.shape)
-            for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), jnp.bfloat16)
+    return params, *(a.shape for a in jax.eval_shape(step, state, x))
 
 
 @pytest.mark.parametrize("preset", ["glm53-flash", *ROPE_PRESETS])
@@ -190,32 +210,25 @@ def test_matmuls_are_the_layers_products(preset):
     """The products are the parameters of a real layer at the preset's dims, each read
     whole, and their widths are the activations the layer computes."""
     cfg = gd.DsaConfig.preset(preset)
-    layer = _abstract_layer(cfg)
-    shapes = _param_shapes(layer)
+    shapes, q_resid, q_lat, latent, o_lat = _layer_shapes(cfg)
     mms = rl.matmuls(cfg)
     for m in mms:
         assert m.weights == math.prod(shapes[m.path]), m.name
         per_head = cfg.num_attention_heads if m.path in (("w_uk",), ("w_uv",)) else 1
         assert m.fin * m.fout == m.weights * per_head, m.name
-    # every matrix of the layer is a product, but the k-pool APE (added to the gate logits)
-    matrices = {p for p, s in shapes.items() if len(s) >= 2} - {("indexer", "kpool_ape")}
-    assert [m.path for m in mms] and {m.path for m in mms} == matrices
-    assert ("indexer", "kpool_ape") in shapes if cfg.rules.kpool_compression else True
+    # every matrix of the layer is a product, but the k-pool APE (added to the gate logits,
+    # only in a model type with k-pool compression)
+    ape = {("indexer", "kpool_ape")} & set(shapes)
+    assert bool(ape) == cfg.rules.kpool_compression
+    assert {m.path for m in mms} == {p for p, s in shapes.items() if len(s) >= 2} - ape
+    assert len(mms) == len({m.path for m in mms}) == (10 if ape else 9)
     assert rl.matmul_weights(cfg) == {m.name: (m.weights, m.fin, m.fout) for m in mms}
     # widths: the absorbed query, the cache row and the attention output of the layer
-    graphdef, state = nnx.split(layer)
-    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), jnp.bfloat16)
-
-    def project(state, x):
-        lay = nnx.merge(graphdef, state)
-        return lay.project(x, lay.rope(jnp.zeros((1, 1), jnp.int32)))
-
-    q_resid, q_lat, latent = jax.eval_shape(project, state, x)
     by = {m.name: m for m in mms}
-    assert by["q_a_proj"].fout == q_resid.shape[-1]
-    assert by["kv_a_proj_with_mqa"].fout == latent.shape[-1] == cfg.kv_cache_dim
-    assert by["w_uk (absorb_q)"].fout + cfg.num_attention_heads * cfg.qk_rope_head_dim == math.prod(q_lat.shape[2:])
-    assert by["w_uv (absorb_o)"].fin == cfg.num_attention_heads * cfg.kv_lora_rank
+    assert by["q_a_proj"].fout == q_resid[-1]
+    assert by["kv_a_proj_with_mqa"].fout == latent[-1] == cfg.kv_cache_dim
+    assert by["w_uk (absorb_q)"].fout + cfg.num_attention_heads * cfg.qk_rope_head_dim == math.prod(q_lat[2:])
+    assert by["w_uv (absorb_o)"].fin == math.prod(o_lat[2:])
     assert by["o_proj"].fout == cfg.hidden_size
 
 
@@ -228,19 +241,9 @@ def test_rope_models_count_their_widths_and_kpool_1(preset):
     dec = _by(rl.rows(cfg, "h200", context, 1, phases=("decode",)), "decode")
     assert "xla:indexer.kpool_gate" not in dec  # no gate tensor in the model type
     # the widths sparse_mla reads and writes, from the layer's own shapes
-    layer = _abstract_layer(cfg)
-    graphdef, state = nnx.split(layer)
-    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), jnp.bfloat16)
-
-    def attend(state, x):
-        lay = nnx.merge(graphdef, state)
-        _, q_lat, latent = lay.project(x, lay.rope(jnp.zeros((1, 1), jnp.int32)))
-        ids = jnp.zeros((1, 1, cfg.out_width), jnp.int32)
-        return q_lat, latent, lay.sparse_attention(q_lat, latent, ids)
-
-    q_lat, latent, o_lat = jax.eval_shape(attend, state, x)
-    h, cr, v = q_lat.shape[2], latent.shape[-1], o_lat.shape[-1]
-    assert (q_lat.shape[-1], cr, v) == (576, 576, 512)
+    _, _, q_lat, latent, o_lat = _layer_shapes(cfg)
+    h, cr, v = q_lat[2], latent[-1], o_lat[-1]
+    assert (q_lat[-1], cr, v) == (576, 576, 512)
     blk = SparseMlaBlockSizes().resolve((1, 1, h, cr), cfg.out_width)
     n_hb, ids = -(-h // blk.block_h), cfg.index_topk  # every id valid at this context
     partials = 2 * blk.num_splits * h * (v + 2) * 4 if blk.num_splits > 1 else 0
