@@ -3,8 +3,8 @@
 ``TENSORS`` describes each HF tensor of a layer once; parameter creation (``DsaAttention``,
 ``DsaIndexer``), ``hf_weight_shapes``, both directions of ``weights`` (``hf_to_params``,
 ``params_to_hf``), the TP plan and PartitionSpecs (``plan``), the sliced checkpoint import
-and ``roofline.weight_bytes`` all read it. A fact about the layout is changed here or not
-at all.
+and the roofline (``weight_bytes``, ``matmuls``) all read it. A fact about the layout is
+changed here or not at all.
 
 Invariants:
 

@@ -12,6 +12,20 @@ Invariants and assumptions (why the numbers are what they are):
   ``elem_bytes`` (bf16: 2), index scores and gate logits in float32, ids int32. The cache
   is sized to the context (``max_length = context``): kernels that scan the pool axis
   (``index_scores``, ``topk_pools``) pay for its capacity, not for the valid pools.
+  ``cache_dtype="fp8"`` makes each latent row and pooled key ``width`` e4m3 bytes plus a
+  float32 scale (``cache_row_bytes``, as ``glm5_dsa_jax.fp8`` stores them); the stage of
+  the incomplete pool stays in the compute dtype.
+* Every width is the model's, read from ``cfg`` as the layer uses it: latent rows and the
+  absorbed query are ``CR = kv_cache_dim`` wide (``[c, k_rot]`` with RoPE, 576 in
+  ``glm_moe_dsa`` / ``deepseek_v32``), the values and ``sparse_mla``'s output ``V =
+  kv_lora_rank`` (its ``value_width``); pools are ``index_kpool`` tokens (1 without k-pool
+  compression: ``kpool_compress`` then copies the window's keys, and the layer still runs
+  it, so it is still counted).
+* The projections are the layout table's (``matmuls``): every parameter with a product
+  weight's initialiser (``"normal"``, ``fan_in ** -0.5``), its fan-in axes the input, so
+  a model type's own tensors (no k-pool gate without k-pool compression, RoPE parts in
+  ``q_b_proj`` and ``kv_a_proj_with_mqa``) are counted without a second list.
+  ``kv_b_proj``'s parts are the absorbed per-head W_UK / W_UV (``_ABSORBED``).
 * Bytes are DRAM bytes as the kernels' own tiling issues them: data a program loads once
   and reuses from registers/shared memory is counted once per program; data reloaded by a
   later pass or by another program is counted again (``index_scores`` reads every pool's
@@ -31,7 +45,8 @@ Invariants and assumptions (why the numbers are what they are):
   (the ``programs`` column says how many programs a kernel launches per pass; ``topk_pools``
   runs one per query row up to 32K-token contexts and one per 2,048-pool segment beyond).
 * The projections are XLA matmuls: each reads its weight once per call and its input and
-  output activations once.
+  output activations once. Element-wise work around them (RoPE, the norms, joining
+  ``[q_lat, q_rot]`` and ``[c, k_rot]``) is fused by XLA and not counted.
 
 ``weight_bytes`` and ``step_read_bytes`` are also the weight-read floor of
 ``glm5-dsa bench decode`` (the bytes a step must read at least): one home for those facts.
@@ -43,14 +58,17 @@ import dataclasses
 import math
 
 from glm5_dsa_jax import layout
+from glm5_dsa_jax.cache import check_cache_dtype
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.fp8 import is_fp8
 from pallas_kernels import (
     ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
     SparseMlaBlockSizes, TopkPoolsBlockSizes,
 )
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
-           "weight_bytes", "matmul_weights", "step_read_bytes", "selected_ids"]
+           "weight_bytes", "Matmul", "matmuls", "matmul_weights", "step_read_bytes", "selected_ids",
+           "cache_row_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,25 +103,81 @@ class RooflineRow:
 
 
 # ---------------------------------------------------------------------------- shared facts
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One projection product of a layer, per token (read from the layout table)."""
+
+    #: the row's name: the HF module (``q_b_proj``, ``kv_a_proj_with_mqa``), our parameter
+    #: for an HF tensor that is no module's ``.weight`` (``indexer.kpool_gate``), or an
+    #: absorbed per-head matrix and its step (``w_uk (absorb_q)``)
+    name: str
+    #: the parameter it reads (``layout.Param.path``)
+    path: tuple[str, ...]
+    #: weight elements read
+    weights: int
+    #: input and output widths per token
+    fin: int
+    fout: int
+
+
+#: Weight absorption (``ops.absorb_q`` / ``absorb_o``): ``kv_b_proj`` is kept as one matrix
+#: per head, never expanded into per-head keys and values. Its key part (W_UK, the
+#: ``qk_nope`` rows) multiplies the query's nope part, transposed (``qk_nope -> kv_lora``),
+#: before attention; its value part (W_UV, ``v_head``) the latent output (``kv_lora ->
+#: v_head``) after it. View-axis part -> (the step, whether it runs transposed).
+_ABSORBED = {"qk_nope": ("absorb_q", True), "v_head": ("absorb_o", False)}
+
+
+def _matmul(cfg: DsaConfig, t: layout.Tensor, p: layout.Param) -> tuple[Matmul, str | None]:
+    """The product of parameter ``p`` (of tensor ``t``) and its absorbed step (None for a
+    plain product). A product weight is stored ``[in, out]``, its fan-in axes
+    (``Param.fan_in``) the input; a parameter whose leading axis is the heads and not its
+    fan-in is a per-head matrix (the heads a batch axis of the product)."""
+    dims = dict(zip(p.axes, p.shape(cfg)))
+    fan_in = p.fan_in if p.fan_in is not None else p.axes[:1]
+    weights, fin = math.prod(dims.values()), math.prod(dims[a] for a in fan_in)
+    if p.axes[0] != layout.HEADS or layout.HEADS in fan_in:
+        name = t.name if t.hf_name.endswith(".weight") else ".".join(p.path)
+        return Matmul(name, p.path, weights, fin, weights // fin), None
+    (part,) = [a for a in p.axes if a != layout.HEADS and a not in fan_in]
+    if part not in _ABSORBED:
+        raise ValueError(f"{p.name}: a per-head matrix over {part!r}, which no absorbed step reads")
+    step, transposed = _ABSORBED[part]
+    heads = dims[layout.HEADS]
+    rows, cols = heads * dims[part], heads * fin
+    fin, fout = (rows, cols) if transposed else (cols, rows)
+    return Matmul(f"{p.name} ({step})", p.path, weights, fin, fout), step
+
+
+def matmuls(cfg: DsaConfig, has_indexer: bool = True) -> list[Matmul]:
+    """Every product of one layer of ``cfg``, in the order the layer runs them: the
+    parameters of ``layout.layer_tensors`` with a ``"normal"`` (``fan_in ** -0.5``, a product
+    weight's) initialiser, in table order, with the absorbed W_UK right after the product
+    whose output holds the heads (``q_b_proj``: the query it reads) and W_UV right before
+    the one whose input holds them (``o_proj``: it reads its output)."""
+    plain, absorbed = [], {}
+    for t, p in layout.iter_params(layout.layer_tensors(cfg, indexer=has_indexer)):
+        if p.init == "normal":
+            m, step = _matmul(cfg, t, p)
+            if step is None:
+                plain.append((t.heads_hf_axis, m))
+            else:
+                absorbed[step] = m
+    out = []
+    for heads_axis, m in plain:
+        if heads_axis == 1 and "absorb_o" in absorbed:  # o_proj: the heads are its input
+            out.append(absorbed.pop("absorb_o"))
+        out.append(m)
+        if heads_axis == 0 and "absorb_q" in absorbed:  # q_b_proj: the heads are its output
+            out.append(absorbed.pop("absorb_q"))
+    return out + list(absorbed.values())
+
+
 def matmul_weights(cfg: DsaConfig, has_indexer: bool = True) -> dict[str, tuple[int, int, int]]:
     """``name -> (weight elements, input width, output width)`` of every matmul of a layer
-    (per token; ``w_uk``/``w_uv`` are per-head products, block-diagonal over the heads)."""
-    h, nh, c = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    nope, v, ql = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
-    # Named after the HF modules (the layout table's names), w_uk/w_uv by their product.
-    w = {
-        "q_a_proj": (h * ql, h, ql),
-        "q_b_proj": (ql * nh * cfg.qk_head_dim, ql, nh * cfg.qk_head_dim),
-        "w_uk (absorb_q)": (nh * nope * c, nh * nope, nh * c),
-        layout.find_param(("kv_a_proj",))[0].name: (h * cfg.kv_cache_dim, h, cfg.kv_cache_dim),
-        "w_uv (absorb_o)": (nh * v * c, nh * c, nh * v),
-        "o_proj": (nh * v * h, nh * v, h),
-    }
-    if has_indexer:
-        d, hi = cfg.index_head_dim, cfg.index_n_heads
-        w.update({"indexer.wq_b": (ql * hi * d, ql, hi * d), "indexer.wk": (h * d, h, d),
-                  "indexer.weights_proj": (h * hi, h, hi), "indexer.kpool_gate": (h * d, h, d)})
-    return w
+    (per token; ``w_uk``/``w_uv`` are per-head products, block-diagonal over the heads):
+    ``matmuls`` as a dict."""
+    return {m.name: (m.weights, m.fin, m.fout) for m in matmuls(cfg, has_indexer)}
 
 
 def weight_bytes(cfg: DsaConfig, elem_bytes: int = 2, has_indexer: bool = True) -> int:
@@ -125,22 +199,35 @@ def step_read_bytes(cfg: DsaConfig, context: int, batch: int, *, weight_elem_byt
                     cache_elem_bytes: int = 2) -> dict[str, int]:
     """The bytes a decode step must read at least: every weight once, and per sequence the
     pooled keys of the visible pools and the selected latent rows (the tokens it attends
-    to). ``{"weights", "cache", "total"}``."""
+    to, ``kv_cache_dim`` wide). ``{"weights", "cache", "total"}``."""
     n = context
     pooled = (n // cfg.index_kpool) * cfg.index_head_dim * cache_elem_bytes
-    latent = selected_ids(cfg, n) * cfg.kv_lora_rank * cache_elem_bytes
+    latent = selected_ids(cfg, n) * cfg.kv_cache_dim * cache_elem_bytes
     w = weight_bytes(cfg, weight_elem_bytes)
     cache = batch * (pooled + latent)
     return {"weights": w, "cache": cache, "total": w + cache}
 
 
 # ---------------------------------------------------------------------------- kernel tiling
-def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int):
+def cache_row_bytes(width: int, elem_bytes: int = 2, cache_dtype=None) -> int:
+    """Bytes of one cache row of ``width`` values (a latent row, a pooled key): ``width *
+    elem_bytes`` for ``cache_dtype`` None (the cache in the elements' dtype), ``width *
+    itemsize`` for a float dtype, and ``width`` e4m3 bytes plus one float32 scale for fp8
+    (``"fp8"``, ``glm5_dsa_jax.fp8``)."""
+    if cache_dtype is None:
+        return width * elem_bytes
+    dt = check_cache_dtype(cache_dtype)
+    return width * dt.itemsize + (4 if is_fp8(dt) else 0)
+
+
+def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int, cache_dtype=None):
     """(kernel, bytes, flops, programs) of the pipeline kernels for ``queries`` queries per
     sequence at positions ``context - queries .. context - 1``."""
     b, s, n = batch, queries, context
     kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
-    nh, c = cfg.num_attention_heads, cfg.kv_lora_rank
+    # Latent rows and queries are CR = kv_cache_dim wide ([c, k_rot] with RoPE), values and
+    # outputs V = kv_lora_rank (the layer's value_width).
+    nh, cr, v = cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
     pools = max(1, n // kp)  # cache capacity in pools (cache sized to the context)
     select_k = cfg.select_k(pools)
     width = cfg.out_width
@@ -159,7 +246,8 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
     scores_blocks = IndexScoresBlockSizes().resolve(s, pools)
     bq, bp = scores_blocks.block_q, scores_blocks.block_p
     q_tiles, p_tiles = -(-s // bq), -(-pools // bp)
-    by = b * (q_tiles * pools * (d * eb + 1) + s * hi * (d * eb + 4) + s * pools * 4)
+    by = b * (q_tiles * pools * (cache_row_bytes(d, eb, cache_dtype) + 1) + s * hi * (d * eb + 4)
+              + s * pools * 4)
     fl = b * s * pools * hi * (2 * d + 3)
     out.append(("index_scores", by, fl, q_tiles * b * p_tiles))
 
@@ -181,13 +269,14 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
 
     # sparse_mla: grid (B*Q*head blocks, splits); each program scans the id row and
     # gathers its share of the valid latent rows, so every head block gathers them all.
-    blk = SparseMlaBlockSizes().resolve((b, s, nh, c), width)
+    blk = SparseMlaBlockSizes().resolve((b, s, nh, cr), width)
     n_hb = -(-nh // blk.block_h)
     ids = sum(selected_ids(cfg, n - s + 1 + t) for t in range(s))  # valid ids over the chunk
-    by = b * (n_hb * ids * c * eb + s * n_hb * width * 4 + 2 * s * nh * c * eb)
+    by = b * (n_hb * ids * cache_row_bytes(cr, eb, cache_dtype) + s * n_hb * width * 4
+              + s * nh * (cr + v) * eb)
     if blk.num_splits > 1:  # float32 partials (acc, max, sum) written and merged
-        by += 2 * b * s * blk.num_splits * nh * (c + 2) * 4
-    fl = b * nh * ids * (4 * c + 5)
+        by += 2 * b * s * blk.num_splits * nh * (v + 2) * 4
+    fl = b * nh * ids * (2 * cr + 2 * v + 5)  # scores over CR, values over V
     out.append(("sparse_mla", by, fl, b * s * n_hb * blk.num_splits))
     return out
 
@@ -195,24 +284,29 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
 def _projection_rows(cfg: DsaConfig, batch: int, queries: int, eb: int):
     t = batch * queries
     out = []
-    for name, (w, fin, fout) in matmul_weights(cfg).items():
-        out.append((f"xla:{name}", w * eb + t * (fin + fout) * eb, 2 * t * w, 0))
+    for m in matmuls(cfg):
+        out.append((f"xla:{m.name}", m.weights * eb + t * (m.fin + m.fout) * eb, 2 * t * m.weights, 0))
     return out
 
 
-def _cache_write_row(cfg: DsaConfig, batch: int, queries: int, eb: int):
-    """The step's cache writes: latent rows, validity bytes, the staged keys/gates."""
+def _cache_write_row(cfg: DsaConfig, batch: int, queries: int, eb: int, cache_dtype=None):
+    """The step's cache writes: latent rows, validity bytes, the staged keys/gates (the
+    stage stays in the compute dtype in an fp8 cache)."""
     kp, d = cfg.index_kpool, cfg.index_head_dim
-    by = batch * (queries * (cfg.kv_lora_rank * eb + 1) + kp * d * (eb + 4) * 2 + kp * 2)
+    row = cache_row_bytes(cfg.kv_cache_dim, eb, cache_dtype)
+    by = batch * (queries * (row + 1) + kp * d * (eb + 4) * 2 + kp * 2)
     return ("cache_write", by, 0, 0)
 
 
 def rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
-         chunk: int = 2048, elem_bytes: int = 2, phases=("decode", "prefill")) -> list[RooflineRow]:
+         chunk: int = 2048, elem_bytes: int = 2, phases=("decode", "prefill"),
+         cache_dtype=None) -> list[RooflineRow]:
     """The roofline rows of one layer: per phase, every kernel then ``"total"`` (the sums).
 
     ``context``: tokens in the cache after the step (the queries are its last tokens);
-    ``chunk``: queries per sequence of the prefill chunk (at most ``context``).
+    ``chunk``: queries per sequence of the prefill chunk (at most ``context``);
+    ``cache_dtype``: the latent rows' and pooled keys' dtype (``cache_row_bytes``; None:
+    ``elem_bytes``, ``"fp8"``: e4m3 rows and a float32 scale per row).
     """
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     for name, v in (("context", context), ("batch", batch), ("chunk", chunk), ("elem_bytes", elem_bytes)):
@@ -223,12 +317,13 @@ def rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
     unknown = set(phases) - {"decode", "prefill"}
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; expected 'decode' and/or 'prefill'")
+    cache_row_bytes(1, elem_bytes, cache_dtype)  # a ValueError naming a bad cache dtype
     result = []
     for phase in phases:
         s = 1 if phase == "decode" else chunk
         items = (_projection_rows(cfg, batch, s, elem_bytes)
-                 + _kernel_rows(cfg, context, batch, s, elem_bytes)
-                 + [_cache_write_row(cfg, batch, s, elem_bytes)])
+                 + _kernel_rows(cfg, context, batch, s, elem_bytes, cache_dtype)
+                 + [_cache_write_row(cfg, batch, s, elem_bytes, cache_dtype)])
         tb = tf = 0
         tt = 0.0
         for kernel, by, fl, progs in items:
@@ -242,13 +337,13 @@ def rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
 
 
 def kernel_bounds(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int, queries: int, *,
-                  elem_bytes: int = 2) -> dict[str, RooflineRow]:
+                  elem_bytes: int = 2, cache_dtype=None) -> dict[str, RooflineRow]:
     """The pipeline kernels alone (no projections), ``queries`` queries per sequence over a
     cache of ``context`` tokens: ``{kernel: RooflineRow}`` (phase ``"q{queries}"``). What
     ``scripts/gpu_check.py`` prints beside its measured times."""
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     out = {}
-    for kernel, by, fl, progs in _kernel_rows(cfg, context, batch, queries, elem_bytes):
+    for kernel, by, fl, progs in _kernel_rows(cfg, context, batch, queries, elem_bytes, cache_dtype):
         tm, tc = by / spec.bandwidth, fl / spec.peak_flops
         out[kernel] = RooflineRow(f"q{queries}", kernel, int(by), int(fl), int(progs), max(tm, tc),
                                   "memory" if tm >= tc else "compute")

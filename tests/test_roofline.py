@@ -2,6 +2,7 @@
 the kernels' tiling, and ``glm5-dsa roofline`` prints and parses."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import roofline as rl
 from glm5_dsa_jax.cli import main
+from pallas_kernels import IndexScoresBlockSizes, SparseMlaBlockSizes
 
 CFG = gd.DsaConfig.glm53_flash()
 
@@ -106,3 +108,185 @@ def test_cli_table_and_json(capsys):
     kernels = [r["kernel"] for r in res["rows"] if r["phase"] == "prefill"]
     assert kernels[-1] == "total" and "index_scores" in kernels
     assert main(["roofline", "--gpu", "h100", "--context", "0"]) == 2
+
+
+# ---------------------------------------------------------------------------- model widths
+ROPE_PRESETS = ("glm5", "glm52", "deepseek-v32")
+
+# glm5-dsa roofline --gpu h200 --context N at GLM-5.3-Flash, as the README tables print them
+# (rounded there); exact here, so a refactor of the model cannot move them.
+GLM53_DECODE_131072 = {
+    "xla:q_a_proj": (12594176, 12582912), "xla:q_b_proj": (50367488, 50331648),
+    "xla:w_uk (absorb_q)": (16875520, 16777216), "xla:kv_a_proj_with_mqa": (4203520, 4194304),
+    "xla:w_uv (absorb_o)": (16875520, 16777216), "xla:o_proj": (134258688, 134217728),
+    "xla:indexer.wq_b": (12594176, 12582912), "xla:indexer.wk": (1057024, 1048576),
+    "xla:indexer.weights_proj": (270400, 262144), "xla:indexer.kpool_gate": (1057024, 1048576),
+    "kpool_compress": (5125, 4096), "index_scores": (8560768, 271581184),
+    "topk_pools": (1181696, 8388608), "expand_selection": (10264, 8204),
+    "sparse_mla": (12763184, 269090816), "cache_write": (7177, 0), "total": (272681750, 798896140),
+}
+GLM53_TOTALS = {  # context -> (decode bytes, flops), (prefill bytes, flops)
+    4096: ((263253782, 527675404), (18618022156, 1081076576256)),
+    131072: ((272681750, 798896140), (22262741260, 1636536643584)),
+    1048576: ((340806422, 2758684684), (48598776076, 5650183581696)),
+}
+
+
+def test_glm53_figures_unchanged():
+    rows = rl.rows(CFG, "h200", 131072)
+    dec = _by(rows, "decode")
+    assert list(dec) == list(GLM53_DECODE_131072)  # the README's row order too
+    assert {k: (r.bytes, r.flops) for k, r in dec.items()} == GLM53_DECODE_131072
+    for context, (decode, prefill) in GLM53_TOTALS.items():
+        rows = rl.rows(CFG, "h200", context)
+        assert (_by(rows, "decode")["total"].bytes, _by(rows, "decode")["total"].flops) == decode
+        assert (_by(rows, "prefill")["total"].bytes, _by(rows, "prefill")["total"].flops) == prefill
+    # cache_dtype="bfloat16" is the default bf16 cache, number for number
+    assert rl.rows(CFG, "h200", 131072, cache_dtype="bfloat16") == rl.rows(CFG, "h200", 131072)
+
+
+def _readme_tables():
+    """The README's roofline tables: ``{(phase or "presets", first cell): [(MB, us,
+    compute?) per column]}``."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text[text.index("## Roofline"):]
+    section = section[:section.index("\n## ", 5)]
+    out, table = {}, None
+    for line in section.splitlines():
+        for start, name in (("Decode step", "decode"), ("Prefill chunk", "prefill"), ("The other presets", "presets")):
+            table = name if line.startswith(start) else table
+        m = re.match(r"\| (`[^|]+|\*\*total\*\*) \|(.*)\|$", line)
+        if m and table:
+            cells = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in m.group(2).split("|")]
+            out[(table, m.group(1).replace("`", "").replace("**", ""))] = [
+                (float(c[1].replace(",", "")), float(c[2].replace(",", "")), bool(c[3])) for c in cells]
+    return out
+
+
+def _cell(r):
+    return round(r.bytes / 1e6, 2), round(r.bound_s * 1e6, 2), r.limit == "compute"
+
+
+def test_readme_tables_are_the_model():
+    tables = _readme_tables()
+    assert len(tables) == 2 * 17 + 5
+    by_context = [rl.rows(CFG, "h200", n) for n in (4096, 131072, 1048576)]
+    for (table, kernel), cells in tables.items():
+        if table == "presets":
+            preset, cache_dtype = kernel.split(", ")
+            cfg = gd.DsaConfig.preset(preset)
+            mid = rl.rows(cfg, "h200", 131072, cache_dtype=cache_dtype)
+            long = _by(rl.rows(cfg, "h200", 1 << 20, cache_dtype=cache_dtype, phases=("decode",)), "decode")
+            want = [_by(mid, "decode")["sparse_mla"], _by(mid, "decode")["total"], long["total"],
+                    _by(mid, "prefill")["sparse_mla"], _by(mid, "prefill")["total"]]
+        else:
+            want = [_by(rows, table)[kernel] for rows in by_context]
+        assert [_cell(r) for r in want] == cells, (table, kernel)
+
+
+def _layer_shapes(cfg):
+    """A real layer of ``cfg`` built abstractly (``nnx.eval_shape``): ``{param path:
+    shape}`` and the shapes of one decode token's ``q_resid``, ``q_lat``, cache row and
+    ``sparse_attention`` output."""
+    layer = nnx.eval_shape(lambda: gd.DsaAttention(cfg, cfg.dsa_layers[0], rngs=nnx.Rngs(0)))
+    params = {tuple(str(k) for k in path): tuple(v.shape)
+              for path, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+    graphdef, state = nnx.split(layer)
+
+    def step(state, x):
+        lay = nnx.merge(graphdef, state)
+        q_resid, q_lat, latent = lay.project(x, lay.rope(jnp.zeros((1, 1), jnp.int32)))
+        o_lat = lay.sparse_attention(q_lat, latent, jnp.zeros((1, 1, cfg.out_width), jnp.int32))
+        return q_resid, q_lat, latent, o_lat
+
+    x = jax.ShapeDtypeStruct((1, 1, cfg.hidden_size), jnp.bfloat16)
+    return params, *(a.shape for a in jax.eval_shape(step, state, x))
+
+
+@pytest.mark.parametrize("preset", ["glm53-flash", *ROPE_PRESETS])
+def test_matmuls_are_the_layers_products(preset):
+    """The products are the parameters of a real layer at the preset's dims, each read
+    whole, and their widths are the activations the layer computes."""
+    cfg = gd.DsaConfig.preset(preset)
+    shapes, q_resid, q_lat, latent, o_lat = _layer_shapes(cfg)
+    mms = rl.matmuls(cfg)
+    for m in mms:
+        assert m.weights == math.prod(shapes[m.path]), m.name
+        per_head = cfg.num_attention_heads if m.path in (("w_uk",), ("w_uv",)) else 1
+        assert m.fin * m.fout == m.weights * per_head, m.name
+    # every matrix of the layer is a product, but the k-pool APE (added to the gate logits,
+    # only in a model type with k-pool compression)
+    ape = {("indexer", "kpool_ape")} & set(shapes)
+    assert bool(ape) == cfg.rules.kpool_compression
+    assert {m.path for m in mms} == {p for p, s in shapes.items() if len(s) >= 2} - ape
+    assert len(mms) == len({m.path for m in mms}) == (10 if ape else 9)
+    assert rl.matmul_weights(cfg) == {m.name: (m.weights, m.fin, m.fout) for m in mms}
+    # widths: the absorbed query, the cache row and the attention output of the layer
+    by = {m.name: m for m in mms}
+    assert by["q_a_proj"].fout == q_resid[-1]
+    assert by["kv_a_proj_with_mqa"].fout == latent[-1] == cfg.kv_cache_dim
+    assert by["w_uk (absorb_q)"].fout + cfg.num_attention_heads * cfg.qk_rope_head_dim == math.prod(q_lat[2:])
+    assert by["w_uv (absorb_o)"].fin == math.prod(o_lat[2:])
+    assert by["o_proj"].fout == cfg.hidden_size
+
+
+@pytest.mark.parametrize("preset", ROPE_PRESETS)
+def test_rope_models_count_their_widths_and_kpool_1(preset):
+    cfg = gd.DsaConfig.preset(preset)
+    assert cfg.kv_cache_dim == 576 and cfg.kv_lora_rank == 512 and cfg.index_kpool == 1
+    assert not cfg.rules.kpool_compression
+    context = 65536
+    dec = _by(rl.rows(cfg, "h200", context, 1, phases=("decode",)), "decode")
+    assert "xla:indexer.kpool_gate" not in dec  # no gate tensor in the model type
+    # the widths sparse_mla reads and writes, from the layer's own shapes
+    _, _, q_lat, latent, o_lat = _layer_shapes(cfg)
+    h, cr, v = q_lat[2], latent[-1], o_lat[-1]
+    assert (q_lat[-1], cr, v) == (576, 576, 512)
+    blk = SparseMlaBlockSizes().resolve((1, 1, h, cr), cfg.out_width)
+    n_hb, ids = -(-h // blk.block_h), cfg.index_topk  # every id valid at this context
+    partials = 2 * blk.num_splits * h * (v + 2) * 4 if blk.num_splits > 1 else 0
+    want = n_hb * ids * cr * 2 + n_hb * cfg.out_width * 4 + h * (cr + v) * 2 + partials
+    assert dec["sparse_mla"].bytes == want
+    assert dec["sparse_mla"].flops == h * ids * (2 * cr + 2 * v + 5)
+    # kpool 1: a pool is a token, the indexer scans every token of the cache
+    assert dec["index_scores"].programs == context // IndexScoresBlockSizes().resolve(1, context).block_p
+    assert dec["cache_write"].bytes == cr * 2 + 1 + cfg.index_head_dim * (2 + 4) * 2 + 2
+    floor = rl.step_read_bytes(cfg, context, 1)
+    assert floor["cache"] == context * cfg.index_head_dim * 2 + ids * cr * 2
+
+
+@pytest.mark.parametrize("preset", ["glm53-flash", "glm5"])
+def test_fp8_cache_counts_e4m3_rows_and_scales(preset):
+    cfg = gd.DsaConfig.preset(preset)
+    bf = _by(rl.rows(cfg, "h200", 65536, 2, chunk=64), "prefill")
+    f8 = _by(rl.rows(cfg, "h200", 65536, 2, chunk=64, cache_dtype="fp8"), "prefill")
+    cr, d = cfg.kv_cache_dim, cfg.index_head_dim
+    h = cfg.num_attention_heads
+    n_hb = -(-h // SparseMlaBlockSizes().resolve((2, 64, h, cr), cfg.out_width).block_h)
+    ids = sum(rl.selected_ids(cfg, 65536 - 64 + 1 + t) for t in range(64))
+    assert bf["sparse_mla"].bytes - f8["sparse_mla"].bytes == 2 * n_hb * ids * (cr * 2 - (cr + 4))
+    pools = 65536 // cfg.index_kpool
+    q_tiles = -(-64 // IndexScoresBlockSizes().resolve(64, pools).block_q)
+    assert bf["index_scores"].bytes - f8["index_scores"].bytes == 2 * q_tiles * pools * (d * 2 - (d + 4))
+    assert bf["cache_write"].bytes - f8["cache_write"].bytes == 2 * 64 * (cr * 2 - (cr + 4))
+    for k in bf:  # the projections, the pooling, the top-k and FLOPs do not move
+        if k not in ("sparse_mla", "index_scores", "cache_write", "total"):
+            assert bf[k] == f8[k], k
+    assert rl.cache_row_bytes(576, 2, "fp8") == 580 and rl.cache_row_bytes(576, 2, None) == 1152
+    with pytest.raises(ValueError, match="cache dtype"):
+        rl.rows(cfg, "h200", 4096, cache_dtype="int8")
+
+
+def test_cli_rope_preset_and_fp8(capsys):
+    assert main(["roofline", "--gpu", "h200", "--context", "8192", "--preset", "deepseek-v32",
+                 "--cache-dtype", "fp8", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["cache_dtype"] == "fp8" and res["preset"] == "deepseek-v32"
+    cfg = gd.DsaConfig.preset("deepseek-v32")
+    want = rl.rows(cfg, "h200", 8192, chunk=2048, cache_dtype="fp8")
+    assert res["rows"] == [r.as_dict() for r in want]
+    assert main(["roofline", "--gpu", "h200", "--context", "8192", "--preset", "glm52"]) == 0
+    out = capsys.readouterr().out
+    assert "glm_moe_dsa" in out and "kpool_gate" not in out and "bfloat16 cache" in out

@@ -12,7 +12,7 @@ import json
 import sys
 
 from glm5_dsa_jax import roofline
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.config import PRESETS, DsaConfig
 from glm5_dsa_jax.roofline import GPUS, RooflineRow
 
 
@@ -45,8 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, required=True, help="tokens in the cache")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chunk", type=int, default=2048, help="queries per sequence of the prefill chunk")
-    p.add_argument("--preset", default="glm53-flash",
-                   choices=["glm53-flash", "glm53_flash", "tiny"])
+    p.add_argument("--preset", default="glm53-flash", choices=[*PRESETS, "glm53_flash"])
+    p.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
+                   help="latent rows and pooled keys: bf16, or e4m3 with a float32 scale per row")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -55,7 +56,8 @@ def main(args) -> int:
     cfg = DsaConfig.preset(args.preset.replace("_", "-"))
     chunk = min(args.chunk, args.context) if args.context >= 1 else args.chunk
     try:
-        rs = roofline.rows(cfg, args.gpu, args.context, args.batch, chunk=chunk)
+        rs = roofline.rows(cfg, args.gpu, args.context, args.batch, chunk=chunk,
+                           cache_dtype=args.cache_dtype)
     except ValueError as e:
         print(f"glm5-dsa roofline: {e}", file=sys.stderr)
         return 2
@@ -64,11 +66,13 @@ def main(args) -> int:
         print(json.dumps({"gpu": args.gpu, "gpu_name": spec.name, "bandwidth": spec.bandwidth,
                           "peak_flops": spec.peak_flops, "source": spec.source,
                           "context": args.context, "batch": args.batch, "chunk": chunk,
-                          "preset": args.preset, "rows": [r.as_dict() for r in rs]}))
+                          "preset": args.preset, "cache_dtype": args.cache_dtype,
+                          "rows": [r.as_dict() for r in rs]}))
         return 0
     print(f"{spec.name}: {spec.bandwidth / 1e12:.3g} TB/s, {spec.peak_flops / 1e12:.0f} TFLOPS bf16 "
           f"({spec.source})")
-    print(f"one layer, batch {args.batch}, context {args.context:,}, prefill chunk {chunk:,} "
-          f"queries per sequence\n")
+    print(f"one layer of {args.preset.replace('_', '-')} ({cfg.model_type}), batch {args.batch}, "
+          f"context {args.context:,}, prefill chunk {chunk:,} queries per sequence, "
+          f"{args.cache_dtype} cache\n")
     print(format_table(rs))
     return 0
