@@ -66,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels.mosaic_scoring import check_smem, takes_dtypes
+from pallas_kernels.mosaic_scoring import check_16bit_operands, check_smem
 
 __all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
 
@@ -250,12 +250,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     v = value_width
     length = latent.shape[1]
     width = token_ids.shape[2]
-    if not takes_dtypes(q.dtype, latent.dtype):
-        raise ValueError(
-            "the mosaic sparse_mla multiplies 16-bit operands on the tensor cores (wgmma's "
-            f"float32 is TF32): q and latent must both be bfloat16 or both float16, got q "
-            f"{q.dtype} and latent {latent.dtype}"
-        )
+    check_16bit_operands("sparse_mla", q=q, latent=latent)
     if b * nq * h == 0 or width == 0 or length == 0:
         return jnp.zeros((b, nq, h, v), q.dtype)
     try:

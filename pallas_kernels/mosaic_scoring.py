@@ -70,7 +70,7 @@ from pallas_kernels._common import _target_device, check_positive_int, require_m
 
 __all__ = [
     "MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged", "mosaic_takes",
-    "takes_dtypes", "wgmma_on_target",
+    "takes_dtypes", "check_16bit_operands", "wgmma_on_target",
 ]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
@@ -280,14 +280,22 @@ def mosaic_takes(*dtypes) -> bool:
     return takes_dtypes(*dtypes) and wgmma_on_target()
 
 
+def check_16bit_operands(kernel: str, **operands) -> None:
+    """``ValueError`` unless the two ``operands`` (name: array) of the Mosaic ``kernel`` are of
+    one 16-bit float dtype (``takes_dtypes``): its MMAs are ``wgmma``'s, whose float32 is
+    TF32, not IEEE (shared by the scoring and attention wrappers, one message)."""
+    if not takes_dtypes(*(x.dtype for x in operands.values())):
+        names = " and ".join(operands)
+        got = " and ".join(f"{name} {x.dtype}" for name, x in operands.items())
+        raise ValueError(
+            f"the mosaic {kernel} multiplies 16-bit operands on the tensor cores (wgmma's "
+            f"float32 is TF32): {names} must both be bfloat16 or both float16, got {got}"
+        )
+
+
 def _check_operands(q, keys, keys_name, kpool):
     heads = q.shape[2]
-    if not takes_dtypes(q.dtype, keys.dtype):
-        raise ValueError(
-            "the mosaic index_scores multiplies 16-bit operands on the tensor cores (wgmma's "
-            f"float32 is TF32): q and {keys_name} must both be bfloat16 or both float16, got q "
-            f"{q.dtype} and {keys_name} {keys.dtype}"
-        )
+    check_16bit_operands("index_scores", **{"q": q, keys_name: keys})
     if heads > _MAX_HEADS:
         raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
     if not isinstance(kpool, int) or kpool < 1:

@@ -42,27 +42,19 @@ and is masked to ``-inf``: its contents cannot reach another pool's score). As f
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import (
-    Implementation, check_rank, eager_jit, kernel_family, next_power_of_two, without_mosaic,
-)
-from pallas_kernels.mosaic_scoring import (
-    MosaicIndexScoresBlockSizes, mosaic_index_scores_paged, mosaic_takes,
-)
+from pallas_kernels._common import Implementation, check_rank, eager_jit, kernel_family
+from pallas_kernels.mosaic_scoring import MosaicIndexScoresBlockSizes, mosaic_index_scores_paged
 from pallas_kernels.scoring import (
-    FP8, IndexScoresBlockSizes, check_key_scale, index_scores_reference, key_dot_dtype, score_rows,
-    write_dead_tile,
+    IndexScoresBlockSizes, check_key_scale, check_queries, check_triton_dtypes,
+    index_scores_reference, launch_scores, run_scores, score_rows, write_dead_tile,
 )
 
 __all__ = ["index_scores_paged", "index_scores_paged_reference", "gather_pools"]
-
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _pool_slots(pooled_pages, block_table):
@@ -154,10 +146,7 @@ def index_scores_paged(
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
-    check_rank("q", q, 4, "[B, Q, Hi, D]")
-    b, nq, h, d = q.shape
-    if w.shape != (b, nq, h):
-        raise ValueError(f"w must be [B, Q, Hi] = {(b, nq, h)}, got {tuple(w.shape)}")
+    b, nq, _, d = check_queries(q, w)
     check_rank("pooled_pages", pooled_pages, 3, "[N, PPP, D]")
     if pooled_pages.shape[2] != d:
         raise ValueError(f"pooled_pages must be [N, PPP, D={d}], got {tuple(pooled_pages.shape)}")
@@ -174,20 +163,11 @@ def index_scores_paged(
     if not isinstance(kpool, int) or isinstance(kpool, bool) or kpool < 1:
         raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
     check_key_scale("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
-    if implementation == "xla":
-        return index_scores_paged_reference(
-            q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, kpool=kpool
-        )
-    if mosaic and not mosaic_takes(q.dtype, pooled_pages.dtype):  # float32 or fp8 keys: see the module doc
-        implementation, mosaic, blocks = without_mosaic(implementation), False, IndexScoresBlockSizes()
-    if mosaic:
-        return _index_scores_paged_mosaic(
-            q, w, pooled_pages, block_table, pool_counts, q_pos, kpool=kpool,
-            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
-        )
-    return _index_scores_paged_pallas(
-        q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, kpool=kpool,
-        interpret=implementation == "pallas_interpret", block_sizes=blocks,
+    return run_scores(
+        (q, w, pooled_pages, block_table, pool_counts, q_pos), pooled_scale, kpool=kpool,
+        implementation=implementation, mosaic=mosaic, blocks=blocks,
+        reference=index_scores_paged_reference, mosaic_kernel=_index_scores_paged_mosaic,
+        pallas_kernel=_index_scores_paged_pallas,
     )
 
 
@@ -285,39 +265,16 @@ def _index_scores_paged_pallas(
     n_slots = n_pages * ppp
     if heads < 1 or dim < 1:
         raise ValueError(f"the Pallas index_scores_paged needs Hi, D >= 1, got Hi={heads}, D={dim}")
-    for name, x in (("q", q), ("pooled_pages", pooled_pages), ("w", w)):
-        if x.dtype not in _FLOAT_DTYPES and not (name == "pooled_pages" and x.dtype == FP8):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    check_triton_dtypes(q, w, "pooled_pages", pooled_pages)
     if b == 0 or n_q == 0 or n_pools == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
     if n_slots == 0:  # no page at all: nothing is a candidate
         return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
-
-    if pooled_pages.dtype == FP8:
-        dot_dtype = key_dot_dtype(q.dtype)
-    elif q.dtype == pooled_pages.dtype and q.dtype != jnp.float32:
-        dot_dtype = q.dtype
-    else:
-        dot_dtype = jnp.float32
-    blocks = block_sizes.resolve(n_q, n_pools)
-    block_q, block_p = blocks.block_q, blocks.block_p
-    kernel = functools.partial(
-        _index_scores_paged_kernel, kpool=kpool, ppp=ppp, n_slots=n_slots, n_q=n_q,
-        n_pools=n_pools, heads=heads, dim=dim, block_q=block_q, block_p=block_p,
-        block_h=next_power_of_two(heads, 16), block_d=next_power_of_two(dim, 16),
-        dot_dtype=dot_dtype,
-    )
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n_q, block_q), b, pl.cdiv(n_pools, block_p)),
-        out_shape=jax.ShapeDtypeStruct((b, n_q, n_pools), jnp.float32),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages
-        ),
-        interpret=interpret,
-        name="index_scores_paged",
-    )(
+    operands = (
         q, w.astype(jnp.float32), pooled_pages.reshape(n_slots, dim),
         block_table.astype(jnp.int32), pool_counts.astype(jnp.int32), q_pos.astype(jnp.int32),
         *(() if pooled_scale is None else (pooled_scale.reshape(n_slots).astype(jnp.float32),)),
     )
+    return launch_scores(_index_scores_paged_kernel, operands, name="index_scores_paged",
+                         n_pools=n_pools, kpool=kpool, block_sizes=block_sizes,
+                         interpret=interpret, ppp=ppp, n_slots=n_slots)

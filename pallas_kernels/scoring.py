@@ -171,10 +171,7 @@ def index_scores(
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
-    check_rank("q", q, 4, "[B, Q, Hi, D]")
-    b, nq, h, d = q.shape
-    if w.shape != (b, nq, h):
-        raise ValueError(f"w must be [B, Q, Hi] = {(b, nq, h)}, got {tuple(w.shape)}")
+    b, nq, _, d = check_queries(q, w)
     check_rank("pooled", pooled, 3, "[B, P, D]")
     if pooled.shape[0] != b or pooled.shape[2] != d:
         raise ValueError(f"pooled must be [B={b}, P, D={d}], got {tuple(pooled.shape)}")
@@ -185,20 +182,42 @@ def index_scores(
     if q_pos.shape != (b, nq):
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
     check_key_scale("pooled", pooled, "pooled_scale", pooled_scale, "[B, P]")
+    return run_scores(
+        (q, w, pooled, pool_valid, first_key, q_pos), pooled_scale, kpool=kpool,
+        implementation=implementation, mosaic=mosaic, blocks=blocks,
+        reference=index_scores_reference, mosaic_kernel=_index_scores_mosaic,
+        pallas_kernel=_index_scores_pallas,
+    )
+
+
+def check_queries(q, w) -> tuple[int, int, int, int]:
+    """``(B, Q, Hi, D)`` of queries ``q [B, Q, Hi, D]`` with head weights ``w [B, Q, Hi]``,
+    or a ``ValueError`` naming the shapes (shared with ``index_scores_paged``)."""
+    check_rank("q", q, 4, "[B, Q, Hi, D]")
+    b, nq, h, d = q.shape
+    if w.shape != (b, nq, h):
+        raise ValueError(f"w must be [B, Q, Hi] = {(b, nq, h)}, got {tuple(w.shape)}")
+    return b, nq, h, d
+
+
+def run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, reference,
+               mosaic_kernel, pallas_kernel):
+    """Score checked inputs ``args = (q, w, keys, ...)`` (``keys`` the pooled keys, whole or
+    paged) with the implementation ``kernel_family`` chose: ``reference`` for ``"xla"``;
+    ``mosaic_kernel`` when Mosaic was asked for and takes the operands (``mosaic_takes``),
+    else ``pallas_kernel``, at ``IndexScoresBlockSizes()`` when it stands in for Mosaic
+    (float32 or fp8 keys: see the module doc). Shared by ``index_scores`` and
+    ``index_scores_paged``, so both fall back alike."""
+    q, keys = args[0], args[2]
     if implementation == "xla":
-        return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, pooled_scale,
-                                      kpool=kpool)
-    if mosaic and not mosaic_takes(q.dtype, pooled.dtype):  # float32 or fp8 keys: see the module doc
+        return reference(*args, pooled_scale, kpool=kpool)
+    if mosaic and not mosaic_takes(q.dtype, keys.dtype):
         implementation, mosaic, blocks = without_mosaic(implementation), False, IndexScoresBlockSizes()
     if mosaic:
-        return _index_scores_mosaic(
-            q, w, pooled, pool_valid, first_key, q_pos, kpool=kpool,
-            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
-        )
-    return _index_scores_pallas(
-        q, w, pooled, pool_valid, first_key, q_pos, pooled_scale, kpool=kpool,
-        interpret=implementation == "pallas_interpret", block_sizes=blocks,
-    )
+        return mosaic_kernel(*args, kpool=kpool, interpret=implementation == "mosaic_interpret",
+                             block_sizes=blocks)
+    return pallas_kernel(*args, pooled_scale, kpool=kpool,
+                         interpret=implementation == "pallas_interpret", block_sizes=blocks)
 
 
 # --------------------------------------------------------------------------------------
@@ -333,6 +352,51 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
+def score_dot_dtype(q_dtype, key_dtype):
+    """The dtype the Triton kernels' dot multiplies in: ``key_dot_dtype`` for fp8 keys; the
+    operands' own for bf16 / f16 of one dtype (tensor cores, exact products in the float32
+    accumulator); else float32 (IEEE, ``allow_tf32=False``). Shared with ``paged_scoring``."""
+    if jnp.dtype(key_dtype) == FP8:
+        return key_dot_dtype(q_dtype)
+    if q_dtype == key_dtype and q_dtype != jnp.float32:
+        return q_dtype
+    return jnp.float32
+
+
+def check_triton_dtypes(q, w, keys_name, keys):
+    """``ValueError`` unless ``q``, the keys and ``w`` are float32, bfloat16 or float16 (the
+    keys may also be e4m3), as the Triton kernels take them (shared with ``paged_scoring``)."""
+    for name, x in (("q", q), (keys_name, keys), ("w", w)):
+        if x.dtype not in _FLOAT_DTYPES and not (name == keys_name and x.dtype == FP8):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
+
+
+def launch_scores(kernel, operands, *, name, n_pools, kpool, block_sizes, interpret, **static):
+    """The Triton scoring ``kernel``'s ``pallas_call`` on ``operands = (q, w, keys, ...)``:
+    grid ``(query tiles, B, pool tiles)`` over ``[B, Q, n_pools]`` float32 scores, tiled by
+    ``block_sizes`` resolved to the problem, the dot in ``score_dot_dtype``; ``static``: the
+    kernel's other static arguments. Shared with ``paged_scoring``."""
+    q, keys = operands[0], operands[2]
+    b, n_q, heads, dim = q.shape
+    blocks = block_sizes.resolve(n_q, n_pools)
+    kernel = functools.partial(
+        kernel, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads, dim=dim,
+        block_q=blocks.block_q, block_p=blocks.block_p, block_h=next_power_of_two(heads, 16),
+        block_d=next_power_of_two(dim, 16), dot_dtype=score_dot_dtype(q.dtype, keys.dtype),
+        **static,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(n_q, blocks.block_q), b, pl.cdiv(n_pools, blocks.block_p)),
+        out_shape=jax.ShapeDtypeStruct((b, n_q, n_pools), jnp.float32),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=blocks.num_warps, num_stages=blocks.num_stages
+        ),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+
+
 def key_dot_dtype(q_dtype):
     """The dtype fp8 keys are converted to for the dot with queries of ``q_dtype``: a
     16-bit float itself (e4m3 -> bf16 / f16 is exact, and so are their products in
@@ -372,9 +436,7 @@ def _index_scores_pallas(
         raise ValueError(
             f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
         )
-    for name, x in (("q", q), ("pooled", pooled), ("w", w)):
-        if x.dtype not in _FLOAT_DTYPES and not (name == "pooled" and x.dtype == FP8):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
+    check_triton_dtypes(q, w, "pooled", pooled)
     if pool_valid.dtype != jnp.bool_:
         raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
     for name, x in (("first_key", first_key), ("q_pos", q_pos)):
@@ -382,31 +444,10 @@ def _index_scores_pallas(
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
     if b == 0 or n_q == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
-
-    if pooled.dtype == FP8:
-        dot_dtype = key_dot_dtype(q.dtype)
-    elif q.dtype == pooled.dtype and q.dtype != jnp.float32:
-        dot_dtype = q.dtype
-    else:
-        dot_dtype = jnp.float32
-    blocks = block_sizes.resolve(n_q, n_pools)
-    block_q, block_p = blocks.block_q, blocks.block_p
-    kernel = functools.partial(
-        _index_scores_kernel, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads, dim=dim,
-        block_q=block_q, block_p=block_p, block_h=next_power_of_two(heads, 16),
-        block_d=next_power_of_two(dim, 16), dot_dtype=dot_dtype,
-    )
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n_q, block_q), b, pl.cdiv(n_pools, block_p)),
-        out_shape=jax.ShapeDtypeStruct((b, n_q, n_pools), jnp.float32),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=blocks.num_warps, num_stages=blocks.num_stages
-        ),
-        interpret=interpret,
-        name="index_scores",
-    )(
+    operands = (
         q, w.astype(jnp.float32), pooled, pool_valid.astype(jnp.int8),
         first_key.astype(jnp.int32), q_pos.astype(jnp.int32),
         *(() if pooled_scale is None else (pooled_scale.astype(jnp.float32),)),
     )
+    return launch_scores(_index_scores_kernel, operands, name="index_scores", n_pools=n_pools,
+                         kpool=kpool, block_sizes=block_sizes, interpret=interpret)

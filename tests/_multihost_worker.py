@@ -29,17 +29,23 @@ import glm5_dsa_jax as gd  # noqa: E402
 from glm5_dsa_jax import parallel, sharding as sh  # noqa: E402
 
 
+def padded_inputs(cfg, seed, left_pads):
+    """``x [B, 14, hidden]`` float32 from ``seed`` and its mask, row ``i`` left-padded by
+    ``left_pads[i]`` tokens: the same values in every process."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((len(left_pads), 14, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((len(left_pads), 14), bool)
+    for row, pad in enumerate(left_pads):
+        mask[row, :pad] = False
+    return x, mask
+
+
 def build_inputs(cfg):
     """The test's layer and inputs: the same values in every process."""
     layer = gd.DsaAttention(
         cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32, block_q=8,
     )
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((3, 14, cfg.hidden_size)).astype(np.float32)
-    mask = np.ones((3, 14), bool)
-    mask[1, :3] = False
-    mask[2, :7] = False
-    return layer, x, mask
+    return (layer, *padded_inputs(cfg, 0, (0, 3, 7)))
 
 
 def run(layer, mesh, x, mask):
@@ -62,12 +68,7 @@ def run(layer, mesh, x, mask):
 def build_dp_inputs(cfg):
     """The data-parallel case's layer and inputs: 4 sequences (2 per data shard)."""
     layer, _, _ = build_inputs(cfg)
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((4, 14, cfg.hidden_size)).astype(np.float32)
-    mask = np.ones((4, 14), bool)
-    mask[1, :3] = False
-    mask[3, :6] = False
-    return layer, x, mask
+    return (layer, *padded_inputs(cfg, 1, (0, 3, 0, 6)))
 
 
 def dp_mesh():

@@ -121,6 +121,28 @@ def eager_call(layer):
     return call
 
 
+def assert_warm_decode_compiles_nothing(layer, cache, x, warm_up, measured):
+    """Eager decode steps of ``x`` on ``cache``: the ``warm_up`` pattern, then the
+    ``measured`` one, which must compile nothing. A pattern ``(n, release, m)`` is ``n``
+    steps, ``cache.release(release)`` (one bool a row), ``m`` steps: a warm paged step must
+    take joins and releases without a new program."""
+    from test_layer_steps import backend_compiles
+
+    def run_pattern(cache, n, release, m):
+        for _ in range(n):
+            _, _, cache = layer(x, cache=cache)
+        cache = cache.release(jnp.array(release))
+        for _ in range(m):
+            _, _, cache = layer(x, cache=cache)
+        return cache
+
+    cache = run_pattern(cache, *warm_up)
+    with backend_compiles() as seen:
+        run_pattern(cache, *measured)
+    n = measured[0] + measured[2]
+    assert not seen, f"{len(seen)} compilations in {n} eager decode steps after warm-up"
+
+
 def eager_release(cache, rows):
     return cache.release(rows)
 
@@ -147,24 +169,12 @@ def test_schedule_equals_each_sequence_alone(cfg, implementation):
 def test_eager_schedule_and_no_compilation_after_warm_up(cfg):
     """The eager call (outside jit) gives the same, and its decode steps compile nothing
     once the first have run."""
-    from test_layer_steps import backend_compiles
-
     layer = f32_layer(cfg, 1, seed=1, block_q=8)
     steps, seqs, where = make_schedule(cfg, (21, 6, 30), max_seqs=2, seed=1, chunk_sizes=(5, 1, 1))
     results, cache = run_schedule(eager_call(layer), eager_release, steps, layer.init_paged_cache(2, 6, 16))
     check_against_alone(layer, results, seqs, where)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
-    for _ in range(3):
-        _, _, cache = layer(x, cache=cache)
-    cache = cache.release(jnp.array([False, True]))
-    _, _, cache = layer(x, cache=cache)
-    with backend_compiles() as seen:
-        for _ in range(4):
-            _, _, cache = layer(x, cache=cache)
-        cache = cache.release(jnp.array([True, False]))
-        for _ in range(2):
-            _, _, cache = layer(x, cache=cache)
-    assert not seen, f"{len(seen)} compilations in 6 eager decode steps after warm-up"
+    assert_warm_decode_compiles_nothing(layer, cache, x, (3, [False, True], 1), (4, [True, False], 2))
 
 
 def test_decoder_one_compilation_and_shared_layer(cfg):
@@ -314,8 +324,6 @@ def test_bytes_per_token_of_capacity():
 def test_sharded_eager_decode_compiles_nothing_after_warm_up(cfg):
     """The eager paged step on a TP 2 mesh (cached ``shard_map`` programs, see
     ``glm5_dsa_jax.parallel``) compiles nothing once warm, joins and releases included."""
-    from test_layer_steps import backend_compiles
-
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     cfg = gd.DsaConfig.tiny(num_attention_heads=8)
@@ -323,13 +331,4 @@ def test_sharded_eager_decode_compiles_nothing_after_warm_up(cfg):
     layer = shard_layer(f32_layer(cfg, 1, seed=1, block_q=8), mesh)
     cache = layer.init_paged_cache(2, 6, 16)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
-    for _ in range(3):
-        _, _, cache = layer(x, cache=cache)
-    cache = cache.release(jnp.array([True, False]))
-    _, _, cache = layer(x, cache=cache)
-    with backend_compiles() as seen:
-        for _ in range(3):
-            _, _, cache = layer(x, cache=cache)
-        cache = cache.release(jnp.array([True, False]))
-        _, _, cache = layer(x, cache=cache)
-    assert not seen, f"{len(seen)} compilations in 4 eager decode steps after warm-up"
+    assert_warm_decode_compiles_nothing(layer, cache, x, (3, [True, False], 1), (3, [True, False], 1))

@@ -28,7 +28,9 @@ Invariants:
   one's launches at a step (kernel names and grids: Mosaic's custom call carries neither in
   readable form; as CUDA launches them: Pallas' leading grid dims past three flattened, the
   order reversed), ``MOSAIC_THREADS`` its threads per block (one warpgroup of 128 per
-  Pallas thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module. The ``wgmma``
+  Pallas thread), ``MOSAIC_KERNEL_MODULES`` its ``pallas_kernels`` module. Each is built by
+  its ``KERNELS`` entry's builder given ``implementation="mosaic"`` and the Mosaic
+  block-size class: the same wrapper call at the same shapes. The ``wgmma``
   kernels (``MOSAIC_HOPPER_ONLY``: scoring and attention) exist for 9.x only: Blackwell
   has no ``wgmma`` (``mosaic_on_target``).
 * The model: ``DsaConfig.glm53_flash`` with the worker's ``config`` overrides, or, when
@@ -41,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterable
 
 import jax.numpy as jnp
@@ -115,71 +118,42 @@ def _kpool_compress(cfg, s: Step, blocks: dict):
                 ((cfg.index_kpool, d), dt), ((b,), jnp.int32)]
 
 
-def _index_scores(cfg, s: Step, blocks: dict):
+# A builder of a kernel with a Mosaic GPU form also takes the ``implementation`` and its
+# block-size class (``sizes``): ``KERNELS`` uses the defaults (Triton), ``MOSAIC_KERNELS``
+# passes ``"mosaic"`` and the Mosaic class.
+
+
+def _index_scores(cfg, s: Step, blocks: dict, implementation="pallas",
+                  sizes=pk.IndexScoresBlockSizes):
     b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
     h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-    bs = pk.IndexScoresBlockSizes(**blocks)
+    bs = sizes(**blocks)
     if s.cache == "paged":
         pg, ppp = s.context // PAGE_SIZE, PAGE_SIZE // kp
         fn = lambda qi, w, pages, bt, counts, qp: pk.index_scores_paged(  # noqa: E731
-            qi, w, pages, bt, counts, qp, kpool=kp, implementation="pallas", block_sizes=bs)
+            qi, w, pages, bt, counts, qp, kpool=kp, implementation=implementation,
+            block_sizes=bs)
         return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), dt),
                     ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
     fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
-        qi, w, pooled, pv, fk, qp, kpool=kp, implementation="pallas", block_sizes=bs)
+        qi, w, pooled, pv, fk, qp, kpool=kp, implementation=implementation, block_sizes=bs)
     return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
                 ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
 
 
-def _topk_pools(cfg, s: Step, blocks: dict):
+def _topk_pools(cfg, s: Step, blocks: dict, implementation="pallas",
+                sizes=pk.TopkPoolsBlockSizes):
     p = max(1, s.context // cfg.index_kpool)
     k = cfg.select_k(p)
-    bs = pk.TopkPoolsBlockSizes(**blocks)
+    bs = sizes(**blocks)
     if s.cache == "paged":  # each query's visible pools bound its row
         fn = lambda scores, n_live: pk.topk_pools(  # noqa: E731
-            scores, k, implementation="pallas", block_sizes=bs, n_live=n_live)
+            scores, k, implementation=implementation, block_sizes=bs, n_live=n_live)
         return fn, [((s.batch, s.queries, p), jnp.float32),
                     ((s.batch, s.queries), jnp.int32)], (k,)
-    fn = lambda scores: pk.topk_pools(scores, k, implementation="pallas", block_sizes=bs)  # noqa: E731
+    fn = lambda scores: pk.topk_pools(  # noqa: E731
+        scores, k, implementation=implementation, block_sizes=bs)
     return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
-
-
-def _topk_pools_mosaic(cfg, s: Step, blocks: dict):
-    p = max(1, s.context // cfg.index_kpool)
-    k = cfg.select_k(p)
-    bs = pk.MosaicTopkPoolsBlockSizes(**blocks)
-    if s.cache == "paged":
-        fn = lambda scores, n_live: pk.topk_pools(  # noqa: E731
-            scores, k, implementation="mosaic", block_sizes=bs, n_live=n_live)
-        return fn, [((s.batch, s.queries, p), jnp.float32),
-                    ((s.batch, s.queries), jnp.int32)], (k,)
-    fn = lambda scores: pk.topk_pools(scores, k, implementation="mosaic", block_sizes=bs)  # noqa: E731
-    return fn, [((s.batch, s.queries, p), jnp.float32)], (k,)
-
-
-def _index_scores_mosaic(cfg, s: Step, blocks: dict):
-    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
-    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
-    bs = pk.MosaicIndexScoresBlockSizes(**blocks)
-    if s.cache == "paged":
-        pg, ppp = s.context // PAGE_SIZE, PAGE_SIZE // kp
-        fn = lambda qi, w, pages, bt, counts, qp: pk.index_scores_paged(  # noqa: E731
-            qi, w, pages, bt, counts, qp, kpool=kp, implementation="mosaic", block_sizes=bs)
-        return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), dt),
-                    ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
-    fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
-        qi, w, pooled, pv, fk, qp, kpool=kp, implementation="mosaic", block_sizes=bs)
-    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
-                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
-
-
-def _sparse_mla_mosaic(cfg, s: Step, blocks: dict):
-    fn, avals, static = _sparse_mla(cfg, s, {})
-    bs = pk.MosaicSparseMlaBlockSizes(**blocks)
-    scale, v = cfg.softmax_scale, cfg.kv_lora_rank
-    fn = lambda qr, lat, ids: pk.sparse_mla(  # noqa: E731
-        qr, lat, ids, scale=scale, value_width=v, implementation="mosaic", block_sizes=bs)
-    return fn, avals, static
 
 
 def _expand_selection(cfg, s: Step, blocks: dict):
@@ -197,14 +171,16 @@ def _expand_selection(cfg, s: Step, blocks: dict):
     return fn, avals
 
 
-def _sparse_mla(cfg, s: Step, blocks: dict):
+def _sparse_mla(cfg, s: Step, blocks: dict, implementation="pallas",
+                sizes=pk.SparseMlaBlockSizes):
     # A cache row is kv_cache_dim = kv_lora_rank + qk_rope_head_dim wide ([c, k_rot]); the
     # query [q_lat, q_rot] as wide; the values are the kv_lora_rank latent columns.
     b, q, dt, cr = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_cache_dim
     scale, v = cfg.softmax_scale, cfg.kv_lora_rank
-    bs = pk.SparseMlaBlockSizes(**blocks)
+    bs = sizes(**blocks)
     fn = lambda qr, lat, ids: pk.sparse_mla(  # noqa: E731
-        qr, lat, ids, scale=scale, value_width=v, implementation="pallas", block_sizes=bs)
+        qr, lat, ids, scale=scale, value_width=v, implementation=implementation,
+        block_sizes=bs)
     latent = (1, b * s.context, cr) if s.cache == "paged" else (b, s.context, cr)
     return fn, [((b, q, cfg.num_attention_heads, cr), dt), (latent, dt),
                 ((b, q, cfg.out_width), jnp.int32)], (v,)
@@ -240,9 +216,12 @@ KERNEL_MODULES: dict[str, str] = {
 #: The Mosaic GPU kernels, as ``KERNELS`` entries (``implementation="mosaic"``); see the
 #: module doc.
 MOSAIC_KERNELS: dict[str, Callable] = {
-    "index_scores_mosaic": _index_scores_mosaic,
-    "topk_pools_mosaic": _topk_pools_mosaic,
-    "sparse_mla_mosaic": _sparse_mla_mosaic,
+    "index_scores_mosaic": functools.partial(
+        _index_scores, implementation="mosaic", sizes=pk.MosaicIndexScoresBlockSizes),
+    "topk_pools_mosaic": functools.partial(
+        _topk_pools, implementation="mosaic", sizes=pk.MosaicTopkPoolsBlockSizes),
+    "sparse_mla_mosaic": functools.partial(
+        _sparse_mla, implementation="mosaic", sizes=pk.MosaicSparseMlaBlockSizes),
 }
 MOSAIC_KERNEL_MODULES: dict[str, str] = {
     "mosaic_scoring": "index_scores_mosaic",  # index_scores_paged too, on paged steps
