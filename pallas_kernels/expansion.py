@@ -27,9 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    without_mosaic,
-    Implementation, check_block_sizes, check_power_of_two, check_rank,
-    check_triton_params, eager_jit, next_power_of_two,
+    Implementation, check_block_sizes, check_positive_int, check_power_of_two, check_rank,
+    check_triton_params, eager_jit, next_power_of_two, without_mosaic,
 )
 
 __all__ = [
@@ -270,8 +269,7 @@ def _expand_selection_pallas(
 ):
     """Pallas expansion, tiled by ``block_sizes`` (see ``ExpandSelectionBlockSizes``)."""
     b, n_q, n_sel = pool_ids.shape
-    if not isinstance(kpool, int) or kpool < 1:
-        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    check_positive_int("kpool", kpool)
     if not isinstance(out_width, int) or out_width < 0:
         raise ValueError(f"out_width must be an int >= 0, got {out_width!r}")
     for name, x in (("pool_ids", pool_ids), ("first_key", first_key), ("tail", tail)):

@@ -13,7 +13,8 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   ``seen`` (the pools its queries can see, computed by the wrapper per query tile); a tile
   at or past it is *dead*: ``-inf`` is written and nothing is loaded. A live tile copies its
   ``[block_p, D]`` pooled keys into SMEM with one TMA (tiled and swizzled for the MMA), the
-  tile's queries ``[block_q, Hn, D]``, head weights and pool validity beside them.
+  tile's queries ``[block_q, Hn, D]`` (``Hn``: the indexer heads padded, see below), head
+  weights and pool validity beside them.
 * Per query one warpgroup MMA (``plmgpu.wgmma``) ``keys [block_p, D] x q_t^T [D, Hn]``:
   the **pools are the MMA's M** and the heads its N. Why not heads as M (as the Triton
   kernel does): ``wgmma``'s M is 64 per warpgroup, so GLM-5.3's 32 indexer heads would
@@ -298,8 +299,7 @@ def _check_operands(q, keys, keys_name, kpool):
     check_16bit_operands("index_scores", **{"q": q, keys_name: keys})
     if heads > _MAX_HEADS:
         raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
-    if not isinstance(kpool, int) or kpool < 1:
-        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    check_positive_int("kpool", kpool)
 
 
 def _query_tiles(vis, block_q, bound=None):

@@ -47,7 +47,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import Implementation, check_rank, eager_jit, kernel_family
+from pallas_kernels._common import (
+    Implementation, check_positive_int, check_rank, eager_jit, kernel_family,
+)
 from pallas_kernels.mosaic_scoring import MosaicIndexScoresBlockSizes, mosaic_index_scores_paged
 from pallas_kernels.scoring import (
     IndexScoresBlockSizes, check_key_scale, check_queries, check_triton_dtypes,
@@ -160,8 +162,7 @@ def index_scores_paged(
     for name, x in (("block_table", block_table), ("pool_counts", pool_counts), ("q_pos", q_pos)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
-    if not isinstance(kpool, int) or isinstance(kpool, bool) or kpool < 1:
-        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    check_positive_int("kpool", kpool)
     check_key_scale("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
     return run_scores(
         (q, w, pooled_pages, block_table, pool_counts, q_pos), pooled_scale, kpool=kpool,

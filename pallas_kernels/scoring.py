@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_power_of_two, check_rank, check_triton_params, eager_jit, kernel_family,
-    next_power_of_two, without_mosaic,
+    Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
+    eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
 from pallas_kernels.mosaic_scoring import (
     MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
@@ -430,8 +430,7 @@ def _index_scores_pallas(
     """Pallas scores, tiled by ``block_sizes`` (see ``IndexScoresBlockSizes``)."""
     b, n_q, heads, dim = q.shape
     n_pools = pooled.shape[1]
-    if not isinstance(kpool, int) or kpool < 1:
-        raise ValueError(f"kpool must be an int >= 1, got {kpool!r}")
+    check_positive_int("kpool", kpool)
     if heads < 1 or dim < 1 or n_pools < 1:
         raise ValueError(
             f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
