@@ -214,10 +214,13 @@ def init_paged_cache(
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
     stage_dtype=None,
+    shards: int = 1,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
-    ``pages_per_seq``: every page, capped at ``max_position_embeddings``).
+    ``pages_per_seq``: every page of a shard, capped at ``max_position_embeddings``).
+    ``shards > 1``: the page table is that many independent tables (``pages.init_page_table``,
+    which checks that ``max_seqs`` and ``num_pages`` divide by it; the data-parallel layout).
 
     ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
     ``dtype`` one of ``cache.CACHE_DTYPES`` or ``"fp8"``; anything else raises
@@ -230,9 +233,9 @@ def init_paged_cache(
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % kp:
         raise ValueError(f"page_size must be a positive multiple of index_kpool={kp} (a page "
                          f"holds whole pools), got {page_size!r}")
-    if pages_per_seq is None and isinstance(num_pages, int):
-        pages_per_seq = max(1, min(num_pages, cfg.max_position_embeddings // page_size))
-    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq)
+    if pages_per_seq is None and isinstance(num_pages, int) and isinstance(shards, int) and shards > 0:
+        pages_per_seq = max(1, min(num_pages // shards, cfg.max_position_embeddings // page_size))
+    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq, shards=shards)
     if table.max_length > cfg.max_position_embeddings:
         raise ValueError(f"pages_per_seq * page_size = {table.max_length} exceeds "
                          f"max_position_embeddings {cfg.max_position_embeddings}")

@@ -26,7 +26,8 @@ import numpy as np
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
+__all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem",
+           "param_variable"]
 
 
 class WeightError(ValueError):
@@ -113,14 +114,19 @@ def hf_to_params(
     }
 
 
+def param_variable(module, path: tuple[str, ...]):
+    """The ``nnx.Param`` of ``module`` (a ``DsaAttention``) at a layout path
+    (``("indexer", "wq_b")``): the one walk from a ``layout.Param.path`` to the variable."""
+    for part in path:
+        module = getattr(module, part)
+    return module
+
+
 def params_to_hf(layer) -> dict[str, np.ndarray]:
     """The inverse of ``hf_to_params``: a ``DsaAttention``'s parameters as HF tensors
     (float32 numpy, PyTorch layout, names relative to ``self_attn.``)."""
     def value(path):
-        obj = layer
-        for p in path:
-            obj = getattr(obj, p)
-        return np.asarray(obj[...], dtype=np.float32)
+        return np.asarray(param_variable(layer, path)[...], dtype=np.float32)
 
     tensors = layout.layer_tensors(layer.cfg, indexer=layer.indexer is not None)
     return arrays_to_hf(layer.cfg, {p.path: value(p.path) for _, p in layout.iter_params(tensors)},

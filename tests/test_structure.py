@@ -125,7 +125,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.checkpoint",),
     ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile",
      "glm5_dsa_jax.cache_accuracy"),
-    ("glm5_dsa_jax.cli", "glm5_dsa_jax"),  # the command line; the package's public face
+    # the command line (and gpu_compile's ``python -m`` alias of its subcommand); the package's public face
+    ("glm5_dsa_jax.cli", "glm5_dsa_jax.gpu_compile.__main__", "glm5_dsa_jax"),
 )
 
 
