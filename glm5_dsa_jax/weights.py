@@ -18,9 +18,11 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from glm5_dsa_jax import layout
@@ -72,9 +74,10 @@ def _as_numpy(t: Any) -> np.ndarray:
     if hasattr(t, "detach"):  # a torch tensor
         t = t.detach().cpu()
         if str(t.dtype) == "torch.bfloat16":
-            import ml_dtypes
-
-            return t.view(dtype=__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
+            # The tensor's own torch, already imported by whoever made it: torch is not a
+            # dependency (it is absent on Python 3.12), so this module never imports it.
+            torch = sys.modules["torch"]
+            return t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
     return np.asarray(t)
 

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from glm5_dsa_jax import layout, quant
 from glm5_dsa_jax.checkpoint.assembly import (
@@ -397,8 +398,6 @@ def _qualify(problem: str, prefix: str, layer_idx: int) -> str:
 
 
 def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation, axis, progress, where):
-    from tqdm.auto import tqdm
-
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     problems: list[str] = []
     built: dict[int, DsaAttention] = {}

@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -44,6 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from glm5_dsa_jax.checkpoint.assembly import (
     abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
@@ -54,6 +56,14 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
 
 __all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint"]
+
+def _orbax():
+    """``orbax.checkpoint``, imported on first use: it takes 1-2 s to import, which every
+    ``import glm5_dsa_jax`` (this module is imported by the package) would otherwise pay."""
+    import orbax.checkpoint as ocp
+
+    return ocp
+
 
 #: The metadata file ``save_checkpoint`` writes beside the orbax tree.
 META_FILE = "glm5_dsa_jax.json"
@@ -184,8 +194,6 @@ def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -231,8 +239,7 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
     false (or it is not a checkpoint directory: ``overwrite`` replaces only checkpoints),
     and ``CheckpointError`` if a parameter holds NaN/inf (nothing is written).
     """
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     meta = _layer_meta(layers)
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
@@ -266,8 +273,6 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
             _write_meta(tmp, meta)
             _swap_into(tmp, path)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"glm5_dsa_jax save {path}")
     except BaseException:
         if lead:
@@ -329,8 +334,7 @@ def read_checkpoint_meta(path: str | os.PathLike) -> tuple[dict, DsaConfig]:
 
 
 def _restore_tree(path: Path, target: dict):
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target)
     return ocp.PyTreeCheckpointer().restore(
@@ -354,8 +358,7 @@ def restore_checkpoint(
     Every array is verified against the digest recorded at save and for finiteness; every
     problem (metadata, missing or misshaped arrays, unreadable or corrupted data files,
     non-finite values) is raised in one ``CheckpointError`` and no layer is returned."""
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     path = Path(path).absolute()
     meta, cfg = read_checkpoint_meta(path)
     where = f"checkpoint {path}"
