@@ -57,19 +57,21 @@ from glm5_dsa_jax.layer import DsaAttention
 
 __all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint"]
 
+
+#: The metadata file ``save_checkpoint`` writes beside the orbax tree.
+META_FILE = "glm5_dsa_jax.json"
+#: The orbax tree's directory inside a checkpoint (``load_for_demo`` looks for it too).
+PARAMS_DIR = "params"
+_FORMAT = "glm5_dsa_jax.orbax"
+_META_VERSION = 2
+
+
 def _orbax():
     """``orbax.checkpoint``, imported on first use: it takes 1-2 s to import, which every
     ``import glm5_dsa_jax`` (this module is imported by the package) would otherwise pay."""
     import orbax.checkpoint as ocp
 
     return ocp
-
-
-#: The metadata file ``save_checkpoint`` writes beside the orbax tree.
-META_FILE = "glm5_dsa_jax.json"
-PARAMS_DIR = "params"
-_FORMAT = "glm5_dsa_jax.orbax"
-_META_VERSION = 2
 
 
 def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
