@@ -26,8 +26,8 @@ Invariants:
   or page axis (``cache_specs``: every array of rank >= 1 is split on its leading axis; a
   field added later, e.g. an fp8 scale ``[B, L]`` or ``[N, page, ...]``, is placed the same
   way). ``DsaCache.length`` (one timeline for the batch) is the only scalar, replicated.
-* **Split over the tp axis**: the head axis of ``q_b_proj``, ``w_uk``, ``w_uv``, ``o_proj``.
-  Everything else (the indexer's parameters, hence its scores and top-k) is replicated
+* **Split over the tp axis**: the ``"heads"`` axis of the parameters that have one
+  (``layout.partition_specs``, the TP plan's specs). Everything else (the indexer's parameters, hence its scores and top-k) is replicated
   within a tp group and computed once per sequence by that group: top-k rows are the
   unsharded layer's, bit for bit (each row's arithmetic does not depend on its neighbours).
 * **One collective**: the ``psum`` of the ``o_proj`` partial sums within each tp group
@@ -58,7 +58,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
-from glm5_dsa_jax.pages import init_page_table
 from glm5_dsa_jax.parallel import put
 
 __all__ = [
@@ -125,21 +124,10 @@ def dp_paged_cache(layer, max_seqs: int, num_pages: int, page_size: int = 64,
     table made ``dp`` shards of ``max_seqs / dp`` sequences and ``num_pages / dp`` pages
     (``pages``' module doc), then placed. ``pages_per_seq`` defaults to a shard's pages
     (capped at ``max_position_embeddings``). ``ValueError`` unless both divide by ``dp``."""
-    cfg, mesh, batch_axis = layer.cfg, layer.mesh, layer.batch_axis
-    dp = int(mesh.shape[batch_axis])
-    for name, v in (("max_seqs", max_seqs), ("num_pages", num_pages)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_pages % dp or max_seqs % dp:
-        raise ValueError(
-            f"max_seqs={max_seqs} and num_pages={num_pages} must both divide by the {dp} data "
-            f"shards of mesh axis {batch_axis!r} (each shard owns max_seqs/{dp} sequences and "
-            f"num_pages/{dp} pages)")
-    if pages_per_seq is None and isinstance(page_size, int) and page_size > 0:
-        pages_per_seq = max(1, min(num_pages // dp, cfg.max_position_embeddings // page_size))
-    cache = init_paged_cache(cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq, **kw)
-    table = init_page_table(max_seqs, num_pages, page_size, cache.pages_per_seq, shards=dp)
-    return place_cache(cache.replace(pages=table), mesh, batch_axis)
+    mesh, batch_axis = layer.mesh, layer.batch_axis
+    cache = init_paged_cache(layer.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
+                             shards=int(mesh.shape[batch_axis]), **kw)
+    return place_cache(cache, mesh, batch_axis)
 
 
 def _trim(spec) -> P:
@@ -190,7 +178,7 @@ def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> No
 # ------------------------------------------------------------------------------- the call
 def _param_specs(state, cfg, layer_idx, axis):
     """``PartitionSpec`` per leaf of an ``nnx.split`` state: the layout's head-split specs."""
-    plan = {p.path: P(*p.spec(axis)) for _, p in layout.iter_params(layout.layer_tensors(cfg, layer_idx))}
+    plan = layout.partition_specs(cfg, axis, layer_idx=layer_idx)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     specs = []
     for path, _ in leaves:

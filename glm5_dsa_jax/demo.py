@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
+from glm5_dsa_jax.checkpoint import load_for_demo
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import DsaDecoder
 from glm5_dsa_jax.layer import DsaAttention
@@ -46,8 +47,6 @@ def build_layers(preset: str = "tiny", checkpoint: str | None = None, implementa
     """(cfg, full layer, shared layer or None) from a preset (random weights, seeded) or a
     checkpoint; ``ValueError`` when there is no full-indexer layer to run."""
     if checkpoint:
-        from glm5_dsa_jax.checkpoint import load_for_demo
-
         cfg, layers = load_for_demo(checkpoint, implementation=implementation)
     else:
         cfg = DsaConfig.preset(preset)
@@ -92,16 +91,16 @@ def sparse_vs_dense(layer: DsaAttention, latent: jax.Array, x: jax.Array, mask: 
     prompt = x.shape[1]
     slots = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32)[None], mask.shape)
     _, q_lat, _ = layer.project(x, layer.rope(slots))  # RoPE at the cache's slots, as the call
-    sel = jnp.asarray(topk)
+    token_ids = jnp.asarray(topk)
     kw = dict(scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
-    sparse = pk.sparse_mla(q_lat, latent, sel, implementation=layer.implementation, **kw)
-    same = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(sel, prompt), **kw)
+    sparse = pk.sparse_mla(q_lat, latent, token_ids, implementation=layer.implementation, **kw)
+    same = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(token_ids, prompt), **kw)
     causal = mask[:, None, :] & (jnp.arange(prompt)[None, :, None] >= jnp.arange(prompt)[None, None, :])
     dense = pk.mla_masked_attention(q_lat, latent, causal, **kw)
-    live = np.asarray(mask & (sel >= 0).any(-1))
+    live = np.asarray(mask & (token_ids >= 0).any(-1))
     sp, sm, de = (np.asarray(a, np.float32)[live] for a in (sparse, same, dense))
     rel = np.linalg.norm(sp - de) / max(np.linalg.norm(de), 1e-30)
-    frac = float((np.asarray(sel) >= 0).sum(-1)[live].mean()) / max(
+    frac = float((np.asarray(token_ids) >= 0).sum(-1)[live].mean()) / max(
         float(np.asarray(causal).sum(-1)[live].mean()), 1)
     return {"max_diff": float(np.abs(sp - sm).max()), "rel_l2": float(rel), "read_frac": frac}
 

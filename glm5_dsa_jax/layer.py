@@ -67,7 +67,7 @@ from glm5_dsa_jax.paged_cache import PagedCache, check_room, init_paged_cache
 from glm5_dsa_jax.paged_step import paged_call
 from glm5_dsa_jax.parallel import place_inputs, replicate, replicated_call, sharded_sparse_mla
 from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
-from glm5_dsa_jax.weights import hf_to_params
+from glm5_dsa_jax.weights import hf_to_params, param_variable
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
            "float32_params", "clear_float32_copies"]
@@ -192,10 +192,7 @@ class DsaAttention(nnx.Module):
         """
         params = hf_to_params(self.cfg, self.layer_idx, weights, self.param_dtype)
         for path, value in params.items():
-            obj = self
-            for part in path[:-1]:
-                obj = getattr(obj, part)
-            var = getattr(obj, path[-1])
+            var = param_variable(self, path)
             old = var[...]
             if getattr(old, "sharding", None) is not None and not isinstance(
                 old.sharding, jax.sharding.SingleDeviceSharding

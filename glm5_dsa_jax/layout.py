@@ -53,7 +53,9 @@ the parts as separate parameters instead, make them parts of those axes
 plus a ``DIMS`` entry ``"qk_rope": "qk_rope_head_dim"``; reading, slicing, TP specs and
 ``params_to_hf`` then follow with no other change.
 
-This module imports only ``config`` and numpy: everything else may import it.
+This module imports only ``config``, numpy and ``jax.sharding.PartitionSpec``: everything
+else may import it (``partition_specs`` lives here, not in ``plan``, so that the
+data-parallel call, which sits below ``plan`` in the import order, reads the same specs).
 """
 
 from __future__ import annotations
@@ -63,12 +65,14 @@ import math
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from glm5_dsa_jax.config import DsaConfig
 
 __all__ = [
     "DIMS", "Param", "Tensor", "TENSORS", "layer_tensors", "hf_tensor_shapes", "hf_weight_shapes",
     "param_shapes", "find_param", "iter_params", "read_param", "array_reader", "assemble_hf", "Reader",
+    "partition_specs", "head_split_names",
 ]
 
 #: View-axis names -> the ``DsaConfig`` attribute that sizes them.
@@ -397,3 +401,30 @@ def iter_params(tensors: Iterable[Tensor]) -> Iterable[tuple[Tensor, Param]]:
     for t in tensors:
         for p in t.params:
             yield t, p
+
+
+def partition_specs(
+    cfg: DsaConfig, axis: str = "tp", *, layer_idx: int | None = None
+) -> dict[tuple[str, ...], PartitionSpec]:
+    """``{param path: PartitionSpec}`` for every parameter of our layout (``Param.spec``).
+
+    Paths are the tuples of ``nnx.state(layer, nnx.Param)`` (``("q_b_proj",)``,
+    ``("indexer", "wq_b")``). The ``"heads"`` axis of every parameter that has one is
+    ``axis`` (which parameters: ``head_split_names``); every other axis and parameter is
+    replicated. ``layer_idx`` picks a layer (a ``"shared"`` layer has no indexer); ``None``
+    = a full-indexer layer.
+    """
+    return {p.path: PartitionSpec(*p.spec(axis)) for _, p in iter_params(layer_tensors(cfg, layer_idx))}
+
+
+def head_split_names() -> str:
+    """The tensors whose head axis TP splits, as error messages name them, read from the
+    table: ``"q_b_proj, kv_b_proj (w_uk, w_uv) and o_proj"`` (the parameters a tensor
+    becomes in brackets where their names differ from the tensor's)."""
+    names = []
+    for t in TENSORS:
+        if t.heads_hf_axis is None:
+            continue
+        params = [p.name for p in t.params]
+        names.append(t.name if params == [t.name] else f"{t.name} ({', '.join(params)})")
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]

@@ -16,7 +16,7 @@ Invariants:
   byte, no ``first_key`` / ``n_valid`` per row (the contiguous cache needs them for left
   padding). Token ids in a top-k row are these positions.
 * **Where a token lives.** Token ``t`` of sequence ``b`` is row ``t % page_size`` of page
-  ``block_table[b, t // page_size]`` of ``latent_store [N, page_size, C]``. Pooled keys
+  ``block_table[b, t // page_size]`` of ``latent_store [N, page_size, CR]``. Pooled keys
   page with their tokens (``page_size`` is a multiple of ``KP``): pool ``p`` is row
   ``p % PPP`` of page ``block_table[b, p // PPP]`` of ``pooled_store [N, PPP, D]``, ``PPP =
   page_size // KP``. A page therefore holds its tokens' latent rows *and* their pooled keys,
@@ -127,7 +127,7 @@ class PagedCache:
 
     @property
     def latent_pool(self) -> jax.Array:
-        """``[N * page_size, C]`` every page's latent rows, in the cache ``dtype``."""
+        """``[N * page_size, CR]`` every page's latent rows, in the cache ``dtype``."""
         lat = self.latent_store
         return from_store(lat.reshape(-1, lat.shape[-1]), self.dtype)
 
@@ -214,10 +214,13 @@ def init_paged_cache(
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
     stage_dtype=None,
+    shards: int = 1,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
-    ``pages_per_seq``: every page, capped at ``max_position_embeddings``).
+    ``pages_per_seq``: every page of a shard, capped at ``max_position_embeddings``).
+    ``shards > 1``: the page table is that many independent tables (``pages.init_page_table``,
+    which checks that ``max_seqs`` and ``num_pages`` divide by it; the data-parallel layout).
 
     ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
     ``dtype`` one of ``cache.CACHE_DTYPES`` or ``"fp8"``; anything else raises
@@ -230,9 +233,9 @@ def init_paged_cache(
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % kp:
         raise ValueError(f"page_size must be a positive multiple of index_kpool={kp} (a page "
                          f"holds whole pools), got {page_size!r}")
-    if pages_per_seq is None and isinstance(num_pages, int):
-        pages_per_seq = max(1, min(num_pages, cfg.max_position_embeddings // page_size))
-    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq)
+    if pages_per_seq is None and isinstance(num_pages, int) and isinstance(shards, int) and shards > 0:
+        pages_per_seq = max(1, min(num_pages // shards, cfg.max_position_embeddings // page_size))
+    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq, shards=shards)
     if table.max_length > cfg.max_position_embeddings:
         raise ValueError(f"pages_per_seq * page_size = {table.max_length} exceeds "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
@@ -307,8 +310,9 @@ def token_slots(block_table: jax.Array, positions: jax.Array, page_size: int) ->
 
 
 def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """``store [N, R, X]`` with ``rows [..., X]`` written at flat row ``slots [...]``
-    (``-1``: dropped). A scatter on the donated buffer: in place (a ``uint16`` buffer on a
+    """``store [N, per_page, width]`` (a page's ``page_size`` latent rows or ``PPP`` pooled
+    keys, each ``width`` wide) with ``rows [..., width]`` written at flat row
+    ``page * per_page + row`` = ``slots [...]`` (``-1``: dropped). A scatter on the donated buffer: in place (a ``uint16`` buffer on a
     CPU, see the module doc), so a step costs what it writes.
 
     Never a one-row scatter: one dropped row (index past the end) is always appended. XLA
@@ -317,19 +321,19 @@ def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
     attention's gather) as well as writing it, and so kept the old pool alive: four
     whole-pool copies per step (a 131,072-token pool at batch 1: ~400 ms a step against
     6 ms; ``scripts/capacity_ratio.py small --cache paged``)."""
-    n, r, x = store.shape
-    flat = store.reshape(n * r, x)
-    idx = jnp.where(slots >= 0, slots, n * r).reshape(-1)
-    rows = rows.reshape(-1, x).astype(store.dtype)
+    n, per_page, width = store.shape
+    flat = store.reshape(n * per_page, width)
+    idx = jnp.where(slots >= 0, slots, n * per_page).reshape(-1)
+    rows = rows.reshape(-1, width).astype(store.dtype)
     # One dropped row more, so never a one-row scatter (see the doc).
-    idx = jnp.concatenate([idx, jnp.full((1,), n * r, idx.dtype)])
-    rows = jnp.concatenate([rows, jnp.zeros((1, x), rows.dtype)])
+    idx = jnp.concatenate([idx, jnp.full((1,), n * per_page, idx.dtype)])
+    rows = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])
     flat = flat.at[idx].set(rows, mode="drop")
-    return flat.reshape(n, r, x)
+    return flat.reshape(n, per_page, width)
 
 
 def write_latent(cache: PagedCache, latent: jax.Array, positions: jax.Array) -> PagedCache:
-    """The chunk's latent rows ``[B, S, C]`` written at their positions (``-1``: not
+    """The chunk's latent rows ``[B, S, CR]`` written at their positions (``-1``: not
     written), through the (already reserved) block table; an fp8 cache quantises them here,
     once, and writes their scales beside them."""
     slots = token_slots(cache.pages.block_table, positions, cache.page_size)

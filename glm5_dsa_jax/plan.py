@@ -4,13 +4,11 @@ placement is ``glm5_dsa_jax.sharding``.
 
 Invariants:
 
-* Everything here is derived from the layout table (``glm5_dsa_jax.layout``): a tensor
-  is split exactly when one of its parameters has the ``"heads"`` axis, by rows when the
-  heads are in its PyTorch out-dim (``q_b_proj``, ``kv_b_proj``: our ``w_uk`` and
-  ``w_uv``), by columns when in its in-dim (``o_proj``, row-parallel: its output is
-  all-reduced once per call). Everything else is replicated: the low-rank
-  down-projections and their norms, ``kv_a_proj`` (the shared latent has no head axis)
-  and **the whole indexer**.
+* Everything here is derived from the layout table (``glm5_dsa_jax.layout``, which says
+  which tensors hold the ``"heads"`` axis): a tensor is split exactly when one of its
+  parameters has that axis, by rows when the heads are in its PyTorch out-dim, by columns
+  when in its in-dim (row-parallel: its output is all-reduced once per call). Everything
+  else is replicated, **the whole indexer** included.
 * The indexer is replicated because it emits a *selection*, not a partial sum:
   ``score[t, p] = sum_h w[t, h] * relu(q[t, h] . k[p])`` over the indexer heads. A
   head-sharded indexer would give each rank a partial score, and a per-rank top-k over
@@ -26,8 +24,9 @@ Invariants:
   ``load_hf_weights`` takes) so its numbers match ``DsaTpPlan`` of the CUDA serving engine
   whose DSA pipeline and TP plan this project was specified from (called "the seed" below;
   it is not in this repository); each entry also names the parameters of this project's layout
-  it becomes (``kv_b_proj`` -> ``w_uk`` and ``w_uv``). ``partition_specs`` gives the
-  PartitionSpec of every parameter in our layout; they are the same as the
+  it becomes (``kv_b_proj`` -> ``w_uk`` and ``w_uv``). ``partition_specs`` (defined in
+  ``layout``, re-exported here) gives the PartitionSpec of every parameter in our layout;
+  they are the same as the
   ``out_sharding`` metadata ``DsaAttention`` attaches to its ``nnx.Param``s (both are
   ``layout.Param.spec``), which survives ``nnx.split`` / ``nnx.merge`` and orbax restores.
 * Bytes count ``elem_bytes`` per element (``BF16_BYTES``, the checkpoint's dtype, by
@@ -46,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.layout import partition_specs  # re-exported: the plan's specs, one home in layout
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "check_tp_size", "fmt_bytes",
@@ -85,7 +85,7 @@ def check_tp_size(cfg: DsaConfig, tp_size: int, axis: str | None = None) -> None
     if cfg.num_attention_heads % tp_size:
         raise ValueError(
             f"{what} does not divide num_attention_heads={cfg.num_attention_heads}: the head "
-            "axis of q_b_proj, kv_b_proj (w_uk, w_uv) and o_proj must split evenly over the "
+            f"axis of {layout.head_split_names()} must split evenly over the "
             f"ranks (TP sizes that work: {_divisors(cfg.num_attention_heads)})"
         )
 
@@ -359,18 +359,3 @@ def fmt_bytes(n: int) -> str:
         if n >= k:
             return f"{n / k:.2f} {unit}"
     return f"{n} B"
-
-
-# ------------------------------------------------------------------------------- specs
-def partition_specs(
-    cfg: DsaConfig, axis: str = "tp", *, layer_idx: int | None = None
-) -> dict[tuple[str, ...], P]:
-    """``{param path: PartitionSpec}`` for every parameter of our layout.
-
-    Paths are the tuples of ``nnx.state(layer, nnx.Param)`` (``("q_b_proj",)``,
-    ``("indexer", "wq_b")``). The head axis of ``q_b_proj [q_lora, heads, qk_head]``,
-    ``w_uk [heads, qk_nope, C]``, ``w_uv [heads, v_head, C]`` and ``o_proj [heads, v_head,
-    hidden]`` is ``axis``; every other axis and parameter is replicated. ``layer_idx``
-    picks a layer (a ``"shared"`` layer has no indexer); ``None`` = a full-indexer layer.
-    """
-    return {p.path: P(*p.spec(axis)) for _, p in layout.iter_params(layout.layer_tensors(cfg, layer_idx))}

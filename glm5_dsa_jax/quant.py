@@ -175,7 +175,7 @@ def dequantize_fp8_block(
 ) -> np.ndarray:
     """Block-scaled FP8 -> float32.
 
-    ``weight`` is ``[R, C]`` (``float8_e4m3fn`` or its raw ``uint8`` bytes), the slice of the
+    ``weight`` is ``[rows, cols]`` (``float8_e4m3fn`` or its raw ``uint8`` bytes), the slice of the
     full tensor that starts at row/column ``offset``; ``scale_inv`` is the slice of the
     ``[ceil(out / b0), ceil(in / b1)]`` scale grid that starts at block
     ``(offset[0] // b0, offset[1] // b1)`` and covers the weight slice.
@@ -192,7 +192,7 @@ def dequantize_fp8_block(
 
 
 def dequantize_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """Per-tensor (one element) or per-row (``[R]`` / ``[R, 1]``) scaled FP8 -> float32."""
+    """Per-tensor (one element) or per-row (``[rows]`` / ``[rows, 1]``) scaled FP8 -> float32."""
     w = _as_f32(weight)
     s = np.asarray(scale, np.float32)
     if s.size == 1:

@@ -6,8 +6,8 @@ The plan (which tensor is split how, its PartitionSpecs and byte figures) is dat
 
 Invariants:
 
-* Only the attention heads are split (``plan``: ``q_b_proj``, ``w_uk``/``w_uv`` and the
-  row-parallel ``o_proj``); everything else, the whole indexer included, is replicated.
+* Only the attention heads are split (the ``"heads"`` axis of the layout table:
+  ``layout.partition_specs``); everything else, the whole indexer included, is replicated.
 * Caches (``DsaCache``) are replicated over the whole mesh: the latent ``[B, L, C]`` has no
   head axis, every head reads every selected row, and the indexer state is replicated like
   the indexer. Each rank therefore reads its *local* copy of the latent rows it attends
@@ -38,15 +38,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from glm5_dsa_jax import data_parallel as dpar
+from glm5_dsa_jax import data_parallel as dpar, layout
 from glm5_dsa_jax.parallel import put, replicate
 from glm5_dsa_jax.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
+from glm5_dsa_jax.weights import param_variable
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",
-    "cache_shardings", "param_shardings", "batch_sharding",
+    "cache_shardings", "param_shardings", "batch_sharding", "check_tp_mesh",
 ]
 
 
@@ -60,15 +62,20 @@ def param_shardings(layer) -> dict[tuple[str, ...], NamedSharding]:
 
 
 def _param_vars(layer) -> list[tuple[tuple[str, ...], Any]]:
-    from flax import nnx
+    return [(tuple(path), param_variable(layer, tuple(path)))
+            for path, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param))]
 
-    out = []
-    for path, _ in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
-        obj = layer
-        for part in path:
-            obj = getattr(obj, part)
-        out.append((tuple(path), obj))
-    return out
+
+def check_tp_mesh(cfg, mesh: jax.sharding.Mesh, axis: str) -> None:
+    """``ValueError`` unless ``mesh`` has the axis ``axis`` and its size divides the heads
+    (``plan.check_tp_size``): every device holds whole heads. The one mesh check of
+    ``shard_layer`` and of the checkpoint loaders."""
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"mesh has axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)}) but no axis "
+            f"{axis!r} to split the heads of {layout.head_split_names()} over"
+        )
+    check_tp_size(cfg, int(mesh.shape[axis]), axis)
 
 
 def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: str | None = None):
@@ -95,15 +102,9 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
             f"shard_layer needs a concrete jax.sharding.Mesh (e.g. jax.make_mesh((n,), "
             f"({axis!r},))), got {type(mesh).__name__}"
         )
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"mesh has axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)}) but no axis "
-            f"{axis!r} to split the heads of q_b_proj, kv_b_proj and o_proj over"
-        )
+    check_tp_mesh(layer.cfg, mesh, axis)
     if batch_axis is not None:
         dpar.check_dp_mesh(mesh, axis, batch_axis)
-    size = int(mesh.shape[axis])
-    check_tp_size(layer.cfg, size, axis)
     old = layer.mesh
     if old is not None and (old != mesh or layer.tp_axis != axis or layer.batch_axis != batch_axis):
         raise ValueError(

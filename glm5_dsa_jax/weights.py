@@ -18,15 +18,18 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.config import DsaConfig
 
-__all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem"]
+__all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem",
+           "param_variable"]
 
 
 class WeightError(ValueError):
@@ -71,9 +74,10 @@ def _as_numpy(t: Any) -> np.ndarray:
     if hasattr(t, "detach"):  # a torch tensor
         t = t.detach().cpu()
         if str(t.dtype) == "torch.bfloat16":
-            import ml_dtypes
-
-            return t.view(dtype=__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
+            # The tensor's own torch, already imported by whoever made it: torch is not a
+            # dependency (it is absent on Python 3.12), so this module never imports it.
+            torch = sys.modules["torch"]
+            return t.view(dtype=torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
     return np.asarray(t)
 
@@ -113,14 +117,19 @@ def hf_to_params(
     }
 
 
+def param_variable(module, path: tuple[str, ...]):
+    """The ``nnx.Param`` of ``module`` (a ``DsaAttention``) at a layout path
+    (``("indexer", "wq_b")``): the one walk from a ``layout.Param.path`` to the variable."""
+    for part in path:
+        module = getattr(module, part)
+    return module
+
+
 def params_to_hf(layer) -> dict[str, np.ndarray]:
     """The inverse of ``hf_to_params``: a ``DsaAttention``'s parameters as HF tensors
     (float32 numpy, PyTorch layout, names relative to ``self_attn.``)."""
     def value(path):
-        obj = layer
-        for p in path:
-            obj = getattr(obj, p)
-        return np.asarray(obj[...], dtype=np.float32)
+        return np.asarray(param_variable(layer, path)[...], dtype=np.float32)
 
     tensors = layout.layer_tensors(layer.cfg, indexer=layer.indexer is not None)
     return arrays_to_hf(layer.cfg, {p.path: value(p.path) for _, p in layout.iter_params(tensors)},

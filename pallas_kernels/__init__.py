@@ -62,10 +62,16 @@ tile up to a device-side tile count (what ``implementation="xla"`` runs, so its 
 the live pools);
 ``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
 ``dense_mla`` the dense oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``);
-``_common`` the checks and CUDA-lowering helpers the wrappers and tests share.
+``_common`` the checks and CUDA-lowering helpers the wrappers and tests share; the ones
+other packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
+``lower_for_cuda`` / ``triton_calls``) are exported here, so no module outside
+``pallas_kernels`` imports the private ``_common``.
 """
 
-from pallas_kernels._common import IMPLEMENTATIONS, Implementation, resolve_implementation
+from pallas_kernels._common import (
+    IMPLEMENTATIONS, MOSAIC_MIN_JAX, Implementation, check_implementation, jax_version, lower_for_cuda,
+    resolve_implementation, triton_calls,
+)
 from pallas_kernels.attention import (
     MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_reference,
 )
@@ -91,7 +97,8 @@ from pallas_kernels.selection import (
 from pallas_kernels.streaming_selection import streaming_topk
 
 __all__ = [
-    "IMPLEMENTATIONS", "Implementation", "resolve_implementation",
+    "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
+    "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "triton_calls",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "visible_tail",
     "IndexScoresBlockSizes", "MosaicIndexScoresBlockSizes", "index_scores",

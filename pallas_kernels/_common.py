@@ -38,10 +38,13 @@ defaults). Invariants:
 from __future__ import annotations
 
 import functools
+import importlib
+import re
 import typing
 from typing import Callable, Literal
 
 import jax
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, get_abstract_mesh, use_abstract_mesh
 
 Implementation = Literal["xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "auto"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
@@ -64,9 +67,8 @@ def _target_device():
     abstract device of an abstract mesh in use (``cuda_lowering``), else jax's default
     device."""
     try:
-        from jax.sharding import get_abstract_mesh
         device = getattr(get_abstract_mesh(), "abstract_device", None)
-    except (ImportError, AttributeError):  # jax without abstract devices
+    except AttributeError:  # an abstract mesh without an abstract device
         device = None
     if device is not None and getattr(device, "platform", None):
         return device.platform, _KIND_CAPABILITY.get(device.device_kind)
@@ -110,8 +112,6 @@ def require_mosaic_gpu(owner: str):
             f"{owner}: the mosaic implementations need jax >= "
             f"{'.'.join(map(str, MOSAIC_MIN_JAX))}, this is jax {jax.__version__}; use 'pallas' or 'xla'"
         )
-    import importlib
-
     # The registration module holds the CUDA lowering of ``plmgpu.kernel`` (not imported by
     # ``plmgpu`` itself on jax 0.12).
     importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
@@ -224,8 +224,6 @@ def cuda_lowering(gpu: str = "h100"):
     it (the API exists from 0.10.2 on). Its axis is ``Auto``: the layer's cache updates fail
     jax's sharding-in-types check under the default (Explicit) axis type.
     """
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-
     kind = CUDA_DEVICE_KINDS.get(gpu.lower())
     if kind is None:
         raise ValueError(f"gpu must be one of {sorted(CUDA_DEVICE_KINDS)}, got {gpu!r}")
@@ -237,8 +235,6 @@ def cuda_lowering(gpu: str = "h100"):
 def lower_for_cuda(fn, *avals, gpu: str = "h100"):
     """``jax.jit(fn)`` traced on ``avals`` and lowered for CUDA without a GPU (see
     ``cuda_lowering``); returns the ``Lowered`` object."""
-    import jax
-
     with cuda_lowering(gpu):
         return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
 
@@ -247,8 +243,6 @@ def triton_calls(lowered) -> list[dict]:
     """The Triton kernel launches in a module lowered for CUDA, in program order: for each,
     its ``name``, ``grid`` ``(x, y, z)``, ``num_warps`` and ``num_stages`` (read from the
     ``__gpu$xla.gpu.triton`` custom calls' backend config)."""
-    import re
-
     calls = []
     text = lowered.as_text() if hasattr(lowered, "as_text") else str(lowered)
     for line in text.splitlines():

@@ -166,3 +166,13 @@ def test_filled_paged_cache_refuses_a_partial_page():
         bench.filled_paged_cache(layer, 1, 10, 100)
     with pytest.raises(ValueError, match=r"context must be in \[0, capacity=128\]"):
         bench.filled_paged_cache(layer, 1, 200, 128)
+
+
+def test_gpu_compile_subcommand_and_its_python_m_alias(capsys):
+    # A setup error (an unknown kernel) exits 2 before any compile, with or without the
+    # gpu-compile extra; `python -m glm5_dsa_jax.gpu_compile` is the same command.
+    assert main(["gpu-compile", "--kernels", "nope"]) == 2
+    assert "unknown kernel(s) ['nope']" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.gpu_compile", "--kernels", "nope"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+    assert r.returncode == 2 and "unknown kernel(s) ['nope']" in r.stderr, r.stderr[-2000:]

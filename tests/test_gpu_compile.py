@@ -157,7 +157,7 @@ def test_paged_cases_lower_for_cuda(kind):
     names = {}
     for case in gc.default_cases(gc.cases.PAGED_KERNELS, contexts=[131072], batches=[8],
                                  steps=[kind], caches=["paged"]):
-        fn, avals, _ = gc.cases._build(cfg, case)
+        fn, avals, _ = gc.cases.build(cfg, case)
         lowered = lower_for_cuda(fn, *(jax.ShapeDtypeStruct(sh, dt) for sh, dt in avals))
         names[case.kernel] = {c["name"] for c in triton_calls(lowered)}
     assert names == {"index_scores": {"index_scores_paged"},
@@ -184,7 +184,7 @@ def test_rope_model_cases_lower_for_cuda(cache):
     names = {}
     for case in gc.default_cases(contexts=[131072], batches=[1], steps=["decode"],
                                  caches=[cache]):
-        fn, avals, _ = gc.cases._build(cfg, case)
+        fn, avals, _ = gc.cases.build(cfg, case)
         lowered = lower_for_cuda(fn, *(jax.ShapeDtypeStruct(sh, dt) for sh, dt in avals))
         names[case.kernel] = {c["name"] for c in triton_calls(lowered)}
         if case.kernel == "sparse_mla":

@@ -15,6 +15,11 @@ Modules, in import order:
 * ``orbax_io``: ``save_checkpoint`` / ``read_checkpoint_meta`` / ``restore_checkpoint``
   (atomic save beside the target and swap, a digest per array verified on restore).
 
+Names without an underscore that a module's ``__all__`` leaves out (``assembly``'s
+functions, ``hf_import.read_config``, ``orbax_io.PARAMS_DIR``,
+``safetensors_file.CHUNK_BYTES``) are the package's internal API: shared between its
+modules, not exported by the package.
+
 Invariants every loader here keeps: every problem found is reported in one
 ``CheckpointError`` naming each tensor or array, and a failed load returns nothing (all
 layers are assembled and checked, finiteness included, before any is returned). The
@@ -27,11 +32,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from glm5_dsa_jax.checkpoint.assembly import _check_dir
+from glm5_dsa_jax.checkpoint.assembly import check_dir
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax.checkpoint.hf_import import LAYER_PREFIXES, _read_config, load_hf_checkpoint, read_hf_params
+from glm5_dsa_jax.checkpoint.hf_import import LAYER_PREFIXES, read_config, load_hf_checkpoint, read_hf_params
 from glm5_dsa_jax.checkpoint.orbax_io import (
-    _PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_checkpoint, save_checkpoint,
+    PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.checkpoint.safetensors_file import SafetensorsFile
 from glm5_dsa_jax.config import DsaConfig
@@ -49,12 +54,12 @@ def load_for_demo(path: str | os.PathLike, **kwargs) -> tuple[DsaConfig, dict[in
     ``kwargs`` go to ``restore_checkpoint`` / ``load_hf_checkpoint`` (``mesh``,
     ``implementation``, ``axis``, ``dtype``, ``layers``...)."""
     path = Path(path)
-    _check_dir(path)
-    if (path / META_FILE).is_file() or (path / _PARAMS_DIR).is_dir():
+    check_dir(path)
+    if (path / META_FILE).is_file() or (path / PARAMS_DIR).is_dir():
         cfg = read_checkpoint_meta(path)[1]  # (an incomplete save without META_FILE: refused)
         return cfg, restore_checkpoint(path, **kwargs)
     if (path / "config.json").is_file():
-        cfg = _read_config(path)[1]
+        cfg = read_config(path)[1]
         return cfg, load_hf_checkpoint(path, **kwargs)
     raise FileNotFoundError(
         f"{str(path)!r} is neither an orbax checkpoint from 'glm5-dsa convert' (no {META_FILE}) "

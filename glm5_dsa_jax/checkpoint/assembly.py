@@ -1,20 +1,23 @@
 """What the HF import and the orbax restore share: the checkpoint directory and its JSON
 files, and the assembly of ``DsaAttention`` layers from arrays already on their devices.
 
+Every function here is the ``checkpoint`` package's internal API (used by ``hf_import`` and
+``orbax_io``), hence public names; the package's ``__init__`` exports none of them.
+
 Invariants:
 
 * **Target shardings come from the parameters' metadata**: the ``out_sharding`` that
-  ``DsaAttention`` attaches to each ``nnx.Param`` (the head axis named ``axis`` for
-  ``q_b_proj``, ``w_uk``, ``w_uv``, ``o_proj``; everything else replicated), turned into a
-  ``NamedSharding`` on the given mesh (``SingleDeviceSharding`` on the default device
+  ``DsaAttention`` attaches to each ``nnx.Param`` (``layout.partition_specs`` with the TP
+  axis ``axis``), turned into a ``NamedSharding`` on the given mesh (``SingleDeviceSharding`` on the default device
   without one). Both loaders place every array straight into that sharding, so a layer is
   never materialised whole on one device first.
-* **Layers start abstract.** ``_abstract_layer`` builds the layer under ``nnx.eval_shape``
-  (shapes only, nothing allocated); ``_fill_layer`` puts the loaded arrays in and, on a
+* **Layers start abstract.** ``abstract_layer`` builds the layer under ``nnx.eval_shape``
+  (shapes only, nothing allocated); ``fill_layer`` puts the loaded arrays in and, on a
   mesh, records the mesh on the layer with ``sharding.shard_layer``, which adopts the
   already-placed parameters without a copy.
 * **Whole heads per device**: a mesh is refused (``ValueError``) unless ``axis`` is one of
-  its axes and it divides ``num_attention_heads``.
+  its axes and it divides ``num_attention_heads`` (``sharding.check_tp_mesh``, the check
+  ``shard_layer`` applies, so both say the same).
 * Unreadable JSON (config, index, ModelOpt config, metadata) is a ``CheckpointError``; a
   missing directory is ``FileNotFoundError``, a file in its place ``NotADirectoryError``.
 """
@@ -32,10 +35,10 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.sharding import check_tp_mesh, shard_layer
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
     try:
         with open(path) as f:
             d = json.load(f)
@@ -46,14 +49,14 @@ def _read_json(path: Path, what: str) -> dict:
     return d
 
 
-def _check_dir(path: Path) -> None:
+def check_dir(path: Path) -> None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise NotADirectoryError(f"checkpoint path {str(path)!r} is not a directory")
 
 
-def _abstract_layer(cfg, layer_idx, *, implementation, dtype, param_dtype, axis):
+def abstract_layer(cfg, layer_idx, *, implementation, dtype, param_dtype, axis):
     """A ``DsaAttention`` whose parameters are shapes only (nothing allocated)."""
     return nnx.eval_shape(lambda: DsaAttention(
         cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation, dtype=dtype,
@@ -61,19 +64,19 @@ def _abstract_layer(cfg, layer_idx, *, implementation, dtype, param_dtype, axis)
     ))
 
 
-def _get(tree: Mapping, path: Sequence[str]):
+def tree_get(tree: Mapping, path: Sequence[str]):
     for p in path:
         tree = tree[p]
     return tree
 
 
-def _set(tree: dict, path: Sequence[str], value) -> None:
+def tree_set(tree: dict, path: Sequence[str], value) -> None:
     for p in path[:-1]:
         tree = tree.setdefault(p, {})
     tree[path[-1]] = value
 
 
-def _target_shardings(abstract, mesh, axis: str) -> dict:
+def target_shardings(abstract, mesh, axis: str) -> dict:
     """``{param path: Sharding}`` from the parameters' ``out_sharding`` metadata."""
     state = nnx.state(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
@@ -91,23 +94,13 @@ def _target_shardings(abstract, mesh, axis: str) -> dict:
     return out
 
 
-def _check_mesh(cfg: DsaConfig, mesh, axis: str) -> None:
-    if mesh is None:
-        return
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"mesh axes are {tuple(mesh.axis_names)}; the head axis is sharded over {axis!r} "
-            "(pass axis= the name of the tensor-parallel axis)"
-        )
-    tp = mesh.shape[axis]
-    if cfg.num_attention_heads % tp:
-        raise ValueError(
-            f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by the mesh's "
-            f"{axis!r} axis ({tp}): every device must hold whole heads"
-        )
+def check_mesh(cfg: DsaConfig, mesh, axis: str) -> None:
+    """``sharding.check_tp_mesh`` (whole heads per device), or nothing without a mesh."""
+    if mesh is not None:
+        check_tp_mesh(cfg, mesh, axis)
 
 
-def _fill_layer(abstract, arrays: dict, mesh=None, axis: str = "tp") -> DsaAttention:
+def fill_layer(abstract, arrays: dict, mesh=None, axis: str = "tp") -> DsaAttention:
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, arrays)
     nnx.update(abstract, state)

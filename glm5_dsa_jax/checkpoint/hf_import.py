@@ -52,18 +52,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
-from pallas_kernels._common import check_implementation
 from glm5_dsa_jax import layout, quant
 from glm5_dsa_jax.checkpoint.assembly import (
-    _abstract_layer, _check_dir, _check_mesh, _fill_layer, _get, _read_json, _set, _target_shardings,
+    abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax.checkpoint.safetensors_file import _CHUNK_BYTES, SafetensorsFile, TensorInfo
+from glm5_dsa_jax.checkpoint.safetensors_file import CHUNK_BYTES, SafetensorsFile, TensorInfo
 from glm5_dsa_jax.config import MODEL_TYPES, DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.weights import cast_to, count_nonfinite, nonfinite_problem
+from pallas_kernels import check_implementation
 
 __all__ = ["LAYER_PREFIXES", "load_hf_checkpoint", "read_hf_params"]
 
@@ -93,14 +94,14 @@ def _weight_files(path: Path) -> tuple[Path | None, Path | None]:
     )
 
 
-def _read_config(path: Path) -> tuple[dict, DsaConfig]:
+def read_config(path: Path) -> tuple[dict, DsaConfig]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(
             f"no config.json in {str(path)!r}: a checkpoint directory needs config.json "
             "(the model geometry) beside model.safetensors or model.safetensors.index.json"
         )
-    raw = _read_json(cfg_path, "config")
+    raw = read_json(cfg_path, "config")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
     mt, text_mt = raw.get("model_type"), (text or {}).get("model_type")
     if mt is not None and text_mt is not None and mt in _TEXT_OF and _TEXT_OF[mt] != text_mt:
@@ -192,8 +193,8 @@ def load_hf_checkpoint(
     """
     check_implementation(implementation)
     path = Path(path)
-    _check_dir(path)
-    raw_cfg, cfg = _read_config(path)
+    check_dir(path)
+    raw_cfg, cfg = read_config(path)
     index_path, single_path = _weight_files(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     if layers is None:
@@ -202,9 +203,9 @@ def load_hf_checkpoint(
         wanted = sorted({int(i) for i in layers})
         for i in wanted:
             cfg.check_layer(i)
-    _check_mesh(cfg, mesh, axis)
+    check_mesh(cfg, mesh, axis)
     hq = path / "hf_quant_config.json"
-    spec = quant.quant_spec_from_config(raw_cfg, _read_json(hq, "ModelOpt config") if hq.is_file() else None)
+    spec = quant.quant_spec_from_config(raw_cfg, read_json(hq, "ModelOpt config") if hq.is_file() else None)
 
     files: dict[str, SafetensorsFile] = {}
     try:
@@ -230,14 +231,14 @@ def read_hf_params(
     for inspection, conversion, and any model type ``DsaAttention`` cannot run yet.
     """
     path = Path(path)
-    _check_dir(path)
-    raw_cfg, cfg = _read_config(path)
+    check_dir(path)
+    raw_cfg, cfg = read_config(path)
     index_path, single_path = _weight_files(path)
     wanted = list(cfg.dsa_layers) if layers is None else sorted({int(i) for i in layers})
     for i in wanted:
         cfg.check_layer(i)
     hq = path / "hf_quant_config.json"
-    spec = quant.quant_spec_from_config(raw_cfg, _read_json(hq, "ModelOpt config") if hq.is_file() else None)
+    spec = quant.quant_spec_from_config(raw_cfg, read_json(hq, "ModelOpt config") if hq.is_file() else None)
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     files: dict[str, SafetensorsFile] = {}
     try:
@@ -270,7 +271,7 @@ def _plan(path, cfg, wanted, spec, index_path, single_path, files) -> tuple[dict
     # ---- the names available, and where each lives
     locate: dict[str, str]  # full name -> file name
     if index_path is not None:
-        idx = _read_json(index_path, "index")
+        idx = read_json(index_path, "index")
         wm = idx.get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(where, [f"{index_path.name} has no valid 'weight_map' (name -> file)"])
@@ -377,7 +378,7 @@ def _scan_nonfinite(sources: dict[int, dict[str, _Source]], np_dtype) -> list[st
                     blocks = [src.read()]
                 else:
                     rows = src.shape[0]
-                    step = max(1, _CHUNK_BYTES // max(1, 4 * math.prod(src.shape[1:])))
+                    step = max(1, CHUNK_BYTES // max(1, 4 * math.prod(src.shape[1:])))
                     blocks = (src.read((r, min(r + step, rows))) for r in range(0, rows, step))
                 for raw in blocks:
                     a, b = count_nonfinite(raw, cast_to(raw, np_dtype))
@@ -397,8 +398,6 @@ def _qualify(problem: str, prefix: str, layer_idx: int) -> str:
 
 
 def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation, axis, progress, where):
-    from tqdm.auto import tqdm
-
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     problems: list[str] = []
     built: dict[int, DsaAttention] = {}
@@ -406,9 +405,9 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
     bar = tqdm(total=total, unit="tensor", desc="loading DSA layers", disable=not progress, leave=False)
     try:
         for i in wanted:
-            abstract = _abstract_layer(cfg, i, implementation=implementation, dtype=dtype,
+            abstract = abstract_layer(cfg, i, implementation=implementation, dtype=dtype,
                                        param_dtype=param_dtype, axis=axis)
-            shardings = _target_shardings(abstract, mesh, axis)
+            shardings = target_shardings(abstract, mesh, axis)
             shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
             arrays: dict = {}
             ok = True
@@ -418,7 +417,7 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                 nonfinite = overflow = 0
                 for param in tensor.params:
                     ppath = param.path
-                    shape = tuple(_get(shapes, ppath).shape)
+                    shape = tuple(tree_get(shapes, ppath).shape)
                     sharding = shardings[ppath]
                     # A slice is read once and handed to every device that holds the same
                     # index (replication), then dropped: memory stays at one slice + shards.
@@ -452,14 +451,14 @@ def _materialize(cfg, wanted, sources, mesh, dtype, param_dtype, implementation,
                         break
                     finally:
                         memo.clear()
-                    _set(arrays, ppath, arr)
+                    tree_set(arrays, ppath, arr)
                 if nonfinite:
                     problems.append(nonfinite_problem(
                         src.full, nonfinite, overflow, np_dtype, "" if src.fmt is None else f"dequantized {src.fmt}, "))
                     ok = False
                 bar.update(1)
             if ok:
-                built[i] = _fill_layer(abstract, arrays, mesh, axis)
+                built[i] = fill_layer(abstract, arrays, mesh, axis)
             del arrays
     finally:
         bar.close()

@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -44,9 +45,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from glm5_dsa_jax.checkpoint.assembly import (
-    _abstract_layer, _check_dir, _check_mesh, _fill_layer, _get, _read_json, _set, _target_shardings,
+    abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax import layout
@@ -55,11 +57,21 @@ from glm5_dsa_jax.layer import DsaAttention
 
 __all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint"]
 
+
 #: The metadata file ``save_checkpoint`` writes beside the orbax tree.
 META_FILE = "glm5_dsa_jax.json"
-_PARAMS_DIR = "params"
+#: The orbax tree's directory inside a checkpoint (``load_for_demo`` looks for it too).
+PARAMS_DIR = "params"
 _FORMAT = "glm5_dsa_jax.orbax"
 _META_VERSION = 2
+
+
+def _orbax():
+    """``orbax.checkpoint``, imported on first use: it takes 1-2 s to import, which every
+    ``import glm5_dsa_jax`` (this module is imported by the package) would otherwise pay."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
@@ -153,7 +165,7 @@ def _flat_pairs(tree: Mapping, prefix: str = "") -> dict[str, tuple]:
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
-    return (path / META_FILE).is_file() or (path / _PARAMS_DIR).is_dir()
+    return (path / META_FILE).is_file() or (path / PARAMS_DIR).is_dir()
 
 
 def _fsync(path: Path) -> None:
@@ -184,8 +196,6 @@ def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -231,8 +241,7 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
     false (or it is not a checkpoint directory: ``overwrite`` replaces only checkpoints),
     and ``CheckpointError`` if a parameter holds NaN/inf (nothing is written).
     """
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     meta = _layer_meta(layers)
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
@@ -243,7 +252,7 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
         if not _is_checkpoint_dir(path):
             raise FileExistsError(
                 f"{str(path)!r} is not empty and is not a glm5_dsa_jax checkpoint (no {META_FILE} or "
-                f"{_PARAMS_DIR}/): overwrite replaces only checkpoints; remove it yourself")
+                f"{PARAMS_DIR}/): overwrite replaces only checkpoints; remove it yourself")
     tree = {f"layer_{i}": nnx.to_pure_dict(nnx.state(l, nnx.Param)) for i, l in layers.items()}
     digests, bad = _digest_report(tree)
     if bad:
@@ -260,14 +269,12 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
         if lead and tmp.exists():
             shutil.rmtree(tmp)
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / _PARAMS_DIR, tree)
+        ckptr.save(tmp / PARAMS_DIR, tree)
         ckptr.wait_until_finished()
         if lead:
             _write_meta(tmp, meta)
             _swap_into(tmp, path)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"glm5_dsa_jax save {path}")
     except BaseException:
         if lead:
@@ -280,16 +287,16 @@ def read_checkpoint_meta(path: str | os.PathLike) -> tuple[dict, DsaConfig]:
     """The metadata ``save_checkpoint`` wrote, and its ``DsaConfig``; every problem of the
     metadata (format, version, config, layer list, dtypes, digests) in one ``CheckpointError``."""
     path = Path(path)
-    _check_dir(path)
+    check_dir(path)
     mfile = path / META_FILE
     where = f"checkpoint {path}"
     if not mfile.is_file():
-        if (path / _PARAMS_DIR).exists():
+        if (path / PARAMS_DIR).exists():
             raise CheckpointError(where, [
-                f"{_PARAMS_DIR}/ is there but {META_FILE} is not: an incomplete (interrupted) save, "
+                f"{PARAMS_DIR}/ is there but {META_FILE} is not: an incomplete (interrupted) save, "
                 "not loaded; save again"])
         raise FileNotFoundError(f"{str(path)!r} is not a glm5_dsa_jax orbax checkpoint: no {META_FILE}")
-    meta = _read_json(mfile, "metadata")
+    meta = read_json(mfile, "metadata")
     if meta.get("format") != _FORMAT:
         raise CheckpointError(where, [f"{META_FILE} format is {meta.get('format')!r}, expected {_FORMAT!r}"])
     if meta.get("version") != _META_VERSION:
@@ -329,8 +336,7 @@ def read_checkpoint_meta(path: str | os.PathLike) -> tuple[dict, DsaConfig]:
 
 
 def _restore_tree(path: Path, target: dict):
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target)
     return ocp.PyTreeCheckpointer().restore(
@@ -354,8 +360,7 @@ def restore_checkpoint(
     Every array is verified against the digest recorded at save and for finiteness; every
     problem (metadata, missing or misshaped arrays, unreadable or corrupted data files,
     non-finite values) is raised in one ``CheckpointError`` and no layer is returned."""
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     path = Path(path).absolute()
     meta, cfg = read_checkpoint_meta(path)
     where = f"checkpoint {path}"
@@ -364,34 +369,34 @@ def restore_checkpoint(
     missing = [i for i in wanted if i not in saved]
     if missing:
         raise ValueError(f"layers {missing} are not in the checkpoint (it holds {saved})")
-    _check_mesh(cfg, mesh, axis)
+    check_mesh(cfg, mesh, axis)
     dtype = meta.get("dtype", "bfloat16") if dtype is None else dtype
     try:
-        stored = ocp.StandardCheckpointer().metadata(path / _PARAMS_DIR)
+        stored = ocp.StandardCheckpointer().metadata(path / PARAMS_DIR)
         stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
         if not isinstance(stored, Mapping):
             raise ValueError(f"unexpected orbax metadata {type(stored).__name__}")
     except Exception as e:  # orbax / TensorStore raise plain Exceptions
-        raise CheckpointError(where, [f"{_PARAMS_DIR}/ cannot be read by orbax: {_short(e)}"]) from None
+        raise CheckpointError(where, [f"{PARAMS_DIR}/ cannot be read by orbax: {_short(e)}"]) from None
 
     abstracts, target, want_dt, renamed, problems = {}, {}, {}, {}, []
     sums = meta["checksums"]
     for i in wanted:
         saved_dt = jnp.dtype(meta["param_dtype"][str(i)])
         want_dt[i] = jnp.dtype(param_dtype) if param_dtype is not None else saved_dt
-        abstract = _abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=want_dt[i], axis=axis)
-        shardings = _target_shardings(abstract, mesh, axis)
+        abstract = abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=want_dt[i], axis=axis)
+        shardings = target_shardings(abstract, mesh, axis)
         shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         tree: dict = {}
         renamed[i] = []
         for ppath, sh in shardings.items():
-            s = _get(shapes, ppath)
+            s = tree_get(shapes, ppath)
             spath = _stored_path(stored.get(f"layer_{i}"), ppath)
             if spath != ppath:
                 renamed[i].append((spath, ppath))
             name = f"layer_{i}.{'.'.join(spath)}"
             try:
-                got = _get(stored[f"layer_{i}"], spath)
+                got = tree_get(stored[f"layer_{i}"], spath)
                 shape, gdt = tuple(got.shape), getattr(got, "dtype", saved_dt)
             except (KeyError, TypeError, AttributeError):
                 problems.append(f"{name}: not in the checkpoint")
@@ -405,21 +410,21 @@ def restore_checkpoint(
             if name not in sums:
                 problems.append(f"{name}: no digest in {META_FILE}")
                 continue
-            _set(tree, spath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
+            tree_set(tree, spath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
         abstracts[i], target[f"layer_{i}"] = abstract, tree
     target = {k: v for k, v in target.items() if v}
 
     restored: dict = {}
     if target:
         try:
-            restored = _restore_tree(path / _PARAMS_DIR, target)
+            restored = _restore_tree(path / PARAMS_DIR, target)
         except Exception:  # find which arrays cannot be read, one by one
             restored = {}
             for name, leaf in _flat(target).items():
                 layer, *ppath = name.split(".")
                 try:
-                    one = _restore_tree(path / _PARAMS_DIR, {layer: _nest(ppath, leaf)})
-                    _set(restored, [layer] + ppath, _get(one[layer], ppath))
+                    one = _restore_tree(path / PARAMS_DIR, {layer: _nest(ppath, leaf)})
+                    tree_set(restored, [layer] + ppath, tree_get(one[layer], ppath))
                 except Exception as e:
                     problems.append(f"{name}: the data cannot be read ({_short(e)})")
         if restored:
@@ -436,11 +441,11 @@ def restore_checkpoint(
     for i in wanted:
         arrays = restored[f"layer_{i}"]
         for spath, ppath in renamed[i]:  # saved under an earlier name: ours from now on
-            _set(arrays, ppath, _get(arrays, spath))
-            _get(arrays, spath[:-1]).pop(spath[-1])
+            tree_set(arrays, ppath, tree_get(arrays, spath))
+            tree_get(arrays, spath[:-1]).pop(spath[-1])
         if want_dt[i] != jnp.dtype(meta["param_dtype"][str(i)]):
             arrays = jax.tree.map(lambda a: a.astype(want_dt[i]), arrays)
-        out[i] = _fill_layer(abstracts[i], arrays, mesh, axis)
+        out[i] = fill_layer(abstracts[i], arrays, mesh, axis)
     return out
 
 
@@ -449,7 +454,7 @@ def _stored_path(tree, ppath: tuple[str, ...]) -> tuple[str, ...]:
     of its earlier paths (``layout.Param.aliases``) found there; ``ppath`` if neither."""
     for cand in (ppath, *layout.find_param(ppath)[1].aliases):
         try:
-            _get(tree, cand)
+            tree_get(tree, cand)
             return cand
         except (KeyError, TypeError):
             continue
@@ -458,7 +463,7 @@ def _stored_path(tree, ppath: tuple[str, ...]) -> tuple[str, ...]:
 
 def _nest(path: Sequence[str], leaf) -> dict:
     tree: dict = {}
-    _set(tree, path, leaf)
+    tree_set(tree, path, leaf)
     return tree
 
 

@@ -23,7 +23,7 @@ Invariants:
   it lost.
 * **Only the bytes asked for are read**, through ``pread`` into a buffer of the slice's size:
   no mmap (whose touched pages would count as resident memory), never a whole tensor when a
-  slice is asked for. A column slice is read in row blocks of at most ``_CHUNK_BYTES``
+  slice is asked for. A column slice is read in row blocks of at most ``CHUNK_BYTES``
   (8 MiB) at a time.
 """
 
@@ -42,7 +42,7 @@ import numpy as np
 
 __all__ = ["SafetensorsFile", "TensorInfo"]
 
-_CHUNK_BYTES = 8 << 20  # row block for column-sliced reads
+CHUNK_BYTES = 8 << 20  # row block for column-sliced reads
 _MAX_HEADER = 256 << 20
 
 
@@ -235,7 +235,7 @@ class SafetensorsFile:
         c0, c1 = max(0, min(cols[0], n1)), max(0, min(cols[1], n1))
         c1 = max(c0, c1)
         out = np.empty((r1 - r0, c1 - c0) + inner[1:], dt)
-        step = max(1, _CHUNK_BYTES // max(row_bytes, 1))
+        step = max(1, CHUNK_BYTES // max(row_bytes, 1))
         buf = np.empty((min(step, r1 - r0),) + inner, dt)
         for s in range(r0, r1, step):
             k = min(step, r1 - s)

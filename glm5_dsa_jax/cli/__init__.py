@@ -2,21 +2,21 @@
 
 Each subcommand module holds its argparse parser (``add_parser``) and its ``main(args)``;
 the work itself lives in the library (``demo``, ``bench``, ``roofline``, ``plan`` /
-``memory_plan``, ``checkpoint``, ``cache_accuracy``). Numeric flags use the validating types of ``cli.args``.
+``memory_plan``, ``checkpoint``, ``cache_accuracy``, ``gpu_compile``). Numeric flags use the validating types of ``cli.args``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from glm5_dsa_jax.cli import accuracy, bench, convert, demo, plan, roofline
+from glm5_dsa_jax.cli import accuracy, bench, convert, demo, gpu_compile, plan, roofline
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``glm5-dsa`` parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="glm5-dsa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, bench, plan, convert, roofline, accuracy):
+    for module in (demo, bench, plan, convert, roofline, accuracy, gpu_compile):
         module.add_parser(sub)
     return parser
 

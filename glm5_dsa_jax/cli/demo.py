@@ -14,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 import pallas_kernels as pk
 from glm5_dsa_jax import demo
@@ -36,11 +37,7 @@ def add_parser(sub) -> None:
 
 
 def _progress(steps: int):
-    """The decode steps under a tqdm bar when tqdm is installed (it is optional)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return range(steps)
+    """The decode steps under a tqdm bar."""
     return tqdm(range(steps), desc="decode", unit="step", leave=False)
 
 

@@ -44,13 +44,15 @@ the ``gpu-compile`` extra (``toolchain()`` says what is missing).
 Modules: ``targets`` (``GpuTarget``, ``TARGETS``, occupancy), ``cases`` (``Step``, ``Case``,
 ``KERNELS``, ``default_cases``), ``worker`` (the per-target compile process), ``ptxas``
 (toolchain discovery, ``ptxas -v`` parsing), ``report`` (``Report``, the thunk parser, the
-tables); this module runs the workers and reads their dumps (``compile_cases``) and holds
-the command line (``main``; ``__main__`` runs it).
+tables); this module runs the workers and reads their dumps (``compile_cases``). The
+command line is ``glm5-dsa gpu-compile`` (``glm5_dsa_jax.cli.gpu_compile``);
+``python -m glm5_dsa_jax.gpu_compile`` (``__main__``) is the same command. Names the modules
+share that are not in an ``__all__`` (``cases.build``, ``report.analyse``) are the package's
+internal API.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -63,23 +65,22 @@ import time
 from typing import Iterable
 
 from glm5_dsa_jax.gpu_compile.cases import (
-    BATCHES, CACHES, CONTEXTS, DTYPES, KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS,
-    STEPS, Case, Step, default_cases, mosaic_cases, mosaic_on_target,
+    KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS, Case, Step, default_cases, mosaic_cases,
+    mosaic_on_target,
 )
 from glm5_dsa_jax.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
 )
 from glm5_dsa_jax.gpu_compile.report import (
-    Report, _analyse, failures, format_table, parse_thunks,
+    Report, analyse, failures, format_table, parse_thunks,
 )
 from glm5_dsa_jax.gpu_compile.targets import TARGETS, GpuTarget
-from glm5_dsa_jax.gpu_compile.worker import run_worker
 
 __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
     "MOSAIC_KERNELS", "mosaic_cases", "mosaic_on_target",
     "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
-    "parse_ptxas", "parse_thunks", "find_ptxas", "main",
+    "parse_ptxas", "parse_thunks", "find_ptxas",
 ]
 
 
@@ -211,68 +212,10 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
                 if rec.get("same_inputs_as"):  # traced once: same inputs as an earlier case
                     first = records[rec["same_inputs_as"]]
                     rec = dict(first, id=c.id, same_as=first.get("same_as") or first["id"])
-                reports += _analyse(TARGETS[n], rec, compiled, info["ptxas"])
+                reports += analyse(TARGETS[n], rec, compiled, info["ptxas"])
             if log:
                 log(f"{n}: {len(cases)} cases in {time.time() - t0:.0f} s")
     finally:
         if dump_dir is None:
             shutil.rmtree(root, ignore_errors=True)
     return reports
-
-
-# ------------------------------------------------------------------------------------ CLI
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m glm5_dsa_jax.gpu_compile",
-        description="Compile every Pallas kernel at the GLM-5.3-Flash shapes for sm_80 and "
-                    "sm_90 without a GPU; print registers, spills, stack, shared memory and "
-                    "blocks per SM. Exit 0: all ok; 1: a kernel failed; 2: setup error.")
-    ap.add_argument("--targets", default="sm_80,sm_90", help="comma list (default sm_80,sm_90)")
-    from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
-
-    kernels = list(KERNELS) + (list(MOSAIC_KERNELS) if jax_version() >= MOSAIC_MIN_JAX else [])
-    ap.add_argument("--kernels", default=",".join(kernels),
-                    help="comma list (default: all; the Mosaic GPU ones on jax >= 0.11)")
-    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)),
-                    help="cache lengths in tokens (default 4096,131072,1048576)")
-    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="default 1,8")
-    ap.add_argument("--steps", default=",".join(STEPS), help="decode,prefill,prompt (default all)")
-    ap.add_argument("--dtypes", default=",".join(DTYPES),
-                    help="bfloat16 (default; the serving dtype), float32, or both")
-    ap.add_argument("--caches", default=",".join(CACHES),
-                    help="contiguous,paged (default both; paged: the kernels the paged cache changes)")
-    ap.add_argument("--preset", help="the model's shapes (DsaConfig.preset; default glm53-flash)")
-    ap.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
-    ap.add_argument("--json", help="write every report here")
-    ap.add_argument("--dump-dir", help="keep XLA's dumps (HLO, PTX, thunk sequence) here")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        return run_worker(args.worker, args.dump_dir)
-    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
-    try:
-        cases = default_cases(split(args.kernels), contexts=[int(x) for x in split(args.contexts)],
-                              batches=[int(x) for x in split(args.batches)],
-                              steps=split(args.steps), dtypes=split(args.dtypes),
-                              caches=split(args.caches))
-        info = toolchain()
-        print(f"jax {info['jax']}, jaxlib {info['jaxlib']}, jax-cuda12-plugin "
-              f"{info['jax-cuda12-plugin']}, ptxas {info['ptxas_version']}", flush=True)
-        t0 = time.time()
-        reports = compile_cases(cases, split(args.targets), dump_dir=args.dump_dir,
-                                config={"preset": args.preset} if args.preset else None,
-                                log=lambda m: print(m, flush=True))
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(reports, compact=args.compact))
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        print("\n" + failures(reports))
-    print(f"\n{len(reports)} launches, {len(bad)} failed; {time.time() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(toolchain=info, reports=[dict(dataclasses.asdict(r), ok=r.ok)
-                                                    for r in reports]), f, indent=1)
-    return 1 if bad else 0
-

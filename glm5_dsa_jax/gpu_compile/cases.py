@@ -36,7 +36,7 @@ Invariants:
 * The model: ``DsaConfig.glm53_flash`` with the worker's ``config`` overrides, or, when
   ``config`` holds ``"preset"``, that preset (``glm5``, ``glm52``, ``deepseek-v32``: the
   Mosaic kernels are compiled at every supported model's shapes).
-* ``_build`` returns, with the call, the key under which cases share a trace: the kernel,
+* ``build`` returns, with the call, the key under which cases share a trace: the kernel,
   its input shapes and dtypes, the static arguments not visible in them, and the block sizes.
 """
 
@@ -351,7 +351,7 @@ def mosaic_on_target(kernel: str, capability: tuple[int, int]) -> bool:
     return capability >= (9, 0) and (kernel not in MOSAIC_HOPPER_ONLY or capability[0] == 9)
 
 
-def _build(cfg, case: Case):
+def build(cfg, case: Case):
     out = {**KERNELS, **MOSAIC_KERNELS}[case.kernel](cfg, case.step, dict(case.blocks))
     fn, avals = out[0], out[1]
     static = out[2] if len(out) > 2 else ()

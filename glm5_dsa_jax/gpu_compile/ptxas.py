@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from importlib.metadata import PackageNotFoundError, version
 
 __all__ = ["EXTRA", "INSTALL_HINT", "ToolchainMissing", "toolchain", "find_ptxas",
            "parse_ptxas", "ptxas_stats"]
@@ -30,8 +31,6 @@ class ToolchainMissing(RuntimeError):
 
 
 def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -41,6 +40,8 @@ def _version(dist: str) -> str | None:
 def find_ptxas() -> str | None:
     """ptxas of ``nvidia-cuda-nvcc-cu12`` (the one XLA itself finds), else on ``PATH``."""
     try:
+        # Here, not at the top: the package is optional (the gpu-compile extra), and its
+        # absence is an answer (ptxas from PATH), not an import error of this module.
         import nvidia.cuda_nvcc as nvcc  # noqa: PLC0415
 
         for base in getattr(nvcc, "__path__", []):

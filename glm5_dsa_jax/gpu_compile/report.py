@@ -69,7 +69,7 @@ def parse_thunks(text: str) -> list[dict]:
     return out
 
 
-def _analyse(target: GpuTarget, rec: dict, compiled: dict, ptxas: str) -> list[Report]:
+def analyse(target: GpuTarget, rec: dict, compiled: dict, ptxas: str) -> list[Report]:
     base = dict(target=target.name, case=rec["id"], smem_limit=target.smem_per_block_optin)
     if not rec.get("ok"):
         return [Report(kernel=rec["id"].split()[0], error=rec.get("error") or "failed",

@@ -1,8 +1,8 @@
 """The compile worker of ``glm5_dsa_jax.gpu_compile``: one process per target.
 
 ``compile_cases`` runs ``python -m glm5_dsa_jax.gpu_compile --worker TARGET --dump-dir DIR``
-with the cases as JSON on stdin; the worker prints one JSON line per case (after a
-``ready`` line). Invariants:
+(the ``glm5-dsa gpu-compile`` command's hidden flag) with the cases as JSON on stdin; the
+worker prints one JSON line per case (after a ``ready`` line). Invariants:
 
 * Its own process: XLA aborts the process on some fatal errors, and the caller (pytest)
   must survive to report them; the caller's jax setup (8 virtual CPU devices) stays out of it.
@@ -31,8 +31,13 @@ import re
 import sys
 import time
 
-from glm5_dsa_jax.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, _build
+import jax
+from jax.experimental import topologies
+
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, build
 from glm5_dsa_jax.gpu_compile.targets import TARGETS
+from pallas_kernels import triton_calls
 
 __all__ = ["run_worker"]
 
@@ -53,8 +58,6 @@ def _mosaic_signature(cfg, lowered, case: Case) -> tuple:
 def _triton_signature(lowered) -> tuple:
     """What identifies the compiled Triton kernels of a lowered module: per launch its name,
     a hash of its IR bytes, warps and stages."""
-    from pallas_kernels._common import triton_calls
-
     text = lowered.as_text()
     irs = [hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
            for line in text.splitlines() if "__gpu$xla.gpu.triton" in line
@@ -66,11 +69,6 @@ def _triton_signature(lowered) -> tuple:
 
 def run_worker(target_name: str, dump_root: str) -> int:
     """Compile the cases read from stdin for one target; one JSON line per case."""
-    import jax
-    from jax.experimental import topologies
-
-    from glm5_dsa_jax.config import DsaConfig
-
     spec = json.load(sys.stdin)
     config = dict(spec.get("config", {}))
     preset = config.pop("preset", None)  # a supported model's shapes (see cases' doc)
@@ -91,7 +89,7 @@ def run_worker(target_name: str, dump_root: str) -> int:
                "calls": [], "same_as": None, "dump": None}
         t0 = time.time()
         try:
-            fn, avals, key = _build(cfg, case)
+            fn, avals, key = build(cfg, case)
             if key in traced_as:
                 rec.update(ok=True, stage="done", same_inputs_as=traced_as[key])
                 print(json.dumps(rec), flush=True)
