@@ -62,7 +62,7 @@ def check_implementation(implementation: str) -> Implementation:
     return implementation
 
 
-def _target_device():
+def target_device():
     """(platform, compute capability or None) of the device the current trace targets: the
     abstract device of an abstract mesh in use (``cuda_lowering``), else jax's default
     device."""
@@ -90,7 +90,7 @@ def resolve_implementation(implementation: str) -> Implementation:
     check_implementation(implementation)
     if implementation != "auto":
         return implementation
-    platform, capability = _target_device()
+    platform, capability = target_device()
     if platform not in ("cuda", "gpu"):
         return "xla"
     return "mosaic" if capability is not None and capability >= (9, 0) else "pallas"

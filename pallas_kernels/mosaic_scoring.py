@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import _target_device, check_positive_int, require_mosaic_gpu
+from pallas_kernels._common import target_device, check_positive_int, require_mosaic_gpu
 
 __all__ = [
     "MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged", "mosaic_takes",
@@ -268,7 +268,7 @@ def wgmma_on_target() -> bool:
     a CUDA GPU of compute capability 10 or newer. Blackwell has no ``wgmma`` (its MMAs are
     ``tcgen05``; LLVM cannot select ``wgmma`` for sm_100a and the compile aborts the
     process); interpret mode and the abstract H100 of ``cuda_lowering`` are fine."""
-    platform, capability = _target_device()
+    platform, capability = target_device()
     return not (platform in ("cuda", "gpu") and capability is not None and capability[0] >= 10)
 
 

@@ -192,7 +192,7 @@ def test_blackwell_runs_scoring_and_attention_on_triton(monkeypatch, capability,
     import pallas_kernels.mosaic_scoring as ms
     from pallas_kernels._common import lower_for_cuda, triton_calls
 
-    monkeypatch.setattr(ms, "_target_device", lambda: ("cuda", capability))
+    monkeypatch.setattr(ms, "target_device", lambda: ("cuda", capability))
     bf = jnp.bfloat16
     s = jax.ShapeDtypeStruct
     scores = lower_for_cuda(

@@ -14,6 +14,9 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
 * Imports at the top of the module: a function-level import is allowed only where it is
   lazy on purpose, listed with its reason in ``LAZY_IMPORTS`` (and an entry no longer
   needed fails too, so the list stays true).
+* No module imports another's private name (``from x import _y``), and ``glm5_dsa_jax``
+  does not reach into ``pallas_kernels``' private modules: what crosses a module is its
+  API and is spelled so.
 * The HF name ``kv_a_proj_with_mqa`` written in at most two modules of ``glm5_dsa_jax``
   (the layout table and at most one doc): every other module reads names from the table.
 """
@@ -243,3 +246,34 @@ def test_function_level_imports_finds_them():
     src = ("import re\n"
            "def f():\n    import ctypes\n    def g():\n        from .layout import TENSORS\n")
     assert function_level_imports("glm5_dsa_jax.weights", src) == {"ctypes", "glm5_dsa_jax.layout"}
+
+
+def private_imports(module: str) -> list[str]:
+    """``from X import _y`` of a private name, or an import of a private module (``_x``)
+    of the other package, in ``module``: a name another module needs is part of its
+    package's API and says so by its spelling."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            src = _resolve(module, node)
+            if src.split(".")[0] not in PACKAGES:
+                continue
+            out += [f"{src}.{a.name}" for a in node.names if a.name.startswith("_")]
+            private_module = any(p.startswith("_") and p != "__init__" for p in src.split("."))
+            if private_module and src.split(".")[0] != module.split(".")[0]:
+                out.append(src)
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_crosses_a_module(module):
+    assert not private_imports(module), f"{module} imports {private_imports(module)}"
+
+
+def test_private_import_check_can_fail(tmp_path, monkeypatch):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from pallas_kernels._common import _planted, eager_jit\n")
+    monkeypatch.setitem(MODULES, "glm5_dsa_jax.planted", planted)
+    assert private_imports("glm5_dsa_jax.planted") == [
+        "pallas_kernels._common._planted", "pallas_kernels._common"]
