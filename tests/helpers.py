@@ -13,11 +13,14 @@ comparisons and the tie-aware selection check.
   arrays, and two such trees compared bit for bit (a refused load must change nothing).
 * ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
   row; where they differ, the only allowed cause is HF's arbitrary choice among pools
-  whose scores tie at the cutoff (see ``test_hf_parity``'s module doc).
+  whose scores tie at the cutoff (see ``test_hf_parity``'s module doc). It reads the
+  layer's ``selection_scores`` under ``jax.jit``, one program per layer structure and
+  shape (eagerly, every operation compiled anew per sequence length: seconds a call).
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -92,9 +95,14 @@ def padded_batch(cfg, pads, seq, seed):
     return x, mask
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _selection_scores(graphdef, state, x, mask):
+    return nnx.merge(graphdef, state).selection_scores(x, mask)
+
+
 def check_selection(cfg, layer, x, mask, ours, theirs):
     """Sets equal per valid row, or ours a valid top-k of the same scores (ties)."""
-    scores, first_key = layer.selection_scores(jnp.asarray(x), jnp.asarray(mask))
+    scores, first_key = _selection_scores(*nnx.split(layer), jnp.asarray(x), jnp.asarray(mask))
     scores, first_key = np.asarray(scores), np.asarray(first_key)
     kp = cfg.index_kpool
     n_tied = 0

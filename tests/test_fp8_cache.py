@@ -34,7 +34,7 @@ import pallas_kernels as pk
 from glm5_dsa_jax import fp8
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows, dequantize_rows
-from helpers import f32_layer, hidden_states
+from helpers import f32_layer, hidden_states, jitted_call
 
 CFG = gd.DsaConfig.tiny()
 E4M3 = jnp.float8_e4m3fn
@@ -212,13 +212,16 @@ def test_sparse_mla_fp8_both_implementations_and_dequantised_rows(shared):
 def _run(layer, cfg, dtype, x, mask, prefill, paged=True):
     """Contiguous prefill of ``prefill`` slots then decode steps; and (``paged``) the same
     tokens, unmasked, through a paged cache the same way. Returns ``((topk, out)
-    contiguous, (topk, out) paged or None)``; the steps after the first reuse one program."""
+    contiguous, (topk, out) paged or None)``. The layer runs under ``jax.jit``
+    (``jitted_call``): one program per chunk shape and cache kind, the decode steps after
+    the first reusing it (eagerly, each operation of the layer compiles on its own)."""
+    f, state = jitted_call(layer)
     b, s = mask.shape
     cache = layer.init_cache(b, s + 4, dtype=dtype)
-    out, topk, cache = layer(x[:, :prefill], attention_mask=mask[:, :prefill], cache=cache)
+    out, topk, cache = f(state, x[:, :prefill], attention_mask=mask[:, :prefill], cache=cache)
     outs, tops = [out], [topk]
     for i in range(prefill, s):
-        o, t, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
+        o, t, cache = f(state, x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
         outs.append(o)
         tops.append(t)
     cont = (np.concatenate(tops, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1))
@@ -227,7 +230,7 @@ def _run(layer, cfg, dtype, x, mask, prefill, paged=True):
     cache = layer.init_paged_cache(b, 2 * -(-s // 8) + 1, 8, dtype=dtype)
     outs, tops = [], []
     for lo, hi in [(0, prefill)] + [(i, i + 1) for i in range(prefill, s)]:
-        o, t, cache = layer(x[:, lo:hi], cache=cache)
+        o, t, cache = f(state, x[:, lo:hi], cache=cache)
         outs.append(o)
         tops.append(t)
     return cont, (np.concatenate(tops, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1))
@@ -262,29 +265,30 @@ def test_rope_model_on_fp8_caches():
     assert np.mean([set(u) == set(v) for u, v in zip(t8.reshape(-1, t8.shape[-1]), tf.reshape(-1, tf.shape[-1]))]) > 0.9
 
 
-def _chunks(layer, dtype, x):
-    """``((topk, out), cache)`` of ``x [2, 48]`` in two chunks of 24 (one program) on a
-    cache of ``dtype``; the cache is the one after the first chunk."""
+def _chunks(layer, f, state, dtype, x):
+    """``((topk, out), cache)`` of ``x [2, 48]`` in two chunks of 24 (one program: ``f,
+    state = jitted_call(layer)``) on a cache of ``dtype``; the cache is the one after the
+    first chunk."""
     cache = layer.init_cache(2, 48, dtype=dtype)
-    o1, t1, cache = layer(x[:, :24], cache=cache)
-    o2, t2, _ = layer(x[:, 24:], cache=cache)
+    o1, t1, cache = f(state, x[:, :24], cache=cache)
+    o2, t2, _ = f(state, x[:, 24:], cache=cache)
     return (np.concatenate([t1, t2], 1), np.concatenate([np.asarray(o, np.float32) for o in (o1, o2)], 1)), cache
 
 
 def test_fp8_close_to_bf16_on_tiny_and_a_missing_scale_is_caught():
     layer = gd.DsaAttention(CFG, 1, rngs=nnx.Rngs(0))
     x = jnp.asarray(hidden_states(CFG, 2, 48, seed=0), jnp.bfloat16)
-    (t8, o8), (tb, ob) = (_chunks(layer, dt, x)[0] for dt in ("fp8", jnp.bfloat16))
+    f, state = jitted_call(layer)
+    ((t8, o8), cache), ((tb, ob), _) = (_chunks(layer, f, state, dt, x) for dt in ("fp8", jnp.bfloat16))
     same = np.array([set(u) == set(v) for u, v in zip(t8.reshape(-1, t8.shape[-1]), tb.reshape(-1, tb.shape[-1]))])
     same = same.reshape(t8.shape[:2])
     rel = np.linalg.norm(o8 - ob) / np.linalg.norm(ob)
     rel_same = np.linalg.norm(o8[same] - ob[same]) / np.linalg.norm(ob[same])
     assert same.mean() >= 0.9 and rel <= 0.25 and rel_same <= 0.06, (same.mean(), rel, rel_same)
     # The second chunk on the first's rows with every scale 1 (a missing scale): far out.
-    cache = _chunks(layer, "fp8", x)[1]
     bad = cache.replace(latent_scale=jnp.ones_like(cache.latent_scale),
                         pooled_scale=jnp.ones_like(cache.pooled_scale), length=jnp.int32(24))
-    o_bad = np.asarray(layer(x[:, 24:], cache=bad)[0], np.float32)
+    o_bad = np.asarray(f(state, x[:, 24:], cache=bad)[0], np.float32)
     assert np.linalg.norm(o_bad - ob[:, 24:]) / np.linalg.norm(ob[:, 24:]) > 10 * 0.25
 
 

@@ -25,7 +25,7 @@ import pytest
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder
 from glm5_dsa_jax.sharding import shard_layer
-from helpers import ATOL, RTOL, check_selection
+from helpers import ATOL, RTOL, check_selection, jitted_call
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped, layer_from_hf
 
 TYPES = ["glm_moe_dsa", "deepseek_v32"]
@@ -176,19 +176,26 @@ def test_paged_sequences_match_hf_alone(model_type):
 
 
 def test_pallas_interpret_and_tp2_give_the_xla_selection():
+    """Each layer under ``jax.jit`` (``jitted_call``: one program a layer, where an eager
+    call compiles each of its operations on its own)."""
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     cfg = small("glm_moe_dsa")
     x, mask = padded(cfg, (0, 5), 12, seed=6)
     attn = hf_attention(cfg, 0, seed=6)
-    ref_out, ref_top = layer_from_hf(cfg, 0, attn)(jnp.asarray(x), attention_mask=jnp.asarray(mask))
+    x, mask = jnp.asarray(x), jnp.asarray(mask)
+
+    def run(layer):
+        f, state = jitted_call(layer)
+        return f(state, x, attention_mask=mask)
+
+    ref_out, ref_top = run(layer_from_hf(cfg, 0, attn))
     pallas = layer_from_hf(cfg, 0, attn)
     pallas.implementation = "pallas_interpret"
-    out, top = pallas(jnp.asarray(x), attention_mask=jnp.asarray(mask))
+    out, top = run(pallas)
     np.testing.assert_array_equal(np.asarray(top), np.asarray(ref_top))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=ATOL, rtol=RTOL)
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    sharded = shard_layer(layer_from_hf(cfg, 0, attn), mesh)
-    out, top = sharded(jnp.asarray(x), attention_mask=jnp.asarray(mask))
+    out, top = run(shard_layer(layer_from_hf(cfg, 0, attn), mesh))
     np.testing.assert_array_equal(np.asarray(top), np.asarray(ref_top))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=ATOL, rtol=RTOL)

@@ -68,6 +68,11 @@ def _case(draw):
     )
 
 
+#: The reference under ``jax.jit``: one program per drawn shape (eagerly, each of its
+#: operations compiles anew for every shape).
+_reference = jax.jit(sparse_mla_reference, static_argnames="scale")
+
+
 @settings(max_examples=10, deadline=None)
 @given(_case())
 def test_pallas_matches_reference_f32(case):
@@ -82,7 +87,7 @@ def test_pallas_matches_reference_f32(case):
     blocks = {k: case[k] for k in ("num_splits", "block_w") if case[k] is not None}
     got = sparse_mla(q, lat, ids, scale=scale, implementation="pallas_interpret",
                      block_sizes=SparseMlaBlockSizes(**blocks))
-    want = sparse_mla_reference(q, lat, ids, scale=scale)
+    want = _reference(q, lat, ids, scale=scale)
     assert got.shape == want.shape and got.dtype == jnp.float32
     got = np.asarray(got)
     assert not np.isnan(got).any()

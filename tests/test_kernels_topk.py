@@ -31,12 +31,16 @@ _SPECIAL = np.array(
     dtype=np.float32,
 )
 
+#: The reference under ``jax.jit``, one program per shape and ``select_k`` (eagerly, each of
+#: its operations compiles anew for every drawn shape): the same operations, so the same ids.
+_reference = jax.jit(topk_pools_reference, static_argnums=1)
+
 
 def _check(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray:
     x = jnp.asarray(scores, jnp.float32)
     got = np.asarray(topk_pools(x, select_k, implementation="pallas_interpret",
                                 block_sizes=TopkPoolsBlockSizes(**block_sizes)))
-    want = np.asarray(topk_pools_reference(x, select_k))
+    want = np.asarray(_reference(x, select_k))
     assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
@@ -149,7 +153,7 @@ def _check_split(scores: np.ndarray, select_k: int, **block_sizes) -> np.ndarray
     fn = jax.jit(lambda s: topk_pools(s, select_k, implementation="pallas_interpret",
                                       block_sizes=blocks))
     got = np.asarray(fn(x))
-    want = np.asarray(topk_pools_reference(x, select_k))
+    want = np.asarray(_reference(x, select_k))
     assert got.shape == want.shape == scores.shape[:-1] + (select_k,)
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)

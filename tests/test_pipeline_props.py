@@ -1,6 +1,12 @@
 """Property tests (hypothesis) of the plain-jnp pipeline against independent numpy loops:
-pooling from first_key, partial pools, the tail, the tie rule and the -1 conventions."""
+pooling from first_key, partial pools, the tail, the tie rule and the -1 conventions.
 
+The functions under test run under ``jax.jit`` (how the layer runs them), built once here:
+an eager call compiles each of its operations for every new shape, which made these
+examples several times slower than one compiled program per shape.
+"""
+
+import jax
 import numpy as np
 import jax.numpy as jnp
 from hypothesis import given, settings, strategies as st
@@ -8,6 +14,13 @@ from hypothesis import given, settings, strategies as st
 import pallas_kernels as pk
 
 SETTINGS = settings(max_examples=25, deadline=None)
+
+kpool_compress_reference = jax.jit(pk.kpool_compress_reference)
+first_valid = jax.jit(pk.first_valid)
+visible_tail = jax.jit(pk.visible_tail, static_argnames="kpool")
+topk_pools_reference = jax.jit(pk.topk_pools_reference, static_argnums=1)
+expand_selection_reference = jax.jit(pk.expand_selection_reference,
+                                     static_argnames=("kpool", "out_width"))
 
 
 @st.composite
@@ -39,7 +52,7 @@ def test_kpool_compress_matches_a_loop(mask, kpool, seed):
     keys = rng.standard_normal((b, length, d)).astype(np.float32)
     gate = rng.standard_normal((b, length, d)).astype(np.float32)
     ape = rng.standard_normal((kpool, d)).astype(np.float32)
-    pooled, first_key, valid = map(np.asarray, pk.kpool_compress_reference(
+    pooled, first_key, valid = map(np.asarray, kpool_compress_reference(
         jnp.asarray(keys), jnp.asarray(gate), jnp.asarray(mask), jnp.asarray(ape)))
     n_pools = max(1, length // kpool)
     assert pooled.shape == (b, n_pools, d)
@@ -63,10 +76,11 @@ def test_kpool_compress_matches_a_loop(mask, kpool, seed):
 @given(masks(), st.sampled_from([1, 2, 4, 5]))
 def test_visible_tail_matches_the_reference_formula(mask, kpool):
     b, length = mask.shape
-    first_key = np.asarray(pk.first_valid(jnp.asarray(mask)))
+    first_key = np.asarray(first_valid(jnp.asarray(mask)))
     n_vis = np.cumsum(mask, axis=1).astype(np.int32)
     q_pos = np.where(mask, np.arange(length)[None], -1).astype(np.int32)
-    tail = np.asarray(pk.visible_tail(jnp.asarray(first_key), jnp.asarray(n_vis), jnp.asarray(q_pos), jnp.asarray(mask), kpool))
+    tail = np.asarray(visible_tail(jnp.asarray(first_key), jnp.asarray(n_vis), jnp.asarray(q_pos),
+                                   jnp.asarray(mask), kpool=kpool))
     assert tail.shape == (b, length, kpool - 1)
     for i in range(b):
         for t in range(length):
@@ -91,7 +105,7 @@ def test_topk_tie_rule_matches_a_python_sort(rows, data):
     scores = np.array(rows, np.float32)[None]  # [1, Q, P]
     p = scores.shape[-1]
     k = data.draw(st.integers(0, p))
-    got = np.asarray(pk.topk_pools_reference(jnp.asarray(scores), k))
+    got = np.asarray(topk_pools_reference(jnp.asarray(scores), k))
     for q, row in enumerate(scores[0]):
         def key(v):  # denormals and -0 are 0; NaN is -inf
             if np.isnan(v):
@@ -116,7 +130,7 @@ def test_expand_selection_row_conventions(k, kpool, seed, with_tail):
         start = 3 + n_pools * kpool
         tail = np.array([[[start + o if o < rng.integers(0, kpool) else -1 for o in range(kpool - 1)]]], np.int32)
     width = k * kpool + (kpool - 1) + 2
-    row = np.asarray(pk.expand_selection_reference(
+    row = np.asarray(expand_selection_reference(
         jnp.asarray(pools), jnp.asarray(first_key), None if tail is None else jnp.asarray(tail),
         kpool=kpool, out_width=width))[0, 0]
     n = int((row >= 0).sum())
