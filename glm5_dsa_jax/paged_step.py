@@ -1,9 +1,13 @@
 """A layer call on a paged cache: each row its own sequence, at its own positions.
 
-``DsaAttention.__call__`` hands a ``PagedCache`` here; the pipeline steps are the layer's
-own (``project``, the indexer's ``project``, ``sparse_attention``, ``output_projection``)
-and those below, under the same ``jax.named_scope`` names as the contiguous path
-(``"kpool_compress"``, ``"index_scores"``, ``"topk_pools"``, ``"expand_selection"``).
+``DsaAttention.__call__`` hands a ``PagedCache`` here, as it hands a ``DsaCache`` to
+``glm5_dsa_jax.contiguous_step``. Every pipeline step is the layer's own method, the same
+ones, under the same ``jax.named_scope`` names, as the contiguous call (``glm5_dsa_jax.steps``):
+a step that reads the cache (``compress_pools``, ``score_pools``, ``choose_pools`` /
+``score_and_select``, ``expand_to_tokens``) picks its paged kernel from the cache's kind.
+What is paged-only lives here: page reservation, positions, latent writes, the mapping of
+positions to latent-pool slots for ``sparse_attention``, and the paged tile scorer of the
+``"xla"`` selection (``paged_tile_scorer``).
 
 Invariants (see ``glm5_dsa_jax.paged_cache`` for the layout):
 
@@ -20,7 +24,7 @@ Invariants (see ``glm5_dsa_jax.paged_cache`` for the layout):
    ``pk.streaming_topk``; Pallas: ``index_scores_paged`` and ``topk_pools`` bounded by
    each row's live pools).
 5. Token ids (positions within the sequence) become pool slots only for the attention
-   (``token_slots``): ``sparse_mla`` reads the shared latent pool ``[1, N * page_size, C]``
+   (``token_slots``): ``sparse_mla`` reads the shared latent pool ``[1, N * page_size, CR]``
    at those slots, so it reads only the rows it attends to, which lie in the sequence's
    own pages.
 
