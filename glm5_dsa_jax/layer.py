@@ -357,7 +357,9 @@ class DsaAttention(nnx.Module):
                 n_new = mask.sum(axis=1, dtype=jnp.int32)
                 old = cache.pages.lengths - n_new
                 win = paged_pool_window(cache, old, keys, gate, mask)
-                pooled, _, pooled_valid = kernel(*win[:3], self.indexer.pool_ape(win[0].dtype), win[3])
+                win_keys, win_gate, win_valid, first_pool = win
+                pooled, _, pooled_valid = kernel(win_keys, win_gate, win_valid,
+                                                 self.indexer.pool_ape(win_keys.dtype), first_pool)
                 return store_paged_pools(cache, old, win, pooled, pooled_valid, n_new)
             win = pool_window(cache, keys, gate, mask)
             pooled, _, pooled_valid = kernel(win.keys, win.gate, win.valid,
