@@ -68,7 +68,7 @@ from glm5_dsa_jax.cache import check_cache_dtype, from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows
-from glm5_dsa_jax.layer import DsaAttention, absorb_o, float32_params
+from glm5_dsa_jax.layer import DsaAttention, float32_params
 from glm5_dsa_jax.paged_cache import PagedCache
 from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
 
@@ -235,7 +235,7 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)
-        out = absorb_o(o, m.w_uv[...], m.o_proj[...], wide=wide)
+        out = m.output_projection(o)
         return out, cache.replace(latent_store=lat, key_valid=valid, length=pos + x.shape[1])
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces

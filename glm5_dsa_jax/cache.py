@@ -5,12 +5,14 @@ Invariants:
 * All sequences of a batch share one timeline: slot ``i`` of every row is the ``i``-th
   token fed to the layer, padding included (as in Hugging Face's ``DynamicCache``).
   ``length`` is the number of slots written; token ids in a top-k row are slots.
-* ``latent[b, i]`` is ``kv_a_layernorm(kv_a_proj(x_i))``, the only per-token
-  tensor attention reads; ``key_valid[b, i]`` is False for padding.
+* ``latent[b, i]`` is token ``i``'s cache row, ``kv_cache_dim`` wide: the latent ``c =
+  kv_a_layernorm(kv_a_proj(x_i)[:kv_lora_rank])``, then (RoPE models) the shared roped key
+  ``k_rot`` (``DsaAttention.project``). It is the only per-token tensor attention reads;
+  ``key_valid[b, i]`` is False for padding.
 * The indexer keeps *pooled* keys: ``pooled[b, p]`` is written once, when the last token
   of pool ``p`` arrives, and never recomputed. Only the last ``index_kpool`` tokens' keys
   and gate logits (``stage_*``, the tokens an incomplete pool may still need) are kept
-  per token. Per token that is ``kv_lora_rank`` latent values, one validity byte and
+  per token. Per token that is ``kv_cache_dim`` row values, one validity byte and
   ``index_head_dim / index_kpool`` pooled values: 1,089 bytes in bf16 at GLM-5.3-Flash
   dims and kpool 4 (HF keeps the latent and every raw indexer key, 1,538 bytes).
 * ``first_key[b]`` is the first valid slot, ``max_length`` until one arrives;
@@ -21,11 +23,10 @@ Shapes never depend on ``length``, so one compiled step serves every step of a d
 
 On a CPU a 16-bit float cache stores the latent rows and pooled keys as their bits
 (``uint16``; ``latent_store`` / ``pooled_store``), and ``cache.latent`` / ``cache.pooled``
-are the float views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10 has no
-in-place bf16 ``dynamic_update_slice``; it converted the whole buffer to float32 and back
-around every one-row write, an O(capacity) pass per step (a 131,072-slot latent cost ~25 ms
-a step per sequence, more than the rest of the step), whereas a ``uint16`` buffer is
-written in place. Writing through a ``uint16`` view of a bf16 buffer does not help (XLA
+are the float views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10
+converted a whole bf16 buffer to float32 and back around every one-row
+``dynamic_update_slice`` (a 131,072-slot latent: ~25 ms a step per sequence), whereas a
+``uint16`` buffer is written in place. Writing through a ``uint16`` view of a bf16 buffer does not help (XLA
 copies the buffer for the bitcasts), so the buffer itself must hold the bits. A float32
 cache, and any cache made while the default backend is not a CPU, is stored as is: only
 XLA:CPU needs the bits, and a Pallas kernel handed a bitcast view of a whole buffer could
@@ -39,18 +40,13 @@ rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Ev
 it reads as an operand: jax caches a traced body by the function and its operands' types,
 so a closure made anew per call over that call's arrays misses the cache, and an eager
 decode step (a layer call with a cache, outside jit) compiled three XLA programs on every
-step. The rest of an eager step follows the same rule: the ``shard_map`` of a placed layer
-and the Pallas kernels' paths run as ``jax.jit`` programs cached by stable functions
-(``glm5_dsa_jax.parallel``, ``pallas_kernels._common.eager_jit``), and the query tiles of
-a prefill chunk are a Python loop when eager (``ops.by_query_tiles``). So an eager step,
-decode or prefill chunk, placed or not, compiles nothing once a step of its shapes has run
+step. The rest of an eager step follows the same rule (``glm5_dsa_jax.parallel``,
+``ops.by_query_tiles``), so it compiles nothing once a step of its shapes has run
 (``tests/test_layer_steps.py`` counts the compilations).
 
-The cache ``dtype`` must be a 16- or 32-bit float (``bfloat16``, ``float16``, ``float32``)
-or fp8 (``float8_e4m3fn``, alias ``"fp8"``): the latent and pooled keys are activations
-written by a float projection, so an integer or bool cache would silently round them
-(``int8`` gave outputs off by 4), and ``float64`` is not a compute dtype of this project
-(it would promote the attention to double).
+The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an integer
+or bool cache would silently round the activations it holds (``int8`` gave outputs off by
+4), and ``float64`` would promote the attention to double.
 
 **fp8 caches** (``glm5_dsa_jax.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with one
 float32 scale per row, ``latent_scale [B, L]`` and ``pooled_scale [B, P]`` (``None`` for a
@@ -59,10 +55,9 @@ and ``store_pools``; the stage of the incomplete pool stays in the compute dtype
 (``stage_dtype``), and the kernels dequantise (``index_scores``' and ``sparse_mla``'s scale
 arguments). Per slot of capacity at GLM-5.3-Flash dims, kpool 4: 512 latent + 4 scale + 1
 validity + (128 + 4) / 4 pooled = 550 bytes (+ the per-batch stage; ``<= 560`` is tested).
-A scale per 128-wide group instead of per row would cost 12 bytes more and break 560. On a
+Why a scale per row and not per 128-wide group: ``glm5_dsa_jax.fp8``'s module doc. On a
 CPU the e4m3 buffers hold their bits as ``uint8``, for the reason 16-bit ones hold
-``uint16``: XLA:CPU converted a whole e4m3 buffer to f16 and back around a one-row
-``dynamic_update_slice`` (checked with jax 0.10), whereas ``uint8`` is written in place.
+``uint16`` (an e4m3 buffer went through f16 around each one-row write, jax 0.10).
 """
 
 from __future__ import annotations
@@ -77,13 +72,14 @@ from flax import struct
 
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.fp8 import FP8, is_fp8, quantize_rows
+from glm5_dsa_jax.steps import SCORE_POOLS
 import pallas_kernels as pk
 from pallas_kernels import first_valid
 
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
     "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
-    "live_pool_tiles", "default_stage_dtype",
+    "visible_pools", "live_pool_tiles", "check_fits", "default_stage_dtype",
     "pool_tile_scores", "pool_tile_scorer",
 ]
 
@@ -234,6 +230,16 @@ def _replace(self, **updates) -> DsaCache:
 
 
 DsaCache.replace = _replace
+
+
+def check_fits(cache: DsaCache, s: int, length=None) -> None:
+    """Raise ``ValueError`` when a chunk of ``s`` tokens does not fit ``cache`` after
+    ``length`` used slots (default ``cache.length``; not checked while traced): the layer
+    call and ``decode.DsaDecoder`` (its host mirror of the length) refuse it, unwritten."""
+    length = cache.length if length is None else length
+    if not isinstance(length, jax.core.Tracer) and int(length) + s > cache.max_length:
+        raise ValueError(f"chunk of {s} tokens does not fit the cache: {int(length)} of "
+                         f"{cache.max_length} slots are used; nothing was written")
 
 
 def init_cache(
@@ -451,18 +457,22 @@ def store_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_v
     )
 
 
-# ---------------------------------------------------------------------------- live pool tiles
-def live_pool_tiles(cache: DsaCache, q_pos: jax.Array, tile: int) -> jax.Array:
-    """``[]`` int32: tiles of ``tile`` pools that hold every candidate pool of the queries
-    at slots ``q_pos [B, Q]`` (``-1`` = padding), i.e. up to the batch's latest complete
-    pool. A pool ``p`` is a candidate only when its last slot ``first_key + (p+1)*KP - 1``
-    is at or before the query (``pallas_kernels.index_scores``), so the pools past this
-    bound score ``-inf`` and need not be read: the work follows the live tokens, not the
-    capacity."""
-    kp = cache.stage_keys.shape[1]
-    n_live = (q_pos - cache.first_key[:, None] + 1) // kp
-    n_live = jnp.clip(jnp.max(n_live), 0, cache.max_pools)
-    return ((n_live + tile - 1) // tile).astype(jnp.int32)
+# ---------------------------------------------------------------------------- live pools
+def visible_pools(q_pos: jax.Array, first_key, kpool: int, limit) -> jax.Array:
+    """``[B, Q]`` int32: the pools complete at each query, ``(q_pos - first_key + 1) //
+    KP`` clipped to ``[0, limit]`` (``q_pos [B, Q]``, ``-1`` = padding: 0 pools). A pool
+    ``p`` is a candidate only when its last slot ``first_key + (p+1)*KP - 1`` is at or
+    before the query (``pallas_kernels.index_scores``), so no pool past this count needs to
+    be read. The one home of that rule: ``first_key`` is the contiguous cache's
+    ``first_key[:, None]`` and 0 on a paged cache (positions from 0); ``limit`` the cache's
+    ``max_pools`` or a paged row's pool count."""
+    return jnp.clip((q_pos - first_key + 1) // kpool, 0, limit)
+
+
+def live_pool_tiles(n_live: jax.Array, tile: int) -> jax.Array:
+    """``[]`` int32: tiles of ``tile`` pools up to the batch's latest complete pool
+    (``n_live``: ``visible_pools``), past which every pool scores ``-inf`` and is not read."""
+    return ((jnp.max(n_live) + tile - 1) // tile).astype(jnp.int32)
 
 
 def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, pooled_scale=None, *,
@@ -483,7 +493,7 @@ def pool_tile_scorer(tile: int, kpool: int, dtype):
     statics so the eager ``while_loop`` trace is cached (see ``pk.streaming_topk``)."""
 
     def scores(start, *operands):
-        with jax.named_scope("index_scores"):
+        with jax.named_scope(SCORE_POOLS):
             return pool_tile_scores(start, *operands, tile=tile, kpool=kpool, dtype=dtype,
                                     score_fn=pk.index_scores_reference)
 

@@ -51,7 +51,6 @@ from flax import nnx
 from glm5_dsa_jax.cache import DsaCache, append_rows
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.layout import hf_weight_shapes
-import pallas_kernels as pk
 
 __all__ = ["trained_like_weights", "prompt_states", "fill", "measure", "Fp8Accuracy",
            "NEAR_TIE", "OUTLIER_SHARE", "OUTLIER_GAIN", "VOCAB"]
@@ -152,8 +151,7 @@ def _scores(layer, cache, x, queries):
     qi, w, _, _ = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
     # The queries' own pools complete within the chunk: score the cache's pools only
     # (those written by ``fill``), as a decode step at ``length`` sees them.
-    return pk.index_scores_reference(qi, w, cache.pooled, cache.pool_valid, cache.first_key, pos,
-                                     kpool=layer.cfg.index_kpool, pooled_scale=cache.pooled_scale)[0]
+    return layer.score_pools(qi, w, cache, pos)[0]
 
 
 def measure(cfg, context: int, *, queries: int = 16, seed: int = 0, layer_idx: int | None = None,

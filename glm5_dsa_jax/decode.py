@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from glm5_dsa_jax.cache import DsaCache
+from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.float32_copies import float32_params
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.paged_cache import PagedCache, check_room
@@ -127,19 +127,10 @@ class DsaDecoder:
         return self.cache.max_length
 
     def __call__(self, hidden, mask=None, prev_topk=None):
-        hidden = jnp.asarray(hidden)
-        if hidden.ndim != 3:
-            raise ValueError(f"hidden must be [B, S, hidden], got shape {tuple(hidden.shape)}")
-        b, s = hidden.shape[:2]
-        if self.length + s > self.max_length:
-            raise ValueError(
-                f"chunk of {s} tokens does not fit the cache: {self.length} of "
-                f"{self.max_length} slots are used; nothing was written"
-            )
-        if mask is None:
-            mask = jnp.ones((b, s), bool)
         # Checks that need concrete values (0/1 masks, shapes) run eagerly, before donation.
         x, mask, prev_topk = self.layer.check_inputs(hidden, mask, prev_topk, start=self.length)
+        b, s, _ = x.shape
+        check_fits(self.cache, s, self.length)
         self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         self.length += s
@@ -177,15 +168,9 @@ class PagedDecoder:
         return jax.device_get(self.cache.lengths)
 
     def __call__(self, hidden, mask=None, prev_topk=None):
-        hidden = jnp.asarray(hidden)
-        if hidden.ndim != 3:
-            raise ValueError(f"hidden must be [B, S, hidden], got shape {tuple(hidden.shape)}")
-        b, s = hidden.shape[:2]
-        if mask is None:
-            mask = jnp.ones((b, s), bool)
         # Checks that need concrete values run eagerly, before donation.
         x, mask, prev_topk = self.layer.check_inputs(hidden, mask, prev_topk)
-        self.cache.check(self.layer.cfg, self.layer.has_indexer, b)
+        self.cache.check(self.layer.cfg, self.layer.has_indexer, x.shape[0])
         check_room(self.cache, mask)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         return out, topk

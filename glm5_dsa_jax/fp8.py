@@ -19,7 +19,8 @@ Invariants:
 * **Why one scale per row, not per 128-wide group.** A row of 512 latent values with one
   scale costs 516 bytes; four 128-groups would cost 528, and with the 33 bytes a token of
   pooled keys costs (32 + 4 / 4 scale) and the validity byte the per-token total (562)
-  would break the 560-byte budget of issue 11. The latent is ``kv_a_layernorm``'s output,
+  would break the 560-byte per-token budget of an fp8 cache (``tests/test_fp8_cache.py``
+  checks it; ``glm5_dsa_jax.cache`` cites this argument). The latent is ``kv_a_layernorm``'s output,
   whose channels share one scale by construction, so a row scale loses little.
 * **Quantise once.** Only the writes (``cache.append_rows``, ``cache.store_pools``,
   ``paged_cache.write_latent``, ``paged_cache.store_paged_pools``) call ``quantize_rows``;

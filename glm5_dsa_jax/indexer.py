@@ -18,6 +18,7 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.ops import dense, layer_norm, matmul
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.rope import apply_rope
+from glm5_dsa_jax.steps import INDEX_PROJECT
 
 __all__ = ["DsaIndexer"]
 
@@ -48,7 +49,7 @@ class DsaIndexer(nnx.Module):
         one token is that token: ``kpool_compress`` then returns the keys exactly).
         ``wide``: float32 products (see ``ops.matmul``)."""
         cfg = self.cfg
-        with jax.named_scope("index_project"):
+        with jax.named_scope(INDEX_PROJECT):
             q = matmul("bsr,rhd->bshd", q_resid, self.wq_b[...], wide)
             k = layer_norm(dense(x, self.wk[...], wide), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
             if rope is not None and cfg.rules.indexer_rope_style is not None:

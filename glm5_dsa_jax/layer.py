@@ -26,13 +26,14 @@ Invariants:
 * A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
-  parameters: XLA:CPU runs a bf16 matrix-vector product more than ten times slower than
-  the float32 one. Each copy is a cached value derived from one parameter array
-  (``glm5_dsa_jax.float32_copies``), never written back: the layer's parameters,
-  ``param_dtype``, ``params_to_hf`` and checkpoints keep the user's dtype. Each product
-  still rounds its output to the activation dtype, so only the float32 accumulation order
-  can differ (bf16 -> float32 is exact). ``cpu_float32=False`` opts out; other platforms
-  never use the copies.
+  parameters (XLA:CPU's bf16 matrix-vector product is over ten times slower), cached and
+  never written back (``glm5_dsa_jax.float32_copies``); each product still rounds to the
+  activation dtype. ``cpu_float32=False`` opts out; other platforms never use the copies.
+* One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
+  name (``glm5_dsa_jax.steps``): the contiguous call (``contiguous_step.contiguous_call``), the paged one
+  (``paged_step.paged_call``) and the data-parallel one (``data_parallel.dp_call``, which
+  runs this call per device) all run these methods, so no step is written twice. A step
+  that reads the cache takes either kind and picks its kernel by the cache's kind.
 * The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
   runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
   ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
@@ -40,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -47,11 +49,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
-from pallas_kernels._common import resolve_implementation
-from glm5_dsa_jax import layout
+from glm5_dsa_jax import layout, steps
 from glm5_dsa_jax.cache import (
-    DsaCache, append_rows, init_cache, live_pool_tiles, pool_tile_scorer, pool_window, store_pools,
+    DsaCache, check_fits, from_store, init_cache, live_pool_tiles, pool_tile_scorer, pool_window,
+    store_pools, visible_pools,
 )
+from glm5_dsa_jax.contiguous_step import contiguous_call
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
@@ -59,13 +62,15 @@ from glm5_dsa_jax.fp8 import check_cache_readable
 from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import (
-    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
+    absorb_o, absorb_q, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
 )
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
-from glm5_dsa_jax.paged_cache import PagedCache, check_room, init_paged_cache
-from glm5_dsa_jax.paged_step import paged_call
-from glm5_dsa_jax.parallel import place_inputs, replicate, replicated_call, sharded_sparse_mla
+from glm5_dsa_jax.paged_cache import (
+    PagedCache, check_room, init_paged_cache, paged_pool_window, paged_tail, store_paged_pools,
+)
+from glm5_dsa_jax.paged_step import paged_call, paged_tile_scorer
+from glm5_dsa_jax.parallel import indexer_kernel_call, place_inputs, replicate, sharded_sparse_mla
 from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.weights import hf_to_params, param_variable
 
@@ -98,27 +103,27 @@ class DsaAttention(nnx.Module):
     ``[B, S, out_width]`` int32 token slots (positions within each sequence on a paged
     cache). ``position_ids [B, S]`` override the RoPE positions.
 
-    Pipeline of a call, one method per step, each under ``jax.named_scope(<kernel name>)``
-    (axis letters as in the glossary of ``pallas_kernels``; Q = the queries of one tile of
-    ``block_q``, steps 2-5 run tile by tile):
+    Pipeline of a call, one method per step, each under ``jax.named_scope`` of the
+    method's name (the indexer's ``project``: ``"index_project"``; kernel in brackets; axis
+    letters as in ``pallas_kernels``' glossary; Q = the queries of one ``block_q`` tile,
+    steps 2-5 run tile by tile):
 
-    0. ``project`` (``"project"``; the indexer's ``"index_project"``): ``x [B, S, hidden]``
-       -> ``q_lat [B, S, H, CR]`` and the cache rows ``[B, S, CR]``, appended to the cache;
-       indexer queries ``[B, S, Hi, D]``, head weights ``[B, S, Hi]``, keys and gate
-       logits ``[B, S, D]``.
-    1. ``compress_pools`` (``"kpool_compress"``): each pool of KP keys completing in the
+    0. ``project``: ``x [B, S, hidden]`` -> ``q_lat [B, S, H, CR]`` and the cache rows
+       ``[B, S, CR]``, appended to the cache; ``indexer.project``: queries ``[B, S, Hi,
+       D]``, head weights ``[B, S, Hi]``, keys and gate logits ``[B, S, D]``.
+    1. ``compress_pools`` (``kpool_compress``): each pool of KP keys completing in the
        chunk is pooled once into the cache, ``pooled [B, P, D]``.
-    2. ``score_pools`` (``"index_scores"``): ``[B, Q, P]`` float32 scores.
-    3. ``select_pools`` (``"topk_pools"``): ``[B, Q, select_k]`` pool ids. With
-       ``implementation="xla"`` a decode step (one query) runs 2-3 fused
-       (``score_and_select``): scored tile by tile up to the live pools only, the same ids.
-    4. ``expand_to_tokens`` (``"expand_selection"``): those pools' tokens and the visible
+    2. ``score_pools`` (``index_scores``, paged: ``index_scores_paged``): ``[B, Q, P]``.
+    3. ``select_pools`` (``topk_pools``): ``[B, Q, select_k]`` pool ids. ``choose_pools``
+       runs 2-3; with ``"xla"`` on a decode step or a paged cache fused
+       (``score_and_select``): scored tile by tile up to the live pools only, same ids.
+    4. ``expand_to_tokens`` (``expand_selection``): those pools' tokens and the visible
        tail as ``token_ids [B, Q, W]`` (returned as ``topk``).
-    5. ``sparse_attention`` (``"sparse_mla"``): ``o_lat [B, Q, H, C]`` over the latent rows
+    5. ``sparse_attention`` (``sparse_mla``): ``o_lat [B, Q, H, C]`` over the latent rows
        at ``token_ids``, per head shard on a placed layer.
-    6. ``output_projection`` (``"absorb_o"``): ``[B, S, hidden]``, row-parallel.
+    6. ``output_projection`` (``absorb_o``): ``[B, S, hidden]``, row-parallel.
 
-    A ``"shared"`` layer runs 0, 5 and 6 on ``prev_topk`` (its full layer's ``topk``).
+    A ``"shared"`` layer runs 0, 5 and 6 on ``reused_token_ids(prev_topk)``.
     """
 
     #: Pools per tile of the ``"xla"`` score + select loop (``score_and_select``).
@@ -139,7 +144,7 @@ class DsaAttention(nnx.Module):
     ):
         cfg.validate()
         cfg.check_layer(layer_idx)
-        implementation = resolve_implementation(implementation)
+        implementation = pk.resolve_implementation(implementation)
         if not isinstance(block_q, int) or block_q <= 0:
             raise ValueError(f"block_q must be a positive int, got {block_q!r}")
         self.cfg = cfg
@@ -272,17 +277,14 @@ class DsaAttention(nnx.Module):
         b, s, _ = x.shape
         if cache is not None:
             cache.check(self.cfg, self.has_indexer, b)
-            if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) + s > cache.max_length:
-                raise ValueError(
-                    f"chunk of {s} tokens does not fit the cache: {int(cache.length)} of "
-                    f"{cache.max_length} slots are used; nothing was written")
+            check_fits(cache, s)
         if self.batch_axis is not None:
             return dp_call(self, x, mask, cache, prev_topk, position_ids)
         x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
         if cache is None:
-            out, topk, _ = self._step(x, mask, self.init_cache(b, s), prev_topk, position_ids)
+            out, topk, _ = contiguous_call(self, x, mask, self.init_cache(b, s), prev_topk, position_ids)
             return out, topk
-        return self._step(x, mask, cache, prev_topk, position_ids)
+        return contiguous_call(self, x, mask, cache, prev_topk, position_ids)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -306,59 +308,6 @@ class DsaAttention(nnx.Module):
         q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
         return self.score_pools(qi, w, cache, q_pos), cache.first_key
 
-    def _step(self, x, mask, cache: DsaCache, prev_topk, position_ids=None):
-        """One call on ``cache``: the pipeline of the class doc, steps 2-5 per query tile.
-        RoPE positions (``position_ids``, default) are the slots of HF's timeline,
-        ``length + 0 .. S-1``, padding included, as HF's default ``position_ids``."""
-        b, s, _ = x.shape
-        # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
-        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-        length = cache.length
-        fits = length + s <= cache.max_length
-        if position_ids is None:
-            position_ids = jnp.broadcast_to(length + jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-        rope = self.rope(position_ids)
-        q_resid, q_lat, latent = self.project(x, rope)
-        cache = append_rows(cache, latent, mask, fits)
-        q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
-
-        if self.indexer is not None:
-            qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
-            cache = self.compress_pools(cache, ki, gate, mask, fits)
-            n_vis = cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
-            select_k = self.cfg.select_k(cache.max_pools)
-
-            def tile(q_lat, q_pos, qi, w, n_vis):
-                if self.implementation == "xla" and q_pos.shape[1] == 1:
-                    # Decode: over the live pools only. A prefill tile keeps the whole row
-                    # (its running sort of Q rows cost 1.5x the row's top-k at 1K tokens).
-                    pools = self.score_and_select(qi, w, cache, q_pos, select_k)
-                else:
-                    n_live = jnp.clip((q_pos - cache.first_key[:, None] + 1) // self.cfg.index_kpool,
-                                      0, cache.max_pools)
-                    pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
-                token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
-                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids, cache.latent_scale)
-
-            topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (q_pos, -1), (qi, 0), (w, 0), (n_vis, 0))
-            cache = cache.replace(n_valid=jnp.where(fits, n_vis[:, -1], cache.n_valid))
-        else:
-            # Only slots at or before the query's own (q_pos is -1 for padding): a shared
-            # layer never attends to the future, even when a traced prev_topk (which
-            # check_inputs cannot see) points there.
-            prev = prev_topk.astype(jnp.int32)
-            topk = jnp.where((prev >= 0) & (prev <= q_pos[..., None]), prev, -1)
-
-            def tile(q_lat, token_ids):
-                return token_ids, self.sparse_attention(q_lat, cache.latent, token_ids, cache.latent_scale)
-
-            _, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (topk, -1))
-
-        out = self.output_projection(o_lat)
-        out = jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
-        cache = cache.replace(length=jnp.where(fits, length + s, length).astype(jnp.int32))
-        return out, topk, cache
-
     # ------------------------------------------------------------------ pipeline steps
     def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
         """``(cos, sin) [B, S, qk_rope_head_dim / 2]`` at ``positions [B, S]`` (negative:
@@ -376,7 +325,7 @@ class DsaAttention(nnx.Module):
         HF's attention, written in HF's de-interleaved layout)."""
         cfg = self.cfg
         eps = cfg.latent_norm_eps
-        with jax.named_scope("project"):
+        with jax.named_scope(steps.PROJECT):
             q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
             q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self.wide)
             q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self.wide)
@@ -394,76 +343,117 @@ class DsaAttention(nnx.Module):
         y = dense(x, w[...], self.wide)
         return y if bias is None else y + bias[...].astype(y.dtype)
 
-    def compress_pools(self, cache: DsaCache, keys, gate, mask, fits) -> DsaCache:
-        """Step 1 (``kpool_compress``): pool the keys ``[B, S, D]`` of every pool that
-        completes in this chunk, once, into ``cache.pooled [B, P, D]`` (``cache.pool_window``
-        then ``cache.store_pools``; nothing is written when not ``fits``)."""
-        with jax.named_scope("kpool_compress"):
+    def compress_pools(self, cache: DsaCache | PagedCache, keys, gate, mask, fits=True):
+        """Step 1: pool the keys ``[B, S, D]`` of every pool that completes in this chunk,
+        once, into the cache (``kpool_compress`` between the cache's window and store:
+        ``pool_window`` / ``store_pools``, nothing written when not ``fits``; on a paged
+        cache ``paged_pool_window`` / ``store_paged_pools`` after ``pages.reserve``)."""
+        kernel = functools.partial(self._indexer_kernel, pk.kpool_compress)
+        with jax.named_scope(steps.COMPRESS_POOLS):
+            if isinstance(cache, PagedCache):  # mask is the reserved rows' (pages.reserve)
+                n_new = mask.sum(axis=1, dtype=jnp.int32)
+                old = cache.pages.lengths - n_new
+                win = paged_pool_window(cache, old, keys, gate, mask)
+                win_keys, win_gate, win_valid, first_pool = win
+                pooled, _, pooled_valid = kernel(win_keys, win_gate, win_valid,
+                                                 self.indexer.pool_ape(win_keys.dtype), first_pool)
+                return store_paged_pools(cache, old, win, pooled, pooled_valid, n_new)
             win = pool_window(cache, keys, gate, mask)
-            pooled, _, pooled_valid = self._replicated(
-                pk.kpool_compress, win.keys, win.gate, win.valid, self.indexer.pool_ape(win.keys.dtype),
-                win.first_pool, implementation=self.implementation,
-            )
+            pooled, _, pooled_valid = kernel(win.keys, win.gate, win.valid,
+                                             self.indexer.pool_ape(win.keys.dtype), win.first_pool)
             return store_pools(cache, win, pooled, pooled_valid, fits)
 
-    def score_pools(self, qi, w, cache: DsaCache, q_pos) -> jax.Array:
-        """Step 2 (``index_scores``): ``[B, Q, P]`` float32 scores of the cache's pools for
-        the queries ``qi [B, Q, Hi, D]`` (weights ``w [B, Q, Hi]``) at slots ``q_pos [B, Q]``;
-        ``-inf`` where a pool is not a candidate (invalid, or not yet complete)."""
-        with jax.named_scope("index_scores"):
-            return self._replicated(
-                pk.index_scores, qi, w, cache.pooled, cache.pool_valid, cache.first_key, q_pos,
-                cache.pooled_scale, kpool=self.cfg.index_kpool, implementation=self.implementation,
-            )
+    def score_pools(self, qi, w, cache: DsaCache | PagedCache, q_pos) -> jax.Array:
+        """Step 2: ``[B, Q, P]`` float32 scores of the cache's pools for the queries ``qi [B,
+        Q, Hi, D]`` (weights ``w [B, Q, Hi]``) at slots ``q_pos [B, Q]``; ``-inf`` where a
+        pool is not a candidate (invalid, or not yet complete). A paged cache is read
+        through its block table, each row's own pools only (``index_scores_paged``)."""
+        kp = self.cfg.index_kpool
+        with jax.named_scope(steps.SCORE_POOLS):
+            if isinstance(cache, PagedCache):
+                return self._indexer_kernel(
+                    pk.index_scores_paged, qi, w, from_store(cache.pooled_store, cache.dtype),
+                    cache.pages.block_table, cache.pages.lengths // kp, q_pos, cache.pooled_scale, kpool=kp)
+            return self._indexer_kernel(pk.index_scores, qi, w, cache.pooled, cache.pool_valid, cache.first_key,
+                                        q_pos, cache.pooled_scale, kpool=kp)
 
     def select_pools(self, scores, select_k: int, n_live=None) -> jax.Array:
-        """Step 3 (``topk_pools``): ``[B, Q, select_k]`` pool ids of the best scores; with
-        ``n_live [B, Q]`` (the pools complete at each query) a Pallas kernel reads only
-        those (the rest are no candidates anyway)."""
-        with jax.named_scope("topk_pools"):
+        """Step 3: ``[B, Q, select_k]`` pool ids of the best scores (``topk_pools``); with
+        ``n_live [B, Q]`` (``live_pools``) a Pallas kernel reads only those (the rest are
+        no candidates anyway)."""
+        with jax.named_scope(steps.SELECT_POOLS):
             if n_live is None or self.implementation == "xla":
-                return self._replicated(pk.topk_pools, scores, select_k, implementation=self.implementation)
-            return self._replicated(topk_live, scores, n_live, select_k, implementation=self.implementation)
+                return self._indexer_kernel(pk.topk_pools, scores, select_k)
+            return self._indexer_kernel(topk_live, scores, n_live, select_k)
 
-    def score_and_select(self, qi, w, cache: DsaCache, q_pos, select_k: int) -> jax.Array:
-        """Steps 2-3 fused, as ``implementation="xla"`` runs them in a decode step: ``[B, Q, select_k]``
-        pool ids, the same as ``select_pools(score_pools(...))`` bit for bit, but scored
-        tile by tile (``POOL_TILE`` pools) only up to the batch's latest complete pool
-        (``cache.live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the work
-        follows the live tokens, not the cache's capacity. Each tile is scored under
-        ``"index_scores"``, the loop runs under ``"topk_pools"``."""
-        tile = min(self.POOL_TILE, cache.max_pools)
-        b, q = q_pos.shape
-        with jax.named_scope("topk_pools"):
-            n_tiles = live_pool_tiles(cache, q_pos, tile)
-            return pk.streaming_topk(
-                pool_tile_scorer(tile, self.cfg.index_kpool, cache.dtype),
-                (qi, w, cache.pooled_store, cache.pool_valid, cache.first_key, q_pos, cache.pooled_scale),
-                n_tiles,
-                tile=tile, n_pools=cache.max_pools, select_k=select_k, rows=(b, q),
-            )
+    def live_pools(self, cache: DsaCache | PagedCache, q_pos) -> jax.Array:
+        """``[B, Q]`` the pools complete at each query (``cache.visible_pools``)."""
+        kp = self.cfg.index_kpool
+        if isinstance(cache, PagedCache):  # positions from 0, up to the row's pool count
+            return visible_pools(q_pos, 0, kp, (cache.pages.lengths // kp)[:, None])
+        return visible_pools(q_pos, cache.first_key[:, None], kp, cache.max_pools)
 
-    def expand_to_tokens(self, pools, cache: DsaCache, n_vis, q_pos) -> jax.Array:
-        """Step 4 (``expand_selection``): the selected pools' tokens and each query's
-        visible tail (the ``n_vis % KP`` valid slots after its last complete pool) as a
-        row of ``W = out_width`` token ids ``[B, Q, W]``; ``-1`` pads, and a padding
-        query's row is all ``-1``."""
+    def choose_pools(self, qi, w, cache: DsaCache | PagedCache, q_pos, select_k: int) -> jax.Array:
+        """Steps 2-3 of a query tile: ``score_and_select`` where ``"xla"`` reads the live
+        pools only (a decode step; every tile of a paged cache), else ``select_pools`` of
+        ``score_pools``. A contiguous prefill tile keeps the whole row: its running sort of
+        Q rows cost 1.5x the row's top-k at 1K tokens."""
+        if self.implementation == "xla" and (isinstance(cache, PagedCache) or q_pos.shape[1] == 1):
+            return self.score_and_select(qi, w, cache, q_pos, select_k)
+        return self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, self.live_pools(cache, q_pos))
+
+    def score_and_select(self, qi, w, cache: DsaCache | PagedCache, q_pos, select_k: int) -> jax.Array:
+        """Steps 2-3 fused, as ``implementation="xla"`` runs them (``choose_pools``): ``[B,
+        Q, select_k]`` pool ids, the same as ``select_pools(score_pools(...))`` bit for bit,
+        but scored tile by tile (``POOL_TILE`` pools) only up to the batch's latest complete
+        pool (``cache.live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the
+        work follows the live tokens, not the capacity. Each tile is scored under
+        ``"score_pools"``, the loop runs under ``"select_pools"``."""
+        kp, tile = self.cfg.index_kpool, min(self.POOL_TILE, cache.max_pools)
+        with jax.named_scope(steps.SELECT_POOLS):
+            if isinstance(cache, PagedCache):
+                n_live = visible_pools(q_pos, 0, kp, cache.max_pools)
+                scorer = paged_tile_scorer(tile, cache.pools_per_page, kp, cache.dtype)
+                grid = (cache.pages.block_table, cache.pages.lengths // kp)
+            else:
+                n_live = visible_pools(q_pos, cache.first_key[:, None], kp, cache.max_pools)
+                scorer = pool_tile_scorer(tile, kp, cache.dtype)
+                grid = (cache.pool_valid, cache.first_key)
+            return pk.streaming_topk(scorer, (qi, w, cache.pooled_store, *grid, q_pos, cache.pooled_scale),
+                                     live_pool_tiles(n_live, tile), tile=tile, n_pools=cache.max_pools,
+                                     select_k=select_k, rows=q_pos.shape)
+
+    def expand_to_tokens(self, pools, cache: DsaCache | PagedCache, n_vis, q_pos) -> jax.Array:
+        """Step 4: the selected pools' tokens and each query's visible tail (the ``n_vis %
+        KP`` valid slots after its last complete pool; a paged row has no holes:
+        ``paged_tail``, ``n_vis`` unused) as a row of ``W = out_width`` token ids ``[B, Q,
+        W]`` (``expand_selection``); ``-1`` pads, and a padding query's row is all ``-1``."""
         cfg = self.cfg
-        with jax.named_scope("expand_selection"):
-            tail = None
-            if cfg.tail_width:
-                tail = pk.visible_tail(cache.first_key, n_vis, q_pos, cache.key_valid, cfg.index_kpool)
+        with jax.named_scope(steps.EXPAND_TO_TOKENS):
+            paged, tail = isinstance(cache, PagedCache), None
+            first_key = jnp.zeros(pools.shape[:1], jnp.int32) if paged else cache.first_key
+            if cfg.tail_width and paged:
+                tail = paged_tail(q_pos, cfg.index_kpool)
+            elif cfg.tail_width:
+                tail = pk.visible_tail(first_key, n_vis, q_pos, cache.key_valid, cfg.index_kpool)
                 # With holes in the mask the tail (HF's rule: from first_key + visible
                 # - visible % kpool) can fall inside a complete pool that is selected
                 # too; drop those ids so no token is attended twice (HF builds a mask
                 # from the ids, so it counts such a token once).
-                t_pool = jnp.where(tail >= 0, (tail - cache.first_key[:, None, None]) // cfg.index_kpool, -2)
+                t_pool = jnp.where(tail >= 0, (tail - first_key[:, None, None]) // cfg.index_kpool, -2)
                 tail = jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
-            token_ids = self._replicated(
-                pk.expand_selection, pools, cache.first_key, tail, kpool=cfg.index_kpool,
-                out_width=cfg.out_width, implementation=self.implementation,
-            )
+            token_ids = self._indexer_kernel(pk.expand_selection, pools, first_key, tail, kpool=cfg.index_kpool,
+                                             out_width=cfg.out_width)
             return jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+
+    @staticmethod
+    def reused_token_ids(prev_topk, q_pos) -> jax.Array:
+        """A ``"shared"`` layer's token ids: its full layer's ``prev_topk [B, Q, W]``, only
+        the slots at or before each query's own (``q_pos``, ``-1`` for padding): it never
+        attends to the future, even when a traced ``prev_topk`` (which ``check_inputs``
+        cannot see) points there."""
+        token_ids = prev_topk.astype(jnp.int32)
+        return jnp.where((token_ids >= 0) & (token_ids <= q_pos[..., None]), token_ids, -1)
 
     def sparse_attention(self, q_lat, latent, token_ids, latent_scale=None) -> jax.Array:
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` (e4m3
@@ -472,22 +462,24 @@ class DsaAttention(nnx.Module):
         local latent (``parallel.sharded_sparse_mla``)."""
         kernel = mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
         rows = latent if latent_scale is None else (latent, latent_scale)  # placed alike
-        with jax.named_scope("sparse_mla"):
+        with jax.named_scope(steps.SPARSE_ATTENTION):
             return sharded_sparse_mla(q_lat, rows, token_ids, mesh=self.mesh, axis=self.tp_axis,
                                       kernel=kernel)
 
-    def output_projection(self, o_lat) -> jax.Array:
-        """Step 6 (``absorb_o``): ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through
-        ``w_uv`` and the row-parallel ``o_proj`` (plus its bias)."""
+    def output_projection(self, o_lat, mask=None) -> jax.Array:
+        """Step 6: ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through ``w_uv`` and the
+        row-parallel ``o_proj`` (plus its bias; ``absorb_o``). With the call's ``mask [B,
+        S]``: zeros at padding queries, in the compute dtype (a call's ``out``)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
-        with jax.named_scope("absorb_o"):
-            return absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
-                            reduce_axis=self.reduce_axis)
+        with jax.named_scope(steps.OUTPUT_PROJECTION):
+            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
+                           reduce_axis=self.reduce_axis)
+            if mask is None:
+                return out
+            return jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
 
-    def _replicated(self, fn, *args, **kwargs):
-        """An indexer kernel: on a placed layer a Pallas kernel runs on every device over
-        its replicated inputs (``parallel.replicated_call``); otherwise, and for
-        ``"xla"``, the plain call."""
-        mesh = None if self.implementation == "xla" else self.mesh
-        return replicated_call(mesh, fn, *args, **kwargs)
+    def _indexer_kernel(self, fn, *args, **kwargs):
+        """``fn(*args, implementation=self.implementation, **kwargs)``, replicated on a placed
+        layer (``parallel.indexer_kernel_call``)."""
+        return indexer_kernel_call(self.mesh, fn, *args, implementation=self.implementation, **kwargs)
 

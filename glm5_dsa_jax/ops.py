@@ -16,6 +16,10 @@ Invariants:
   ``lax.map``; outside one (an eager layer call) a Python loop of calls on tiles of one
   shape, because the step is a closure made anew per call (over that call's cache), and
   an eager ``lax.map`` of a new function compiles its body on every call.
+* The kernels a placed layer runs through ``glm5_dsa_jax.parallel`` are stable functions
+  (its cached programs are keyed by the function): ``topk_live`` (``topk_pools`` bounded by
+  each query's live pools, ``n_live`` as an operand) and ``mla_kernel`` (``sparse_mla``
+  with its statics bound, one function per statics).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import pallas_kernels as pk
 
 from glm5_dsa_jax.parallel import row_parallel_out_sharding
 
-__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "by_query_tiles"]
+__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "by_query_tiles",
+           "topk_live", "mla_kernel"]
 
 _HI = jax.lax.Precision.HIGHEST
 

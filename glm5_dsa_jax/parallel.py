@@ -57,8 +57,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 __all__ = [
-    "put", "replicate", "place_inputs", "replicated_call", "sharded_sparse_mla",
-    "row_parallel_out_sharding",
+    "put", "replicate", "place_inputs", "replicated_call", "indexer_kernel_call",
+    "sharded_sparse_mla", "row_parallel_out_sharding",
 ]
 
 
@@ -166,6 +166,17 @@ def replicated_call(mesh: jax.sharding.Mesh | None, fn: Callable, *args, **kwarg
     mapped, jitted = _program(_replicated_program, fn, mesh, treedef, statics,
                               tuple(sorted(kwargs.items())))
     return (mapped if _traced(arrays) else jitted)(*arrays)
+
+
+def indexer_kernel_call(mesh: jax.sharding.Mesh | None, fn: Callable, *args, implementation: str,
+                        **kwargs):
+    """``fn(*args, implementation=implementation, **kwargs)``: an indexer step's kernel
+    (``kpool_compress``, ``index_scores``, ``topk_pools``, ``expand_selection``, ...). On a
+    placed layer (``mesh``) a Pallas implementation runs on every device over its replicated
+    inputs (``replicated_call``); ``"xla"`` is plain jnp that XLA partitions itself, so it,
+    and any call without a mesh, is the plain call (module doc: the indexer is replicated)."""
+    mesh = None if implementation == "xla" else mesh
+    return replicated_call(mesh, fn, *args, implementation=implementation, **kwargs)
 
 
 @functools.lru_cache(maxsize=256)

@@ -16,6 +16,8 @@ Axis letters, used by every kernel doc, shape comment and error message of this 
   row, ``C + R`` (the latent, then the shared roped key ``k_rot``); ``V``: the leading
   columns of a row that are values (``C``).
 * ``W``: width of a selected-id row (``out_width = K*KP + TW``).
+* A ``_pad`` suffix (``D_pad``, ``Hi_pad``, ...): that axis rounded up to a power of two
+  (at least 16 for a ``dot`` operand) inside a kernel block; the extra entries are masked.
 * Paged cache: ``N``: pages of the shared page pool; ``PG``: pages per sequence (the
   block table's width); ``PPP``: pools per page (``page_size // KP``).
 
@@ -27,12 +29,13 @@ PPP], p % PPP]``; the latent pool ``[N * page_size, CR]`` (passed as ``[1, L, CR
 ``t`` at slot ``block_table[b, t // page_size] * page_size + t % page_size``.
 
 A row of selected token ids is called ``token_ids`` everywhere (``[B, Q, W]`` int32, ``-1``
-= no token). A model whose indexer selects tokens directly (``glm_moe_dsa``, ``deepseek_v32``)
+= no token); the layer returns it as ``topk`` and a shared layer takes it back as
+``prev_topk`` (public names). A model whose indexer selects tokens directly (``glm_moe_dsa``, ``deepseek_v32``)
 runs the same kernels at ``KP = 1`` without a tail: a pool is a token, ``P = L``, ``K =
 min(index_topk, L)``, and ``expand_selection`` maps pool ``p`` to token ``first_key + p``.
 
 Each step module holds the Pallas kernel (Triton backend), its public wrapper and the
-plain-jnp reference that ``implementation="xla"`` runs. Every wrapper takes
+plain-jnp reference that ``implementation="xla"`` runs. Every wrapper of a step kernel takes
 ``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``,
 ``"mosaic"``, ``"mosaic_interpret"``, ``"auto"``; see ``_common``) and ``block_sizes``, an
 instance of the kernel's frozen block-size dataclass (``None``: its defaults), validated
@@ -59,7 +62,8 @@ GPUs, ``"xla"`` elsewhere::
 
 ``streaming_selection`` holds ``streaming_topk``: ``topk_pools`` over a row scored tile by
 tile up to a device-side tile count (what ``implementation="xla"`` runs, so its work follows
-the live pools);
+the live pools); it is an xla-only op, with neither ``implementation`` nor ``block_sizes``
+(its ``tile`` is the caller's pool tile; Triton has no sort for its running merge);
 ``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
 ``dense_mla`` the dense oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``);
 ``_common`` the checks and CUDA-lowering helpers the wrappers and tests share; the ones

@@ -7,9 +7,13 @@ of pools at a time, for a number of tiles known only on the device (the batch's 
 complete pool). This op keeps a running best set over the tiles seen so far, so no
 ``[B, Q, P]`` score row is ever built and the work follows the live tiles (a
 ``while_loop``: one compilation for every length). It is what ``implementation="xla"``
-runs for steps 2-3 of a decode step (``DsaAttention.score_and_select``; a prefill tile of
-``Q`` queries keeps the whole-row ``topk_pools``, cheaper there than ``Q`` running sorts); the Pallas
-``index_scores`` / ``topk_pools`` still take the whole row.
+runs for steps 2-3 (``DsaAttention.score_and_select``) of a decode step on a contiguous
+cache and of every step, prefill included, on a paged one (a contiguous prefill tile of
+``Q`` queries keeps the whole-row ``topk_pools``, cheaper there than ``Q`` running sorts).
+The Pallas path scores the whole row, and its ``topk_pools`` reads each row only up to
+``n_live``. It is an xla-only op: it takes neither ``implementation`` nor ``block_sizes``
+(its ``tile`` is the pool tile of the caller's scorer, not a kernel block), because the
+Triton lowering has no sort and the running merge is one.
 
 Invariants:
 

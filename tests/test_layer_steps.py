@@ -1,8 +1,8 @@
 """The layer's pipeline steps: visible in the compiled step, and no compilation per eager step.
 
-* Each step runs under ``jax.named_scope`` with its kernel's name, so the compiled decode
-  step's HLO (op metadata) names every one of them: a profile or an HLO dump shows where
-  the time goes.
+* Each step runs under ``jax.named_scope`` with its method's name (``glm5_dsa_jax.steps``),
+  so the compiled decode step's HLO (op metadata) names every one of them, on a contiguous
+  and on a paged cache: a profile or an HLO dump shows where the time goes.
 * An eager decode step (a layer call with a cache, outside jit) compiles nothing once the
   first steps have run: the cache writes' ``lax.cond`` / ``fori_loop`` bodies are
   module-level functions, so jax's caches hit (closures made anew per call compiled three
@@ -28,14 +28,12 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.steps import COMPRESS_POOLS, FULL_STEPS, SCORE_POOLS, SHARED_STEPS
 from glm5_dsa_jax.sharding import shard_layer
 
 #: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
-FULL_STEPS = ("project", "index_project", "kpool_compress", "index_scores", "topk_pools",
-              "expand_selection", "sparse_mla", "absorb_o")
-SHARED_STEPS = ("project", "sparse_mla", "absorb_o")
 
 
 @pytest.fixture(scope="module")
@@ -137,19 +135,21 @@ def test_eager_steps_compile_nothing_after_warmup(impl, tp, chunk):
     assert int(caches[0].length) == int(caches[1].length) == n
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("idx, names", [(1, FULL_STEPS), (2, SHARED_STEPS)])
-def test_compiled_step_names_each_pipeline_step(cfg, idx, names):
+def test_compiled_step_names_each_pipeline_step(cfg, idx, names, kind):
     layer = make(cfg, idx)
     step, params = make_step(layer)
     b, s = 2, 1
     x = jnp.ones((b, s, cfg.hidden_size), jnp.float32)
     mask = jnp.ones((b, s), bool)
     prev = None if layer.has_indexer else jnp.zeros((b, s, cfg.out_width), jnp.int32)
-    hlo = step.lower(params, x, mask, layer.init_cache(b, 16), prev).compile().as_text()
+    cache = layer.init_cache(b, 16) if kind == "contiguous" else layer.init_paged_cache(b, 8, 4)
+    hlo = step.lower(params, x, mask, cache, prev).compile().as_text()
     missing = [n for n in names if f"/{n}/" not in hlo]
     assert not missing, f"steps not named in the compiled HLO: {missing}"
     if not layer.has_indexer:
-        assert "/index_scores/" not in hlo and "/kpool_compress/" not in hlo
+        assert f"/{SCORE_POOLS}/" not in hlo and f"/{COMPRESS_POOLS}/" not in hlo
 
 
 def test_check_inputs_is_public(cfg):

@@ -111,7 +111,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: The layers, first to last; a module belongs to the first entry that names it or a
 #: package above it. Package ``__init__`` modules that re-export sit with their contents.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("glm5_dsa_jax.config_json",),  # how HF config.json spells each model type (numpy only)
+    ("glm5_dsa_jax.config_json", "glm5_dsa_jax.steps"),  # HF config.json spellings; step names
     ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.gpu_compile.targets", "glm5_dsa_jax.gpu_compile.ptxas", "pallas_kernels._common"),
@@ -122,7 +122,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.indexer",),  # the indexer's parameters and projections
     ("glm5_dsa_jax.cache",),
     ("glm5_dsa_jax.paged_cache",),
-    ("glm5_dsa_jax.paged_step",),  # the paged call (takes the layer, imports none)
+    ("glm5_dsa_jax.paged_step", "glm5_dsa_jax.contiguous_step"),  # the calls (take the layer, import none)
     ("glm5_dsa_jax.data_parallel",),  # the data-parallel call (takes the layer, imports none)
     ("glm5_dsa_jax.layer",),
     ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
