@@ -33,6 +33,12 @@ defaults). Invariants:
   kernel anew on every call, and jax's compile cache keys the program by that (new) kernel
   jaxpr, so an eager decode step compiled every kernel on every step. Under a trace the
   path is inlined as before.
+* Importing this module settles jax's trace context: on jax >= 0.12 the Pallas fuser
+  (``jax.experimental.pallas.fuser``) registers a config option that is part of every
+  trace's cache key, and jax imports it lazily, inside the first interpret-mode
+  ``pallas_call``. Loaded there, it changed the key of every jitted function traced
+  before (a decode step traced once more after its first call); loaded here, before any
+  trace, it changes nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ from typing import Callable, Literal
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, get_abstract_mesh, use_abstract_mesh
+
+try:  # jax >= 0.12: see the module doc (the trace context)
+    import jax.experimental.pallas.fuser  # noqa: F401
+except ImportError:  # older jax registers no such option
+    pass
 
 Implementation = Literal["xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret", "auto"]
 IMPLEMENTATIONS: tuple[Implementation, ...] = typing.get_args(Implementation)
