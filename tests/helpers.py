@@ -1,6 +1,18 @@
-"""Torch-free helpers the tests share: the tiny layers, batches, tolerances, parameter
-comparisons and the tie-aware selection check.
+"""Torch-free helpers the tests share: the tiny configs, layers, batches and meshes, the
+tolerances, parameter comparisons and the tie-aware selection check (the HF oracle, which
+needs torch, is ``hf_oracle``; Python 3.12 collects no module that imports it, so nothing
+here may).
 
+* ``tiny8``: ``DsaConfig.tiny`` with 8 heads, so every TP size up to 8 divides them;
+  ``rope_tiny``: a small RoPE model (``glm_moe_dsa`` / ``deepseek_v32``, ``YARN`` scaling by
+  default; a ``glm_moe_dsa`` one has a full then a shared layer).
+* ``tp_mesh`` / ``dp_mesh``: a ``("tp",)`` or ``("data", "tp")`` mesh of the virtual CPU
+  devices with ``Explicit`` (jax's default) or ``Auto`` axes.
+* Tolerances, named by what they bound (each value is the one its tests were written with;
+  a wrong token, head, row or mask moves outputs by O(0.1)): ``ATOL`` / ``RTOL`` (our float32
+  layer against HF's), ``F32_REORDER`` (the same float32 ops summed in another order),
+  ``F32_VS_F64`` (a float32 kernel against a float64 numpy oracle) and ``SCORE_TIE`` (how far
+  apart two index scores may be and still count as a tie at the top-k cutoff).
 * ``f32_layer``: a float32 ``DsaAttention`` (parameters and compute) with its own random
   weights from ``nnx.Rngs(seed)``; float32 so a comparison measures our arithmetic against
   a reference's, not bf16 rounding.
@@ -25,11 +37,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
 
 # Float32 parity tolerance against HF; the error budget is in test_hf_parity's module doc.
 ATOL = RTOL = 3e-5
+# The same float32 computation with its sums in another order: chunked vs one-shot prefill,
+# a sharded ``o_proj``'s per-rank partial sums all-reduced (TP, data parallel, many hosts),
+# an interpreted kernel's blocking vs XLA's, torch vs jax on one selection. Measured ~1e-6
+# at the tiny widths (test_sharding's module doc); atol = rtol.
+F32_REORDER = 1e-5
+# A float32 kernel against a float64 numpy oracle: outputs are O(1) convex combinations of
+# latent rows and logits reach ~30, so float32 exp / sum carry ~30 * 2**-24 * (a few)
+# relative error per weight (measured up to 1.5e-6 on jax 0.12); atol = rtol.
+F32_VS_F64 = 1e-5
+# Two float32 index scores this close are a tie at the top-k cutoff: a valid top-k may keep
+# either (HF's ``torch.topk`` and our kernels order ties differently).
+SCORE_TIE = 1e-5
+
+YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+        "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def tiny8(**kw) -> gd.DsaConfig:
+    """``DsaConfig.tiny`` with 8 heads (every TP size up to 8 divides them), ``kw`` replaced."""
+    return gd.DsaConfig.tiny(num_attention_heads=8, **kw)
+
+
+def rope_tiny(model_type: str = "glm_moe_dsa", rope: dict = YARN, **kw) -> gd.DsaConfig:
+    """A small RoPE model of ``model_type`` (cache row ``[c, k_rot]``, 24 + 8 wide), with
+    ``rope`` as its ``rope_parameters`` and the HF config keys ``kw`` replaced; a
+    ``glm_moe_dsa`` one has ``indexer_types = ["full", "shared"]``."""
+    d = dict(model_type=model_type, hidden_size=32, num_attention_heads=2, q_lora_rank=16,
+             kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+             index_n_heads=3, index_head_dim=12, index_topk=4, num_hidden_layers=2,
+             max_position_embeddings=4096, rope_parameters=rope)
+    if model_type == "glm_moe_dsa":
+        d["indexer_types"] = ["full", "shared"]
+    return gd.DsaConfig.from_hf_config(d | kw)
+
+
+def _mesh(shape, names, mode, devices=None):
+    kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[mode]
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=devices)
+
+
+def tp_mesh(n: int, mode: str = "explicit", name: str = "tp", devices=None):
+    """A 1-D mesh of ``n`` devices (the first ``n`` unless ``devices``) on axis ``name``,
+    ``mode`` ``"explicit"`` or ``"auto"``."""
+    return _mesh((n,), (name,), mode, devices)
+
+
+def dp_mesh(shape, mode: str = "explicit"):
+    """A ``("data", "tp")`` mesh of ``shape`` over the first ``prod(shape)`` devices."""
+    return _mesh(tuple(shape), ("data", "tp"), mode)
 
 
 def f32_layer(cfg, layer_idx: int = 1, seed: int = 0, **kw) -> gd.DsaAttention:
@@ -122,5 +184,5 @@ def check_selection(cfg, layer, x, mask, ours, theirs):
             assert len(full_a) == len(full_h)
             left_out = [row[p] for p in range(len(row)) if np.isfinite(row[p]) and p not in full_a]
             if left_out:
-                assert min(row[p] for p in full_a) >= max(left_out) - 1e-5, (b, t)
+                assert min(row[p] for p in full_a) >= max(left_out) - SCORE_TIE, (b, t)
     return n_tied
