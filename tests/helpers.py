@@ -48,9 +48,10 @@ ATOL = RTOL = 3e-5
 # an interpreted kernel's blocking vs XLA's, torch vs jax on one selection. Measured ~1e-6
 # at the tiny widths (test_sharding's module doc); atol = rtol.
 F32_REORDER = 1e-5
-# A float32 kernel against a float64 numpy oracle: outputs are O(1) convex combinations of
-# latent rows and logits reach ~30, so float32 exp / sum carry ~30 * 2**-24 * (a few)
-# relative error per weight (measured up to 1.5e-6 on jax 0.12); atol = rtol.
+# A float32 kernel against a float64 numpy oracle on O(1) values: sparse MLA outputs are
+# convex combinations of latent rows with logits up to ~30, so float32 exp / sum carry
+# ~30 * 2**-24 * (a few) relative error per weight (measured up to 1.5e-6 on jax 0.12);
+# index scores are sums of a few dozen float32 products; atol = rtol.
 F32_VS_F64 = 1e-5
 # Two float32 index scores this close are a tie at the top-k cutoff: a valid top-k may keep
 # either (HF's ``torch.topk`` and our kernels order ties differently).
