@@ -1,8 +1,8 @@
 """The Hugging Face references, built from a ``DsaConfig`` for parity tests: the attention
 classes of ``glm5_next`` (``Glm5NextTextAttention``), ``glm_moe_dsa`` (``GlmMoeDsaAttention``)
 and ``deepseek_v32`` (``DeepseekV32Attention``), with random parameters, their models' rotary
-embeddings (``hf_rotary``), and the calls that run them as their decoder layers do (torch: imported only by the modules
-``conftest.TORCH_MODULES`` names).
+embeddings (``hf_rotary``), and the calls that run them as their decoder layers do (torch:
+imported only by the modules ``conftest.TORCH_MODULES`` names).
 
 How the three are called (read from their ``*Model.forward`` / decoder layers):
 
