@@ -23,7 +23,8 @@ here may).
   directory made anew.
 * ``params_np`` / ``assert_trees_equal``: a layer's parameters as a pure dict of numpy
   arrays, and two such trees compared bit for bit (a refused load must change nothing).
-* ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
+* ``same_sets``: the rows where two selections name the same tokens (where an output must
+  equal HF's). ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
   row; where they differ, the only allowed cause is HF's arbitrary choice among pools
   whose scores tie at the cutoff (see ``test_hf_parity``'s module doc).
 """
@@ -153,6 +154,15 @@ def padded_batch(cfg, pads, seq, seed):
     for b, p in enumerate(pads):
         mask[b, :p] = False
     return x, mask
+
+
+def same_sets(ours, theirs, live) -> np.ndarray:
+    """``[...]`` bool: the ``live`` rows where our selection and theirs (``[..., W]`` token
+    ids, ``-1`` for none; the widths may differ) name the same set of tokens."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    rows = zip(ours.reshape(-1, ours.shape[-1]), theirs.reshape(-1, theirs.shape[-1]))
+    same = np.array([set(a[a >= 0]) == set(h[h >= 0]) for a, h in rows], bool)
+    return same.reshape(ours.shape[:-1]) & live
 
 
 def check_selection(cfg, layer, x, mask, ours, theirs):

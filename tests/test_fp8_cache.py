@@ -34,7 +34,7 @@ import pallas_kernels as pk
 from glm5_dsa_jax import fp8
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows, dequantize_rows
-from helpers import F32_REORDER, f32_layer, hidden_states
+from helpers import F32_REORDER, f32_layer, hidden_states, padded_batch
 from helpers import rope_tiny as rope_cfg  # glm_moe_dsa: the cache row is [c, k_rot], 24 + 8 wide
 
 CFG = gd.DsaConfig.tiny()
@@ -225,11 +225,8 @@ def _run(layer, cfg, dtype, x, mask, prefill, paged=True):
 
 
 def test_layer_xla_and_pallas_agree_on_fp8_caches():
-    b, s, prefill = 2, 10, 8
-    x = jnp.asarray(hidden_states(CFG, b, s, seed=3))
-    mask = np.ones((b, s), bool)
-    mask[1, :3] = False  # left padding
-    mask = jnp.asarray(mask)
+    s, prefill = 10, 8
+    x, mask = map(jnp.asarray, padded_batch(CFG, (0, 3), s, seed=3))  # left padding
     runs = [_run(f32_layer(CFG, 1, seed=4, implementation=impl, block_q=8), CFG, "fp8", x, mask, prefill)
             for impl in ("xla", "pallas_interpret")]
     for (ta, oa), (tb, ob) in zip(*runs):

@@ -9,7 +9,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 
-from helpers import F32_REORDER
+from helpers import F32_REORDER, padded_batch
 from helpers import rope_tiny as small
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped
 
@@ -21,9 +21,7 @@ TYPES = ["glm_moe_dsa", "deepseek_v32"]
 def test_oracle_builds_and_runs_2x9(model_type):
     cfg = small(model_type)
     attn = hf_attention(cfg, 0, seed=1)
-    x = np.random.default_rng(0).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
-    mask[1, :3] = False  # left padding
+    x, mask = padded_batch(cfg, (0, 3), 9, seed=0)  # left padding
     out, topk = hf_forward(attn, x, mask)
     assert out.shape == (2, 9, 32) and np.isfinite(out).all()
     assert topk.shape == (2, 9, 4)
@@ -57,8 +55,7 @@ def test_glm_moe_dsa_shared_layer_reuses_topk():
     cfg = small("glm_moe_dsa")
     full, shared = hf_attention(cfg, 0, seed=1), hf_attention(cfg, 1, seed=2)
     assert shared.indexer is None and full.indexer is not None
-    x = np.random.default_rng(3).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
+    x, mask = padded_batch(cfg, (0, 0), 9, seed=3)
     _, topk = hf_forward(full, x, mask)
     out, none = hf_forward(shared, x, mask, prev_topk=topk)
     assert none is None and out.shape == (2, 9, 32) and np.isfinite(out).all()
@@ -118,9 +115,7 @@ def test_safetensors_of_each_type_import(tmp_path, model_type):
     import jax.numpy as jnp
 
     layers = gd.load_hf_checkpoint(tmp_path, dtype=jnp.float32, progress=False)
-    x = np.random.default_rng(3).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
-    mask[1, :2] = False
+    x, mask = padded_batch(cfg, (0, 2), 9, seed=3)
     out, topk = layers[0](jnp.asarray(x), attention_mask=jnp.asarray(mask))
     live = mask & (np.asarray(topk) >= 0).any(-1)
     ref = hf_attend_on(hf_attention(cfg, 0, seed=10), x, mask, np.asarray(topk))

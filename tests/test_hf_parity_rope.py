@@ -25,7 +25,7 @@ import pytest
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder
 from glm5_dsa_jax.sharding import shard_layer
-from helpers import ATOL, F32_REORDER, RTOL, YARN, check_selection, rope_tiny
+from helpers import ATOL, F32_REORDER, RTOL, YARN, check_selection, rope_tiny, same_sets
 from helpers import padded_batch as padded
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped, layer_from_hf
 
@@ -45,11 +45,6 @@ def visible(topk, mask):
     ok &= np.take_along_axis(np.broadcast_to(mask[:, None, :], (mask.shape[0], topk.shape[1], mask.shape[1])),
                              np.clip(topk, 0, mask.shape[1] - 1), axis=2)
     return np.where(ok, topk, -1)
-
-
-def same_sets(ours, theirs, live):
-    return np.array([[set(a[a >= 0]) == set(h[h >= 0]) for a, h in zip(ra, rh)]
-                     for ra, rh in zip(ours, theirs)]) & live
 
 
 @pytest.mark.parametrize("model_type", TYPES)
