@@ -21,8 +21,9 @@ here may).
   draw, so a test's inputs stay the same numbers whichever helper builds them.
 * ``jitted_call``: a layer's call under ``jax.jit``; ``fresh_dir``: a scratch checkpoint
   directory made anew.
-* ``params_np`` / ``assert_trees_equal``: a layer's parameters as a pure dict of numpy
-  arrays, and two such trees compared bit for bit (a refused load must change nothing).
+* ``params_np`` / ``assert_trees_equal`` / ``assert_same_layers``: a layer's parameters as a
+  pure dict of numpy arrays, two such trees compared bit for bit (a refused load must
+  change nothing), and two dicts of layers compared so (a load is the layers saved).
 * ``same_sets``: the rows where two selections name the same tokens (where an output must
   equal HF's). ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
   row; where they differ, the only allowed cause is HF's arbitrary choice among pools
@@ -110,10 +111,20 @@ def params_np(layer) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
 
 
-def assert_trees_equal(a, b) -> None:
+def assert_trees_equal(a, b, what: str = "") -> None:
     """Two trees of arrays (``params_np`` snapshots, say) equal bit for bit: same
-    structure, same values."""
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    structure, same values (a difference names ``what`` and the leaf's path)."""
+    jax.tree_util.tree_map_with_path(
+        lambda path, x, y: np.testing.assert_array_equal(x, y, err_msg=f"{what}{jax.tree_util.keystr(path)}"),
+        a, b)
+
+
+def assert_same_layers(a: dict, b: dict) -> None:
+    """Two ``{layer index: layer}`` dicts (loaded or restored checkpoints) with the same
+    indices and bit-identical parameters (sharded ones gathered)."""
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert_trees_equal(params_np(a[i]), params_np(b[i]), f"layer {i} ")
 
 
 def jitted_call(layer):
