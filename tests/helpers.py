@@ -25,9 +25,9 @@ here may).
   pure dict of numpy arrays, two such trees compared bit for bit (a refused load must
   change nothing), and two dicts of layers compared so (a load is the layers saved).
 * ``same_sets``: the rows where two selections name the same tokens (where an output must
-  equal HF's). ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
-  row; where they differ, the only allowed cause is HF's arbitrary choice among pools
-  whose scores tie at the cutoff (see ``test_hf_parity``'s module doc).
+  equal HF's). ``check_selection`` compares our top-k with HF's as *sets* of token ids per
+  valid query row; where they differ, the only allowed cause is HF's arbitrary choice among
+  pools whose scores tie at the cutoff (see ``test_hf_parity``'s module doc).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ F32_VS_F64 = 1e-5
 # either (HF's ``torch.topk`` and our kernels order ties differently).
 SCORE_TIE = 1e-5
 
+# YaRN at test scale (factor 4 over 1024 original positions): the RoPE models' default.
 YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
         "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -75,7 +76,7 @@ def rope_tiny(model_type: str = "glm_moe_dsa", rope: dict = YARN, **kw) -> gd.Ds
     d = dict(model_type=model_type, hidden_size=32, num_attention_heads=2, q_lora_rank=16,
              kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
              index_n_heads=3, index_head_dim=12, index_topk=4, num_hidden_layers=2,
-             max_position_embeddings=4096, rope_parameters=rope)
+             max_position_embeddings=4096, rope_parameters=dict(rope))
     if model_type == "glm_moe_dsa":
         d["indexer_types"] = ["full", "shared"]
     return gd.DsaConfig.from_hf_config(d | kw)
