@@ -1,6 +1,18 @@
-"""Torch-free helpers the tests share: the tiny layers, batches, tolerances, parameter
-comparisons and the tie-aware selection check.
+"""Torch-free helpers the tests share: the tiny configs, layers, batches and meshes, the
+tolerances, parameter comparisons and the tie-aware selection check (the HF oracle, which
+needs torch, is ``hf_oracle``; Python 3.12 collects no module that imports it, so nothing
+here may).
 
+* ``tiny8``: ``DsaConfig.tiny`` with 8 heads, so every TP size up to 8 divides them;
+  ``rope_tiny``: a small RoPE model (``glm_moe_dsa`` / ``deepseek_v32``, ``YARN`` scaling by
+  default; a ``glm_moe_dsa`` one has a full then a shared layer).
+* ``tp_mesh`` / ``dp_mesh``: a ``("tp",)`` or ``("data", "tp")`` mesh of the virtual CPU
+  devices with ``Explicit`` (jax's default) or ``Auto`` axes.
+* Tolerances, named by what they bound (each value is the one its tests were written with;
+  a wrong token, head, row or mask moves outputs by O(0.1)): ``ATOL`` / ``RTOL`` (our float32
+  layer against HF's), ``F32_REORDER`` (the same float32 ops summed in another order),
+  ``F32_VS_F64`` (a float32 kernel against a float64 numpy oracle) and ``SCORE_TIE`` (how far
+  apart two index scores may be and still count as a tie at the top-k cutoff).
 * ``f32_layer``: a float32 ``DsaAttention`` (parameters and compute) with its own random
   weights from ``nnx.Rngs(seed)``; float32 so a comparison measures our arithmetic against
   a reference's, not bf16 rounding.
@@ -9,11 +21,13 @@ comparisons and the tie-aware selection check.
   draw, so a test's inputs stay the same numbers whichever helper builds them.
 * ``jitted_call``: a layer's call under ``jax.jit``; ``fresh_dir``: a scratch checkpoint
   directory made anew.
-* ``params_np`` / ``assert_trees_equal``: a layer's parameters as a pure dict of numpy
-  arrays, and two such trees compared bit for bit (a refused load must change nothing).
-* ``check_selection`` compares our top-k with HF's as *sets* of token ids per valid query
-  row; where they differ, the only allowed cause is HF's arbitrary choice among pools
-  whose scores tie at the cutoff (see ``test_hf_parity``'s module doc). It reads the
+* ``params_np`` / ``assert_trees_equal`` / ``assert_same_layers``: a layer's parameters as a
+  pure dict of numpy arrays, two such trees compared bit for bit (a refused load must
+  change nothing), and two dicts of layers compared so (a load is the layers saved).
+* ``same_sets``: the rows where two selections name the same tokens (where an output must
+  equal HF's). ``check_selection`` compares our top-k with HF's as *sets* of token ids per
+  valid query row; where they differ, the only allowed cause is HF's arbitrary choice among
+  pools whose scores tie at the cutoff (see ``test_hf_parity``'s module doc). It reads the
   layer's ``selection_scores`` under ``jax.jit``, one program per layer structure and
   shape (eagerly, every operation compiled anew per sequence length: seconds a call).
 """
@@ -28,11 +42,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
 
 # Float32 parity tolerance against HF; the error budget is in test_hf_parity's module doc.
 ATOL = RTOL = 3e-5
+# The same float32 computation with its sums in another order: chunked vs one-shot prefill,
+# a sharded ``o_proj``'s per-rank partial sums all-reduced (TP, data parallel, many hosts),
+# an interpreted kernel's blocking vs XLA's, torch vs jax on one selection. Measured ~1e-6
+# at the tiny widths (test_sharding's module doc); atol = rtol.
+F32_REORDER = 1e-5
+# A float32 kernel against a float64 numpy oracle on O(1) values: sparse MLA outputs are
+# convex combinations of latent rows with logits up to ~30, so float32 exp / sum carry
+# ~30 * 2**-24 * (a few) relative error per weight (measured up to 1.5e-6 on jax 0.12);
+# index scores are sums of a few dozen float32 products; atol = rtol.
+F32_VS_F64 = 1e-5
+# Two float32 index scores this close are a tie at the top-k cutoff: a valid top-k may keep
+# either (HF's ``torch.topk`` and our kernels order ties differently).
+SCORE_TIE = 1e-5
+
+# YaRN at test scale (factor 4 over 1024 original positions): the RoPE models' default.
+YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+        "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def tiny8(**kw) -> gd.DsaConfig:
+    """``DsaConfig.tiny`` with 8 heads (every TP size up to 8 divides them), ``kw`` replaced."""
+    return gd.DsaConfig.tiny(num_attention_heads=8, **kw)
+
+
+def rope_tiny(model_type: str = "glm_moe_dsa", rope: dict = YARN, **kw) -> gd.DsaConfig:
+    """A small RoPE model of ``model_type`` (cache row ``[c, k_rot]``, 24 + 8 wide), with
+    ``rope`` as its ``rope_parameters`` and the HF config keys ``kw`` replaced; a
+    ``glm_moe_dsa`` one has ``indexer_types = ["full", "shared"]``."""
+    d = dict(model_type=model_type, hidden_size=32, num_attention_heads=2, q_lora_rank=16,
+             kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+             index_n_heads=3, index_head_dim=12, index_topk=4, num_hidden_layers=2,
+             max_position_embeddings=4096, rope_parameters=dict(rope))
+    if model_type == "glm_moe_dsa":
+        d["indexer_types"] = ["full", "shared"]
+    return gd.DsaConfig.from_hf_config(d | kw)
+
+
+def _mesh(shape, names, mode, devices=None):
+    kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[mode]
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=devices)
+
+
+def tp_mesh(n: int, mode: str = "explicit", name: str = "tp", devices=None):
+    """A 1-D mesh of ``n`` devices (the first ``n`` unless ``devices``) on axis ``name``,
+    ``mode`` ``"explicit"`` or ``"auto"``."""
+    return _mesh((n,), (name,), mode, devices)
+
+
+def dp_mesh(shape, mode: str = "explicit"):
+    """A ``("data", "tp")`` mesh of ``shape`` over the first ``prod(shape)`` devices."""
+    return _mesh(tuple(shape), ("data", "tp"), mode)
 
 
 def f32_layer(cfg, layer_idx: int = 1, seed: int = 0, **kw) -> gd.DsaAttention:
@@ -49,10 +115,20 @@ def params_np(layer) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
 
 
-def assert_trees_equal(a, b) -> None:
+def assert_trees_equal(a, b, what: str = "") -> None:
     """Two trees of arrays (``params_np`` snapshots, say) equal bit for bit: same
-    structure, same values."""
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    structure, same values (a difference names ``what`` and the leaf's path)."""
+    jax.tree_util.tree_map_with_path(
+        lambda path, x, y: np.testing.assert_array_equal(x, y, err_msg=f"{what}{jax.tree_util.keystr(path)}"),
+        a, b)
+
+
+def assert_same_layers(a: dict, b: dict) -> None:
+    """Two ``{layer index: layer}`` dicts (loaded or restored checkpoints) with the same
+    indices and bit-identical parameters (sharded ones gathered)."""
+    assert sorted(a) == sorted(b)
+    for i in a:
+        assert_trees_equal(params_np(a[i]), params_np(b[i]), f"layer {i} ")
 
 
 def jitted_call(layer):
@@ -95,6 +171,15 @@ def padded_batch(cfg, pads, seq, seed):
     return x, mask
 
 
+def same_sets(ours, theirs, live) -> np.ndarray:
+    """``[...]`` bool: the ``live`` rows where our selection and theirs (``[..., W]`` token
+    ids, ``-1`` for none; the widths may differ) name the same set of tokens."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    rows = zip(ours.reshape(-1, ours.shape[-1]), theirs.reshape(-1, theirs.shape[-1]))
+    same = np.array([set(a[a >= 0]) == set(h[h >= 0]) for a, h in rows], bool)
+    return same.reshape(ours.shape[:-1]) & live
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _selection_scores(graphdef, state, x, mask):
     return nnx.merge(graphdef, state).selection_scores(x, mask)
@@ -130,5 +215,5 @@ def check_selection(cfg, layer, x, mask, ours, theirs):
             assert len(full_a) == len(full_h)
             left_out = [row[p] for p in range(len(row)) if np.isfinite(row[p]) and p not in full_a]
             if left_out:
-                assert min(row[p] for p in full_a) >= max(left_out) - 1e-5, (b, t)
+                assert min(row[p] for p in full_a) >= max(left_out) - SCORE_TIE, (b, t)
     return n_tied

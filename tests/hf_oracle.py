@@ -1,8 +1,8 @@
 """The Hugging Face references, built from a ``DsaConfig`` for parity tests: the attention
 classes of ``glm5_next`` (``Glm5NextTextAttention``), ``glm_moe_dsa`` (``GlmMoeDsaAttention``)
-and ``deepseek_v32`` (``DeepseekV32Attention``), with random parameters, and the calls that
-run them as their decoder layers do (torch: imported only by the modules
-``conftest.TORCH_MODULES`` names).
+and ``deepseek_v32`` (``DeepseekV32Attention``), with random parameters, their models' rotary
+embeddings (``hf_rotary``), and the calls that run them as their decoder layers do (torch:
+imported only by the modules ``conftest.TORCH_MODULES`` names).
 
 How the three are called (read from their ``*Model.forward`` / decoder layers):
 
@@ -55,14 +55,16 @@ def hf_config(cfg: gd.DsaConfig):
     return hf
 
 
-hf_text_config = hf_config  # the name the glm5_next tests use
+def hf_rotary(cfg: gd.DsaConfig):
+    """The rotary embedding of ``cfg``'s (RoPE) model type, built from ``hf_config(cfg)``."""
+    return _classes(cfg.model_type)[2](hf_config(cfg))
 
 
 def hf_attention(cfg: gd.DsaConfig, layer_idx: int, seed: int = 0):
     """The HF attention of ``cfg``'s model type in float32 with every parameter random (the
     HF init leaves the pool gate and APE at zero, which would hide pooling bugs)."""
     torch.manual_seed(seed)
-    config_cls, attn_cls, rotary_cls = _classes(cfg.model_type)
+    _, attn_cls, rotary_cls = _classes(cfg.model_type)
     hf = hf_config(cfg)
     attn = attn_cls(hf, layer_idx).float().eval()
     randomize_(attn, torch.Generator().manual_seed(seed))

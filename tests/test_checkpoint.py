@@ -31,6 +31,7 @@ from glm5_dsa_jax.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, randomize_
 from helpers import (ATOL, RTOL, assert_trees_equal, check_selection, f32_layer, fresh_dir, padded_batch,
                      params_np)
+from helpers import assert_same_layers as assert_same_params
 
 PFX = "model.language_model.layers."
 LAYER_TYPES = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
@@ -100,15 +101,6 @@ def _copy_with(tiny, name, tensors=None, config=None) -> Path:
     (d / "config.json").write_text(json.dumps(cfg))
     save_file(tiny.tensors if tensors is None else tensors, d / "model.safetensors")
     return d
-
-
-def assert_same_params(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b)
-    for i in a:
-        pa, pb = params_to_hf(a[i]), params_to_hf(b[i])
-        assert sorted(pa) == sorted(pb)
-        for k in pa:
-            np.testing.assert_array_equal(pa[k], pb[k], err_msg=f"layer {i} {k}")
 
 
 def assert_match_hf(tiny, layers) -> None:

@@ -22,26 +22,18 @@ import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
 from glm5_dsa_jax.pages import init_page_table
-from helpers import f32_layer, jitted_call, padded_batch
+from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch
+from helpers import dp_mesh as mesh_of
+from helpers import tiny8 as cfg  # 8 heads: tp 2 and 4 divide them
 from test_layer_steps import backend_compiles
 
-ATOL = RTOL = 1e-5
+ATOL = RTOL = F32_REORDER
 B, S, STEPS, MAX_LEN = 4, 24, 3, 32
 PAGE, NUM_PAGES, PAGES_PER_SEQ = 8, 16, 4  # 32 tokens a sequence: the contiguous cache's select_k
-
-
-def cfg():
-    return gd.DsaConfig.tiny(num_attention_heads=8)
-
-
-def mesh_of(shape, mode):
-    kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
-    return jax.make_mesh(shape, ("data", "tp"), axis_types=(kind, kind))
 
 
 def inputs():

@@ -35,6 +35,7 @@ from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.checkpoint import orbax_io
 from glm5_dsa_jax.weights import WeightError, params_to_hf
 from helpers import assert_trees_equal, f32_layer, fresh_dir, params_np
+from helpers import assert_same_layers as _assert_same
 
 PFX = "model.language_model.layers."
 CFG = gd.DsaConfig.tiny()
@@ -44,12 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _layers(seed: int) -> dict[int, gd.DsaAttention]:
     return {i: f32_layer(CFG, i, seed=seed + i) for i in DSA}
-
-
-def _assert_same(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b)
-    for i in a:
-        assert_trees_equal(params_np(a[i]), params_np(b[i]))
 
 
 def _tensors(layers) -> dict[str, np.ndarray]:

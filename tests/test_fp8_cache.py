@@ -34,21 +34,12 @@ import pallas_kernels as pk
 from glm5_dsa_jax import fp8
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows, dequantize_rows
-from helpers import f32_layer, hidden_states, jitted_call
+from helpers import F32_REORDER, f32_layer, hidden_states, jitted_call, padded_batch
+from helpers import rope_tiny as rope_cfg  # glm_moe_dsa: the cache row is [c, k_rot], 24 + 8 wide
 
 CFG = gd.DsaConfig.tiny()
 E4M3 = jnp.float8_e4m3fn
 FEW = settings(max_examples=8, deadline=None)
-
-
-def rope_cfg() -> gd.DsaConfig:
-    """A small ``glm_moe_dsa`` (RoPE: the cache row is ``[c, k_rot]``, 24 + 8 wide)."""
-    return gd.DsaConfig.from_hf_config(dict(
-        model_type="glm_moe_dsa", hidden_size=32, num_attention_heads=2, q_lora_rank=16,
-        kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, index_n_heads=3,
-        index_head_dim=12, index_topk=4, num_hidden_layers=2, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0}))
 
 
 # ----------------------------------------------------------------------------- make / refuse
@@ -204,8 +195,8 @@ def test_sparse_mla_fp8_both_implementations_and_dequantised_rows(shared):
     outs = [np.asarray(pk.sparse_mla(q, l8, ids, scale, implementation=i, **kw)) for i in ("xla", "pallas_interpret")]
     want = np.asarray(pk.sparse_mla(q, dequantize_rows(l8, scale), ids, **kw))
     assert np.isfinite(outs[0]).all()
-    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[0], want, rtol=F32_REORDER, atol=F32_REORDER)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=F32_REORDER, atol=F32_REORDER)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -237,17 +228,14 @@ def _run(layer, cfg, dtype, x, mask, prefill, paged=True):
 
 
 def test_layer_xla_and_pallas_agree_on_fp8_caches():
-    b, s, prefill = 2, 10, 8
-    x = jnp.asarray(hidden_states(CFG, b, s, seed=3))
-    mask = np.ones((b, s), bool)
-    mask[1, :3] = False  # left padding
-    mask = jnp.asarray(mask)
+    s, prefill = 10, 8
+    x, mask = map(jnp.asarray, padded_batch(CFG, (0, 3), s, seed=3))  # left padding
     runs = [_run(f32_layer(CFG, 1, seed=4, implementation=impl, block_q=8), CFG, "fp8", x, mask, prefill)
             for impl in ("xla", "pallas_interpret")]
     for (ta, oa), (tb, ob) in zip(*runs):
         np.testing.assert_array_equal(ta, tb)
         assert (ta >= 0).any() and np.isfinite(oa).all()
-        np.testing.assert_allclose(oa, ob, rtol=1e-5, atol=1e-5 * np.abs(oa).max())
+        np.testing.assert_allclose(oa, ob, rtol=F32_REORDER, atol=F32_REORDER * np.abs(oa).max())
 
 
 def test_rope_model_on_fp8_caches():

@@ -9,18 +9,9 @@ import pytest
 
 import glm5_dsa_jax as gd
 
+from helpers import F32_REORDER, padded_batch
+from helpers import rope_tiny as small
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped
-
-
-def small(model_type: str, **kw) -> gd.DsaConfig:
-    d = dict(model_type=model_type, hidden_size=32, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=24,
-             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, index_n_heads=3, index_head_dim=12,
-             index_topk=4, num_hidden_layers=2, max_position_embeddings=4096,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
-                              "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0})
-    if model_type == "glm_moe_dsa":
-        d["indexer_types"] = ["full", "shared"]
-    return gd.DsaConfig.from_hf_config(d | kw)
 
 
 TYPES = ["glm_moe_dsa", "deepseek_v32"]
@@ -30,9 +21,7 @@ TYPES = ["glm_moe_dsa", "deepseek_v32"]
 def test_oracle_builds_and_runs_2x9(model_type):
     cfg = small(model_type)
     attn = hf_attention(cfg, 0, seed=1)
-    x = np.random.default_rng(0).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
-    mask[1, :3] = False  # left padding
+    x, mask = padded_batch(cfg, (0, 3), 9, seed=0)  # left padding
     out, topk = hf_forward(attn, x, mask)
     assert out.shape == (2, 9, 32) and np.isfinite(out).all()
     assert topk.shape == (2, 9, 4)
@@ -53,8 +42,8 @@ def test_oracle_builds_and_runs_2x9(model_type):
     same = np.array([[vis(a, t) == vis(b, t) for t, (a, b) in enumerate(zip(ra, rb))]
                      for ra, rb in zip(whole_topk, stepped_topk)])
     assert same.mean() > 0.8
-    np.testing.assert_allclose(stepped[same], whole[same], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(hf_attend_on(attn, x, full, stepped_topk), stepped, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stepped[same], whole[same], rtol=F32_REORDER, atol=F32_REORDER)
+    np.testing.assert_allclose(hf_attend_on(attn, x, full, stepped_topk), stepped, rtol=F32_REORDER, atol=F32_REORDER)
     # RoPE is relative: shifting every position keeps the output, spreading them changes it
     shifted, _ = hf_forward(attn, x, full, position_ids=np.broadcast_to(np.arange(100, 109), (2, 9)))
     np.testing.assert_allclose(shifted, whole, rtol=1e-4, atol=1e-4)
@@ -66,8 +55,7 @@ def test_glm_moe_dsa_shared_layer_reuses_topk():
     cfg = small("glm_moe_dsa")
     full, shared = hf_attention(cfg, 0, seed=1), hf_attention(cfg, 1, seed=2)
     assert shared.indexer is None and full.indexer is not None
-    x = np.random.default_rng(3).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
+    x, mask = padded_batch(cfg, (0, 0), 9, seed=3)
     _, topk = hf_forward(full, x, mask)
     out, none = hf_forward(shared, x, mask, prev_topk=topk)
     assert none is None and out.shape == (2, 9, 32) and np.isfinite(out).all()
@@ -127,17 +115,15 @@ def test_safetensors_of_each_type_import(tmp_path, model_type):
     import jax.numpy as jnp
 
     layers = gd.load_hf_checkpoint(tmp_path, dtype=jnp.float32, progress=False)
-    x = np.random.default_rng(3).standard_normal((2, 9, 32)).astype(np.float32)
-    mask = np.ones((2, 9), bool)
-    mask[1, :2] = False
+    x, mask = padded_batch(cfg, (0, 2), 9, seed=3)
     out, topk = layers[0](jnp.asarray(x), attention_mask=jnp.asarray(mask))
     live = mask & (np.asarray(topk) >= 0).any(-1)
     ref = hf_attend_on(hf_attention(cfg, 0, seed=10), x, mask, np.asarray(topk))
-    np.testing.assert_allclose(np.asarray(out)[live], ref[live], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out)[live], ref[live], rtol=F32_REORDER, atol=F32_REORDER)
     if not cfg.has_indexer(1):
         out1, _ = layers[1](jnp.asarray(x), attention_mask=jnp.asarray(mask), prev_topk=topk)
         ref1 = hf_attend_on(hf_attention(cfg, 1, seed=11), x, mask, np.asarray(topk))
-        np.testing.assert_allclose(np.asarray(out1)[live], ref1[live], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out1)[live], ref1[live], rtol=F32_REORDER, atol=F32_REORDER)
 
 
 def test_mismatched_tensors_all_listed(tmp_path):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from helpers import ATOL, RTOL, check_selection, hidden_states, padded_batch
+from helpers import ATOL, RTOL, check_selection, hidden_states, padded_batch, same_sets
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
 
 
@@ -101,8 +101,7 @@ def _full_then_shared_match_hf(cfg, x, mask):
     # HF's attention on our selection (identical to its own wherever the sets agree).
     ref = hf_attend_on(attn_full, x, mask, ours)
     np.testing.assert_allclose(out[live], ref[live], atol=ATOL, rtol=RTOL)
-    same = np.array([[set(ours[b, t][ours[b, t] >= 0]) == set(hf_topk[b, t][hf_topk[b, t] >= 0])
-                      for t in range(seq)] for b in range(n_seq)]) & live
+    same = same_sets(ours, hf_topk, live)
     assert same.sum() > live.sum() // 2
     np.testing.assert_allclose(out[same], hf_out[same], atol=ATOL, rtol=RTOL)
 

@@ -25,22 +25,16 @@ import pytest
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder
 from glm5_dsa_jax.sharding import shard_layer
-from helpers import ATOL, RTOL, check_selection, jitted_call
+from helpers import ATOL, F32_REORDER, RTOL, YARN, check_selection, jitted_call, rope_tiny, same_sets
+from helpers import padded_batch as padded
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped, layer_from_hf
 
 TYPES = ["glm_moe_dsa", "deepseek_v32"]
-YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
-        "original_max_position_embeddings": 1024, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def small(model_type: str, rope=YARN, **kw) -> gd.DsaConfig:
-    d = dict(model_type=model_type, hidden_size=32, num_attention_heads=4, q_lora_rank=16,
-             kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
-             index_n_heads=3, index_head_dim=12, index_topk=6, num_hidden_layers=2,
-             max_position_embeddings=4096, rope_parameters=rope)
-    if model_type == "glm_moe_dsa":
-        d["indexer_types"] = ["full", "shared"]
-    return gd.DsaConfig.from_hf_config(d | kw)
+    """``rope_tiny`` with 4 heads and a top-k of 6."""
+    return rope_tiny(model_type, rope, **dict(num_attention_heads=4, index_topk=6) | kw)
 
 
 def visible(topk, mask):
@@ -51,19 +45,6 @@ def visible(topk, mask):
     ok &= np.take_along_axis(np.broadcast_to(mask[:, None, :], (mask.shape[0], topk.shape[1], mask.shape[1])),
                              np.clip(topk, 0, mask.shape[1] - 1), axis=2)
     return np.where(ok, topk, -1)
-
-
-def padded(cfg, pads, seq, seed):
-    x = np.random.default_rng(seed).standard_normal((len(pads), seq, cfg.hidden_size)).astype(np.float32)
-    mask = np.ones((len(pads), seq), bool)
-    for b, p in enumerate(pads):
-        mask[b, :p] = False
-    return x, mask
-
-
-def same_sets(ours, theirs, live):
-    return np.array([[set(a[a >= 0]) == set(h[h >= 0]) for a, h in zip(ra, rh)]
-                     for ra, rh in zip(ours, theirs)]) & live
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -111,7 +92,7 @@ def test_chunked_decode_equals_one_shot_and_hf_stepped(model_type):
         pos += n
     out, top = np.concatenate(outs, 1), np.concatenate(tops, 1)
     np.testing.assert_array_equal(top, one_topk)
-    np.testing.assert_allclose(out, one_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, one_out, atol=F32_REORDER, rtol=F32_REORDER)
     hf_out, hf_topk = hf_stepped(attn, cfg, x, mask, chunks)
     hf_topk = visible(hf_topk, mask)
     check_selection(cfg, layer, x, mask, top, hf_topk)

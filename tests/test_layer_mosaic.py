@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from helpers import f32_layer, padded_batch
+from helpers import f32_layer, padded_batch, tiny8
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
 
 pytestmark = pytest.mark.skipif(
@@ -161,7 +161,7 @@ def test_tp_sharded_layer_equals_xla(monkeypatch):
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (conftest sets 8 virtual CPU devices)")
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
-    cfg = gd.DsaConfig.tiny(index_kpool=KPOOL, index_topk=TOPK, num_attention_heads=8)
+    cfg = tiny8(index_kpool=KPOOL, index_topk=TOPK)
     x, mask = padded_batch(cfg, (0, 2), 10, seed=14)
     x = x.astype(jnp.bfloat16)
     runs = []

@@ -24,10 +24,11 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax import layout, plan, roofline
+from helpers import tiny8
 
 CONFIGS = {
     "tiny": gd.DsaConfig.tiny(),
-    "tiny8-bias": gd.DsaConfig.tiny(num_attention_heads=8, attention_bias=True),
+    "tiny8-bias": tiny8(attention_bias=True),
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
-from helpers import ATOL, RTOL, check_selection
+from helpers import ATOL, RTOL, check_selection, same_sets
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, layer_from_hf
 from test_paged import eager_release, make_schedule, per_sequence
 
@@ -46,8 +46,7 @@ def test_each_sequence_of_a_schedule_equals_hf_alone(kpool, topk, tail):
         live = (ours >= 0).any(-1)
         np.testing.assert_allclose(out[live], hf_attend_on(attn_full, x1, m1, ours[None])[0][live],
                                    atol=ATOL, rtol=RTOL)
-        same = np.array([set(ours[t][ours[t] >= 0]) == set(hf_topk[0, t][hf_topk[0, t] >= 0])
-                         for t in range(len(x))]) & live
+        same = same_sets(ours, hf_topk[0], live)
         np.testing.assert_allclose(out[same], hf_out[0][same], atol=ATOL, rtol=RTOL)
         hf_out2, _ = hf_forward(attn_shared, x1, m1, prev_topk=ours[None])
         np.testing.assert_allclose(out2[live], hf_out2[0][live], atol=ATOL, rtol=RTOL)

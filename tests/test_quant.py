@@ -18,6 +18,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax import quant
 from glm5_dsa_jax.weights import params_to_hf
+from helpers import tiny8
 
 # The FP4 E2M1 code -> value table (OCP MX spec; codes 8..15 are the negatives).
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -158,7 +159,7 @@ def test_quant_spec_from_config():
 
 
 # ---------------------------------------------------------------------------- checkpoints
-CFG = gd.DsaConfig.tiny(num_attention_heads=8)
+CFG = tiny8()
 PFX = "model.layers."
 
 

@@ -9,7 +9,7 @@ import torch
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import rope
 
-from hf_oracle import hf_config
+from hf_oracle import hf_rotary
 
 YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -24,14 +24,6 @@ def small_cfg(model_type: str, rope_parameters: dict, qk_rope: int = 64) -> gd.D
         model_type=model_type, hidden_size=32, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=24,
         qk_nope_head_dim=8, qk_rope_head_dim=qk_rope, v_head_dim=8, index_n_heads=2, index_head_dim=qk_rope + 8,
         index_topk=4, num_hidden_layers=1, max_position_embeddings=163_840, rope_parameters=dict(rope_parameters)))
-
-
-def hf_rotary(cfg):
-    if cfg.model_type == "glm_moe_dsa":
-        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding as R
-    else:
-        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RotaryEmbedding as R
-    return R(hf_config(cfg))
 
 
 def ulps(a, b):

@@ -21,28 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
 from glm5_dsa_jax.decode import DsaDecoder
-from helpers import f32_layer, jitted_call, padded_batch
+from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch
+from helpers import tiny8 as tiny_cfg  # 8 heads: every TP size up to 8 divides them
+from helpers import tp_mesh as make_mesh
 
-ATOL = RTOL = 1e-5
+ATOL = RTOL = F32_REORDER
 TP_SIZES = (1, 2, 4, 8)
 MODES = ("explicit", "auto")
 B, S, MAX_LEN, DECODE_STEPS = 3, 13, 24, 3
-
-
-def tiny_cfg():
-    # 8 heads so that every TP size up to 8 divides them.
-    return gd.DsaConfig.tiny(num_attention_heads=8)
-
-
-def make_mesh(n, mode="explicit", name="tp"):
-    if mode == "explicit":
-        return jax.make_mesh((n,), (name,))  # Explicit axis types: jax's default
-    return jax.make_mesh((n,), (name,), axis_types=(AxisType.Auto,))
 
 
 def make_layer(cfg, layer_idx=1, implementation="xla", param_dtype=jnp.float32):
@@ -420,12 +411,15 @@ def test_pallas_interpret_under_shard_map(mode, tp, reference):
 # ------------------------------------------------------------------------------- notebook
 def test_notebook_runs(tmp_path, monkeypatch):
     """notebooks/sharding.ipynb runs top to bottom in a fresh kernel of this interpreter."""
+    import importlib.util
     import os
     import sys
 
-    import ipykernel  # noqa: F401  (the test extra installs all three: never skipped)
     import nbclient
     import nbformat
+
+    # the kernel the notebook runs in: the test extra installs all three, never skipped
+    assert importlib.util.find_spec("ipykernel") is not None, "ipykernel is not installed"
 
     # A kernel spec for *this* interpreter, so the notebook runs in the test's environment
     # whatever kernel specs the machine has (a fresh CI venv may have none usable).
