@@ -337,11 +337,11 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         if impl == "sparse":
             n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
         elif impl in ("dense", "dense_fit"):
-            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_lora_rank * dense_eb
+            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_cache_dim * dense_eb
         elif impl == "sparse_attn":
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
         elif impl == "dense_attn":
-            n = b * ctx * cfg.kv_lora_rank * dense_eb
+            n = b * ctx * cfg.kv_cache_dim * dense_eb
         else:
             return {}
         return dict(floor_bytes=int(n), floor_ms=n / bw * 1e3)

@@ -61,7 +61,7 @@ def is_fp8(dtype) -> bool:
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``x [..., X]`` -> ``(q [..., X] float8_e4m3fn, scale [...] float32)`` with one scale
+    """``x [..., width]`` -> ``(q [..., width] float8_e4m3fn, scale [...] float32)`` with one scale
     per row (the last axis); see the module doc."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1)
@@ -71,7 +71,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """``q [..., X]`` (e4m3) times its row's ``scale [...]``, in float32."""
+    """``q [..., width]`` (e4m3) times its row's ``scale [...]``, in float32."""
     return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 

@@ -3,8 +3,8 @@
 Invariants:
 
 * A ``Step`` gives the kernels the shapes one layer step gives them (see
-  ``DsaAttention._step``); ``default_cases`` covers every kernel at decode, prefill-chunk and
-  one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16, over
+  ``contiguous_step.contiguous_call``); ``default_cases`` covers every kernel at decode,
+  prefill-chunk and one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16, over
   the contiguous cache and, for the kernels whose inputs the paged cache changes
   (``PAGED_KERNELS``), over the paged one too.
 * Paged steps (``Step.cache == "paged"``) use the paged cache's layout in pages of
@@ -67,7 +67,7 @@ PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs dif
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """The shapes one layer step gives the kernels (see ``DsaAttention._step``).
+    """The shapes one layer step gives the kernels (see ``contiguous_step.contiguous_call``).
 
     ``decode``: one new token; ``prefill``: a chunk of ``PREFILL_CHUNK`` tokens;
     ``prompt``: a one-shot prefill of the whole context. The cache holds ``context`` slots
