@@ -4,8 +4,8 @@ Invariants:
 
 * A ``Step`` gives the kernels the shapes one layer step gives them (see
   ``contiguous_step.contiguous_call``); ``default_cases`` covers every kernel at decode,
-  prefill-chunk and one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8, in bfloat16, over
-  the contiguous cache and, for the kernels whose inputs the paged cache changes
+  prefill-chunk and one-shot-prompt steps, 4K / 128K / 1M-token contexts, batch 1 and 8,
+  in bfloat16, over the contiguous cache and, for the kernels whose inputs the paged cache changes
   (``PAGED_KERNELS``), over the paged one too.
 * Paged steps (``Step.cache == "paged"``) use the paged cache's layout in pages of
   ``PAGE_SIZE`` tokens, ``context`` tokens of capacity per sequence and a page pool with
