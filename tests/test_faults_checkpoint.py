@@ -527,21 +527,23 @@ def test_interrupted_first_save_leaves_nothing_loadable(base, tmp_path, monkeypa
 
 def _convert_cmd(src: Path, out: Path, *, sigint_while_loading: bool = False) -> list[str]:
     args = ["convert", str(src), str(out), "--overwrite", "--no-progress", "--dtype", "float32"]
-    if not sigint_while_loading:
-        return [sys.executable, "-m", "glm5_dsa_jax.cli", *args]
-    # The process sends itself a real SIGINT when it starts materialising the layers, i.e. after
-    # every import and the read of the headers, while it loads. A signal sent from outside after
-    # a fixed sleep could land during an import, where a library's bare ``except:`` may swallow
-    # the KeyboardInterrupt (seen once on the jax 0.12 leg: the convert then finished).
-    hook = ("import os, signal, sys\n"
-            "from glm5_dsa_jax.checkpoint import hf_import\n"
-            "_materialize = hf_import._materialize\n"
-            "def _interrupted(*a, **k):\n"
-            "    os.kill(os.getpid(), signal.SIGINT)\n"
-            "    return _materialize(*a, **k)\n"
-            "hf_import._materialize = _interrupted\n"
-            "from glm5_dsa_jax.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
+    # Ctrl-C raises KeyboardInterrupt in the child whatever the parent does with SIGINT: a
+    # process started with SIGINT ignored (as a test worker may be, after some library set
+    # SIG_IGN) keeps it ignored, and Python then installs no KeyboardInterrupt handler.
+    hook = "import os, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    if sigint_while_loading:
+        # The process sends itself a real SIGINT when it starts materialising the layers,
+        # i.e. after every import and the read of the headers, while it loads. A signal sent
+        # from outside after a fixed sleep could land during an import, where a library's
+        # bare ``except:`` may swallow the KeyboardInterrupt (seen once on the jax 0.12 leg:
+        # the convert then finished).
+        hook += ("from glm5_dsa_jax.checkpoint import hf_import\n"
+                 "_materialize = hf_import._materialize\n"
+                 "def _interrupted(*a, **k):\n"
+                 "    os.kill(os.getpid(), signal.SIGINT)\n"
+                 "    return _materialize(*a, **k)\n"
+                 "hf_import._materialize = _interrupted\n")
+    hook += "from glm5_dsa_jax.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     return [sys.executable, "-c", hook, *args]
 
 
