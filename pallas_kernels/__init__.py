@@ -35,8 +35,10 @@ runs the same kernels at ``KP = 1`` without a tail: a pool is a token, ``P = L``
 min(index_topk, L)``, and ``expand_selection`` maps pool ``p`` to token ``first_key + p``.
 
 Each step module holds the Pallas kernel (Triton backend), its public wrapper and the
-plain-jnp reference that ``implementation="xla"`` runs. Every wrapper of a step kernel takes
-``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``,
+plain-jnp reference that ``implementation="xla"`` runs (``scoring`` holds both scoring
+wrappers, ``index_scores`` and ``index_scores_paged``: one reference, one dispatch, one
+kernel body per backend, the key source, contiguous or a block table, their only
+difference). Every wrapper of a step kernel takes ``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``,
 ``"mosaic"``, ``"mosaic_interpret"``, ``"auto"``; see ``_common``) and ``block_sizes``, an
 instance of the kernel's frozen block-size dataclass (``None``: its defaults), validated
 under every implementation. A step's Mosaic GPU kernel (Hopper and newer, jax >= 0.11)
@@ -55,7 +57,7 @@ GPUs, ``"xla"`` elsewhere::
                         -> sparse_mla       (attention) -> absorbed MLA over those tokens [B, Q, H, V]
 
     paged cache:  pooled_pages [N, PPP, D], block_table [B, PG], pool_counts [B]
-                        -> index_scores_paged (paged_scoring) -> [B, Q, PG*PPP] scores, own live pools only
+                        -> index_scores_paged (scoring)  -> [B, Q, PG*PPP] scores, own live pools only
                         -> topk_pools(..., n_live=visible pools) -> [B, Q, K] (nothing past n_live read)
                         -> expand_selection -> positions; the caller maps them to slots of the latent pool
                         -> sparse_mla over latent [1, N*page_size, CR] (shared by every row)
@@ -64,12 +66,21 @@ GPUs, ``"xla"`` elsewhere::
 tile up to a device-side tile count (what ``implementation="xla"`` runs, so its work follows
 the live pools); it is an xla-only op, with neither ``implementation`` nor ``block_sizes``
 (its ``tile`` is the caller's pool tile; Triton has no sort for its running merge);
-``radix_select`` holds the order key and the Pallas kernels behind ``topk_pools``;
-``dense_mla`` the dense oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``);
-``_common`` the checks and CUDA-lowering helpers the wrappers and tests share; the ones
-other packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
-``lower_for_cuda`` / ``triton_calls``) are exported here, so no module outside
-``pallas_kernels`` imports the private ``_common``.
+``radix_select`` holds the Pallas kernels behind ``topk_pools``; ``dense_mla`` the dense
+oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``) and the softmax
+pieces both attention kernels share (``masked_softmax``, ``combine_splits``).
+
+What several kernels share lives in private modules that import no kernel module, so no
+Triton module imports a Mosaic one and no kernel module imports another kernel's module
+for a helper (a wrapper imports only its own step's kernels, to dispatch to them;
+``tests/test_structure.py`` checks it): ``_common`` the implementation names, checks and
+CUDA-lowering helpers the wrappers and tests share; ``_mosaic`` when the Mosaic kernels run
+(``mosaic_takes``: 16-bit operands on a target with ``wgmma``) and their checks;
+``_dtypes`` the fp8 operands (``key_dot_dtype``, ``check_key_scale``); ``_order_key`` the
+order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``). The names other
+packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
+``lower_for_cuda`` / ``triton_calls``, ``order_key``) are exported here, so no module
+outside ``pallas_kernels`` imports a private one.
 """
 
 from pallas_kernels._common import (
@@ -87,13 +98,10 @@ from pallas_kernels.expansion import (
 from pallas_kernels.pooling import (
     KpoolCompressBlockSizes, first_valid, kpool_compress, kpool_compress_reference, num_pools,
 )
-from pallas_kernels.paged_scoring import (
-    gather_pools, index_scores_paged, index_scores_paged_reference,
-)
-from pallas_kernels.radix_select import order_key
+from pallas_kernels._order_key import order_key
 from pallas_kernels.scoring import (
-    IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, index_scores, index_scores_reference,
-    pool_last_token,
+    IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, gather_pools, index_scores,
+    index_scores_paged, index_scores_paged_reference, index_scores_reference, pool_last_token,
 )
 from pallas_kernels.selection import (
     MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,

@@ -70,10 +70,10 @@ from pallas_kernels._common import (
     Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
-from pallas_kernels.dense_mla import check_value_width, masked_softmax
-from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, combine_splits, mosaic_sparse_mla
-from pallas_kernels.mosaic_scoring import mosaic_takes
-from pallas_kernels.scoring import check_key_scale, key_dot_dtype
+from pallas_kernels._dtypes import check_key_scale, key_dot_dtype
+from pallas_kernels._mosaic import mosaic_takes
+from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
+from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
 
@@ -209,7 +209,7 @@ def sparse_mla(
 #    fp8 rows: e4m3 chunks converted to q's 16-bit dtype (exact) or f32; the block's row
 #    scales (one masked load) multiply the scores before ``scale`` and ``p`` before ``p @ kv``.
 # 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
-#    the sum in f32, and ``_combine_splits`` merges them (a small XLA fusion).
+#    the sum in f32, and ``combine_splits`` (``dense_mla``) merges them (a small XLA fusion).
 #
 # All-invalid rows and splits: the running max stays -inf, every p is 0 and the sum 0, so
 # the output is exactly 0 (the divisions are guarded), never NaN.

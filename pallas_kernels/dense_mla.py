@@ -13,8 +13,14 @@ row, ``V``: its leading value columns, see ``pallas_kernels.attention``). Invari
   k_rot]`` rows, values ``c``), so the two agree to float rounding on any row set.
 * Softmax in float32; a query with no masked-in key gets zeros, never NaN
   (``masked_softmax``, which ``sparse_mla_reference`` shares).
+* ``combine_splits`` merges flash-decoding split partials ``(acc, max, sum)`` the same way
+  for both ``sparse_mla`` kernels (Triton, ``attention``; Mosaic, ``mosaic_attention``): a
+  split with no valid id adds nothing, a row with none is exactly 0.
 
-It is ``O(L)`` per query: for tests, demos and benchmarks' baselines, never the layer's path.
+Its attention is ``O(L)`` per query: for tests, demos and benchmarks' baselines, never the
+layer's path. The softmax arithmetic it shares (``masked_softmax``, ``combine_splits``) and
+``check_value_width`` are on that path; they live here, in no kernel's module, so that
+neither attention kernel imports the other for a helper.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["topk_to_mask", "mla_masked_attention", "masked_softmax", "check_value_width"]
+__all__ = ["topk_to_mask", "mla_masked_attention", "masked_softmax", "check_value_width",
+           "combine_splits"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -71,3 +78,14 @@ def mla_masked_attention(
     p = masked_softmax(s, mask[:, :, None, :])
     o = jnp.einsum("bqhl,blc->bqhc", p, lat[..., :v], precision=_HI)
     return o.astype(q.dtype)
+
+
+def combine_splits(acc, m, l):
+    """Merge per-split partials ``acc [..., S, H, V]``, ``m, l [..., S, H]`` (f32, ``S``
+    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty."""
+    m_all = jnp.max(m, axis=-2, keepdims=True)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
+    denom = jnp.sum(w * l, axis=-2)
+    num = jnp.sum(w[..., None] * acc, axis=-3)
+    return num / jnp.where(denom > 0, denom, 1.0)[..., None]

@@ -41,13 +41,13 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 * Decode splits each row's id blocks over ``num_splits`` CTAs (flash decoding); a CTA
   processes only the blocks up to the row's last valid id (``n_end``, computed by the
   wrapper). Every CTA writes its unnormalised accumulator, running max and sum; the
-  wrapper merges them (``combine_splits``, a small XLA fusion), which also divides by the
+  wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also divides by the
   sum (0 for a row with no valid id: the output is exactly 0).
 
-Operands: ``q`` and ``latent`` of one 16-bit dtype (``takes_dtypes``; the tensor cores'
+Operands: ``q`` and ``latent`` of one 16-bit dtype (``_mosaic.takes_dtypes``; the tensor cores'
 float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
 ``index_scores`` does, and so it does on a Blackwell GPU, which has no ``wgmma``
-(``mosaic_scoring.wgmma_on_target``). Rows are padded with zero columns to a multiple of
+(``_mosaic.wgmma_on_target``). Rows are padded with zero columns to a multiple of
 64 (a 128-byte line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the
 latent per call when ``CR`` is not already aligned (no real model: ``CR`` is 512 or 576,
 ``V`` 512). Outputs agree with the reference
@@ -66,9 +66,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels.mosaic_scoring import check_16bit_operands, check_smem
+from pallas_kernels._mosaic import check_16bit_operands, check_smem
+from pallas_kernels.dense_mla import combine_splits
 
-__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "combine_splits"]
+__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"]
 
 HEAD_TILE = 64  # heads per CTA: the warpgroup MMA's M
 _VALUE_CHUNK = 128  # value columns per MMA (its N)
@@ -125,17 +126,6 @@ class MosaicSparseMlaBlockSizes:
             want = max(1, -(-_TARGET_CTAS // max(ctas, 1)))
             splits = max(1, min(want, -(-max(width, 1) // self.block_w) // _MIN_BLOCKS_PER_SPLIT))
         return dataclasses.replace(self, block_v=block_v, num_splits=splits)
-
-
-def combine_splits(acc, m, l):
-    """Merge per-split partials ``acc [..., S, H, V]``, ``m, l [..., S, H]`` (f32, ``S``
-    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty."""
-    m_all = jnp.max(m, axis=-2, keepdims=True)
-    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
-    denom = jnp.sum(w * l, axis=-2)
-    num = jnp.sum(w[..., None] * acc, axis=-3)
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,

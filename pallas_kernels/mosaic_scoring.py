@@ -1,7 +1,8 @@
-"""``index_scores`` as a Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``).
+"""``index_scores`` and ``index_scores_paged`` as one Mosaic GPU kernel
+(``implementation="mosaic"`` / ``"mosaic_interpret"``).
 
-The contract is ``pallas_kernels.scoring``'s (the reference and the Triton kernel live
-there): ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``
+The contract is ``pallas_kernels.scoring``'s (the wrappers, the reference and the Triton
+kernel of both key sources live there): ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``
 in float32, ``-inf`` where pool ``p`` is not a candidate for query ``t`` (not valid, or its
 last token after ``q_pos``) and where the score is NaN, ``-0.0`` returned as ``+0.0``, and a
 pool tile that no query of the program can see yet loads no key and writes ``-inf``.
@@ -30,12 +31,12 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 Precision and equality with the reference: ``wgmma`` multiplies 16-bit operands exactly
 and accumulates in float32, as the reference's ``einsum(..., preferred_element_type=f32)``
 does; float32 operands would be TF32 on the tensor cores, so this kernel takes bf16 / f16
-``q`` and ``pooled`` of one dtype only (``takes_dtypes``): the wrappers run any other
+``q`` and ``pooled`` of one dtype only (``_mosaic.takes_dtypes``): the wrappers run any other
 dtypes on the Triton kernel (IEEE float32), as a step with no Mosaic kernel does, so a
 float32 layer asked for ``"mosaic"`` still runs (an exact bf16 x 3 split, six MMAs, would
 bring float32 here). Blackwell (compute capability >= 10) has no ``wgmma``: there too the
-wrappers run the Triton kernel (``mosaic_takes``, ``wgmma_on_target``). The order of the sums (over ``D`` inside the MMA, over the
-heads in the warpgroup reduction) is the hardware's, not XLA's, so scores of arbitrary
+wrappers run the Triton kernel (``_mosaic.mosaic_takes``, ``wgmma_on_target``). The order
+of the sums (over ``D`` inside the MMA, over the heads in the warpgroup reduction) is the hardware's, not XLA's, so scores of arbitrary
 inputs agree with the reference within float32 rounding, not bit for bit. Where every
 partial sum is exact (dyadic inputs of few mantissa bits, a ``D`` whose ``D**-0.5`` is a
 power of two) the scores, and so the top-k selection, ties included, are bit-identical;
@@ -47,14 +48,14 @@ Layout limits the wrapper meets by padding (cheap unless noted): ``D`` to a mult
 128-byte lines), queries to a multiple of ``block_q``, pools to a multiple of ``block_p``
 (a copy of ``pooled`` when ``P`` is not one already: size a contiguous cache so that
 ``max_length // KP`` is a multiple of 64). Block sizes whose SMEM exceeds a Hopper CTA's
-227 KiB raise ``ValueError`` (``check_smem``). Every CTA handles one tile; latency is
+227 KiB raise ``ValueError`` (``_mosaic.check_smem``). Every CTA handles one tile; latency is
 hidden across CTAs, not by a multi-stage pipeline inside one.
 
-``index_scores_paged`` (``mosaic_index_scores_paged``; ``pallas_kernels.paged_scoring``'s
-contract) is the same kernel with the key tile copied through the block table, one TMA per
-chunk of ``min(PPP, block_p)`` pools (``PPP`` a multiple of 8: a TMA into a tiled SMEM
-buffer starts and ends on whole 8-row tiles); a chunk whose first pool is not live (no
-page, or at or past the row's pool count) copies a zero chunk instead of reading a page.
+``index_scores_paged`` (``mosaic_index_scores_paged``) is the same kernel body with the key
+tile copied through the block table (``page_chunk``), one TMA per chunk of ``min(PPP,
+block_p)`` pools (``PPP`` a multiple of 8: a TMA into a tiled SMEM buffer starts and ends on
+whole 8-row tiles); a chunk whose first pool is not live (no page, or at or past the row's
+pool count) copies a zero chunk instead of reading a page.
 """
 
 from __future__ import annotations
@@ -67,30 +68,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import target_device, check_positive_int, require_mosaic_gpu
+from pallas_kernels._common import check_positive_int, require_mosaic_gpu
+from pallas_kernels._mosaic import check_16bit_operands, check_smem
 
-__all__ = [
-    "MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged", "mosaic_takes",
-    "takes_dtypes", "check_16bit_operands", "wgmma_on_target",
-]
+__all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
 _MAX_HEADS = 256  # wgmma's largest N
-SMEM_BYTES = 227 * 1024  # the most shared memory one CTA may use on Hopper (sm_90)
-
-
-def check_smem(owner: str, buffers: dict[str, int], blocks) -> None:
-    """A ``ValueError`` naming ``blocks`` and the buffers when their bytes exceed
-    ``SMEM_BYTES`` (a launch would fail on the GPU; the lowering does not check it)."""
-    total = sum(buffers.values())
-    if total > SMEM_BYTES:
-        parts = ", ".join(f"{k} {v}" for k, v in buffers.items())
-        raise ValueError(
-            f"{owner}: {blocks} needs {total} bytes of shared memory ({parts}), more than "
-            f"the {SMEM_BYTES} a Hopper CTA has; use smaller blocks"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicIndexScoresBlockSizes:
     """Tiling of the Mosaic GPU ``index_scores`` (see the module doc).
@@ -256,44 +240,6 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     )(qp, wp, vis, seen, pv, pooled, table, zero)
 
 
-def takes_dtypes(*dtypes) -> bool:
-    """Whether the Mosaic kernels (scores and attention) take operands of these dtypes: one
-    16-bit float dtype (wgmma's float32 is TF32)."""
-    kinds = {jnp.dtype(d) for d in dtypes}
-    return len(kinds) == 1 and kinds <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-
-
-def wgmma_on_target() -> bool:
-    """Whether the device the trace targets can run these kernels' ``wgmma``: anything but
-    a CUDA GPU of compute capability 10 or newer. Blackwell has no ``wgmma`` (its MMAs are
-    ``tcgen05``; LLVM cannot select ``wgmma`` for sm_100a and the compile aborts the
-    process); interpret mode and the abstract H100 of ``cuda_lowering`` are fine."""
-    platform, capability = target_device()
-    return not (platform in ("cuda", "gpu") and capability is not None and capability[0] >= 10)
-
-
-def mosaic_takes(*dtypes) -> bool:
-    """Whether the wrappers run the Mosaic scoring / attention kernel on operands of these
-    dtypes here: 16-bit operands (``takes_dtypes``) on a target with ``wgmma``
-    (``wgmma_on_target``). Otherwise they run the Triton kernel (IEEE float32; any GPU), as
-    a step with no Mosaic kernel does (see ``pallas_kernels.scoring``), so a float32 layer,
-    or any layer on a Blackwell GPU, asked for ``"mosaic"`` (or ``"auto"``) still runs."""
-    return takes_dtypes(*dtypes) and wgmma_on_target()
-
-
-def check_16bit_operands(kernel: str, **operands) -> None:
-    """``ValueError`` unless the two ``operands`` (name: array) of the Mosaic ``kernel`` are of
-    one 16-bit float dtype (``takes_dtypes``): its MMAs are ``wgmma``'s, whose float32 is
-    TF32, not IEEE (shared by the scoring and attention wrappers, one message)."""
-    if not takes_dtypes(*(x.dtype for x in operands.values())):
-        names = " and ".join(operands)
-        got = " and ".join(f"{name} {x.dtype}" for name, x in operands.items())
-        raise ValueError(
-            f"the mosaic {kernel} multiplies 16-bit operands on the tensor cores (wgmma's "
-            f"float32 is TF32): {names} must both be bfloat16 or both float16, got {got}"
-        )
-
-
 def _check_operands(q, keys, keys_name, kpool):
     heads = q.shape[2]
     check_16bit_operands("index_scores", **{"q": q, keys_name: keys})
@@ -317,8 +263,8 @@ def _query_tiles(vis, block_q, bound=None):
 
 def mosaic_index_scores_paged(q, w, pooled_pages, block_table, pool_counts, q_pos, *, kpool,
                               interpret, block_sizes: MosaicIndexScoresBlockSizes):
-    """``index_scores_paged`` (``pallas_kernels.paged_scoring``'s contract; the caller
-    checked the shapes) with this kernel: ``[B, Q, PG * PPP]`` float32."""
+    """``index_scores_paged`` (``pallas_kernels.scoring``'s contract; the caller checked
+    the shapes) with this kernel: ``[B, Q, PG * PPP]`` float32."""
     plmgpu = require_mosaic_gpu("index_scores_paged")
     _check_operands(q, pooled_pages, "pooled_pages", kpool)
     b, n_q = q.shape[:2]

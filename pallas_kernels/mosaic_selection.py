@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_power_of_two, require_mosaic_gpu
-from pallas_kernels.radix_select import NEG_INF_KEY, dead_counts, order_key
+from pallas_kernels._order_key import NEG_INF_KEY, dead_counts, order_key
 
 __all__ = ["MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"]
 

@@ -1,10 +1,10 @@
-"""The radix select behind ``topk_pools``: the order key and the Pallas kernels (Triton).
+"""The radix select behind ``topk_pools``: the Pallas kernels (Triton).
 
-``order_key`` maps a float32 score to the int32 whose signed order is the float order,
-by integer ops only; ``topk_pools`` (``pallas_kernels.selection``) defines its tie rule on
-those keys. The kernels find ``T``, the ``select_k``-th largest key of a row, in
-``32 / radix_bits`` counting passes, then write the row's selected pool ids ascending in one
-compaction pass. Two paths, chosen by ``selection`` from the row length ``P``:
+They select on ``order_key`` (``pallas_kernels._order_key``: the int32 image of a float32
+score whose signed order is the float order, by integer ops only), on which ``topk_pools``
+(``pallas_kernels.selection``) defines its tie rule. The kernels find ``T``, the
+``select_k``-th largest key of a row, in ``32 / radix_bits`` counting passes, then write the
+row's selected pool ids ascending in one compaction pass. Two paths, chosen by ``selection`` from the row length ``P``:
 
 * ``one_program_select``: **one program per query row** does every pass (one launch, no
   work between passes): short rows (decode up to 32K tokens, prefill tiles).
@@ -38,47 +38,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import next_power_of_two
+from pallas_kernels._order_key import NEG_INF_KEY, dead_counts, order_key
 
-__all__ = ["order_key", "canonical_scores", "NEG_INF_KEY", "MAX_COMPARE",
-           "one_program_select", "segmented_select"]
+__all__ = ["MAX_COMPARE", "one_program_select", "segmented_select"]
 
 MAX_COMPARE = 1 << 16  # most elements of the per-tile [block_p, 2**radix_bits] compare
 _INT_MIN = -(2**31)
-
-
-def _canonical_bits(scores: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    mag = bits & jnp.int32(0x7FFFFFFF)
-    bits = jnp.where(mag < jnp.int32(0x00800000), jnp.int32(0), bits)  # -0, denormals -> +0
-    return jnp.where(mag > jnp.int32(0x7F800000), jnp.int32(-8388608), bits)  # NaN -> -inf
-
-
-def order_key(scores: jax.Array) -> jax.Array:
-    """float32 -> int32 whose signed order is the float order, by integer ops only.
-
-    ``-0.0`` and every denormal count as ``+0.0`` and NaN as ``-inf`` (never selected).
-    Integer ops make the rule the same on every backend: a float compare would flush
-    denormals on some (XLA:CPU) and not on others.
-    """
-    bits = _canonical_bits(scores)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def canonical_scores(scores: jax.Array) -> jax.Array:
-    """The scores with ``-0``/denormals made ``+0`` and NaN made ``-inf``: floats whose
-    order is exactly ``order_key``'s, so a float ``top_k`` finds the same threshold."""
-    return jax.lax.bitcast_convert_type(_canonical_bits(scores), jnp.float32)
-
-
-NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
-
-
-def dead_counts(cand: jax.Array, n_dead: jax.Array) -> jax.Array:
-    """The count, for each candidate key ``cand``, of ``n_dead`` unread ``-inf`` pools
-    (keys ``NEG_INF_KEY``) at or above it: what the pools past a row's live bound add to a
-    counting pass, so that the threshold is the one of the whole row with them at ``-inf``
-    (see "Live bound" below)."""
-    return jnp.where(cand <= jnp.int32(NEG_INF_KEY), n_dead, 0)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,38 +1,76 @@
-"""``index_scores``: the lightning indexer's score of every (query, pool) pair.
+"""Index scoring: the lightning indexer's score of every (query, pool) pair, with the pooled
+keys read from one of two sources.
 
-Axis letters as in the package glossary (``pallas_kernels``; ``Hi``: indexer heads).
-Invariants:
+Axis letters as in the package glossary (``pallas_kernels``; ``Hi``: indexer heads; ``N``
+pages of the pool, ``PG`` pages per sequence, ``PPP`` pools per page). The two key sources
+are the only difference between the two public wrappers:
 
-* ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . pooled[b, p]) * D**-0.5)``
+* ``index_scores``: contiguous keys, ``pooled [B, P, D]`` (from ``kpool_compress``) with
+  ``pool_valid [B, P]`` and ``first_key [B]`` (the first token of pool 0).
+* ``index_scores_paged``: keys held in pages through a block table (the paged cache's
+  layout). A page holds ``page_size`` tokens (a multiple of ``KP``), so ``PPP = page_size
+  // KP`` pools; ``pooled_pages [N, PPP, D]`` is shared by every sequence and pool ``p`` of
+  sequence ``b`` lives at ``pooled_pages[block_table[b, p // PPP], p % PPP]``.
+  ``block_table [B, PG]`` int32: entry ``j`` is the page holding tokens ``[j * page_size,
+  (j + 1) * page_size)``, or ``-1`` (none); positions start at 0 with no holes, so
+  ``first_key = 0``. ``pool_counts [B]``: the sequence's complete pools (its pools ``[0,
+  pool_counts[b])`` are written). The result is ``[B, Q, PG * PPP]``.
+
+Invariants (both sources):
+
+* ``score[b, t, p] = sum_h w[b, t, h] * relu((q[b, t, h] . key[b, p]) * D**-0.5)``
   (``h`` over the ``Hi`` indexer heads), computed in float32 whatever the input dtype.
 * Pool ``p`` is a *candidate* for query ``t`` when it is valid and its last token,
   ``first_key + (p + 1)*KP - 1``, is at or before the query's position ``q_pos[b, t]``
-  (causal; a padding query has ``q_pos = -1`` and so no candidate). Non-candidates score
+  (causal; a padding query has ``q_pos = -1`` and so no candidate). A paged pool is valid
+  iff ``p < pool_counts[b]`` and its page entry is in ``[0, N)``. Non-candidates score
   ``-inf``; so does a NaN score, so that a NaN never wins a top-k slot.
 * ``-0.0`` is returned as ``+0.0``: ReLU makes exact zeros common, and the top-k tie rule
   must see ``w * 0 < 0`` and ``0`` as the same score.
 * Block sizes (``IndexScoresBlockSizes``) change the tiling only; within a pool tile, the
   head sum's order is the kernel's own (see the float tolerance of the tests).
-* fp8 keys: with ``pooled_scale [B, P]`` (float32, one per pool) ``pooled`` is
-  ``float8_e4m3fn`` and the key of pool ``p`` is ``pooled[b, p] * pooled_scale[b, p]``
-  (``glm5_dsa_jax.fp8``). The scale multiplies the head-summed score, after the ReLU:
-  ``score = pooled_scale[b, p] * sum_h w * relu((q . k8) * D**-0.5)``, equal to the score
-  of the dequantised key because a scale is positive. The e4m3 key is converted to the
-  query's dtype (exact for bf16 / f16, whose products stay exact in float32) inside the
-  kernel; the reference does the same conversion, the same dot and the same order.
-* Work follows the queries' positions: a Pallas program whose pool tile lies wholly past
-  what its queries can see (``first_key + (p + 1)*KP - 1 > q_pos`` for every pool and
-  query of the tile) loads no key and writes ``-inf``, so a cache sized for a long
-  capacity costs what its filled part costs. ``index_scores_paged``
-  (``pallas_kernels.paged_scoring``) is this kernel through a block table.
+* fp8 keys: with ``pooled_scale`` (float32, one per pool: ``[B, P]``, or ``[N, PPP]``
+  paged with the keys) the keys are ``float8_e4m3fn`` and the key of a pool is its e4m3
+  row times its scale (``glm5_dsa_jax.fp8``). The scale multiplies the head-summed score,
+  after the ReLU: ``score = scale * sum_h w * relu((q . k8) * D**-0.5)``, equal to the
+  score of the dequantised key because a scale is positive. The e4m3 key is converted to
+  the query's dtype (exact for bf16 / f16, whose products stay exact in float32) inside
+  the kernel; the reference does the same conversion, the same dot and the same order
+  (``pallas_kernels._dtypes``).
+* Nothing a sequence does not own is read: a ``-1`` (or out-of-range) page entry and a
+  pool at or past ``pool_counts[b]`` are never loaded (the reference's gather fills them
+  with zeros; the kernels mask the load or skip the tile), so whatever such a page holds
+  (NaN, another sequence's keys) cannot reach the scores.
+* Work follows the live pools: a Pallas program whose pool tile starts at or past what
+  its queries can see (``first_key + (p + 1)*KP - 1 > q_pos`` for every pool and query of
+  the tile; paged: also at or past ``pool_counts[b]``) loads no key and writes ``-inf``,
+  so a cache sized for a long capacity costs what its filled part costs.
 
-The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``;
-``pallas_kernels.mosaic_scoring``, jax >= 0.11, Hopper and newer) keeps this contract for
-16-bit ``q`` and ``pooled`` of one dtype, with its own block sizes,
-``MosaicIndexScoresBlockSizes`` (``block_sizes`` must then be one, or ``None``); its
-summation order is the tensor cores' (see that module's doc on equality). Other dtypes
-(float32: wgmma's is TF32) run this module's Triton kernel at its default block sizes, as a
-step with no Mosaic kernel does, so a float32 layer asked for ``"mosaic"`` still runs.
+One family, so that the key source is the only difference:
+
+* One reference: ``index_scores_reference``. ``index_scores_paged_reference`` gathers
+  each sequence's pages into contiguous rows (``gather_pools``) and calls it, so the paged
+  result *is* the contiguous one on the gathered rows, bit for bit.
+* One validation of the queries and scales, one dispatch (``_run_scores``: the reference,
+  the Mosaic kernel where it takes the operands, else Triton) and one pair of block-size
+  dataclasses for both wrappers.
+* One Triton kernel body (``_scores_kernel``) for both; a key source
+  (``_ContiguousKeys`` / ``_PagedKeys``) supplies the tile's live bound and its key load
+  (a direct index vs. one through the block table); the arithmetic is one function.
+* One Mosaic kernel body for both (``pallas_kernels.mosaic_scoring``: ``page_chunk`` picks
+  a direct TMA or one per page chunk).
+
+The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``, jax >= 0.11,
+Hopper and newer) keeps this contract for 16-bit ``q`` and keys of one dtype, with its own
+block sizes, ``MosaicIndexScoresBlockSizes`` (``block_sizes`` must then be one, or
+``None``); its summation order is the tensor cores' (see that module's doc on equality).
+Paged, it copies keys by TMA a chunk of ``min(PPP, block_p)`` pools at a time (``PPP`` a
+multiple of 8): a chunk whose first pool is not live is never read, but the chunk holding a
+row's last written pool is copied whole, so that page's unwritten pools after it are loaded
+(each is its own MMA row and is masked to ``-inf``: its contents cannot reach another
+pool's score). Other dtypes (float32: wgmma's is TF32; fp8 keys) run this module's Triton
+kernel at its default block sizes, as a step with no Mosaic kernel does, so a float32 layer
+asked for ``"mosaic"`` still runs.
 """
 
 from __future__ import annotations
@@ -49,19 +87,22 @@ from pallas_kernels._common import (
     Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
+from pallas_kernels._dtypes import FP8, check_key_scale, key_dot_dtype
+from pallas_kernels._mosaic import mosaic_takes
 from pallas_kernels.mosaic_scoring import (
-    MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_takes,
+    MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_index_scores_paged,
 )
 
 __all__ = [
     "index_scores", "index_scores_reference", "IndexScoresBlockSizes", "pool_last_token",
-    "MosaicIndexScoresBlockSizes", "key_dot_dtype",
+    "MosaicIndexScoresBlockSizes", "index_scores_paged", "index_scores_paged_reference",
+    "gather_pools",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class IndexScoresBlockSizes:
-    """Tiling of the Pallas ``index_scores``.
+    """Tiling of the Pallas ``index_scores`` and ``index_scores_paged`` (one kernel body).
 
     * ``block_q``: queries per program (a power of two), which share one pooled-key tile;
     * ``block_p``: pools per program, the dot's N (a power of two >= 16);
@@ -99,8 +140,8 @@ def pool_last_token(first_key: jax.Array, n_pools: int, kpool: int) -> jax.Array
     return first_key.astype(jnp.int32)[:, None] + (p[None, :] + 1) * kpool - 1
 
 
-def finish_scores(score, pool_valid, first_key, q_pos, kpool):
-    """Apply the candidate mask and the sign / NaN canonicalisation (shared with kernels)."""
+def _finish_scores(score, pool_valid, first_key, q_pos, kpool):
+    """Apply the candidate mask and the sign / NaN canonicalisation (as the kernels do)."""
     last = pool_last_token(first_key, score.shape[-1], kpool)
     cand = pool_valid[:, None, :] & (last[:, None, :] <= q_pos[:, :, None])
     score = jnp.where(score == 0.0, 0.0, score)
@@ -149,7 +190,76 @@ def index_scores_reference(
     )
     if pooled_scale is not None:  # fp8 keys: the pool's scale, after the head sum
         score = score * pooled_scale.astype(jnp.float32)[:, None, :]
-    return finish_scores(score, pool_valid, first_key, q_pos, kpool)
+    return _finish_scores(score, pool_valid, first_key, q_pos, kpool)
+
+
+def _pool_slots(pooled_pages, block_table):
+    """``[B, PG * PPP]`` int32: the flat ``[N * PPP]`` slot of every pool of every sequence,
+    and whether it is owned (page entry in ``[0, N)``)."""
+    n_pages, ppp = pooled_pages.shape[:2]
+    pages = jnp.repeat(block_table.astype(jnp.int32), ppp, axis=1)  # [B, PG*PPP]
+    within = jnp.tile(jnp.arange(ppp, dtype=jnp.int32), block_table.shape[1])
+    owned = (pages >= 0) & (pages < n_pages)
+    return jnp.where(owned, pages * ppp + within[None, :], n_pages * ppp), owned
+
+
+def gather_pools(pooled_pages: jax.Array, block_table: jax.Array) -> jax.Array:
+    """``pooled_pages [N, PPP, D]``, ``block_table [B, PG]`` -> ``[B, PG * PPP, D]``: each
+    sequence's pools in order; a pool whose page entry is ``-1`` (or out of range) is zeros
+    and is never read (``jnp.take(..., mode="fill")`` on a slot past the pool).
+
+    8- and 16-bit floats are gathered through their bits (as ``attention.gather_rows``):
+    XLA:CPU would otherwise convert the whole pool to a wider float first. ``pooled_pages``
+    may also be ``[N, PPP]`` (the fp8 scales), giving ``[B, PG * PPP]``.
+    """
+    n_pages, ppp = pooled_pages.shape[:2]
+    flat = pooled_pages.reshape((n_pages * ppp,) + pooled_pages.shape[2:])
+    slots, _ = _pool_slots(pooled_pages, block_table)
+    take = lambda x: jnp.take(x, slots, axis=0, mode="fill", fill_value=0)
+    if jnp.issubdtype(flat.dtype, jnp.floating) and flat.dtype.itemsize in (1, 2):
+        bits = jax.lax.bitcast_convert_type
+        uint = jnp.uint8 if flat.dtype.itemsize == 1 else jnp.uint16
+        return bits(take(bits(flat, uint)), flat.dtype)
+    return take(flat)
+
+
+def index_scores_paged_reference(
+    q: jax.Array,
+    w: jax.Array,
+    pooled_pages: jax.Array,
+    block_table: jax.Array,
+    pool_counts: jax.Array,
+    q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
+    *,
+    kpool: int,
+) -> jax.Array:
+    """Plain-jnp paged scores: ``gather_pools`` (of the keys and of their fp8 scales) then
+    ``index_scores_reference`` with ``first_key = 0`` and ``pool_valid = owned & (p <
+    pool_counts[b])``.
+
+    Args:
+      q: ``[B, Q, Hi, D]`` indexer queries.
+      w: ``[B, Q, Hi]`` float32 head weights.
+      pooled_pages: ``[N, PPP, D]`` the shared pool of pooled-key pages.
+      block_table: ``[B, PG]`` int32 page of each ``page_size`` tokens, ``-1`` = none.
+      pool_counts: ``[B]`` int32 complete pools of each sequence.
+      q_pos: ``[B, Q]`` int32 position of each query in its sequence, ``-1`` = padding.
+      pooled_scale: ``[N, PPP]`` float32 scale of each pool when ``pooled_pages`` is fp8.
+      kpool: tokens per pool.
+
+    Returns:
+      ``[B, Q, PG * PPP]`` float32 scores, ``-inf`` where the pool is not a candidate.
+    """
+    _, owned = _pool_slots(pooled_pages, block_table)
+    pool = jnp.arange(owned.shape[1], dtype=jnp.int32)
+    pool_valid = owned & (pool[None, :] < pool_counts.astype(jnp.int32)[:, None])
+    first_key = jnp.zeros(block_table.shape[:1], jnp.int32)
+    scale = None if pooled_scale is None else gather_pools(pooled_scale, block_table)
+    return index_scores_reference(
+        q, w, gather_pools(pooled_pages, block_table), pool_valid, first_key, q_pos, scale,
+        kpool=kpool,
+    )
 
 
 def index_scores(
@@ -171,7 +281,7 @@ def index_scores(
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
-    b, nq, _, d = check_queries(q, w)
+    b, nq, _, d = _check_queries(q, w)
     check_rank("pooled", pooled, 3, "[B, P, D]")
     if pooled.shape[0] != b or pooled.shape[2] != d:
         raise ValueError(f"pooled must be [B={b}, P, D={d}], got {tuple(pooled.shape)}")
@@ -182,7 +292,7 @@ def index_scores(
     if q_pos.shape != (b, nq):
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
     check_key_scale("pooled", pooled, "pooled_scale", pooled_scale, "[B, P]")
-    return run_scores(
+    return _run_scores(
         (q, w, pooled, pool_valid, first_key, q_pos), pooled_scale, kpool=kpool,
         implementation=implementation, mosaic=mosaic, blocks=blocks,
         reference=index_scores_reference, mosaic_kernel=_index_scores_mosaic,
@@ -190,7 +300,52 @@ def index_scores(
     )
 
 
-def check_queries(q, w) -> tuple[int, int, int, int]:
+def index_scores_paged(
+    q: jax.Array,
+    w: jax.Array,
+    pooled_pages: jax.Array,
+    block_table: jax.Array,
+    pool_counts: jax.Array,
+    q_pos: jax.Array,
+    pooled_scale: jax.Array | None = None,
+    *,
+    kpool: int,
+    implementation: Implementation = "xla",
+    block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
+) -> jax.Array:
+    """Indexer scores over paged pooled keys (the block table as the key source); see the
+    module doc. Shapes as
+    ``index_scores_paged_reference`` (``pooled_scale [N, PPP]`` with fp8 keys);
+    ``block_sizes`` (validated under every implementation) tiles the kernel as it tiles
+    ``index_scores``': an ``IndexScoresBlockSizes`` for ``"pallas"``, a
+    ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
+    defaults)."""
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
+    b, nq, _, d = _check_queries(q, w)
+    check_rank("pooled_pages", pooled_pages, 3, "[N, PPP, D]")
+    if pooled_pages.shape[2] != d:
+        raise ValueError(f"pooled_pages must be [N, PPP, D={d}], got {tuple(pooled_pages.shape)}")
+    check_rank("block_table", block_table, 2, "[B, PG]")
+    if block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [B={b}, PG], got {tuple(block_table.shape)}")
+    if pool_counts.shape != (b,):
+        raise ValueError(f"pool_counts must be [B] = ({b},), got {tuple(pool_counts.shape)}")
+    if q_pos.shape != (b, nq):
+        raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
+    for name, x in (("block_table", block_table), ("pool_counts", pool_counts), ("q_pos", q_pos)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+    check_positive_int("kpool", kpool)
+    check_key_scale("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
+    return _run_scores(
+        (q, w, pooled_pages, block_table, pool_counts, q_pos), pooled_scale, kpool=kpool,
+        implementation=implementation, mosaic=mosaic, blocks=blocks,
+        reference=index_scores_paged_reference, mosaic_kernel=_index_scores_paged_mosaic,
+        pallas_kernel=_index_scores_paged_pallas,
+    )
+
+
+def _check_queries(q, w) -> tuple[int, int, int, int]:
     """``(B, Q, Hi, D)`` of queries ``q [B, Q, Hi, D]`` with head weights ``w [B, Q, Hi]``,
     or a ``ValueError`` naming the shapes (shared with ``index_scores_paged``)."""
     check_rank("q", q, 4, "[B, Q, Hi, D]")
@@ -200,7 +355,7 @@ def check_queries(q, w) -> tuple[int, int, int, int]:
     return b, nq, h, d
 
 
-def run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, reference,
+def _run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, reference,
                mosaic_kernel, pallas_kernel):
     """Score checked inputs ``args = (q, w, keys, ...)`` (``keys`` the pooled keys, whole or
     paged) with the implementation ``kernel_family`` chose: ``reference`` for ``"xla"``;
@@ -220,21 +375,41 @@ def run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, ref
                          interpret=implementation == "pallas_interpret", block_sizes=blocks)
 
 
+_index_scores_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores)
+_index_scores_paged_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores_paged)
+
+
 # --------------------------------------------------------------------------------------
-# Pallas kernel (Triton backend)
+# Pallas kernel (Triton backend): one body, two key sources
 # --------------------------------------------------------------------------------------
 #
-# Grid ``(query tiles, B, pool tiles)``: a program loads one ``[block_p, D_pad]`` tile of
-# pooled keys once and loops over its ``block_q`` queries; per query one ``dot``
-# ``[Hi_pad, D_pad] x [D_pad, block_p]`` gives every head's logits at once (the heads are
-# the dot's M axis, so a decode step with one query still fills an MMA tile), then ReLU,
-# the head weights and a sum over the head axis give the ``[block_p]`` score row. The
-# working set is one pooled tile plus one query's ``[Hi_pad, D_pad]`` whatever the context
-# length. The query-tile axis comes first in the grid (the fastest launch axis), so the
-# programs that share a pooled tile run together and the tile is read from L2. A tile of
-# pools none of its queries can see yet (causally: past the newest query's last complete
-# pool) loads nothing and writes ``-inf``: a decode step in a cache sized for a long
-# capacity reads only the pools up to its position.
+# Grid ``(query tiles, B, pool tiles)`` over the row's pool positions (``P``, or ``PG *
+# PPP`` paged). Per program:
+#
+# 1. Live bound: the pools the tile's queries can see, ``max over its queries of (q_pos -
+#    first_key + 1) // KP`` (pool ``p`` is visible to ``t`` iff ``first_key + (p + 1)*KP -
+#    1 <= q_pos``), paged also capped at ``pool_counts[b]`` (the key source's
+#    ``live_bound``). A tile starting at or past it loads no key, no page entry and no
+#    query: it writes ``-inf`` over its ``[block_q, block_p]`` outputs and ends. A decode
+#    step in a cache sized for a long capacity reads only the pools up to its position (at
+#    a 128K-token capacity and 4K live tokens, 31 of every 32 programs end there).
+# 2. Otherwise the key source loads the tile's ``[block_p, D_pad]`` keys once, with which
+#    pools are loaded and their last tokens (``load_tile``): contiguous, row ``b`` of
+#    ``pooled`` directly and ``pool_valid``; paged, the tile's page entries
+#    ``block_table[b, pool // PPP]`` (one gather: consecutive pools share a page), then the
+#    keys of ``pooled_pages`` viewed flat ``[N * PPP, D]`` at slot ``page * PPP + pool %
+#    PPP``, the load masked to owned pools below the live bound (a masked lane is not read).
+# 3. Per query (``_score_rows``, one function for both sources) one ``dot`` ``[Hi_pad,
+#    D_pad] x [D_pad, block_p]`` gives every head's logits at once (the heads are the dot's
+#    M axis, so a decode step with one query still fills an MMA tile), then ReLU, the head
+#    weights, the head sum, the fp8 scales and ``_finish_scores`` in-kernel (candidate mask
+#    ``loaded & last <= q_pos``). The working set is one key tile plus one query's
+#    ``[Hi_pad, D_pad]`` whatever the context length. The query-tile axis comes first in
+#    the grid (the fastest launch axis), so the programs that share a key tile run together
+#    and the tile is read from L2.
+#
+# Why one body: the two kernels differed only in steps 1 and 2; the key source is a static
+# Python object, so each source's kernel traces to the same program as its own body would.
 #
 # Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
 # accumulator (their products are exact in f32, as in the reference's f32 einsum); any
@@ -243,82 +418,139 @@ def run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, ref
 # converted to the query's 16-bit dtype (exact) or float32 after the load, and the tile's
 # pool scales (one load of ``block_p`` floats) multiply the head-summed score row; Triton
 # converts e4m3 from compute capability 8.9 (``glm5_dsa_jax.fp8.check_readable``).
+#
+# Offsets: Pallas' Triton lowering addresses a ref with 64-bit offsets once it exceeds 4 GiB
+# (32-bit below, where every element offset of a 16- or 32-bit array fits), so a page pool
+# of any size is addressed correctly.
 
 
-def _index_scores_kernel(
-    q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, *refs,  # inputs [, pscale_ref], output
-    kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
+def _scores_kernel(
+    q_ref, w_ref, keys_ref, table_ref, row_ref, qpos_ref, *refs,  # inputs [, pscale_ref], output
+    source, kpool: int, n_q: int, n_pools: int, heads: int, dim: int, block_q: int,
     block_p: int, block_h: int, block_d: int, dot_dtype,
 ):
+    """One (query tile, row, pool tile) program. ``table_ref`` / ``row_ref`` are the key
+    source's per-pool and per-row operands (``pool_valid`` / ``first_key``, or
+    ``block_table`` / ``pool_counts``), read only by ``source``."""
     *pscale_ref, out_ref = refs
     q_tile, b, p_tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    pool = p_tile * block_p + jnp.arange(block_p, dtype=jnp.int32)
+    p0 = p_tile * block_p
+    pool = p0 + jnp.arange(block_p, dtype=jnp.int32)
     pool_in = pool < n_pools
     t0 = q_tile * block_q
     n_rows = jnp.minimum(block_q, n_q - t0)
 
-    # Pools the tile's queries can see: ``first_key + (p + 1)*KP - 1 <= q_pos`` iff ``p <
-    # (q_pos - first_key + 1) // KP``. A tile starting at or past that loads no key.
+    # 1. The tile's live bound, from its queries' positions (and the row's pool count).
     tq = t0 + jnp.arange(block_q, dtype=jnp.int32)
     qpos = plgpu.load(qpos_ref.at[b, jnp.minimum(tq, n_q - 1)], mask=tq < n_q, other=-1)
-    seen = jnp.max(jnp.maximum(qpos - fk_ref[b] + 1, 0)) // kpool
+    live = source.live_bound(table_ref, row_ref, b=b, qpos=qpos, kpool=kpool)
 
-    @pl.when(p_tile * block_p >= seen)
+    @pl.when(p0 >= live)
     def _dead_tile():
-        write_dead_tile(out_ref, b=b, pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows)
+        _write_dead_tile(out_ref, b=b, pool=pool, pool_in=pool_in, t0=t0, n_rows=n_rows)
 
-    @pl.when(p_tile * block_p < seen)
+    @pl.when(p0 < live)
     def _live_tile():
-        _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, pscale_ref, out_ref, b=b,
-                    pool=pool, t0=t0, n_rows=n_rows, kpool=kpool, n_pools=n_pools,
-                    heads=heads, dim=dim, block_p=block_p, block_h=block_h, block_d=block_d,
-                    dot_dtype=dot_dtype)
+        # 2. The tile's keys, then 3. the arithmetic per query.
+        keys, loaded, last, pscale = source.load_tile(
+            keys_ref, table_ref, row_ref, pscale_ref, b=b, pool=pool, pool_in=pool_in,
+            live=live, kpool=kpool, n_pools=n_pools, dim=dim, block_d=block_d,
+            dot_dtype=dot_dtype)
+        _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, b=b, pool=pool,
+                   pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim,
+                   block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
 
 
-def _score_tile(q_ref, w_ref, pooled_ref, pvalid_ref, fk_ref, qpos_ref, pscale_ref, out_ref, *, b, pool,
-                t0, n_rows, kpool, n_pools, heads, dim, block_p, block_h, block_d, dot_dtype):
-    """One live tile: load its pooled keys once, then score its queries one by one."""
-    pool_in = pool < n_pools
-    pool_safe = jnp.minimum(pool, n_pools - 1)
+def _channels(dim, block_d):
+    """The ``[block_d]`` channel lanes, which of them are real, and an in-bounds index."""
     ch = jnp.arange(block_d, dtype=jnp.int32)
-    ch_ok = ch < dim
-    ch_safe = jnp.minimum(ch, dim - 1)
-    kshape = (block_p, block_d)
-    keys = plgpu.load(
-        pooled_ref.at[
-            b,
-            jnp.broadcast_to(pool_safe[:, None], kshape),
-            jnp.broadcast_to(ch_safe[None, :], kshape),
-        ],
-        mask=jnp.broadcast_to(ch_ok[None, :], kshape),
-        other=0.0,
-    ).astype(dot_dtype)
-    pool_valid = plgpu.load(pvalid_ref.at[b, pool_safe]) != 0
-    last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
-    pscale = plgpu.load(pscale_ref[0].at[b, pool_safe]) if pscale_ref else None
-
-    score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, pool_valid, last, pscale, b=b, pool=pool,
-               pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim, block_h=block_h,
-               block_d=block_d, dot_dtype=dot_dtype)
+    return ch < dim, jnp.minimum(ch, dim - 1)
 
 
-def write_dead_tile(out_ref, *, b, pool, pool_in, t0, n_rows):
+@dataclasses.dataclass(frozen=True)
+class _ContiguousKeys:
+    """``index_scores``' key source: ``keys_ref = pooled [B, P, D]``, ``table_ref =
+    pool_valid [B, P]`` (int8), ``row_ref = first_key [B]``, scales ``[B, P]``."""
+
+    def live_bound(self, valid_ref, fk_ref, *, b, qpos, kpool):
+        # ``first_key + (p + 1)*KP - 1 <= q_pos`` iff ``p < (q_pos - first_key + 1) // KP``.
+        return jnp.max(jnp.maximum(qpos - fk_ref[b] + 1, 0)) // kpool
+
+    def load_tile(self, pooled_ref, valid_ref, fk_ref, pscale_ref, *, b, pool, pool_in, live,
+                  kpool, n_pools, dim, block_d, dot_dtype):
+        pool_safe = jnp.minimum(pool, n_pools - 1)
+        ch_ok, ch_safe = _channels(dim, block_d)
+        kshape = (pool.shape[0], block_d)
+        keys = plgpu.load(
+            pooled_ref.at[
+                b,
+                jnp.broadcast_to(pool_safe[:, None], kshape),
+                jnp.broadcast_to(ch_safe[None, :], kshape),
+            ],
+            mask=jnp.broadcast_to(ch_ok[None, :], kshape),
+            other=0.0,
+        ).astype(dot_dtype)
+        loaded = plgpu.load(valid_ref.at[b, pool_safe]) != 0
+        last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
+        pscale = plgpu.load(pscale_ref[0].at[b, pool_safe]) if pscale_ref else None
+        return keys, loaded, last, pscale
+
+
+@dataclasses.dataclass(frozen=True)
+class _PagedKeys:
+    """``index_scores_paged``' key source: ``keys_ref = pooled_pages`` viewed flat ``[N *
+    PPP, D]`` (``n_slots`` rows), ``table_ref = block_table [B, PG]``, ``row_ref =
+    pool_counts [B]``, scales ``[N * PPP]``; ``first_key = 0``."""
+
+    ppp: int
+    n_slots: int
+
+    def live_bound(self, bt_ref, counts_ref, *, b, qpos, kpool):
+        seen = jnp.max(jnp.maximum(qpos + 1, 0)) // kpool  # pools the tile's queries can see
+        return jnp.minimum(counts_ref[b], seen)
+
+    def load_tile(self, keys_ref, bt_ref, counts_ref, pscale_ref, *, b, pool, pool_in, live,
+                  kpool, n_pools, dim, block_d, dot_dtype):
+        ppp = self.ppp
+        ch_ok, ch_safe = _channels(dim, block_d)
+        # Page entries, then the owned keys below the live bound.
+        pool_safe = jnp.minimum(pool, n_pools - 1)
+        in_live = pool_in & (pool < live)
+        page = plgpu.load(bt_ref.at[b, pool_safe // ppp], mask=in_live, other=-1)
+        loaded = in_live & (page >= 0) & (page * ppp < self.n_slots)
+        slot = jnp.where(loaded, page * ppp + pool_safe % ppp, 0)
+        kshape = (pool.shape[0], block_d)
+        keys = plgpu.load(
+            keys_ref.at[
+                jnp.broadcast_to(slot[:, None], kshape),
+                jnp.broadcast_to(ch_safe[None, :], kshape),
+            ],
+            mask=jnp.broadcast_to(loaded[:, None] & ch_ok[None, :], kshape),
+            other=0.0,
+        ).astype(dot_dtype)
+        pscale = None
+        if pscale_ref:  # fp8 keys: each loaded pool's scale (0 where not loaded: no candidate)
+            pscale = plgpu.load(pscale_ref[0].at[slot], mask=loaded, other=0.0)
+        return keys, loaded, (pool + 1) * kpool - 1, pscale
+
+
+def _write_dead_tile(out_ref, *, b, pool, pool_in, t0, n_rows):
     """A tile no query of it can see: ``-inf`` over its ``[n_rows, block_p]`` outputs, no
-    load (shared with ``paged_scoring``)."""
+    load."""
     @pl.loop(0, n_rows)
     def _(i):
         plgpu.store(out_ref.at[b, t0 + i, pool], jnp.full(pool.shape, -jnp.inf, jnp.float32),
                     mask=pool_in)
 
 
-def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b, pool, pool_in,
+def _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b, pool, pool_in,
                t0, n_rows, heads, dim, block_h, block_d, dot_dtype):
     """Score a loaded ``[block_p, block_d]`` key tile for queries ``t0 .. t0 + n_rows - 1``
     of row ``b``: per query one ``[Hi, D] x [D, block_p]`` dot, ReLU, the head weights, the
     head sum, times the pools' fp8 scales ``pscale [block_p]`` (None: no scale), then
-    ``finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
-    ``loaded`` or whose ``last`` token is after the query -> ``-inf``). Shared with
-    ``paged_scoring``, so both kernels do the same arithmetic."""
+    ``_finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
+    ``loaded`` or whose ``last`` token is after the query -> ``-inf``). One function for
+    both key sources, so both do the same arithmetic."""
     f32 = jnp.float32
     scale = dim**-0.5
     ch = jnp.arange(block_d, dtype=jnp.int32)
@@ -349,13 +581,12 @@ def score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b
 
 
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-def score_dot_dtype(q_dtype, key_dtype):
+def _score_dot_dtype(q_dtype, key_dtype):
     """The dtype the Triton kernels' dot multiplies in: ``key_dot_dtype`` for fp8 keys; the
     operands' own for bf16 / f16 of one dtype (tensor cores, exact products in the float32
-    accumulator); else float32 (IEEE, ``allow_tf32=False``). Shared with ``paged_scoring``."""
+    accumulator); else float32 (IEEE, ``allow_tf32=False``)."""
     if jnp.dtype(key_dtype) == FP8:
         return key_dot_dtype(q_dtype)
     if q_dtype == key_dtype and q_dtype != jnp.float32:
@@ -363,27 +594,27 @@ def score_dot_dtype(q_dtype, key_dtype):
     return jnp.float32
 
 
-def check_triton_dtypes(q, w, keys_name, keys):
+def _check_triton_dtypes(q, w, keys_name, keys):
     """``ValueError`` unless ``q``, the keys and ``w`` are float32, bfloat16 or float16 (the
-    keys may also be e4m3), as the Triton kernels take them (shared with ``paged_scoring``)."""
+    keys may also be e4m3), as the Triton kernel takes them."""
     for name, x in (("q", q), (keys_name, keys), ("w", w)):
         if x.dtype not in _FLOAT_DTYPES and not (name == keys_name and x.dtype == FP8):
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
 
 
-def launch_scores(kernel, operands, *, name, n_pools, kpool, block_sizes, interpret, **static):
-    """The Triton scoring ``kernel``'s ``pallas_call`` on ``operands = (q, w, keys, ...)``:
-    grid ``(query tiles, B, pool tiles)`` over ``[B, Q, n_pools]`` float32 scores, tiled by
-    ``block_sizes`` resolved to the problem, the dot in ``score_dot_dtype``; ``static``: the
-    kernel's other static arguments. Shared with ``paged_scoring``."""
+def _launch_scores(operands, *, source, name, n_pools, kpool, block_sizes, interpret):
+    """The Triton scoring kernel's ``pallas_call`` on ``operands = (q, w, keys, table, row,
+    q_pos[, scales])`` read through the key ``source``: grid ``(query tiles, B, pool
+    tiles)`` over ``[B, Q, n_pools]`` float32 scores, tiled by ``block_sizes`` resolved to
+    the problem, the dot in ``_score_dot_dtype``."""
     q, keys = operands[0], operands[2]
     b, n_q, heads, dim = q.shape
     blocks = block_sizes.resolve(n_q, n_pools)
     kernel = functools.partial(
-        kernel, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads, dim=dim,
-        block_q=blocks.block_q, block_p=blocks.block_p, block_h=next_power_of_two(heads, 16),
-        block_d=next_power_of_two(dim, 16), dot_dtype=score_dot_dtype(q.dtype, keys.dtype),
-        **static,
+        _scores_kernel, source=source, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads,
+        dim=dim, block_q=blocks.block_q, block_p=blocks.block_p,
+        block_h=next_power_of_two(heads, 16), block_d=next_power_of_two(dim, 16),
+        dot_dtype=_score_dot_dtype(q.dtype, keys.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -395,31 +626,6 @@ def launch_scores(kernel, operands, *, name, n_pools, kpool, block_sizes, interp
         interpret=interpret,
         name=name,
     )(*operands)
-
-
-def key_dot_dtype(q_dtype):
-    """The dtype fp8 keys are converted to for the dot with queries of ``q_dtype``: a
-    16-bit float itself (e4m3 -> bf16 / f16 is exact, and so are their products in
-    float32), else float32."""
-    return jnp.dtype(q_dtype) if jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
-
-
-def check_key_scale(name, keys, scale_name, scale, shape_doc):
-    """``scale`` (float, ``keys.shape[:2]``) must come with e4m3 ``keys`` and only with
-    them; else ``ValueError`` naming both and the sizes (shared with the paged scores and
-    ``sparse_mla``)."""
-    if (scale is None) != (keys.dtype != FP8):
-        raise ValueError(
-            f"{scale_name} must be given exactly when {name} is {FP8.name} (fp8); got {name} "
-            f"{keys.dtype} and {scale_name} {None if scale is None else tuple(scale.shape)}")
-    if scale is not None:
-        if tuple(scale.shape) != tuple(keys.shape[:2]):
-            raise ValueError(f"{scale_name} must be {shape_doc} = {tuple(keys.shape[:2])}, got "
-                             f"{tuple(scale.shape)}")
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise ValueError(f"{scale_name} must be float, got dtype {scale.dtype}")
-
-_index_scores_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores)
 
 
 @eager_jit("kpool", "interpret", "block_sizes")
@@ -435,7 +641,7 @@ def _index_scores_pallas(
         raise ValueError(
             f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
         )
-    check_triton_dtypes(q, w, "pooled", pooled)
+    _check_triton_dtypes(q, w, "pooled", pooled)
     if pool_valid.dtype != jnp.bool_:
         raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
     for name, x in (("first_key", first_key), ("q_pos", q_pos)):
@@ -448,5 +654,33 @@ def _index_scores_pallas(
         first_key.astype(jnp.int32), q_pos.astype(jnp.int32),
         *(() if pooled_scale is None else (pooled_scale.astype(jnp.float32),)),
     )
-    return launch_scores(_index_scores_kernel, operands, name="index_scores", n_pools=n_pools,
-                         kpool=kpool, block_sizes=block_sizes, interpret=interpret)
+    return _launch_scores(operands, source=_ContiguousKeys(), name="index_scores",
+                         n_pools=n_pools, kpool=kpool, block_sizes=block_sizes,
+                         interpret=interpret)
+
+
+@eager_jit("kpool", "interpret", "block_sizes")
+def _index_scores_paged_pallas(
+    q, w, pooled_pages, block_table, pool_counts, q_pos, pooled_scale, *, kpool, interpret,
+    block_sizes: IndexScoresBlockSizes,
+):
+    """Pallas paged scores, tiled by ``block_sizes``."""
+    b, n_q, heads, dim = q.shape
+    n_pages, ppp, _ = pooled_pages.shape
+    n_pools = block_table.shape[1] * ppp
+    n_slots = n_pages * ppp
+    if heads < 1 or dim < 1:
+        raise ValueError(f"the Pallas index_scores_paged needs Hi, D >= 1, got Hi={heads}, D={dim}")
+    _check_triton_dtypes(q, w, "pooled_pages", pooled_pages)
+    if b == 0 or n_q == 0 or n_pools == 0:
+        return jnp.zeros((b, n_q, n_pools), jnp.float32)
+    if n_slots == 0:  # no page at all: nothing is a candidate
+        return jnp.full((b, n_q, n_pools), -jnp.inf, jnp.float32)
+    operands = (
+        q, w.astype(jnp.float32), pooled_pages.reshape(n_slots, dim),
+        block_table.astype(jnp.int32), pool_counts.astype(jnp.int32), q_pos.astype(jnp.int32),
+        *(() if pooled_scale is None else (pooled_scale.reshape(n_slots).astype(jnp.float32),)),
+    )
+    return _launch_scores(operands, source=_PagedKeys(ppp, n_slots), name="index_scores_paged",
+                         n_pools=n_pools, kpool=kpool, block_sizes=block_sizes,
+                         interpret=interpret)

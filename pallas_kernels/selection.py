@@ -55,11 +55,9 @@ from pallas_kernels._common import (
     Implementation, check_power_of_two, check_rank, check_triton_params, eager_jit, kernel_family,
     next_power_of_two,
 )
+from pallas_kernels._order_key import NEG_INF_KEY, canonical_scores, order_key
 from pallas_kernels.mosaic_selection import MosaicTopkPoolsBlockSizes, mosaic_topk_pools
-from pallas_kernels.radix_select import (
-    MAX_COMPARE, NEG_INF_KEY, canonical_scores, one_program_select, order_key,
-    segmented_select,
-)
+from pallas_kernels.radix_select import MAX_COMPARE, one_program_select, segmented_select
 
 __all__ = [
     "topk_pools", "topk_pools_reference", "topk_pools_lax_baseline", "TopkPoolsBlockSizes",

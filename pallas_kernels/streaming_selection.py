@@ -42,7 +42,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.radix_select import NEG_INF_KEY, order_key
+from pallas_kernels._order_key import NEG_INF_KEY, order_key
 
 __all__ = ["streaming_topk"]
 

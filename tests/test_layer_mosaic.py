@@ -55,7 +55,6 @@ def mosaic_calls(monkeypatch):
     """Counts the calls of each Mosaic kernel entry the public wrappers dispatch to (a
     jitted step calls them once per trace: a count >= 1 says the program holds the kernel)."""
     import pallas_kernels.attention as attention
-    import pallas_kernels.paged_scoring as paged_scoring
     import pallas_kernels.scoring as scoring
 
     seen = collections.Counter()
@@ -70,7 +69,7 @@ def mosaic_calls(monkeypatch):
         monkeypatch.setattr(module, name, call)
 
     counted(scoring, "_index_scores_mosaic")
-    counted(paged_scoring, "_index_scores_paged_mosaic")
+    counted(scoring, "_index_scores_paged_mosaic")
     counted(attention, "_sparse_mla_mosaic")
     yield seen
 
@@ -189,7 +188,7 @@ def test_blackwell_runs_scoring_and_attention_on_triton(monkeypatch, capability,
     compile aborts the process): on a CUDA target of capability >= 10 the wrappers asked for
     ``"mosaic"`` lower the Triton kernels instead; on Hopper the Mosaic ones."""
     import pallas_kernels as pk
-    import pallas_kernels.mosaic_scoring as ms
+    import pallas_kernels._mosaic as ms
     from pallas_kernels._common import lower_for_cuda, triton_calls
 
     monkeypatch.setattr(ms, "target_device", lambda: ("cuda", capability))

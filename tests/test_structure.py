@@ -8,7 +8,7 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
 * Imports point one way through the layers below (config_json -> config, rope -> layout -> kernels -> parallel
   execution -> cache -> layer -> plan / placement -> decode -> checkpoint -> tools -> cli):
   a module imports only from its own layer or the ones before it.
-* No module over 500 lines.
+* No module over ``MAX_LINES`` (800, the project's cap of about 800 lines).
 * No module defines a function or class of its own name (the package's re-export would
   shadow the module).
 * Imports at the top of the module: a function-level import is allowed only where it is
@@ -19,18 +19,25 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
   API and is spelled so.
 * The HF name ``kv_a_proj_with_mqa`` written in at most two modules of ``glm5_dsa_jax``
   (the layout table and at most one doc): every other module reads names from the table.
+* The kernel package's seams (issue 22): no module of ``pallas_kernels`` imports a name
+  from a kernel module (one that launches a Pallas kernel: the Triton ``pallas_call`` or
+  the Mosaic ``plmgpu.kernel``) but a wrapper from its own step's kernel modules, to
+  dispatch to them (``KERNEL_DISPATCH``); so no Triton module imports a Mosaic one for a
+  helper, nor any kernel module another's. What kernels share lives in private modules
+  (``_common``, ``_mosaic``, ``_dtypes``, ``_order_key``), which import no public module.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("glm5_dsa_jax", "pallas_kernels")
-MAX_LINES = 500
+MAX_LINES = 800
 
 
 def _modules() -> dict[str, Path]:
@@ -169,7 +176,7 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
-def test_module_at_most_500_lines(module):
+def test_module_at_most_max_lines(module):
     n = len(MODULES[module].read_text().splitlines())
     assert n <= MAX_LINES, f"{MODULES[module].relative_to(ROOT)} has {n} lines (> {MAX_LINES})"
 
@@ -277,3 +284,88 @@ def test_private_import_check_can_fail(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "glm5_dsa_jax.planted", planted)
     assert private_imports("glm5_dsa_jax.planted") == [
         "pallas_kernels._common._planted", "pallas_kernels._common"]
+
+
+#: The only imports from a kernel module of ``pallas_kernels`` (one that launches a Pallas
+#: kernel) by another module: a step's wrapper and its own step's kernels, which it
+#: dispatches to (the entry functions, their block-size dataclasses, and a limit the
+#: wrapper's block-size validation checks). A helper that two kernels share belongs in a
+#: private module instead.
+KERNEL_DISPATCH: dict[tuple[str, str], frozenset[str]] = {
+    ("pallas_kernels.scoring", "pallas_kernels.mosaic_scoring"): frozenset(
+        {"MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"}),
+    ("pallas_kernels.attention", "pallas_kernels.mosaic_attention"): frozenset(
+        {"MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"}),
+    ("pallas_kernels.selection", "pallas_kernels.mosaic_selection"): frozenset(
+        {"MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"}),
+    ("pallas_kernels.selection", "pallas_kernels.radix_select"): frozenset(
+        {"one_program_select", "segmented_select", "MAX_COMPARE"}),
+}
+
+
+def is_kernel_module(module: str) -> bool:
+    """Whether ``module`` launches a Pallas kernel (Triton or Mosaic GPU) in its text."""
+    return bool(re.search(r"\bpallas_call\(|\bplmgpu\.kernel\(", MODULES[module].read_text()))
+
+
+def kernel_seam_breaks(module: str, source: str | None = None) -> list[str]:
+    """The imports of ``module`` (or ``source``, as its text) that cross the kernel
+    package's seams: ``imported.name`` for a name from a kernel module not declared in
+    ``KERNEL_DISPATCH``, and a private module's import of a public module of the package.
+    The package's ``__init__`` (the re-exports) is exempt."""
+    if module == "pallas_kernels" or not module.startswith("pallas_kernels."):
+        return []
+    tree = ast.parse(MODULES[module].read_text() if source is None else source)
+    private = module.rpartition(".")[2].startswith("_")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            src = _resolve(module, node)
+            pairs = [(f"{src}.{a.name}", None) if f"{src}.{a.name}" in MODULES else (src, a.name)
+                     for a in node.names]
+        else:
+            continue
+        for target, name in pairs:
+            if not target.startswith("pallas_kernels.") or target == module:
+                continue
+            if private and not target.rpartition(".")[2].startswith("_"):
+                out.append(target)
+            elif is_kernel_module(target) and name not in KERNEL_DISPATCH.get((module, target), ()):
+                out.append(f"{target}.{name}" if name else target)
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("pallas_kernels")))
+def test_kernel_modules_share_helpers_only_through_private_modules(module):
+    assert not kernel_seam_breaks(module), (
+        f"{module} imports {kernel_seam_breaks(module)} from a kernel module: move a shared "
+        "helper to a private module of pallas_kernels, or declare a dispatch in KERNEL_DISPATCH")
+
+
+def test_kernel_dispatch_is_declared_truly():
+    # Every declared import exists and is made: a stale entry would widen the rule.
+    for (importer, target), names in KERNEL_DISPATCH.items():
+        assert is_kernel_module(target), target
+        tree = ast.parse(MODULES[importer].read_text())
+        made = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and _resolve(importer, n) == target for a in n.names}
+        assert made == names, f"{importer} imports {sorted(made)} from {target}, declared {sorted(names)}"
+
+
+def test_kernel_seam_check_can_fail():
+    # What issue 22 removed: a Triton module taking Mosaic and scoring helpers, a Mosaic
+    # module taking the Triton selection's order key, a private module importing a kernel.
+    assert kernel_seam_breaks("pallas_kernels.attention", (
+        "from pallas_kernels.mosaic_scoring import mosaic_takes\n"
+        "from pallas_kernels.mosaic_attention import combine_splits, mosaic_sparse_mla\n"
+        "from pallas_kernels.scoring import index_scores\n")) == [
+        "pallas_kernels.mosaic_scoring.mosaic_takes", "pallas_kernels.mosaic_attention.combine_splits",
+        "pallas_kernels.scoring.index_scores"]
+    assert kernel_seam_breaks("pallas_kernels.mosaic_selection", (
+        "def f():\n    from pallas_kernels.radix_select import one_program_select\n")) == [
+        "pallas_kernels.radix_select.one_program_select"]
+    assert kernel_seam_breaks("pallas_kernels._mosaic", "import pallas_kernels.dense_mla\n") == [
+        "pallas_kernels.dense_mla"]
+    assert kernel_seam_breaks("pallas_kernels.attention", "from pallas_kernels._mosaic import mosaic_takes\n") == []

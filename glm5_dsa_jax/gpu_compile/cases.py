@@ -205,8 +205,7 @@ KERNELS: dict[str, Callable] = {
 #: requires every such module to be here.
 KERNEL_MODULES: dict[str, str] = {
     "pooling": "kpool_compress",
-    "scoring": "index_scores",
-    "paged_scoring": "index_scores",  # on paged steps
+    "scoring": "index_scores",  # index_scores_paged too, on paged steps
     "radix_select": "topk_pools",
     "expansion": "expand_selection",
     "attention": "sparse_mla",
