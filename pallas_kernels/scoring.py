@@ -314,10 +314,9 @@ def index_scores_paged(
     block_sizes: IndexScoresBlockSizes | MosaicIndexScoresBlockSizes | None = None,
 ) -> jax.Array:
     """Indexer scores over paged pooled keys (the block table as the key source); see the
-    module doc. Shapes as
-    ``index_scores_paged_reference`` (``pooled_scale [N, PPP]`` with fp8 keys);
-    ``block_sizes`` (validated under every implementation) tiles the kernel as it tiles
-    ``index_scores``': an ``IndexScoresBlockSizes`` for ``"pallas"``, a
+    module doc. Shapes as ``index_scores_paged_reference`` (``pooled_scale [N, PPP]`` with
+    fp8 keys); ``block_sizes`` (validated under every implementation) tiles the kernel as it
+    tiles ``index_scores``': an ``IndexScoresBlockSizes`` for ``"pallas"``, a
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes)
@@ -347,7 +346,7 @@ def index_scores_paged(
 
 def _check_queries(q, w) -> tuple[int, int, int, int]:
     """``(B, Q, Hi, D)`` of queries ``q [B, Q, Hi, D]`` with head weights ``w [B, Q, Hi]``,
-    or a ``ValueError`` naming the shapes (shared with ``index_scores_paged``)."""
+    or a ``ValueError`` naming the shapes (both wrappers)."""
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, nq, h, d = q.shape
     if w.shape != (b, nq, h):
@@ -356,7 +355,7 @@ def _check_queries(q, w) -> tuple[int, int, int, int]:
 
 
 def _run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, reference,
-               mosaic_kernel, pallas_kernel):
+                mosaic_kernel, pallas_kernel):
     """Score checked inputs ``args = (q, w, keys, ...)`` (``keys`` the pooled keys, whole or
     paged) with the implementation ``kernel_family`` chose: ``reference`` for ``"xla"``;
     ``mosaic_kernel`` when Mosaic was asked for and takes the operands (``mosaic_takes``),
@@ -543,19 +542,17 @@ def _write_dead_tile(out_ref, *, b, pool, pool_in, t0, n_rows):
                     mask=pool_in)
 
 
-def _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b, pool, pool_in,
-               t0, n_rows, heads, dim, block_h, block_d, dot_dtype):
+def _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, b, pool,
+                pool_in, t0, n_rows, heads, dim, block_h, block_d, dot_dtype):
     """Score a loaded ``[block_p, block_d]`` key tile for queries ``t0 .. t0 + n_rows - 1``
     of row ``b``: per query one ``[Hi, D] x [D, block_p]`` dot, ReLU, the head weights, the
     head sum, times the pools' fp8 scales ``pscale [block_p]`` (None: no scale), then
-    ``_finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not
-    ``loaded`` or whose ``last`` token is after the query -> ``-inf``). One function for
-    both key sources, so both do the same arithmetic."""
+    ``_finish_scores`` in-kernel (``-0.0 -> +0.0``; NaN, a pool not ``loaded`` or whose
+    ``last`` token is after the query -> ``-inf``). One function for both key sources, so
+    both do the same arithmetic."""
     f32 = jnp.float32
     scale = dim**-0.5
-    ch = jnp.arange(block_d, dtype=jnp.int32)
-    ch_ok = ch < dim
-    ch_safe = jnp.minimum(ch, dim - 1)
+    ch_ok, ch_safe = _channels(dim, block_d)
     hd = jnp.arange(block_h, dtype=jnp.int32)
     h_ok = hd < heads
     h_safe = jnp.minimum(hd, heads - 1)
