@@ -408,7 +408,9 @@ _index_scores_paged_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosa
 #    and the tile is read from L2.
 #
 # Why one body: the two kernels differed only in steps 1 and 2; the key source is a static
-# Python object, so each source's kernel traces to the same program as its own body would.
+# Python object, resolved at trace time, so no branch on it reaches the GPU: the paged
+# kernel traces to exactly the program its own body did, the contiguous one to its own
+# less two recomputed tile offsets (which Triton's CSE merged anyway).
 #
 # Precision: bf16 / f16 operands of one dtype go to the tensor cores with a float32
 # accumulator (their products are exact in f32, as in the reference's f32 einsum); any
@@ -456,14 +458,26 @@ def _scores_kernel(
             live=live, kpool=kpool, n_pools=n_pools, dim=dim, block_d=block_d,
             dot_dtype=dot_dtype)
         _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, b=b, pool=pool,
-                   pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim,
-                   block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
+                    pool_in=pool_in, t0=t0, n_rows=n_rows, heads=heads, dim=dim,
+                    block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
 
 
 def _channels(dim, block_d):
-    """The ``[block_d]`` channel lanes, which of them are real, and an in-bounds index."""
+    """Whether each of the ``[block_d]`` channel lanes is one of the ``dim`` real ones, and an
+    in-bounds channel index for each."""
     ch = jnp.arange(block_d, dtype=jnp.int32)
     return ch < dim, jnp.minimum(ch, dim - 1)
+
+
+def _load_keys(ref, index, rows, rows_ok, ch_ok, ch_safe, dot_dtype):
+    """The tile's ``[block_p, block_d]`` keys ``ref[*index, rows[i], ch]`` in ``dot_dtype``:
+    zero in a padding channel and in a row not ``rows_ok`` (``None``: every row), whose
+    lanes are masked, so not read."""
+    kshape = (rows.shape[0], ch_ok.shape[0])
+    tile = ref.at[(*index, jnp.broadcast_to(rows[:, None], kshape),
+                   jnp.broadcast_to(ch_safe[None, :], kshape))]
+    mask = ch_ok[None, :] if rows_ok is None else rows_ok[:, None] & ch_ok[None, :]
+    return plgpu.load(tile, mask=jnp.broadcast_to(mask, kshape), other=0.0).astype(dot_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,16 +493,7 @@ class _ContiguousKeys:
                   kpool, n_pools, dim, block_d, dot_dtype):
         pool_safe = jnp.minimum(pool, n_pools - 1)
         ch_ok, ch_safe = _channels(dim, block_d)
-        kshape = (pool.shape[0], block_d)
-        keys = plgpu.load(
-            pooled_ref.at[
-                b,
-                jnp.broadcast_to(pool_safe[:, None], kshape),
-                jnp.broadcast_to(ch_safe[None, :], kshape),
-            ],
-            mask=jnp.broadcast_to(ch_ok[None, :], kshape),
-            other=0.0,
-        ).astype(dot_dtype)
+        keys = _load_keys(pooled_ref, (b,), pool_safe, None, ch_ok, ch_safe, dot_dtype)
         loaded = plgpu.load(valid_ref.at[b, pool_safe]) != 0
         last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
         pscale = plgpu.load(pscale_ref[0].at[b, pool_safe]) if pscale_ref else None
@@ -518,15 +523,7 @@ class _PagedKeys:
         page = plgpu.load(bt_ref.at[b, pool_safe // ppp], mask=in_live, other=-1)
         loaded = in_live & (page >= 0) & (page * ppp < self.n_slots)
         slot = jnp.where(loaded, page * ppp + pool_safe % ppp, 0)
-        kshape = (pool.shape[0], block_d)
-        keys = plgpu.load(
-            keys_ref.at[
-                jnp.broadcast_to(slot[:, None], kshape),
-                jnp.broadcast_to(ch_safe[None, :], kshape),
-            ],
-            mask=jnp.broadcast_to(loaded[:, None] & ch_ok[None, :], kshape),
-            other=0.0,
-        ).astype(dot_dtype)
+        keys = _load_keys(keys_ref, (), slot, loaded, ch_ok, ch_safe, dot_dtype)
         pscale = None
         if pscale_ref:  # fp8 keys: each loaded pool's scale (0 where not loaded: no candidate)
             pscale = plgpu.load(pscale_ref[0].at[slot], mask=loaded, other=0.0)
