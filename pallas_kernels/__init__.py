@@ -38,10 +38,11 @@ Each step module holds the Pallas kernel (Triton backend), its public wrapper an
 plain-jnp reference that ``implementation="xla"`` runs (``scoring`` holds both scoring
 wrappers, ``index_scores`` and ``index_scores_paged``: one reference, one dispatch, one
 kernel body per backend, the key source, contiguous or a block table, their only
-difference). Every wrapper of a step kernel takes ``implementation`` (an ``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``,
-``"mosaic"``, ``"mosaic_interpret"``, ``"auto"``; see ``_common``) and ``block_sizes``, an
-instance of the kernel's frozen block-size dataclass (``None``: its defaults), validated
-under every implementation. A step's Mosaic GPU kernel (Hopper and newer, jax >= 0.11)
+difference). Every wrapper of a step kernel takes ``implementation`` (an
+``Implementation``: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``, ``"mosaic"``,
+``"mosaic_interpret"``, ``"auto"``; see ``_common``) and ``block_sizes``, an instance of
+the kernel's frozen block-size dataclass (``None``: its defaults), validated under every
+implementation. A step's Mosaic GPU kernel (Hopper and newer, jax >= 0.11)
 lives in ``mosaic_<step>.py`` beside the Triton one, dispatched from the same wrapper with
 its own block-size dataclass (``topk_pools``: ``mosaic_selection``); a step with no Mosaic
 kernel maps ``"mosaic"`` to ``"pallas"`` and ``"mosaic_interpret"`` to ``"pallas_interpret"``

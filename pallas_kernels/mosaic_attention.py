@@ -41,11 +41,11 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
 * Decode splits each row's id blocks over ``num_splits`` CTAs (flash decoding); a CTA
   processes only the blocks up to the row's last valid id (``n_end``, computed by the
   wrapper). Every CTA writes its unnormalised accumulator, running max and sum; the
-  wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also divides by the
-  sum (0 for a row with no valid id: the output is exactly 0).
+  wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also
+  divides by the sum (0 for a row with no valid id: the output is exactly 0).
 
-Operands: ``q`` and ``latent`` of one 16-bit dtype (``_mosaic.takes_dtypes``; the tensor cores'
-float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
+Operands: ``q`` and ``latent`` of one 16-bit dtype (``_mosaic.takes_dtypes``; the tensor
+cores' float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
 ``index_scores`` does, and so it does on a Blackwell GPU, which has no ``wgmma``
 (``_mosaic.wgmma_on_target``). Rows are padded with zero columns to a multiple of
 64 (a 128-byte line) and to at least ``V`` rounded up to 128 (the value chunks); that is a copy of the

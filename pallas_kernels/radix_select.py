@@ -4,7 +4,8 @@ They select on ``order_key`` (``pallas_kernels._order_key``: the int32 image of 
 score whose signed order is the float order, by integer ops only), on which ``topk_pools``
 (``pallas_kernels.selection``) defines its tie rule. The kernels find ``T``, the
 ``select_k``-th largest key of a row, in ``32 / radix_bits`` counting passes, then write the
-row's selected pool ids ascending in one compaction pass. Two paths, chosen by ``selection`` from the row length ``P``:
+row's selected pool ids ascending in one compaction pass. Two paths, chosen by
+``selection`` from the row length ``P``:
 
 * ``one_program_select``: **one program per query row** does every pass (one launch, no
   work between passes): short rows (decode up to 32K tokens, prefill tiles).
