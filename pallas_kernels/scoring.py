@@ -59,6 +59,11 @@ One family, so that the key source is the only difference:
   (a direct index vs. one through the block table); the arithmetic is one function.
 * One Mosaic kernel body for both (``pallas_kernels.mosaic_scoring``: ``page_chunk`` picks
   a direct TMA or one per page chunk).
+* Not shared, because the operands differ: each wrapper checks its own key source's
+  operands (with the messages and in the order it always has), and each backend has one
+  thin entry per source that turns them into the kernel's operands (``pool_valid`` as
+  int8, or the pages viewed flat ``[N * PPP, D]``; Mosaic: per-pool validity and
+  visibility precomputed from the block table).
 
 The Mosaic GPU kernel (``implementation="mosaic"`` / ``"mosaic_interpret"``, jax >= 0.11,
 Hopper and newer) keeps this contract for 16-bit ``q`` and keys of one dtype, with its own
