@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import bench
+from glm5_dsa_jax.tools import bench
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.decode import make_step
 from helpers import f32_layer
@@ -93,7 +93,7 @@ def test_bench_decode_paged_json(capsys):
     # Default capacity: 130 + 1 + 2 tokens, rounded up to whole 64-token pages.
     assert (res["cache"], res["capacity"]) == ("paged", 192)
     rows = res["rows"]
-    # No attention-part rows on a paged cache (see glm5_dsa_jax.bench).
+    # No attention-part rows on a paged cache (see glm5_dsa_jax.tools.bench).
     assert sorted(r["impl"] for r in rows) == ["dense"] * 2 + ["dense_fit"] * 2 + ["sparse"] * 2
     for r in rows:
         assert r["batch"] == 2 and r["median_ms"] > 0 and "x_floor" in r
@@ -170,9 +170,9 @@ def test_filled_paged_cache_refuses_a_partial_page():
 
 def test_gpu_compile_subcommand_and_its_python_m_alias(capsys):
     # A setup error (an unknown kernel) exits 2 before any compile, with or without the
-    # gpu-compile extra; `python -m glm5_dsa_jax.gpu_compile` is the same command.
+    # gpu-compile extra; `python -m glm5_dsa_jax.tools.gpu_compile` is the same command.
     assert main(["gpu-compile", "--kernels", "nope"]) == 2
     assert "unknown kernel(s) ['nope']" in capsys.readouterr().err
-    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.gpu_compile", "--kernels", "nope"],
+    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.tools.gpu_compile", "--kernels", "nope"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
     assert r.returncode == 2 and "unknown kernel(s) ['nope']" in r.stderr, r.stderr[-2000:]

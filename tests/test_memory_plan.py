@@ -14,7 +14,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
-from glm5_dsa_jax.memory_plan import cache_bytes
+from glm5_dsa_jax.tools.memory_plan import cache_bytes
 MemoryPlan = gd.MemoryPlan  # the public name
 from glm5_dsa_jax.plan import TpPlan
 

@@ -1,7 +1,7 @@
 """``glm5-dsa accuracy``: how an fp8 cache changes the selection and output of a layer.
 
 What each figure is, and how the weights and prompt were chosen, is
-``glm5_dsa_jax.cache_accuracy``; this module parses the flags, runs ``measure`` per context
+``glm5_dsa_jax.tools.cache_accuracy``; this module parses the flags, runs ``measure`` per context
 and prints a table, or one JSON object with ``--json``.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax.cache_accuracy import NEAR_TIE, measure
+from glm5_dsa_jax.tools.cache_accuracy import NEAR_TIE, measure
 from glm5_dsa_jax.cli.args import nonnegative_int, positive_int, positive_int_list
 from glm5_dsa_jax.config import PRESETS, DsaConfig
 

@@ -1,7 +1,7 @@
 """``glm5-dsa bench decode``: the decode benchmark's flags, its table and its JSON.
 
 What each row measures (and its weight-read floor) is documented with the measuring code in
-``glm5_dsa_jax.bench``; this module only parses the flags, runs ``bench.run`` and prints.
+``glm5_dsa_jax.tools.bench``; this module only parses the flags, runs ``bench.run`` and prints.
 With ``--json`` the progress lines go to stderr so stdout is one JSON object.
 """
 
@@ -11,7 +11,7 @@ import json
 import sys
 
 import pallas_kernels as pk
-from glm5_dsa_jax import bench
+from glm5_dsa_jax.tools import bench
 from glm5_dsa_jax.cli.args import positive_int, positive_int_list
 
 
@@ -64,7 +64,7 @@ def main(args) -> int:
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
     for b in args.batch:
         c0, c1 = args.contexts[0], args.contexts[-1]
-        # A paged run has no attention-part rows (see glm5_dsa_jax.bench).
+        # A paged run has no attention-part rows (see glm5_dsa_jax.tools.bench).
         attn = (f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
                 if ("sparse_attn", b, c1) in by else "")
         print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "

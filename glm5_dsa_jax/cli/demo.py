@@ -1,6 +1,6 @@
 """``glm5-dsa demo``: the demo's flags and what it prints.
 
-The work is ``glm5_dsa_jax.demo`` (layers, batch, the sparse-vs-dense comparison, timed
+The work is ``glm5_dsa_jax.tools.demo`` (layers, batch, the sparse-vs-dense comparison, timed
 decode); this module runs it in order and prints as it goes, so a user sees the prefill
 before the decode steps start. A config or checkpoint the demo cannot run (no full-indexer
 layer, a missing directory, a prompt plus steps beyond ``max_position_embeddings``) is a
@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 import pallas_kernels as pk
-from glm5_dsa_jax import demo
+from glm5_dsa_jax.tools import demo
 from glm5_dsa_jax.cli.args import nonnegative_int
 from glm5_dsa_jax.config import PRESETS
 from glm5_dsa_jax.decode import DsaDecoder

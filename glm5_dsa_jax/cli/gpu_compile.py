@@ -1,10 +1,10 @@
 """``glm5-dsa gpu-compile``: compile every Pallas kernel for NVIDIA GPUs on a host without
 one and print registers, spills, stack, shared memory and blocks per SM per launch.
 
-How the compile works and when a kernel passes is ``glm5_dsa_jax.gpu_compile``; this module
+How the compile works and when a kernel passes is ``glm5_dsa_jax.tools.gpu_compile``; this module
 parses the flags, runs ``compile_cases`` and prints its table. Exit status 0: every kernel
 passed; 1: one failed; 2: a setup error (a bad flag value, the ``gpu-compile`` extra
-missing). ``python -m glm5_dsa_jax.gpu_compile`` is the same command (its ``__main__``); the
+missing). ``python -m glm5_dsa_jax.tools.gpu_compile`` is the same command (its ``__main__``); the
 compile worker process that ``compile_cases`` starts runs through it too, with the hidden
 ``--worker TARGET`` flag.
 """
@@ -17,11 +17,11 @@ import json
 import sys
 import time
 
-from glm5_dsa_jax.gpu_compile import compile_cases, default_cases, failures, format_table, toolchain
-from glm5_dsa_jax.gpu_compile.cases import (
+from glm5_dsa_jax.tools.gpu_compile import compile_cases, default_cases, failures, format_table, toolchain
+from glm5_dsa_jax.tools.gpu_compile.cases import (
     BATCHES, CACHES, CONTEXTS, DTYPES, KERNELS, MOSAIC_KERNELS, STEPS,
 )
-from glm5_dsa_jax.gpu_compile.worker import run_worker
+from glm5_dsa_jax.tools.gpu_compile.worker import run_worker
 from pallas_kernels import MOSAIC_MIN_JAX, jax_version
 
 

@@ -1,7 +1,7 @@
 """``glm5-dsa roofline``: the roofline rows of one layer on a GPU, as a table or JSON.
 
 The model (bytes, FLOPs, programs and the bound of each kernel, and why they are what they
-are) is ``glm5_dsa_jax.roofline``; this module parses the flags, calls ``roofline.rows`` and
+are) is ``glm5_dsa_jax.tools.roofline``; this module parses the flags, calls ``roofline.rows`` and
 formats its rows. A ``ValueError`` of the model (a chunk longer than the context, a
 non-positive size) is printed and exits with status 2, like an argparse usage error.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax import roofline
+from glm5_dsa_jax.tools import roofline
 from glm5_dsa_jax.config import PRESETS, DsaConfig
-from glm5_dsa_jax.roofline import GPUS, RooflineRow
+from glm5_dsa_jax.tools.roofline import GPUS, RooflineRow
 
 
 def _fmt_bytes(n: int) -> str:
