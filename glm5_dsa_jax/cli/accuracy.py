@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default="glm53-flash", choices=PRESETS)
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
 
 
 def main(args) -> int:

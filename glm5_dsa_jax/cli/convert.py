@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace an existing checkpoint at OUT_DIR (written beside it, then swapped in: "
                    "an interrupted convert leaves the old one intact)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
     return p
 
 

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=nonnegative_int, default=16, help="decode steps (0: prefill only)")
     p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
     p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
 
 
 def _progress(steps: int):

@@ -46,7 +46,7 @@ def add_parser(subparsers) -> None:
                    help="context for the cache figures and the indexer all-reduce figure "
                         "(default max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
 
 
 def main(args) -> int:

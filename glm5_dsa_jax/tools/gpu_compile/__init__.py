@@ -186,6 +186,8 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
             os.makedirs(target_dump, exist_ok=True)
             on_target = [c for c in cases
                          if mosaic_on_target(c.kernel, TARGETS[n].compute_capability)]
+            if log:
+                log(f"{n}: compiling {len(on_target)} cases in a worker process ...")
             records = _run_worker(TARGETS[n], on_target, target_dump, timeout, config or {})
             compiled = {}
             for rec in records.values():
