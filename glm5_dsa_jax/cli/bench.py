@@ -11,11 +11,9 @@ import json
 import sys
 
 import pallas_kernels as pk
-from glm5_dsa_jax.tools import bench
-from glm5_dsa_jax.cli.args import (
-    UsageError, nonnegative_int, positive_int, positive_int_list,
-)
+from glm5_dsa_jax.cli.args import UsageError, nonnegative_int, positive_int, positive_int_list
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.tools import bench
 
 
 def add_parser(sub) -> None:
