@@ -3,6 +3,7 @@ the probes of a CLI that explains itself (help, one-line usage errors, no CUDA t
 
 import argparse
 import importlib.util
+import re
 import json
 import os
 import subprocess
@@ -29,6 +30,8 @@ def test_demo_default_runs_in_a_fresh_process():
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "selected token slots" in out
+    # The default prompt (48 tokens at tiny) is sparse, and each query says what it read.
+    assert re.search(r"seq 0 \(first_key 0, read (1[6-9]) of 48 visible tokens", out), out
     assert "sparse kernel vs dense masked attention on the same tokens: max |diff|" in out
     assert "tokens/s" in out
 
