@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import bench
+from glm5_dsa_jax.tools import bench
 from glm5_dsa_jax.decode import make_step
 
 CONTEXT = 4096

@@ -50,7 +50,7 @@ Time = median over ``--reps`` runs of ``--inner`` back-to-back asynchronous call
 warm-up call (so it includes launch overhead, which is what a decode step pays). GB/s is
 the bytes the step must move at least (gathered latent rows counted once per query row),
 divided by that time; TF/s counts the matmul FLOPs. ``bound`` is the roofline time of the
-kernel at that case (``glm5_dsa_jax.roofline.kernel_bounds``: its bytes and FLOPs from the
+kernel at that case (``glm5_dsa_jax.tools.roofline.kernel_bounds``: its bytes and FLOPs from the
 kernels' tiling, at the GPU's datasheet bandwidth and bf16 peak; the GPU found by device
 kind, or ``--roofline-gpu``) and ``x bound`` the measured time over it. ``kpool_compress``
 has none: here it pools the whole context, in a layer step only a window. ``--budget`` seconds (default 180) caps
@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import MOSAIC_MIN_JAX, jax_version, lower_for_cuda  # noqa: E402
-from glm5_dsa_jax import roofline  # noqa: E402
+from glm5_dsa_jax.tools import roofline  # noqa: E402
 from glm5_dsa_jax.config import DsaConfig  # noqa: E402
 from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.checkpoint import safetensors_file
-from glm5_dsa_jax.cli import convert
+from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, randomize_
 from helpers import (ATOL, RTOL, assert_trees_equal, check_selection, f32_layer, fresh_dir, padded_batch,
@@ -425,13 +425,8 @@ def test_orbax_restored_layers_run_like_the_loaded_ones(tiny, tmp_path):
 
 # ============================================================================ CLI / demo
 def test_convert_cli(tiny, tmp_path, capsys):
-    import argparse
-
     def run(*argv):
-        parser = argparse.ArgumentParser(prog="glm5-dsa")
-        convert.add_parser(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(list(argv))
-        return args.func(args)
+        return main(list(argv))
 
     out = tmp_path / "conv"
     assert run("convert", str(tiny.sharded), str(out), "--tp", "8", "--dtype", "float32") == 0
@@ -443,13 +438,11 @@ def test_convert_cli(tiny, tmp_path, capsys):
     cfg2, layers2 = ck.load_for_demo(tiny.single, dtype=jnp.float32, progress=False)
     assert cfg2 == cfg and sorted(layers2) == DSA
     # the demo runs on both kinds of directory, through the real command line
-    from glm5_dsa_jax.cli import main
-
     for ckpt in (out, tiny.single):
         assert main(["demo", "--checkpoint", str(ckpt), "--steps", "2", "--prompt", "10"]) == 0
         assert "layer 1 (full indexer) + layer 2 (shared)" in capsys.readouterr().out
 
-    assert run("convert", str(tiny.single), str(out), "--no-progress") == 1  # exists
+    assert run("convert", str(tiny.single), str(out), "--no-progress") == 2  # exists: before loading
     assert "exists and is not empty" in capsys.readouterr().err
     assert run("convert", str(tiny.single), str(out), "--overwrite", "--layers", "1,2", "--no-progress") == 0
     assert ck.read_checkpoint_meta(out)[0]["layers"] == [1, 2]

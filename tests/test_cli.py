@@ -1,6 +1,9 @@
-"""The command line: the demo (default and from a checkpoint) and the decode benchmark."""
+"""The command line: the demo (default and from a checkpoint), the decode benchmark, and
+the probes of a CLI that explains itself (help, one-line usage errors, no CUDA traceback)."""
 
+import argparse
 import importlib.util
+import re
 import json
 import os
 import subprocess
@@ -13,7 +16,8 @@ import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import bench
+import pallas_kernels as pk
+from glm5_dsa_jax.tools import bench
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.decode import make_step
 from helpers import f32_layer
@@ -26,6 +30,8 @@ def test_demo_default_runs_in_a_fresh_process():
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "selected token slots" in out
+    # The default prompt (48 tokens at tiny) is sparse, and each query says what it read.
+    assert re.search(r"seq 0 \(first_key 0, read (1[6-9]) of 48 visible tokens", out), out
     assert "sparse kernel vs dense masked attention on the same tokens: max |diff|" in out
     assert "tokens/s" in out
 
@@ -93,7 +99,7 @@ def test_bench_decode_paged_json(capsys):
     # Default capacity: 130 + 1 + 2 tokens, rounded up to whole 64-token pages.
     assert (res["cache"], res["capacity"]) == ("paged", 192)
     rows = res["rows"]
-    # No attention-part rows on a paged cache (see glm5_dsa_jax.bench).
+    # No attention-part rows on a paged cache (see glm5_dsa_jax.tools.bench).
     assert sorted(r["impl"] for r in rows) == ["dense"] * 2 + ["dense_fit"] * 2 + ["sparse"] * 2
     for r in rows:
         assert r["batch"] == 2 and r["median_ms"] > 0 and "x_floor" in r
@@ -170,9 +176,186 @@ def test_filled_paged_cache_refuses_a_partial_page():
 
 def test_gpu_compile_subcommand_and_its_python_m_alias(capsys):
     # A setup error (an unknown kernel) exits 2 before any compile, with or without the
-    # gpu-compile extra; `python -m glm5_dsa_jax.gpu_compile` is the same command.
+    # gpu-compile extra; `python -m glm5_dsa_jax.tools.gpu_compile` is the same command.
     assert main(["gpu-compile", "--kernels", "nope"]) == 2
     assert "unknown kernel(s) ['nope']" in capsys.readouterr().err
-    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.gpu_compile", "--kernels", "nope"],
+    r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.tools.gpu_compile", "--kernels", "nope"],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
     assert r.returncode == 2 and "unknown kernel(s) ['nope']" in r.stderr, r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ a CLI that explains itself
+# Each probe: exit status 2, one line on stderr naming the flag, no traceback, nothing
+# written, and no work before it (each returns in well under a second in process).
+from glm5_dsa_jax import cli  # noqa: E402
+from glm5_dsa_jax.cli import gpu_compile as cli_gpu_compile  # noqa: E402
+from glm5_dsa_jax.cli import host  # noqa: E402
+from glm5_dsa_jax.config import MODEL_TYPES, PRESETS  # noqa: E402
+from glm5_dsa_jax.tools import demo as demo_tool  # noqa: E402
+from glm5_dsa_jax.tools.gpu_compile import ToolchainMissing  # noqa: E402
+
+PROBES = {  # argv -> what the one line must say
+    "bench decode --preset tiny --contexts 9000": "max_position_embeddings=4,096",
+    "roofline --gpu h200 --context 2097152": "max_position_embeddings is 1,048,576",
+    "roofline --gpu h200 --preset tiny --context 8192": "max_position_embeddings is 4,096",
+    "roofline --gpu h200 --chunk 8192 --context 4096": "--chunk 8192 is longer than --context 4096",
+    "gpu-compile --targets sm_75": "unknown target(s) ['sm_75']",
+    "gpu-compile --preset tiny --contexts 8192": "--contexts 8,192",
+    "gpu-compile --contexts 4096,x": "--contexts: expected comma-separated integers",
+    "accuracy --preset tiny --contexts 8192": "--contexts 8,192",
+    "accuracy --contexts 16 --queries 16": "--contexts 16 must exceed --queries 16",
+    "plan --context 2097152": "--context 2,097,152",
+    "demo --preset tiny --prompt 4090 --steps 16": "exceeds the model's max_position_embeddings 4096",
+    # negative and zero counts
+    "bench decode --iters 0": "argument --iters: must be a positive integer",
+    "bench decode --batch 1,0": "argument --batch: must be a positive integer",
+    "bench decode --hf-max-context -1": "argument --hf-max-context: must be a non-negative integer",
+    "roofline --gpu h200 --context 4096 --batch -2": "argument --batch: must be a positive integer",
+    "roofline --gpu h200 --context 4096 --chunk 0": "argument --chunk: must be a positive integer",
+    "demo --steps -1": "argument --steps: must be a non-negative integer",
+    "accuracy --queries 0": "argument --queries: must be a positive integer",
+    "convert a b --tp 0": "argument --tp: must be a positive integer",
+    "convert a b --layers 1,-3": "argument --layers: expected comma-separated layer indices >= 0",
+    "plan --tp -8": "argument --tp: must be a positive integer",
+}
+
+
+def _one_line_error(err: str, says: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and says in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", list(PROBES))
+def test_bad_flags_are_one_line_and_exit_2_before_any_work(argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("run", "filled_cache"):  # no benchmark work starts
+        monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("bench ran"))
+    monkeypatch.setattr(demo_tool, "build_layers", lambda *a, **k: pytest.fail("demo built layers"))
+    monkeypatch.setattr(cli_gpu_compile, "toolchain", lambda: pytest.fail("toolchain read first"))
+    assert main(argv.split()) == 2
+    out, err = capsys.readouterr()
+    _one_line_error(err, PROBES[argv])
+    assert out == "" and list(tmp_path.iterdir()) == []  # nothing printed or written
+
+
+def test_probes_in_a_fresh_process_have_no_traceback():
+    # The same as a user runs them (the installed command's module), two at a time.
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    for argv in ("bench decode --preset tiny --contexts 9000", "gpu-compile --targets sm_75"):
+        r = subprocess.run([sys.executable, "-m", "glm5_dsa_jax.cli", *argv.split()],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 2 and r.stdout == "", (argv, r.stdout, r.stderr)
+        err = "\n".join(l for l in r.stderr.splitlines()
+                        if "cudart_stub" not in l and "absl::InitializeLog" not in l)
+        _one_line_error(err, PROBES[argv])
+
+
+def test_gpu_compile_setup_errors_are_one_line(capsys, monkeypatch):
+    # The extra missing: one line naming it, exit 2 (after the flags are judged).
+    def missing():
+        raise ToolchainMissing("not installed: jax-cuda12-plugin; install the 'gpu-compile' extra")
+
+    monkeypatch.setattr(cli_gpu_compile, "toolchain", missing)
+    assert main(["gpu-compile", "--kernels", "sparse_mla"]) == 2
+    _one_line_error(capsys.readouterr().err, "install the 'gpu-compile' extra")
+    # An unknown target is told first, before the extra.
+    assert main(["gpu-compile", "--targets", "sm_75"]) == 2
+    _one_line_error(capsys.readouterr().err, "unknown target(s) ['sm_75']")
+    # --mosaic: one setup error on a jax without Mosaic GPU (not a failure per kernel); on
+    # a newer jax, the Mosaic GPU kernels' cases and no others.
+    args = cli.build_parser().parse_args(["gpu-compile", "--mosaic", "--contexts", "4096"])
+    if pk.jax_version() < pk.MOSAIC_MIN_JAX:
+        assert main(["gpu-compile", "--mosaic"]) == 2
+        _one_line_error(capsys.readouterr().err, "need jax >= 0.11; this is jax")
+    else:
+        cases, targets = cli_gpu_compile.cases_of(args)
+        assert {c.kernel for c in cases} == set(cli_gpu_compile.MOSAIC_KERNELS)
+
+
+def test_convert_refuses_a_non_empty_output_before_loading(tmp_path, capsys, monkeypatch):
+    from glm5_dsa_jax.cli import convert
+
+    monkeypatch.setattr(convert, "load_hf_checkpoint", lambda *a, **k: pytest.fail("loaded"))
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    hf.mkdir()
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["convert", str(hf), str(out)]) == 2
+    _one_line_error(capsys.readouterr().err, "exists and is not empty (pass --overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
+    _one_line_error(capsys.readouterr().err, "is not a directory")
+    # More devices than the host has (the test process's jax already started: 8 CPU devices).
+    assert main(["convert", str(hf), str(tmp_path / "o3"), "--tp", "64"]) == 2
+    _one_line_error(capsys.readouterr().err, "--xla_force_host_platform_device_count=64")
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_every_flag_has_help_and_its_default(capsys):
+    parser = cli.build_parser()
+
+    def parsers(p, name):
+        yield name, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for n, sp in a.choices.items():
+                    yield from parsers(sp, f"{name} {n}")
+
+    seen = set()
+    for name, p in parsers(parser, "glm5-dsa"):
+        seen.add(name)
+        text = p.format_help()
+        for a in p._actions:
+            if a.help == argparse.SUPPRESS or not a.option_strings or a.dest == "help":
+                continue
+            assert a.help, f"{name} {a.option_strings[0]} has no help"
+            shown = p._get_formatter()._get_help_string(a)
+            assert ("(default" in shown or (a.nargs == 0 and a.default is False)
+                    or a.required), f"{name} {a.option_strings[0]}: no default shown: {shown!r}"
+        assert "add_parser" not in text and "``" not in text, name
+    assert {"glm5-dsa bench", "glm5-dsa bench decode", "glm5-dsa gpu-compile"} <= seen
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bench_help = commands["bench"].format_help()
+    assert "decode" in bench_help and "--contexts" not in bench_help
+    # convert names every model type it converts.
+    convert_help = commands["convert"].format_help()
+    assert all(t in convert_help for t in MODEL_TYPES), convert_help
+    assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    assert "COMMAND" in top and "JAX_PLATFORMS=cpu" in top and "add_parser" not in top
+
+
+def test_demo_default_prompt_is_sparse_at_every_preset():
+    # A prompt of at most index_topk tokens selects every token: no sparsity to show.
+    for name in PRESETS:
+        cfg = gd.DsaConfig.preset(name)
+        assert demo_tool.default_prompt(cfg) >= 2 * cfg.index_topk > cfg.index_topk + cfg.tail_width
+
+
+def test_no_cuda_plugin_traceback_without_a_gpu():
+    # With the CUDA plugin installed (the gpu-compile extra) and no GPU, jax's first backend
+    # prints "Jax plugin configuration error ... Unable to load CUDA" unless the platform is
+    # pinned: the command pins it (JAX_PLATFORMS unset here, as a user's shell has it).
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    code = ("import sys, jax; from glm5_dsa_jax.cli import main; "
+            "rc = main(['roofline', '--gpu', 'h200', '--context', '4096', '--json']); "
+            "print(jax.devices()[0].platform, len(jax.devices()), file=sys.stderr); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "plugin configuration error" not in r.stderr, r.stderr
+    if not host.has_gpu():
+        assert r.stderr.strip().splitlines()[-1] == "cpu 1"
+    # A CPU-only host makes the devices a command needs (convert --tp N), before jax starts.
+    code = ("import sys; from glm5_dsa_jax.cli import host; host.pin_cpu_without_gpu(); "
+            "print(len(host.need_devices(3, '--tp')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    if not host.has_gpu():
+        assert r.returncode == 0 and r.stdout.split() == ["3"], r.stderr[-2000:]
+
+
+def test_pin_leaves_a_users_platform_alone(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert host.pin_cpu_without_gpu() is False
+    monkeypatch.delenv("JAX_PLATFORMS")
+    assert host.pin_cpu_without_gpu() is False  # this process's backend has started

@@ -589,7 +589,7 @@ def test_convert_into_non_empty_dir_names_the_flag(base, saved, tmp_path, capsys
     from glm5_dsa_jax.cli import main
 
     d = _clone(saved, tmp_path)
-    assert main(["convert", str(base.good), str(d), "--no-progress"]) == 1
+    assert main(["convert", str(base.good), str(d), "--no-progress"]) == 2  # before loading
     err = capsys.readouterr().err
     assert "--overwrite" in err and "overwrite=True" not in err
     _assert_same(ck.restore_checkpoint(d), base.layers)

@@ -1,4 +1,4 @@
-"""The fp8 cache's accuracy figures (``glm5_dsa_jax.cache_accuracy``, README "fp8 caches")
+"""The fp8 cache's accuracy figures (``glm5_dsa_jax.tools.cache_accuracy``, README "fp8 caches")
 kept from regressing, at GLM-5.3-Flash geometry with trained-like weights, 4,096 tokens.
 
 Measured (``glm5-dsa accuracy --contexts 4096``, seed 0, 16 queries): recall 0.989, output
@@ -14,7 +14,7 @@ error 0.007: most of fp8's error is its 3 mantissa bits, as expected.
 from __future__ import annotations
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax.cache_accuracy import measure
+from glm5_dsa_jax.tools.cache_accuracy import measure
 
 
 def test_fp8_cache_accuracy_at_4k_tokens():

@@ -1,4 +1,4 @@
-"""Deviceless GPU compile (``glm5_dsa_jax.gpu_compile``): every Pallas kernel at the
+"""Deviceless GPU compile (``glm5_dsa_jax.tools.gpu_compile``): every Pallas kernel at the
 GLM-5.3-Flash shapes compiled to cubin for sm_80 and sm_90 on this CPU host.
 
 The compile tests need the ``gpu-compile`` extra (``jax[cuda12-local]`` + ptxas) and are
@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from glm5_dsa_jax import gpu_compile as gc
-from glm5_dsa_jax.gpu_compile import ptxas
+from glm5_dsa_jax.tools import gpu_compile as gc
+from glm5_dsa_jax.tools.gpu_compile import ptxas
 
 # ------------------------------------------------------------------------------------
 # Without the toolchain

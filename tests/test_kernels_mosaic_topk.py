@@ -230,7 +230,7 @@ def test_every_mosaic_module_has_a_gpu_compile_case():
     would never be compiled by ``gpu_compile``."""
     import os
 
-    from glm5_dsa_jax.gpu_compile import cases
+    from glm5_dsa_jax.tools.gpu_compile import cases
 
     root = os.path.dirname(pk.__file__)
     modules = {f[:-3] for f in os.listdir(root) if f.startswith("mosaic_") and f.endswith(".py")}
@@ -245,7 +245,7 @@ def test_compiles_to_cubin_for_sm90a_and_sm100a_without_a_gpu():
     """``gpu_compile`` on the Mosaic kernel (needs the ``gpu-compile`` extra): cubin for
     sm_90a and sm_100a from the compile-only devices, no spill, no stack, its SMEM read
     from the plugin's dump; no sm_80 row (Mosaic GPU needs Hopper)."""
-    from glm5_dsa_jax import gpu_compile as gc
+    from glm5_dsa_jax.tools import gpu_compile as gc
 
     try:
         gc.toolchain()

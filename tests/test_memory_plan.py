@@ -14,7 +14,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
-from glm5_dsa_jax.memory_plan import cache_bytes
+from glm5_dsa_jax.tools.memory_plan import cache_bytes
 MemoryPlan = gd.MemoryPlan  # the public name
 from glm5_dsa_jax.plan import TpPlan
 
@@ -86,5 +86,5 @@ def test_plan_cli_prints_the_memory_table(capsys):
 def test_plan_cli_refuses_a_batch_the_data_axis_does_not_divide(capsys):
     assert main(["plan", "--dp", "3", "--batch", "8"]) == 2
     assert "batch 8 is not divisible by dp=3" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--memory-gib", "-1"])
+    assert main(["plan", "--memory-gib", "-1"]) == 2  # a usage error: one line, no exit
+    assert "argument --memory-gib: must be a finite number > 0" in capsys.readouterr().err

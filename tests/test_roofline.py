@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import roofline as rl
+from glm5_dsa_jax.tools import roofline as rl
 from glm5_dsa_jax.cli import main
 from pallas_kernels import IndexScoresBlockSizes, SparseMlaBlockSizes
 

@@ -121,7 +121,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.config_json", "glm5_dsa_jax.steps"),  # HF config.json spellings; step names
     ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
-     "glm5_dsa_jax.gpu_compile.targets", "glm5_dsa_jax.gpu_compile.ptxas", "pallas_kernels._common"),
+     "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),
     ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks
     ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
     ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops", "glm5_dsa_jax.fp8"),  # how a step runs on a mesh; layer math; fp8 rows
@@ -133,13 +133,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.data_parallel",),  # the data-parallel call (takes the layer, imports none)
     ("glm5_dsa_jax.layer",),
     ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
-    ("glm5_dsa_jax.memory_plan",),  # per-device weights and caches (reads the caches' shapes)
     ("glm5_dsa_jax.decode",),
     ("glm5_dsa_jax.checkpoint",),
-    ("glm5_dsa_jax.bench", "glm5_dsa_jax.demo", "glm5_dsa_jax.roofline", "glm5_dsa_jax.gpu_compile",
-     "glm5_dsa_jax.cache_accuracy"),
+    # the tools behind the CLI (bench, demo, roofline, memory_plan, cache_accuracy, gpu_compile)
+    ("glm5_dsa_jax.tools",),
     # the command line (and gpu_compile's ``python -m`` alias of its subcommand); the package's public face
-    ("glm5_dsa_jax.cli", "glm5_dsa_jax.gpu_compile.__main__", "glm5_dsa_jax"),
+    ("glm5_dsa_jax.cli", "glm5_dsa_jax.tools.gpu_compile.__main__", "glm5_dsa_jax"),
 )
 
 
@@ -213,14 +212,14 @@ def test_public_names_finds_what_the_rule_would_catch():
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("glm5_dsa_jax.checkpoint.orbax_io", "orbax.checkpoint"):
         "1-2 s to import; every `import glm5_dsa_jax` would pay it (orbax_io._orbax)",
-    ("glm5_dsa_jax.gpu_compile.ptxas", "nvidia.cuda_nvcc"):
+    ("glm5_dsa_jax.tools.gpu_compile.ptxas", "nvidia.cuda_nvcc"):
         "optional (the gpu-compile extra): its absence means ptxas from PATH",
-    ("glm5_dsa_jax.bench", "torch"): "the HF baseline: torch is a test extra, absent on Python 3.12",
-    ("glm5_dsa_jax.bench", "transformers"): "the HF baseline (with torch)",
-    ("glm5_dsa_jax.bench", "transformers.models.glm5_next.configuration_glm5_next"): "the HF baseline",
-    ("glm5_dsa_jax.bench", "transformers.models.glm5_next.modeling_glm5_next"): "the HF baseline",
+    ("glm5_dsa_jax.tools.bench", "torch"): "the HF baseline: torch is a test extra, absent on Python 3.12",
+    ("glm5_dsa_jax.tools.bench", "transformers"): "the HF baseline (with torch)",
+    ("glm5_dsa_jax.tools.bench", "transformers.models.glm5_next.configuration_glm5_next"): "the HF baseline",
+    ("glm5_dsa_jax.tools.bench", "transformers.models.glm5_next.modeling_glm5_next"): "the HF baseline",
     # Pending: the helper that owns gpu_compile/cases.py moves it to the top; then drop it.
-    ("glm5_dsa_jax.gpu_compile.cases", "pallas_kernels.mosaic_attention"): "none (to be moved)",
+    ("glm5_dsa_jax.tools.gpu_compile.cases", "pallas_kernels.mosaic_attention"): "none (to be moved)",
 }
 
 

@@ -1,7 +1,7 @@
 """``glm5-dsa bench decode``: the decode benchmark's flags, its table and its JSON.
 
 What each row measures (and its weight-read floor) is documented with the measuring code in
-``glm5_dsa_jax.bench``; this module only parses the flags, runs ``bench.run`` and prints.
+``glm5_dsa_jax.tools.bench``; this module only parses the flags, runs ``bench.run`` and prints.
 With ``--json`` the progress lines go to stderr so stdout is one JSON object.
 """
 
@@ -11,41 +11,73 @@ import json
 import sys
 
 import pallas_kernels as pk
-from glm5_dsa_jax import bench
-from glm5_dsa_jax.cli.args import positive_int, positive_int_list
+from glm5_dsa_jax.cli.args import UsageError, nonnegative_int, positive_int, positive_int_list
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.tools import bench
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (decode)")
-    p.add_argument("what", choices=["decode"])
-    p.add_argument("--contexts", type=positive_int_list, default=[4096, 16384, 65536, 131072])
-    p.add_argument("--batch", type=positive_int_list, default=[1, 8])
-    p.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"])
-    p.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
-    p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS))
-    p.add_argument("--hf-max-context", type=int, default=16384,
-                   help="HF eager rows at batch 1 for contexts up to this (0: none)")
-    p.add_argument("--capacity", type=positive_int, default=None,
+    """``glm5-dsa bench``: benchmarks of one DSA layer on this host's devices. One today,
+    ``decode``: ``glm5-dsa bench decode --help`` for its flags."""
+    p = sub.add_parser("bench", help="benchmarks (decode): glm5-dsa bench decode --help",
+                       description=add_parser.__doc__)
+    benchmarks = p.add_subparsers(dest="what", required=True, title="benchmarks", metavar="BENCHMARK")
+    d = benchmarks.add_parser(
+        "decode", help="decode-step time of sparse DSA against dense MLA, per batch and context",
+        description="Time one full DSA layer's jitted decode step (sparse) against the same step "
+        "with dense attention over every cached token, on a cache already holding each context, "
+        "per batch size; print the median step time against a weight-read floor (what each row "
+        "measures: glm5_dsa_jax.tools.bench). Progress lines go to stdout, or to stderr with "
+        "--json.")
+    d.add_argument("--contexts", type=positive_int_list, default="4096,16384,65536,131072",
+                   help="comma-separated cache lengths in tokens; the largest plus the timed steps "
+                        "must fit the preset's max_position_embeddings")
+    d.add_argument("--batch", type=positive_int_list, default="1,8",
+                   help="comma-separated batch sizes (sequences per step)")
+    d.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"],
+                   help="the layer's shapes (random weights)")
+    d.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
+    d.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS),
+                   help="the kernels' implementation")
+    d.add_argument("--hf-max-context", type=nonnegative_int, default=16384,
+                   help="HF eager rows at batch 1 for contexts up to this (0: none; needs torch and "
+                        "transformers)")
+    d.add_argument("--capacity", type=positive_int, default=None,
                    help="cache tokens per sequence of the sparse and dense rows (default: the "
                         "largest context plus the timed steps, in whole pages for --cache paged)")
-    p.add_argument("--cache", default="contiguous", choices=list(bench.CACHE_KINDS),
+    d.add_argument("--cache", default="contiguous", choices=list(bench.CACHE_KINDS),
                    help="the sparse rows' cache: contiguous (init_cache) or paged (init_paged_cache, "
                         f"{bench.PAGE_SIZE}-token pages, batch * capacity / {bench.PAGE_SIZE} of them)")
-    p.add_argument("--cache-dtype", default=None, choices=["bfloat16", "fp8"],
+    d.add_argument("--cache-dtype", default=None, choices=["bfloat16", "fp8"],
                    help="the sparse rows' cache dtype (default: the layer's, bfloat16); the dense "
                         "rows keep bfloat16")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=main)
+    d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.set_defaults(func=main, prog=d.prog)
 
 
-def main(args) -> int:
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+def check(args) -> None:
+    """``UsageError`` for flags the preset or the cache cannot run: the largest context plus
+    the warm-up and timed steps beyond ``max_position_embeddings``, a capacity too small."""
+    cfg = DsaConfig.preset(args.preset)
+    top, need = max(args.contexts), max(args.contexts) + args.iters + 1
+    if need > cfg.max_position_embeddings:
+        raise UsageError(
+            f"--contexts {top:,} plus {args.iters + 1} decode steps (--iters {args.iters} and a "
+            f"warm-up) needs {need:,} positions; preset {args.preset} holds "
+            f"max_position_embeddings={cfg.max_position_embeddings:,}")
     if args.capacity is not None:
         try:
             bench.check_capacity(args.capacity, args.contexts, args.iters, args.cache)
         except ValueError as e:
-            print(f"glm5-dsa bench: error: --capacity: {e}", file=sys.stderr)
-            return 2
+            raise UsageError(f"--capacity: {e}") from None
+
+
+def main(args) -> int:
+    check(args)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (
+        lambda *a: print(*a, flush=True))
+    log(f"glm5-dsa bench decode: preset {args.preset}, contexts {args.contexts}, batch {args.batch}, "
+        f"{args.iters} timed steps per row")
     res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
                     hf_max_context=args.hf_max_context, capacity=args.capacity, cache=args.cache,
                     cache_dtype=args.cache_dtype)
@@ -64,7 +96,7 @@ def main(args) -> int:
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
     for b in args.batch:
         c0, c1 = args.contexts[0], args.contexts[-1]
-        # A paged run has no attention-part rows (see glm5_dsa_jax.bench).
+        # A paged run has no attention-part rows (see glm5_dsa_jax.tools.bench).
         attn = (f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
                 if ("sparse_attn", b, c1) in by else "")
         print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "

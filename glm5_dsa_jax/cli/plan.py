@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax.cli.args import nonnegative_int, positive_float, positive_int
+from glm5_dsa_jax.cli.args import check_context, nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.config import PRESETS, DsaConfig
-from glm5_dsa_jax.memory_plan import MemoryPlan
+from glm5_dsa_jax.tools.memory_plan import MemoryPlan
 from glm5_dsa_jax.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
 
 #: Cache dtypes the memory table compares.
@@ -25,28 +25,31 @@ PLAN_CACHE_DTYPES = ("bfloat16", "fp8")
 
 
 def add_parser(subparsers) -> None:
-    """``glm5-dsa plan``: print the TP plan table and per-rank totals."""
+    """``glm5-dsa plan``: print one DSA layer's tensor-parallel shard plan (rank --rank's
+    tensors, the per-rank totals) and the per-device memory of the model's DSA attention
+    (weights, bf16 and fp8 caches, contiguous and paged, the sequences that fit) on a
+    --dp x --tp mesh. A plan: no devices are needed."""
     p = subparsers.add_parser(
         "plan", help="print the tensor-parallel shard plan of one DSA layer",
         description=add_parser.__doc__,
     )
-    p.add_argument("--tp", type=positive_int, default=8, help="TP size (default 8)")
+    p.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size: heads split over it")
     p.add_argument("--dp", type=positive_int, default=1,
-                   help="data-parallel size: the batch and the caches split by sequence (default 1)")
+                   help="data-parallel size: the batch and the caches split by sequence")
     p.add_argument("--batch", type=positive_int, default=None,
-                   help="sequences on the whole mesh for the cache figures (default 8 x dp)")
+                   help="sequences on the whole mesh for the cache figures (default: 8 x --dp)")
     p.add_argument("--memory-gib", type=positive_float, default=80.0,
-                   help="device memory given to attention weights and caches, GiB (default 80)")
-    p.add_argument("--rank", type=nonnegative_int, default=0, help="rank whose tensor table is shown (default 0)")
+                   help="device memory given to attention weights and caches, GiB")
+    p.add_argument("--rank", type=nonnegative_int, default=0, help="rank whose tensor table is shown")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=PRESETS, default="glm53-flash")
-    src.add_argument("--config", help="a glm5_next, glm_moe_dsa or deepseek_v32 config.json (or its directory)")
+    src.add_argument("--preset", choices=PRESETS, default="glm53-flash", help="the model's shapes")
+    src.add_argument("--config", help="a glm5_next, glm_moe_dsa or deepseek_v32 config.json (or its directory) instead of --preset (default: none)")
     p.add_argument("--elem-bytes", type=positive_int, default=BF16_BYTES, help="bytes per element (bf16: 2)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="context for the cache figures and the indexer all-reduce figure "
-                        "(default max_position_embeddings)")
+                   help="context for the cache figures and the indexer all-reduce figure, at most "
+                        "the model's max_position_embeddings (default: max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
 
 
 def main(args) -> int:
@@ -55,6 +58,7 @@ def main(args) -> int:
         plans = TpPlan.all_ranks(cfg, args.tp, elem_bytes=args.elem_bytes)
         plan = TpPlan.build(cfg, args.rank, args.tp, elem_bytes=args.elem_bytes)
         context = args.context or cfg.max_position_embeddings
+        check_context(context, cfg)
         batch = args.batch or 8 * args.dp
         mem = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context,
                          elem_bytes=args.elem_bytes)

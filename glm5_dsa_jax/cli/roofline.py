@@ -1,9 +1,11 @@
 """``glm5-dsa roofline``: the roofline rows of one layer on a GPU, as a table or JSON.
 
 The model (bytes, FLOPs, programs and the bound of each kernel, and why they are what they
-are) is ``glm5_dsa_jax.roofline``; this module parses the flags, calls ``roofline.rows`` and
-formats its rows. A ``ValueError`` of the model (a chunk longer than the context, a
-non-positive size) is printed and exits with status 2, like an argparse usage error.
+are) is ``glm5_dsa_jax.tools.roofline``; this module parses the flags, calls ``roofline.rows`` and
+formats its rows. Checked before any work, each a one-line error with exit status 2: a
+context beyond the preset's ``max_position_embeddings``, an explicit ``--chunk`` longer
+than the context (the default chunk, 2048, is cut to a shorter context), a non-positive
+size.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax import roofline
+from glm5_dsa_jax.tools import roofline
+from glm5_dsa_jax.cli.args import UsageError, check_context, positive_int
 from glm5_dsa_jax.config import PRESETS, DsaConfig
-from glm5_dsa_jax.roofline import GPUS, RooflineRow
+from glm5_dsa_jax.tools.roofline import GPUS, RooflineRow
 
 
 def _fmt_bytes(n: int) -> str:
@@ -39,22 +42,38 @@ def format_table(rs: list[RooflineRow], measured: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+#: The prefill chunk when ``--chunk`` is not given (cut to a shorter context).
+DEFAULT_CHUNK = 2048
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU")
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    p.add_argument("--context", type=int, required=True, help="tokens in the cache")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=2048, help="queries per sequence of the prefill chunk")
-    p.add_argument("--preset", default="glm53-flash", choices=[*PRESETS, "glm53_flash"])
+    """``glm5-dsa roofline``: per kernel of one DSA layer, the bytes it moves, its FLOPs, its
+    programs and the time a GPU's bandwidth and peak FLOPs bound it to, for one decode
+    step and one prefill chunk (the model: glm5_dsa_jax.tools.roofline)."""
+    p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU (a model, no GPU needed)",
+                       description=add_parser.__doc__)
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS), help="the GPU whose bandwidth and FLOPs bound the kernels")
+    p.add_argument("--context", type=positive_int, required=True,
+                   help="tokens in the cache, at most the preset's max_position_embeddings")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help=f"queries per sequence of the prefill chunk, at most --context (default: "
+                        f"{DEFAULT_CHUNK}, or the context when it is shorter)")
+    p.add_argument("--preset", default="glm53-flash", choices=[*PRESETS, "glm53_flash"],
+                   help="the model's shapes (glm53_flash: an alias of glm53-flash)")
     p.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                    help="latent rows and pooled keys: bf16, or e4m3 with a float32 scale per row")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, prog=p.prog)
 
 
 def main(args) -> int:
     cfg = DsaConfig.preset(args.preset.replace("_", "-"))
-    chunk = min(args.chunk, args.context) if args.context >= 1 else args.chunk
+    check_context(args.context, cfg)
+    if args.chunk is not None and args.chunk > args.context:
+        raise UsageError(f"--chunk {args.chunk} is longer than --context {args.context}: a prefill "
+                         "chunk's queries are tokens of the context")
+    chunk = min(DEFAULT_CHUNK, args.context) if args.chunk is None else args.chunk
     try:
         rs = roofline.rows(cfg, args.gpu, args.context, args.batch, chunk=chunk,
                            cache_dtype=args.cache_dtype)

@@ -1,4 +1,4 @@
-"""What ``glm5_dsa_jax.gpu_compile`` compiles: one ``Case`` per kernel and layer ``Step``.
+"""What ``glm5_dsa_jax.tools.gpu_compile`` compiles: one ``Case`` per kernel and layer ``Step``.
 
 Invariants:
 

@@ -1,6 +1,6 @@
-"""The compile worker of ``glm5_dsa_jax.gpu_compile``: one process per target.
+"""The compile worker of ``glm5_dsa_jax.tools.gpu_compile``: one process per target.
 
-``compile_cases`` runs ``python -m glm5_dsa_jax.gpu_compile --worker TARGET --dump-dir DIR``
+``compile_cases`` runs ``python -m glm5_dsa_jax.tools.gpu_compile --worker TARGET --dump-dir DIR``
 (the ``glm5-dsa gpu-compile`` command's hidden flag) with the cases as JSON on stdin; the
 worker prints one JSON line per case (after a ``ready`` line). Invariants:
 
@@ -35,8 +35,8 @@ import jax
 from jax.experimental import topologies
 
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, build
-from glm5_dsa_jax.gpu_compile.targets import TARGETS
+from glm5_dsa_jax.tools.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, build
+from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS
 from pallas_kernels import triton_calls
 
 __all__ = ["run_worker"]

@@ -1,4 +1,4 @@
-"""The compile toolchain of ``glm5_dsa_jax.gpu_compile``: finding it and reading ``ptxas -v``.
+"""The compile toolchain of ``glm5_dsa_jax.tools.gpu_compile``: finding it and reading ``ptxas -v``.
 
 Invariants: ``toolchain()`` refuses (``ToolchainMissing``, naming the ``gpu-compile`` extra)
 when the CUDA plugin or ptxas is absent, and refuses a plugin whose version differs from

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 
-from glm5_dsa_jax.gpu_compile.targets import GpuTarget
+from glm5_dsa_jax.tools.gpu_compile.targets import GpuTarget
 
 __all__ = ["Report", "parse_thunks", "format_table", "failures"]
 

@@ -1,4 +1,4 @@
-"""The GPUs ``glm5_dsa_jax.gpu_compile`` compiles for, and the CUDA occupancy rules.
+"""The GPUs ``glm5_dsa_jax.tools.gpu_compile`` compiles for, and the CUDA occupancy rules.
 
 Invariants: a ``GpuTarget`` holds exactly what XLA is told about the GPU
 (``target_config``) and the per-SM limits blocks per SM are computed from; the numbers are

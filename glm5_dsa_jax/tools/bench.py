@@ -70,7 +70,7 @@ from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows
 from glm5_dsa_jax.layer import DsaAttention, float32_params
 from glm5_dsa_jax.paged_cache import PagedCache
-from glm5_dsa_jax.roofline import step_read_bytes, weight_bytes
+from glm5_dsa_jax.tools.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
 #: Tokens per page of a paged run (vLLM's and SGLang's page size).

@@ -21,7 +21,7 @@ SM. Invariants:
 
 * A number that cannot be read (no thunk, no ptxas line) fails the kernel: a check that has
   lost its data must not pass.
-* Each target compiles in its own subprocess (``python -m glm5_dsa_jax.gpu_compile
+* Each target compiles in its own subprocess (``python -m glm5_dsa_jax.tools.gpu_compile
   --worker``): XLA aborts the process on some fatal errors, and the caller (pytest) must
   survive to report them; the caller's jax setup (8 virtual CPU devices) stays out of it.
 * Work is shared, never skipped: cases whose wrapper inputs are identical are traced once,
@@ -46,7 +46,7 @@ Modules: ``targets`` (``GpuTarget``, ``TARGETS``, occupancy), ``cases`` (``Step`
 (toolchain discovery, ``ptxas -v`` parsing), ``report`` (``Report``, the thunk parser, the
 tables); this module runs the workers and reads their dumps (``compile_cases``). The
 command line is ``glm5-dsa gpu-compile`` (``glm5_dsa_jax.cli.gpu_compile``);
-``python -m glm5_dsa_jax.gpu_compile`` (``__main__``) is the same command. Names the modules
+``python -m glm5_dsa_jax.tools.gpu_compile`` (``__main__``) is the same command. Names the modules
 share that are not in an ``__all__`` (``cases.build``, ``report.analyse``) are the package's
 internal API.
 """
@@ -62,19 +62,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Iterable
 
-from glm5_dsa_jax.gpu_compile.cases import (
+from glm5_dsa_jax.tools.gpu_compile.cases import (
     KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS, Case, Step, default_cases, mosaic_cases,
     mosaic_on_target,
 )
-from glm5_dsa_jax.gpu_compile.ptxas import (
+from glm5_dsa_jax.tools.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
 )
-from glm5_dsa_jax.gpu_compile.report import (
+from glm5_dsa_jax.tools.gpu_compile.report import (
     Report, analyse, failures, format_table, parse_thunks,
 )
-from glm5_dsa_jax.gpu_compile.targets import TARGETS, GpuTarget
+from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS, GpuTarget
 
 __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
@@ -88,8 +89,8 @@ def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: f
                 config: dict) -> dict[str, dict]:
     """Run the worker for one target; after a crash, go on past the case that caused it."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
-    # The repository root (above glm5_dsa_jax/gpu_compile/), so the worker imports this code.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The repository root (above glm5_dsa_jax/tools/gpu_compile/), so the worker imports this code.
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     records: dict[str, dict] = {}
     todo = list(cases)
@@ -100,7 +101,7 @@ def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: f
             for c in todo]}
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "glm5_dsa_jax.gpu_compile", "--worker", target.name,
+                [sys.executable, "-m", "glm5_dsa_jax.tools.gpu_compile", "--worker", target.name,
                  "--dump-dir", dump_root], input=json.dumps(spec), capture_output=True,
                 text=True, env=env, timeout=max(1.0, deadline - time.time()))
             out, err, how = proc.stdout, proc.stderr, f"exited with status {proc.returncode}"
@@ -185,6 +186,8 @@ def compile_cases(cases: list[Case], targets: Iterable[str] = ("sm_80", "sm_90")
             os.makedirs(target_dump, exist_ok=True)
             on_target = [c for c in cases
                          if mosaic_on_target(c.kernel, TARGETS[n].compute_capability)]
+            if log:
+                log(f"{n}: compiling {len(on_target)} cases in a worker process ...")
             records = _run_worker(TARGETS[n], on_target, target_dump, timeout, config or {})
             compiled = {}
             for rec in records.values():

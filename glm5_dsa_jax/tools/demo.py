@@ -6,7 +6,9 @@ attends to, how far sparse attention is from dense attention, and decode speed.
 it runs the tiny preset with random weights on the CPU in seconds (``--preset glm53-flash``:
 the real layer shape, ``--checkpoint DIR``: real weights). One ``numpy`` generator, seeded
 by ``--seed``, draws the prompts and then every decode step's input, so a run is
-reproducible; the layers' random weights use ``nnx.Rngs(seed + layer_idx)``.
+reproducible; the layers' random weights use ``nnx.Rngs(seed + layer_idx)``. The default
+prompt (``default_prompt``) is longer than what a query can select, so every preset's demo
+shows sparsity: the last queries read ``index_topk`` tokens of about twice as many.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import DsaDecoder
 from glm5_dsa_jax.layer import DsaAttention
 
-__all__ = ["describe_row", "build_layers", "left_padded_batch", "sparse_vs_dense", "decode_steps"]
+__all__ = ["describe_row", "build_layers", "left_padded_batch", "default_prompt", "sparse_vs_dense",
+           "decode_steps", "MIN_PROMPT", "COMPARED_QUERIES"]
+
+#: The shortest default prompt (``default_prompt``): room for the batch's 7 and 19 tokens
+#: of left padding beside a tiny preset's ``2 * index_topk`` = 32.
+MIN_PROMPT = 48
+#: The prompt's last queries ``sparse_vs_dense`` compares.
+COMPARED_QUERIES = 64
 
 
 def describe_row(ids: np.ndarray, kpool: int, first_key: int) -> str:
@@ -80,29 +89,41 @@ def left_padded_batch(cfg: DsaConfig, prompt: int, rng: np.random.Generator, dty
     return lengths, x, jnp.asarray(mask)
 
 
+def default_prompt(cfg: DsaConfig) -> int:
+    """The demo's prompt length when ``--prompt`` is not given: twice the ``index_topk``
+    tokens a query reads (at least ``MIN_PROMPT``), so the last queries read about half of
+    the tokens they see and the selection is sparse (a prompt of at most ``index_topk``
+    tokens selects every one: dense attention by another name)."""
+    return max(2 * cfg.index_topk, MIN_PROMPT)
+
+
 def sparse_vs_dense(layer: DsaAttention, latent: jax.Array, x: jax.Array, mask: jax.Array,
-                    topk: jax.Array) -> dict[str, float]:
-    """The prompt's queries attended three ways, compared on the valid queries (those that
-    select a token): ``max_diff``, the sparse kernel against dense masked attention over the
-    same tokens (the kernel's own error); ``rel_l2``, sparse against dense causal attention
-    over every visible token (what the selection leaves out); ``read_frac``, the share of its
-    visible tokens a query reads on average. ``latent``: the cache's rows of the prompt."""
+                    topk: jax.Array, queries: int = COMPARED_QUERIES) -> dict[str, float]:
+    """The prompt's last ``queries`` queries attended three ways, compared on the valid ones
+    (those that select a token): ``max_diff``, the sparse kernel against dense masked
+    attention over the same tokens (the kernel's own error); ``rel_l2``, sparse against
+    dense causal attention over every visible token (what the selection leaves out);
+    ``read_frac``, the share of its visible tokens a query reads on average. ``latent``: the
+    cache's rows of the prompt. Only the last queries, because dense attention's scores
+    grow with the prompt squared (a real preset's sparse prompt is thousands of tokens)."""
     cfg = layer.cfg
     prompt = x.shape[1]
-    slots = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32)[None], mask.shape)
-    _, q_lat, _ = layer.project(x, layer.rope(slots))  # RoPE at the cache's slots, as the call
-    token_ids = jnp.asarray(topk)
+    n = min(queries, prompt)
+    slots = jnp.broadcast_to(jnp.arange(prompt - n, prompt, dtype=jnp.int32)[None], (x.shape[0], n))
+    _, q_lat, _ = layer.project(x[:, -n:], layer.rope(slots))  # RoPE at the cache's slots, as the call
+    token_ids = jnp.asarray(topk)[:, -n:]
     kw = dict(scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
     sparse = pk.sparse_mla(q_lat, latent, token_ids, implementation=layer.implementation, **kw)
     same = pk.mla_masked_attention(q_lat, latent, pk.topk_to_mask(token_ids, prompt), **kw)
-    causal = mask[:, None, :] & (jnp.arange(prompt)[None, :, None] >= jnp.arange(prompt)[None, None, :])
+    causal = mask[:, None, :] & (slots[:, :, None] >= jnp.arange(prompt)[None, None, :])
     dense = pk.mla_masked_attention(q_lat, latent, causal, **kw)
-    live = np.asarray(mask & (token_ids >= 0).any(-1))
+    live = np.asarray(mask[:, -n:] & (token_ids >= 0).any(-1))
     sp, sm, de = (np.asarray(a, np.float32)[live] for a in (sparse, same, dense))
     rel = np.linalg.norm(sp - de) / max(np.linalg.norm(de), 1e-30)
     frac = float((np.asarray(token_ids) >= 0).sum(-1)[live].mean()) / max(
         float(np.asarray(causal).sum(-1)[live].mean()), 1)
-    return {"max_diff": float(np.abs(sp - sm).max()), "rel_l2": float(rel), "read_frac": frac}
+    return {"max_diff": float(np.abs(sp - sm).max()), "rel_l2": float(rel), "read_frac": frac,
+            "queries": n}
 
 
 def decode_steps(dec: DsaDecoder, shared: DsaDecoder | None, steps, rng: np.random.Generator):
