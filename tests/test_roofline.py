@@ -113,7 +113,7 @@ def test_cli_table_and_json(capsys):
 # ---------------------------------------------------------------------------- model widths
 ROPE_PRESETS = ("glm5", "glm52", "deepseek-v32")
 
-# glm5-dsa roofline --gpu h200 --context N at GLM-5.3-Flash, as the README tables print them
+# glm5-dsa roofline --gpu h200 --context N at GLM-5.3-Flash, as docs/benchmarks.md prints them
 # (rounded there); exact here, so a refactor of the model cannot move them.
 GLM53_DECODE_131072 = {
     "xla:q_a_proj": (12594176, 12582912), "xla:q_b_proj": (50367488, 50331648),
@@ -135,7 +135,7 @@ GLM53_TOTALS = {  # context -> (decode bytes, flops), (prefill bytes, flops)
 def test_glm53_figures_unchanged():
     rows = rl.rows(CFG, "h200", 131072)
     dec = _by(rows, "decode")
-    assert list(dec) == list(GLM53_DECODE_131072)  # the README's row order too
+    assert list(dec) == list(GLM53_DECODE_131072)  # docs/benchmarks.md's row order too
     assert {k: (r.bytes, r.flops) for k, r in dec.items()} == GLM53_DECODE_131072
     for context, (decode, prefill) in GLM53_TOTALS.items():
         rows = rl.rows(CFG, "h200", context)
@@ -146,11 +146,11 @@ def test_glm53_figures_unchanged():
 
 
 def _readme_tables():
-    """The README's roofline tables: ``{(phase or "presets", first cell): [(MB, us,
+    """The roofline tables of docs/benchmarks.md: ``{(phase or "presets", first cell): [(MB, us,
     compute?) per column]}``."""
     import pathlib
     import re
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text()
     section = text[text.index("## Roofline"):]
     section = section[:section.index("\n## ", 5)]
     out, table = {}, None
