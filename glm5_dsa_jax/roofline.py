@@ -60,7 +60,7 @@ import math
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import check_cache_dtype
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.fp8 import is_fp8
+from glm5_dsa_jax.cache.fp8 import is_fp8
 from pallas_kernels import (
     ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
     SparseMlaBlockSizes, TopkPoolsBlockSizes,

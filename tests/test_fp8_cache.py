@@ -31,9 +31,9 @@ from hypothesis import given, settings, strategies as st
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
-from glm5_dsa_jax import fp8
+from glm5_dsa_jax.cache import fp8
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.fp8 import quantize_rows, dequantize_rows
+from glm5_dsa_jax.cache.fp8 import quantize_rows, dequantize_rows
 from helpers import F32_REORDER, f32_layer, hidden_states, jitted_call, padded_batch
 from helpers import rope_tiny as rope_cfg  # glm_moe_dsa: the cache row is [c, k_rot], 24 + 8 wide
 
