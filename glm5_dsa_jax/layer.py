@@ -17,12 +17,20 @@ Invariants:
   + q_rot . k_rot``, the values ``c`` (``sparse_mla(..., value_width=kv_lora_rank)``).
 * Two cache kinds: the contiguous ``DsaCache`` (one timeline for the batch, as HF's
   ``DynamicCache``; RoPE positions are its slots) and the paged ``PagedCache`` (a sequence
-  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``). Either may be
-  fp8 (``glm5_dsa_jax.fp8``): rows are quantised by the cache's writes, and the scales go
-  with the rows to the kernels (``score_pools``, ``score_and_select``, ``sparse_attention``).
-* Every call goes through the same path, with or without a cache: a call without a cache
-  runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
-  ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
+  per row, positions within it). Both implement the cache interface
+  (``glm5_dsa_jax.cache.interface``); the layer never asks which kind it holds. Either may
+  be fp8 (``glm5_dsa_jax.cache.fp8``): rows are quantised by the cache's writes, and the
+  scales go with the rows to the kernels (``score_pools``, ``score_and_select``,
+  ``sparse_attention``).
+* Every call goes through one pipeline, ``forward``, with or without a cache and on
+  either kind: a call without a cache runs on a fresh contiguous cache sized to the
+  input. Why one function: the two caches differ only in where rows and pools live, which
+  is the cache's part; a second path would repeat every step. Prefill rows are processed
+  in tiles of ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
+* The cache's order within a call: room first (``begin_chunk``: a paged row without pages
+  is masked out of the whole call), the chunk's latent rows before any query reads (a
+  query attends to its own token, as in HF), the pools completing in the chunk before any
+  scoring, the cache's bookkeeping last (``end_chunk``).
 * A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
@@ -30,10 +38,12 @@ Invariants:
   never written back (``glm5_dsa_jax.float32_copies``); each product still rounds to the
   activation dtype. ``cpu_float32=False`` opts out; other platforms never use the copies.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
-  name (``glm5_dsa_jax.steps``): the contiguous call (``contiguous_step.contiguous_call``), the paged one
-  (``paged_step.paged_call``) and the data-parallel one (``data_parallel.dp_call``, which
-  runs this call per device) all run these methods, so no step is written twice. A step
-  that reads the cache takes either kind and picks its kernel by the cache's kind.
+  name (``glm5_dsa_jax.steps``): ``forward`` and the data-parallel call
+  (``data_parallel.dp_call``, which runs this call per device) run these methods, so no
+  step is written twice. A step that reads the cache uses the cache's operations (its key
+  source and kernel for scoring, its rows and slots for attention, its tail), never its
+  kind. ``forward`` reads no placement of the layer (``mesh``, ``batch_axis``,
+  ``reduce_axis``): it runs as is inside a ``shard_map`` body.
 * The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
   runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
   ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
@@ -225,7 +235,7 @@ class DsaAttention(nnx.Module):
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None) -> PagedCache:
-        """An empty paged cache (``glm5_dsa_jax.paged_cache``): ``num_pages`` pages of
+        """An empty paged cache (``glm5_dsa_jax.cache.paged``): ``num_pages`` pages of
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
         defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,

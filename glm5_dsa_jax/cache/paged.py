@@ -4,7 +4,7 @@ block tables (vLLM's and SGLang's layout), and the writes a step makes into them
 Each row ``b`` of a step is its own sequence, with its own length. Its tokens live in
 pages of ``page_size`` tokens taken from one pool that every sequence shares; the page
 bookkeeping (block tables, lengths, the free-page stack, all-or-nothing reservation and
-release) is ``glm5_dsa_jax.pages.PageTable``.
+release) is ``glm5_dsa_jax.cache.pages.PageTable``.
 
 Invariants:
 
@@ -47,7 +47,7 @@ sequence; ``row_slots`` maps positions to latent-pool slots (``token_slots``), s
 ``sparse_mla`` reads the shared pool ``[1, N * page_size, CR]`` only at the rows it
 attends to; scoring reads each row's own pools through its block table.
 
-**fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.fp8``): the latent and pooled pages hold e4m3
+**fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.cache.fp8``): the latent and pooled pages hold e4m3
 (``uint8`` bits on a CPU, for the same reason), and their float32 scales page with them:
 ``latent_scale [N, page_size]`` (one per token) and ``pooled_scale [N, PPP]`` (one per
 pool); ``None`` for a float cache. Rows are quantised once, in ``write_latent`` and
