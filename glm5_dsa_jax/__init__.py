@@ -18,7 +18,7 @@ from glm5_dsa_jax.checkpoint import (
     CheckpointError, load_hf_checkpoint, read_hf_params, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
+from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder, make_step
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.tools.memory_plan import MemoryPlan

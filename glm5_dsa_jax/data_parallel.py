@@ -57,7 +57,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax import layout
-from glm5_dsa_jax.paged_cache import PagedCache, init_paged_cache
+from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.parallel import put
 
 __all__ = [

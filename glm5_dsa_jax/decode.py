@@ -38,7 +38,7 @@ from flax import nnx
 from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.float32_copies import float32_params
 from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.paged_cache import PagedCache, check_room
+from glm5_dsa_jax.cache import PagedCache, check_room
 from glm5_dsa_jax.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]

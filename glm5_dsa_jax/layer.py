@@ -17,12 +17,20 @@ Invariants:
   + q_rot . k_rot``, the values ``c`` (``sparse_mla(..., value_width=kv_lora_rank)``).
 * Two cache kinds: the contiguous ``DsaCache`` (one timeline for the batch, as HF's
   ``DynamicCache``; RoPE positions are its slots) and the paged ``PagedCache`` (a sequence
-  per row, positions within it; the call goes to ``glm5_dsa_jax.paged_step``). Either may be
-  fp8 (``glm5_dsa_jax.fp8``): rows are quantised by the cache's writes, and the scales go
-  with the rows to the kernels (``score_pools``, ``score_and_select``, ``sparse_attention``).
-* Every call goes through the same path, with or without a cache: a call without a cache
-  runs on a fresh cache sized to the input. Prefill rows are processed in tiles of
-  ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
+  per row, positions within it). Both implement the cache interface
+  (``glm5_dsa_jax.cache.interface``); the layer never asks which kind it holds. Either may
+  be fp8 (``glm5_dsa_jax.cache.fp8``): rows are quantised by the cache's writes, and the
+  scales go with the rows to the kernels (``score_pools``, ``score_and_select``,
+  ``sparse_attention``).
+* Every call goes through one pipeline, ``forward``, with or without a cache and on
+  either kind: a call without a cache runs on a fresh contiguous cache sized to the
+  input. Why one function: the two caches differ only in where rows and pools live, which
+  is the cache's part; a second path would repeat every step. Prefill rows are processed
+  in tiles of ``block_q`` queries, so no ``[S, S]`` or ``[S, pools]`` tensor is ever built.
+* The cache's order within a call: room first (``begin_chunk``: a paged row without pages
+  is masked out of the whole call), the chunk's latent rows before any query reads (a
+  query attends to its own token, as in HF), the pools completing in the chunk before any
+  scoring, the cache's bookkeeping last (``end_chunk``).
 * A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
@@ -30,10 +38,12 @@ Invariants:
   never written back (``glm5_dsa_jax.float32_copies``); each product still rounds to the
   activation dtype. ``cpu_float32=False`` opts out; other platforms never use the copies.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
-  name (``glm5_dsa_jax.steps``): the contiguous call (``contiguous_step.contiguous_call``), the paged one
-  (``paged_step.paged_call``) and the data-parallel one (``data_parallel.dp_call``, which
-  runs this call per device) all run these methods, so no step is written twice. A step
-  that reads the cache takes either kind and picks its kernel by the cache's kind.
+  name (``glm5_dsa_jax.steps``): ``forward`` and the data-parallel call
+  (``data_parallel.dp_call``, which runs this call per device) run these methods, so no
+  step is written twice. A step that reads the cache uses the cache's operations (its key
+  source and kernel for scoring, its rows and slots for attention, its tail), never its
+  kind. ``forward`` reads no placement of the layer (``mesh``, ``batch_axis``,
+  ``reduce_axis``): it runs as is inside a ``shard_map`` body.
 * The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
   runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
   ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
@@ -50,26 +60,20 @@ from flax import nnx
 
 import pallas_kernels as pk
 from glm5_dsa_jax import layout, steps
-from glm5_dsa_jax.cache import (
-    DsaCache, check_fits, from_store, init_cache, live_pool_tiles, pool_tile_scorer, pool_window,
-    store_pools, visible_pools,
-)
-from glm5_dsa_jax.contiguous_step import contiguous_call
+from glm5_dsa_jax.cache import Chunk, DsaCache, LayerCache, PagedCache, init_cache, init_paged_cache
+from glm5_dsa_jax.cache.contiguous import live_pool_tiles
+from glm5_dsa_jax.cache.fp8 import check_cache_readable
+from glm5_dsa_jax.cache.interface import tile_scorer
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
 from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
-from glm5_dsa_jax.fp8 import check_cache_readable
 from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.ops import (
-    absorb_o, absorb_q, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
+    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
 )
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
-from glm5_dsa_jax.paged_cache import (
-    PagedCache, check_room, init_paged_cache, paged_pool_window, paged_tail, store_paged_pools,
-)
-from glm5_dsa_jax.paged_step import paged_call, paged_tile_scorer
 from glm5_dsa_jax.parallel import indexer_kernel_call, place_inputs, replicate, sharded_sparse_mla
 from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.weights import hf_to_params, param_variable
@@ -231,7 +235,7 @@ class DsaAttention(nnx.Module):
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None) -> PagedCache:
-        """An empty paged cache (``glm5_dsa_jax.paged_cache``): ``num_pages`` pages of
+        """An empty paged cache (``glm5_dsa_jax.cache.paged``): ``num_pages`` pages of
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
         defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,
@@ -262,29 +266,60 @@ class DsaAttention(nnx.Module):
             position_ids = check_position_ids(position_ids, jnp.shape(hidden_states)[:2])
         if cache is not None:
             check_cache_readable(cache, self.implementation)
-        if isinstance(cache, PagedCache):
-            # Positions are per sequence: a prev_topk is checked causal inside the step.
-            x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk)
-            cache.check(self.cfg, self.has_indexer, x.shape[0])
-            if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
-                check_room(cache, mask)
-            if self.batch_axis is not None:
-                return dp_call(self, x, mask, cache, prev_topk, position_ids)
-            x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
-            return paged_call(self, x, mask, cache, prev_topk, position_ids)
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.chunk_start  # None: checked causal in the step
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
-        b, s, _ = x.shape
         if cache is not None:
-            cache.check(self.cfg, self.has_indexer, b)
-            check_fits(cache, s)
+            cache.check_chunk(self.cfg, self.has_indexer, x.shape[0], mask)
         if self.batch_axis is not None:
             return dp_call(self, x, mask, cache, prev_topk, position_ids)
         x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
         if cache is None:
-            out, topk, _ = contiguous_call(self, x, mask, self.init_cache(b, s), prev_topk, position_ids)
+            b, s, _ = x.shape
+            out, topk, _ = self.forward(x, mask, self.init_cache(b, s), prev_topk, position_ids,
+                                        reduce_axis=self.reduce_axis)
             return out, topk
-        return contiguous_call(self, x, mask, cache, prev_topk, position_ids)
+        return self.forward(x, mask, cache, prev_topk, position_ids, reduce_axis=self.reduce_axis)
+
+    def forward(self, x, mask, cache: LayerCache, prev_topk, position_ids=None, *, reduce_axis=None):
+        """``(out, topk, cache)`` of the layer on checked inputs ``x [B, S, hidden]``, ``mask
+        [B, S]`` bool and a cache of either kind (never None): the one pipeline of a call
+        (class doc), read top to bottom; every cache-specific part is an operation of the
+        cache interface (``glm5_dsa_jax.cache.interface``). Steps 2-5 run per ``block_q``
+        query tile (``ops.by_query_tiles``), so no ``[S, P]`` or ``[S, S]`` tensor is built.
+        RoPE positions (``position_ids``) default to the cache's (``Chunk.positions``).
+        ``reduce_axis`` goes to ``output_projection``. Reads no placement of the layer:
+        runs as is on one device or inside a ``shard_map`` body."""
+        cache, chunk = cache.begin_chunk(mask)  # room for the chunk; a row without it is masked out
+        mask = chunk.mask
+        # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
+        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+        rope = self.rope(chunk.positions if position_ids is None else position_ids)
+        q_resid, q_lat, latent = self.project(x, rope)
+        cache = cache.write_latent(latent, chunk)  # before any query reads: a query sees its own token
+        rows, row_scale = cache.attention_rows()
+        row_slots = cache.row_slots
+
+        def attend(q_lat, token_ids):
+            return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
+
+        if self.indexer is not None:
+            qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
+            cache = self.compress_pools(cache, ki, gate, chunk)  # pooled before any query scores
+            select_k = self.cfg.select_k(cache.max_pools)
+
+            def tile(q_lat, q_pos, qi, w, n_vis):
+                pools = self.choose_pools(qi, w, cache, q_pos, select_k)
+                token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
+                return token_ids, attend(q_lat, token_ids)
+
+            topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+                                         (chunk.n_vis, 0))
+        else:
+            topk = self.reused_token_ids(prev_topk, chunk.q_pos)
+            _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), self.block_q,
+                                      (q_lat, 0), (topk, -1))
+        out = self.output_projection(o_lat, mask, reduce_axis=reduce_axis)
+        return out, topk, cache.end_chunk(chunk)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -304,9 +339,9 @@ class DsaAttention(nnx.Module):
         q_resid, _, _ = self.project(x, rope)
         qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
         fresh = replicate(init_cache(self.cfg, b, s, dtype=self.dtype), self.mesh)  # like x, also under DP
-        cache = self.compress_pools(fresh, ki, gate, mask, jnp.bool_(True))
-        q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
-        return self.score_pools(qi, w, cache, q_pos), cache.first_key
+        fresh, chunk = fresh.begin_chunk(mask)
+        cache = self.compress_pools(fresh, ki, gate, chunk)
+        return self.score_pools(qi, w, cache, chunk.q_pos), cache.pool_origin()
 
     # ------------------------------------------------------------------ pipeline steps
     def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
@@ -343,39 +378,27 @@ class DsaAttention(nnx.Module):
         y = dense(x, w[...], self.wide)
         return y if bias is None else y + bias[...].astype(y.dtype)
 
-    def compress_pools(self, cache: DsaCache | PagedCache, keys, gate, mask, fits=True):
+    def compress_pools(self, cache: LayerCache, keys, gate, chunk: Chunk):
         """Step 1: pool the keys ``[B, S, D]`` of every pool that completes in this chunk,
-        once, into the cache (``kpool_compress`` between the cache's window and store:
-        ``pool_window`` / ``store_pools``, nothing written when not ``fits``; on a paged
-        cache ``paged_pool_window`` / ``store_paged_pools`` after ``pages.reserve``)."""
+        once, into the cache (``kpool_compress`` between the cache's ``pool_window`` and
+        ``store_pools``; nothing written when the chunk does not fit)."""
         kernel = functools.partial(self._indexer_kernel, pk.kpool_compress)
         with jax.named_scope(steps.COMPRESS_POOLS):
-            if isinstance(cache, PagedCache):  # mask is the reserved rows' (pages.reserve)
-                n_new = mask.sum(axis=1, dtype=jnp.int32)
-                old = cache.pages.lengths - n_new
-                win = paged_pool_window(cache, old, keys, gate, mask)
-                win_keys, win_gate, win_valid, first_pool = win
-                pooled, _, pooled_valid = kernel(win_keys, win_gate, win_valid,
-                                                 self.indexer.pool_ape(win_keys.dtype), first_pool)
-                return store_paged_pools(cache, old, win, pooled, pooled_valid, n_new)
-            win = pool_window(cache, keys, gate, mask)
+            win = cache.pool_window(keys, gate, chunk)
             pooled, _, pooled_valid = kernel(win.keys, win.gate, win.valid,
                                              self.indexer.pool_ape(win.keys.dtype), win.first_pool)
-            return store_pools(cache, win, pooled, pooled_valid, fits)
+            return cache.store_pools(win, pooled, pooled_valid, chunk)
 
-    def score_pools(self, qi, w, cache: DsaCache | PagedCache, q_pos) -> jax.Array:
+    def score_pools(self, qi, w, cache: LayerCache, q_pos) -> jax.Array:
         """Step 2: ``[B, Q, P]`` float32 scores of the cache's pools for the queries ``qi [B,
         Q, Hi, D]`` (weights ``w [B, Q, Hi]``) at slots ``q_pos [B, Q]``; ``-inf`` where a
-        pool is not a candidate (invalid, or not yet complete). A paged cache is read
-        through its block table, each row's own pools only (``index_scores_paged``)."""
+        pool is not a candidate (invalid, or not yet complete). The kernel and its key
+        source are the cache's (``pool_keys``: ``index_scores``, or ``index_scores_paged``
+        through the block table, each row's own pools only)."""
         kp = self.cfg.index_kpool
         with jax.named_scope(steps.SCORE_POOLS):
-            if isinstance(cache, PagedCache):
-                return self._indexer_kernel(
-                    pk.index_scores_paged, qi, w, from_store(cache.pooled_store, cache.dtype),
-                    cache.pages.block_table, cache.pages.lengths // kp, q_pos, cache.pooled_scale, kpool=kp)
-            return self._indexer_kernel(pk.index_scores, qi, w, cache.pooled, cache.pool_valid, cache.first_key,
-                                        q_pos, cache.pooled_scale, kpool=kp)
+            keys = cache.pool_keys()
+            return self._indexer_kernel(keys.kernel, qi, w, *keys.operands(), q_pos, keys.scale, kpool=kp)
 
     def select_pools(self, scores, select_k: int, n_live=None) -> jax.Array:
         """Step 3: ``[B, Q, select_k]`` pool ids of the best scores (``topk_pools``); with
@@ -386,64 +409,40 @@ class DsaAttention(nnx.Module):
                 return self._indexer_kernel(pk.topk_pools, scores, select_k)
             return self._indexer_kernel(topk_live, scores, n_live, select_k)
 
-    def live_pools(self, cache: DsaCache | PagedCache, q_pos) -> jax.Array:
-        """``[B, Q]`` the pools complete at each query (``cache.visible_pools``)."""
-        kp = self.cfg.index_kpool
-        if isinstance(cache, PagedCache):  # positions from 0, up to the row's pool count
-            return visible_pools(q_pos, 0, kp, (cache.pages.lengths // kp)[:, None])
-        return visible_pools(q_pos, cache.first_key[:, None], kp, cache.max_pools)
-
-    def choose_pools(self, qi, w, cache: DsaCache | PagedCache, q_pos, select_k: int) -> jax.Array:
+    def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 of a query tile: ``score_and_select`` where ``"xla"`` reads the live
-        pools only (a decode step; every tile of a paged cache), else ``select_pools`` of
-        ``score_pools``. A contiguous prefill tile keeps the whole row: its running sort of
-        Q rows cost 1.5x the row's top-k at 1K tokens."""
-        if self.implementation == "xla" and (isinstance(cache, PagedCache) or q_pos.shape[1] == 1):
+        pools only (a decode step; every tile where the cache says so,
+        ``STREAM_PREFILL``), else ``select_pools`` of ``score_pools`` bounded by the cache's
+        ``live_pools``."""
+        if self.implementation == "xla" and (cache.STREAM_PREFILL or q_pos.shape[1] == 1):
             return self.score_and_select(qi, w, cache, q_pos, select_k)
-        return self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, self.live_pools(cache, q_pos))
+        return self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, cache.live_pools(q_pos))
 
-    def score_and_select(self, qi, w, cache: DsaCache | PagedCache, q_pos, select_k: int) -> jax.Array:
+    def score_and_select(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 fused, as ``implementation="xla"`` runs them (``choose_pools``): ``[B,
         Q, select_k]`` pool ids, the same as ``select_pools(score_pools(...))`` bit for bit,
-        but scored tile by tile (``POOL_TILE`` pools) only up to the batch's latest complete
-        pool (``cache.live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the
-        work follows the live tokens, not the capacity. Each tile is scored under
-        ``"score_pools"``, the loop runs under ``"select_pools"``."""
+        but scored tile by tile (``POOL_TILE`` pools, ``cache.interface.tile_scorer`` over
+        the cache's ``pool_keys``) only up to the batch's latest complete pool
+        (``live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the work follows
+        the live tokens, not the capacity. Each tile is scored under ``"score_pools"``, the
+        loop runs under ``"select_pools"``."""
         kp, tile = self.cfg.index_kpool, min(self.POOL_TILE, cache.max_pools)
         with jax.named_scope(steps.SELECT_POOLS):
-            if isinstance(cache, PagedCache):
-                n_live = visible_pools(q_pos, 0, kp, cache.max_pools)
-                scorer = paged_tile_scorer(tile, cache.pools_per_page, kp, cache.dtype)
-                grid = (cache.pages.block_table, cache.pages.lengths // kp)
-            else:
-                n_live = visible_pools(q_pos, cache.first_key[:, None], kp, cache.max_pools)
-                scorer = pool_tile_scorer(tile, kp, cache.dtype)
-                grid = (cache.pool_valid, cache.first_key)
-            return pk.streaming_topk(scorer, (qi, w, cache.pooled_store, *grid, q_pos, cache.pooled_scale),
+            n_live = cache.live_pools(q_pos)
+            return pk.streaming_topk(_scoring_step(tile_scorer(tile, kp)), (qi, w, q_pos, cache.pool_keys()),
                                      live_pool_tiles(n_live, tile), tile=tile, n_pools=cache.max_pools,
                                      select_k=select_k, rows=q_pos.shape)
 
-    def expand_to_tokens(self, pools, cache: DsaCache | PagedCache, n_vis, q_pos) -> jax.Array:
-        """Step 4: the selected pools' tokens and each query's visible tail (the ``n_vis %
-        KP`` valid slots after its last complete pool; a paged row has no holes:
-        ``paged_tail``, ``n_vis`` unused) as a row of ``W = out_width`` token ids ``[B, Q,
-        W]`` (``expand_selection``); ``-1`` pads, and a padding query's row is all ``-1``."""
+    def expand_to_tokens(self, pools, cache: LayerCache, n_vis, q_pos) -> jax.Array:
+        """Step 4: the selected pools' tokens and each query's visible tail (the cache's
+        ``visible_tail``: the ``n_vis % KP`` valid slots after its last complete pool) as a
+        row of ``W = out_width`` token ids ``[B, Q, W]`` (``expand_selection``); ``-1``
+        pads, and a padding query's row is all ``-1``."""
         cfg = self.cfg
         with jax.named_scope(steps.EXPAND_TO_TOKENS):
-            paged, tail = isinstance(cache, PagedCache), None
-            first_key = jnp.zeros(pools.shape[:1], jnp.int32) if paged else cache.first_key
-            if cfg.tail_width and paged:
-                tail = paged_tail(q_pos, cfg.index_kpool)
-            elif cfg.tail_width:
-                tail = pk.visible_tail(first_key, n_vis, q_pos, cache.key_valid, cfg.index_kpool)
-                # With holes in the mask the tail (HF's rule: from first_key + visible
-                # - visible % kpool) can fall inside a complete pool that is selected
-                # too; drop those ids so no token is attended twice (HF builds a mask
-                # from the ids, so it counts such a token once).
-                t_pool = jnp.where(tail >= 0, (tail - first_key[:, None, None]) // cfg.index_kpool, -2)
-                tail = jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
-            token_ids = self._indexer_kernel(pk.expand_selection, pools, first_key, tail, kpool=cfg.index_kpool,
-                                             out_width=cfg.out_width)
+            tail = cache.visible_tail(pools, n_vis, q_pos, cfg.index_kpool) if cfg.tail_width else None
+            token_ids = self._indexer_kernel(pk.expand_selection, pools, cache.pool_origin(), tail,
+                                             kpool=cfg.index_kpool, out_width=cfg.out_width)
             return jnp.where(q_pos[..., None] >= 0, token_ids, -1)
 
     @staticmethod
@@ -466,14 +465,15 @@ class DsaAttention(nnx.Module):
             return sharded_sparse_mla(q_lat, rows, token_ids, mesh=self.mesh, axis=self.tp_axis,
                                       kernel=kernel)
 
-    def output_projection(self, o_lat, mask=None) -> jax.Array:
+    def output_projection(self, o_lat, mask=None, *, reduce_axis=None) -> jax.Array:
         """Step 6: ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through ``w_uv`` and the
-        row-parallel ``o_proj`` (plus its bias; ``absorb_o``). With the call's ``mask [B,
-        S]``: zeros at padding queries, in the compute dtype (a call's ``out``)."""
+        row-parallel ``o_proj`` (plus its bias; ``absorb_o``, which ``psum``s the partial
+        sums over ``reduce_axis`` inside a ``shard_map`` manual over it). With the call's
+        ``mask [B, S]``: zeros at padding queries, in the compute dtype (a call's ``out``)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
         with jax.named_scope(steps.OUTPUT_PROJECTION):
             out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
-                           reduce_axis=self.reduce_axis)
+                           reduce_axis=reduce_axis)
             if mask is None:
                 return out
             return jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
@@ -483,3 +483,15 @@ class DsaAttention(nnx.Module):
         layer (``parallel.indexer_kernel_call``)."""
         return indexer_kernel_call(self.mesh, fn, *args, implementation=self.implementation, **kwargs)
 
+
+
+@functools.lru_cache(maxsize=None)
+def _scoring_step(scorer):
+    """``scorer`` (a tile scorer, ``tile_scorer``) under the ``"score_pools"`` scope; one
+    function per scorer, so the eager ``while_loop`` trace stays cached."""
+
+    def scores(*args):
+        with jax.named_scope(steps.SCORE_POOLS):
+            return scorer(*args)
+
+    return scores

@@ -6,7 +6,7 @@ projection, ``DsaIndexer.project``, is ``"index_project"``, to tell it from the 
 the step: a step also reads or writes the cache around its kernel, and the contiguous and
 paged caches run the same step over different kernels (``index_scores`` /
 ``index_scores_paged``). Why one home: the layer (``glm5_dsa_jax.layer``), the caches'
-tile scorers (``glm5_dsa_jax.cache``, ``glm5_dsa_jax.paged_step``), the indexer and the
+tile scorer (wrapped by the layer), the indexer and the
 test that finds every step in a compiled step's HLO (``tests/test_layer_steps.py``) must
 spell each name the same way, or a profile silently loses a step.
 

@@ -1,7 +1,7 @@
 """The fp8 (e4m3) operands the kernels take, and how they enter a dot.
 
 An fp8 cache stores ``float8_e4m3fn`` rows with one float32 scale per row
-(``glm5_dsa_jax.fp8``): the pooled indexer keys for ``index_scores`` /
+(``glm5_dsa_jax.cache.fp8``): the pooled indexer keys for ``index_scores`` /
 ``index_scores_paged`` (``pooled_scale``), the latent rows for ``sparse_mla``
 (``latent_scale``). Invariants shared by every kernel and reference that reads them:
 

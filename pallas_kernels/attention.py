@@ -27,7 +27,7 @@ row, ``V``: its leading value columns). Invariants:
   ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
 * fp8 rows: with ``latent_scale [B or 1, L]`` (float32, one per row) ``latent`` is
   ``float8_e4m3fn`` and row ``id`` is ``latent[b, id] * latent_scale[b, id]``
-  (``glm5_dsa_jax.fp8``). The scale is folded into the sums rather than into the row:
+  (``glm5_dsa_jax.cache.fp8``). The scale is folded into the sums rather than into the row:
   a row's score is ``(q . row8) * s_id * scale`` and its softmax weight is multiplied by
   ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
   e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same

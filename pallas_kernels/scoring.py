@@ -31,7 +31,7 @@ Invariants (both sources):
   head sum's order is the kernel's own (see the float tolerance of the tests).
 * fp8 keys: with ``pooled_scale`` (float32, one per pool: ``[B, P]``, or ``[N, PPP]``
   paged with the keys) the keys are ``float8_e4m3fn`` and the key of a pool is its e4m3
-  row times its scale (``glm5_dsa_jax.fp8``). The scale multiplies the head-summed score,
+  row times its scale (``glm5_dsa_jax.cache.fp8``). The scale multiplies the head-summed score,
   after the ReLU: ``score = scale * sum_h w * relu((q . k8) * D**-0.5)``, equal to the
   score of the dequantised key because a scale is positive. The e4m3 key is converted to
   the query's dtype (exact for bf16 / f16, whose products stay exact in float32) inside
@@ -423,7 +423,7 @@ _index_scores_paged_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosa
 # f32, not TF32), like the reference's ``Precision.HIGHEST``. fp8 (e4m3) keys are
 # converted to the query's 16-bit dtype (exact) or float32 after the load, and the tile's
 # pool scales (one load of ``block_p`` floats) multiply the head-summed score row; Triton
-# converts e4m3 from compute capability 8.9 (``glm5_dsa_jax.fp8.check_readable``).
+# converts e4m3 from compute capability 8.9 (``glm5_dsa_jax.cache.fp8.check_readable``).
 #
 # Offsets: Pallas' Triton lowering addresses a ref with 64-bit offsets once it exceeds 4 GiB
 # (32-bit below, where every element offset of a 16- or 32-bit array fits), so a page pool

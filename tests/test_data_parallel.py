@@ -25,7 +25,7 @@ from hypothesis import given, settings, strategies as st
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import sharding as sh
-from glm5_dsa_jax.pages import init_page_table
+from glm5_dsa_jax.cache.pages import init_page_table
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch
 from helpers import dp_mesh as mesh_of
 from helpers import tiny8 as cfg  # 8 heads: tp 2 and 4 divide them

@@ -5,7 +5,7 @@ error bound, the kernels reading them, and the layer on them.
   every dtype that is neither a 16/32-bit float nor e4m3, naming ``dtype``.
 * <= 560 bytes per token of capacity at GLM-5.3-Flash dims, everything included.
 * Round trip: each element within half an e4m3 ulp (times the row's scale) of the input,
-  hence within ``2**-4`` of the row's amax (``glm5_dsa_jax.fp8``'s module doc).
+  hence within ``2**-4`` of the row's amax (``glm5_dsa_jax.cache.fp8``'s module doc).
 * ``"xla"`` and ``"pallas_interpret"`` on an fp8 cache: the same top-k, bit for bit (ties
   included), outputs within float32 rounding (contiguous prefill + decode, paged steps, a
   RoPE model).
@@ -31,9 +31,9 @@ from hypothesis import given, settings, strategies as st
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
-from glm5_dsa_jax import fp8
+from glm5_dsa_jax.cache import fp8
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.fp8 import quantize_rows, dequantize_rows
+from glm5_dsa_jax.cache.fp8 import quantize_rows, dequantize_rows
 from helpers import F32_REORDER, f32_layer, hidden_states, jitted_call, padded_batch
 from helpers import rope_tiny as rope_cfg  # glm_moe_dsa: the cache row is [c, k_rot], 24 + 8 wide
 

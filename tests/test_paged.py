@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import pages as pg
+from glm5_dsa_jax.cache import pages as pg
 from glm5_dsa_jax.decode import PagedDecoder, make_step
 from glm5_dsa_jax.sharding import shard_layer
 from helpers import ATOL, RTOL, f32_layer

@@ -1,4 +1,4 @@
-"""Page bookkeeping (``glm5_dsa_jax.pages``): the invariants under any schedule of
+"""Page bookkeeping (``glm5_dsa_jax.cache.pages``): the invariants under any schedule of
 reservations and releases, against a plain Python model of the allocator."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from glm5_dsa_jax.pages import NO_FREE_PAGES, OK, TOO_LONG, init_page_table
+from glm5_dsa_jax.cache.pages import NO_FREE_PAGES, OK, TOO_LONG, init_page_table
 
 
 class Model:

@@ -64,12 +64,10 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cache import check_cache_dtype, from_store, to_store
+from glm5_dsa_jax.cache import PagedCache, check_cache_dtype
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.fp8 import quantize_rows
 from glm5_dsa_jax.layer import DsaAttention, float32_params
-from glm5_dsa_jax.paged_cache import PagedCache
 from glm5_dsa_jax.tools.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
@@ -91,10 +89,10 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
     cache = layer.init_cache(batch, max_length, dtype=dtype)
     k1, k2 = jax.random.split(jax.random.key(seed))
     dt = jnp.float32 if cache.is_fp8 else cache.dtype  # float rows; replace() quantises fp8
-    latent = jax.random.normal(k1, cache.latent_store.shape, jnp.float32).astype(dt)
+    latent = jax.random.normal(k1, (batch, max_length, cfg.kv_cache_dim), jnp.float32).astype(dt)
     valid = jnp.arange(max_length)[None] < context
     n_pools = context // cfg.index_kpool
-    pooled = jax.random.normal(k2, cache.pooled_store.shape, jnp.float32).astype(dt)
+    pooled = jax.random.normal(k2, (batch, cache.max_pools, cfg.index_head_dim), jnp.float32).astype(dt)
     pool_valid = jnp.broadcast_to(jnp.arange(cache.max_pools)[None] < n_pools, cache.pool_valid.shape)
     # The stage holds slots context-KP .. context-1: valid wherever they exist.
     stage_valid = jnp.broadcast_to(
@@ -145,24 +143,18 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
     pages = cache.pages.replace(
         block_table=jnp.asarray(table), lengths=jnp.full((batch,), context, jnp.int32),
         free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32))
-    dt = cache.dtype
+    # Random float rows (float32 for fp8: replace() quantises them, with their scales).
+    dt = jnp.float32 if cache.is_fp8 else cache.dtype
+    cfg = layer.cfg
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-
-    def rows(key, store):  # random rows as the cache stores them, and their fp8 scales
-        if not cache.is_fp8:
-            return dict(store=to_store(jax.random.normal(key, store.shape, dt), dt, store.dtype))
-        q, scale = quantize_rows(jax.random.normal(key, store.shape, jnp.float32))
-        return dict(store=to_store(q, dt, store.dtype), scale=scale)
-
-    upd = dict(pages=pages)
-    upd.update({f"latent_{k}": v for k, v in rows(k1, cache.latent_store).items()})
+    upd = dict(pages=pages, latent=jax.random.normal(k1, (n, page_size, cfg.kv_cache_dim), dt))
     if cache.has_indexer:
         kp = cache.stage_keys.shape[1]
         # The stage is right-aligned: entry i holds position context - KP + i (none if < 0).
         held = (context - kp + jnp.arange(kp) >= 0)[None, :, None]
         sdt = cache.stage_keys.dtype
-        upd.update({f"pooled_{k}": v for k, v in rows(k2, cache.pooled_store).items()})
         upd.update(
+            pooled=jax.random.normal(k2, (n, page_size // kp, cfg.index_head_dim), dt),
             stage_keys=jnp.where(held, jax.random.normal(k3, cache.stage_keys.shape, sdt), 0).astype(sdt),
             stage_gate=jnp.where(held, jax.random.normal(k4, cache.stage_gate.shape, jnp.float32), 0.0))
     return cache.replace(**upd)
@@ -230,13 +222,13 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         cfg = m.cfg
         _, q_lat, latent = m.project(x)
         pos = cache.length
-        rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
-        lat = jax.lax.dynamic_update_slice(cache.latent_store, rows, (0, pos, 0))
-        valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
-        mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
-        o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)
+        cache, chunk = cache.begin_chunk(jnp.ones(x.shape[:2], bool))
+        cache = cache.write_latent(latent, chunk)
+        lat, _ = cache.attention_rows()
+        mask = cache.key_valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
+        o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
         out = m.output_projection(o)
-        return out, cache.replace(latent_store=lat, key_valid=valid, length=pos + x.shape[1])
+        return out, cache.end_chunk(chunk)
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces
 

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from glm5_dsa_jax.cache import DsaCache, append_rows
+from glm5_dsa_jax.cache import DsaCache
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.layout import hf_weight_shapes
 
@@ -97,14 +97,13 @@ def _fill_chunk(graphdef, state, cache: DsaCache, x):
     layer = nnx.merge(graphdef, state)
     b, s, _ = x.shape
     mask = jnp.ones((b, s), bool)
-    pos = cache.length + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    fits = cache.length + s <= cache.max_length
-    rope = layer.rope(pos)
+    cache, chunk = cache.begin_chunk(mask)
+    rope = layer.rope(chunk.positions)
     q_resid, _, latent = layer.project(x, rope)  # the queries are dead code: XLA drops them
-    cache = append_rows(cache, latent, mask, fits)
+    cache = cache.write_latent(latent, chunk)
     if layer.indexer is not None:
         _, _, ki, gate = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
-        cache = layer.compress_pools(cache, ki, gate, mask, fits)
+        cache = layer.compress_pools(cache, ki, gate, chunk)
         cache = cache.replace(n_valid=cache.n_valid + s)
     return cache.replace(length=cache.length + s)
 

@@ -33,7 +33,7 @@ import jax
 
 from glm5_dsa_jax.cache import init_cache
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.paged_cache import init_paged_cache
+from glm5_dsa_jax.cache import init_paged_cache
 from glm5_dsa_jax.plan import BF16_BYTES, TpPlan
 
 __all__ = ["cache_bytes", "MemoryPlan", "CACHE_KINDS"]

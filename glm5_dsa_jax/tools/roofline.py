@@ -13,7 +13,7 @@ Invariants and assumptions (why the numbers are what they are):
   is sized to the context (``max_length = context``): kernels that scan the pool axis
   (``index_scores``, ``topk_pools``) pay for its capacity, not for the valid pools.
   ``cache_dtype="fp8"`` makes each latent row and pooled key ``width`` e4m3 bytes plus a
-  float32 scale (``cache_row_bytes``, as ``glm5_dsa_jax.fp8`` stores them); the stage of
+  float32 scale (``cache_row_bytes``, as ``glm5_dsa_jax.cache.fp8`` stores them); the stage of
   the incomplete pool stays in the compute dtype.
 * Every width is the model's, read from ``cfg`` as the layer uses it: latent rows and the
   absorbed query are ``CR = kv_cache_dim`` wide (``[c, k_rot]`` with RoPE, 576 in
@@ -60,7 +60,7 @@ import math
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import check_cache_dtype
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.fp8 import is_fp8
+from glm5_dsa_jax.cache.fp8 import is_fp8
 from pallas_kernels import (
     ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
     SparseMlaBlockSizes, TopkPoolsBlockSizes,
@@ -213,7 +213,7 @@ def cache_row_bytes(width: int, elem_bytes: int = 2, cache_dtype=None) -> int:
     """Bytes of one cache row of ``width`` values (a latent row, a pooled key): ``width *
     elem_bytes`` for ``cache_dtype`` None (the cache in the elements' dtype), ``width *
     itemsize`` for a float dtype, and ``width`` e4m3 bytes plus one float32 scale for fp8
-    (``"fp8"``, ``glm5_dsa_jax.fp8``)."""
+    (``"fp8"``, ``glm5_dsa_jax.cache.fp8``)."""
     if cache_dtype is None:
         return width * elem_bytes
     dt = check_cache_dtype(cache_dtype)

@@ -4,7 +4,7 @@ block tables (vLLM's and SGLang's layout), and the writes a step makes into them
 Each row ``b`` of a step is its own sequence, with its own length. Its tokens live in
 pages of ``page_size`` tokens taken from one pool that every sequence shares; the page
 bookkeeping (block tables, lengths, the free-page stack, all-or-nothing reservation and
-release) is ``glm5_dsa_jax.pages.PageTable``.
+release) is ``glm5_dsa_jax.cache.pages.PageTable``.
 
 Invariants:
 
@@ -36,14 +36,22 @@ Bytes per token of capacity (``N * page_size`` tokens) at GLM-5.3-Flash dims in 
 latent + 64 pooled keys, plus the block tables (4 bytes per entry), the free stack and the
 per-sequence stage: 1,088.6 for 8 sequences over 131,072-token-a-sequence worth of pages
 (``bytes_per_token``; ``tests/test_paged.py`` keeps it <= 1,100). 16-bit pools are stored
-as bits on a CPU, like the contiguous cache (``cache.store_dtype``): XLA:CPU scatters a
-``uint16`` buffer in place but converts a bf16 one to float32 and back around every write.
+as bits on a CPU, like the contiguous cache (``glm5_dsa_jax.cpu_policy``'s bit storage):
+XLA:CPU scatters a ``uint16`` buffer in place but converts a bf16 one to float32 and back
+around every write.
 
-**fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.fp8``): the latent and pooled pages hold e4m3
+This is the paged implementation of the cache interface (``glm5_dsa_jax.cache.interface``):
+``begin_chunk`` reserves the pages (``pages.reserve``, all or nothing per row, a row
+without them masked out of the call) and gives each valid token the next position of its
+sequence; ``row_slots`` maps positions to latent-pool slots (``token_slots``), so
+``sparse_mla`` reads the shared pool ``[1, N * page_size, CR]`` only at the rows it
+attends to; scoring reads each row's own pools through its block table.
+
+**fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.cache.fp8``): the latent and pooled pages hold e4m3
 (``uint8`` bits on a CPU, for the same reason), and their float32 scales page with them:
 ``latent_scale [N, page_size]`` (one per token) and ``pooled_scale [N, PPP]`` (one per
 pool); ``None`` for a float cache. Rows are quantised once, in ``write_latent`` and
-``store_paged_pools``; the stage stays in the compute dtype. Bytes per token of capacity
+``store_pools``; the stage stays in the compute dtype. Bytes per token of capacity
 at GLM-5.3-Flash dims: 512 + 4 + (128 + 4) / 4 = 549, plus the block tables, stage and
 free stack: 549.6 at 8 x 131,072 tokens (``tests/test_fp8_cache.py`` keeps it <= 560).
 """
@@ -55,21 +63,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from glm5_dsa_jax.cache import check_cache_dtype, default_stage_dtype, from_store, store_dtype, to_store
+import pallas_kernels as pk
+from glm5_dsa_jax.cache.contiguous import (
+    check_cache_dtype, default_stage_dtype, store_rows, visible_pools,
+)
+from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
+from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
+from glm5_dsa_jax.cache.pages import NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.fp8 import is_fp8, quantize_rows
-from glm5_dsa_jax.pages import NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
+from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 
-__all__ = [
-    "PagedCache", "init_paged_cache", "check_room", "chunk_positions", "token_slots",
-    "write_latent", "paged_pool_window", "store_paged_pools", "paged_tile_scores", "paged_tail",
-]
+__all__ = ["PagedCache", "PagedPoolKeys", "init_paged_cache", "check_room", "chunk_positions", "token_slots"]
 
 
 @struct.dataclass
 class PagedCache:
     """Paged decode state of one DSA layer (a pytree); shapes in the field comments
-    (``N`` pages, ``PPP = page_size // KP``, "stored" as in ``cache.store_dtype``)."""
+    (``N`` pages, ``PPP = page_size // KP``, "stored" as in ``cpu_policy.store_dtype``)."""
 
     pages: PageTable  # block tables [max_seqs, PG], lengths [max_seqs], free pages
     latent_store: jax.Array  # [N, page_size, kv_lora_rank], stored
@@ -203,6 +213,147 @@ class PagedCache:
                        stage_gate=jnp.where(rows[:, None, None], 0.0, self.stage_gate))
         return self.replace(**upd)
 
+    # ------------------------------------------------------------------ the cache interface
+    #: ``"xla"`` streams every tile's selection through the block table (a row's pools are
+    #: scattered over pages; only the live ones are read).
+    STREAM_PREFILL = True
+
+    @property
+    def chunk_start(self) -> None:
+        """None: positions are per sequence (a shared layer is kept causal in the step)."""
+        return None
+
+    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask) -> None:
+        """``check``, then ``check_room`` where the mask and the free pages are concrete."""
+        self.check(cfg, has_indexer, batch)
+        if not isinstance(mask, jax.core.Tracer) and not isinstance(self.pages.n_free, jax.core.Tracer):
+            check_room(self, mask)
+
+    def begin_chunk(self, mask: jax.Array) -> tuple["PagedCache", Chunk]:
+        """Pages first: ``pages.reserve`` gives every row the pages its valid tokens need,
+        all or nothing, in row order; a row that cannot have them (``status``) is masked
+        out of the whole call. Each valid token gets the next position of its sequence
+        (``chunk_positions``): ``q_pos`` and the default RoPE positions."""
+        old = self.pages.lengths
+        pages, status = self.pages.reserve(mask.sum(axis=1, dtype=jnp.int32))
+        mask = mask & (status == OK)[:, None]
+        q_pos = chunk_positions(old, mask)
+        return self.replace(pages=pages, status=status), Chunk(
+            mask=mask, q_pos=q_pos, positions=q_pos, n_vis=q_pos + 1, fits=True, start=old)
+
+    def write_latent(self, latent: jax.Array, chunk: Chunk) -> "PagedCache":
+        """The chunk's latent rows ``[B, S, CR]`` written at their positions (``-1``: not
+        written), through the (already reserved) block table; an fp8 cache quantises them
+        here, once, and writes their scales beside them."""
+        slots = token_slots(self.pages.block_table, chunk.q_pos, self.page_size)
+        upd = {}
+        if self.is_fp8:
+            latent, scale = quantize_rows(latent)
+            upd["latent_scale"] = _scatter_rows(self.latent_scale[..., None], scale[..., None], slots)[..., 0]
+        rows = to_store(latent, self.dtype, self.latent_store.dtype)
+        return self.replace(latent_store=_scatter_rows(self.latent_store, rows, slots), **upd)
+
+    def attention_rows(self) -> tuple[jax.Array, jax.Array | None]:
+        """``(latent_pool [1, N * page_size, CR], its scales [1, N * page_size] | None)``."""
+        return self.latent_pool[None], None if self.latent_scale is None else self.latent_pool_scale[None]
+
+    def row_slots(self, token_ids: jax.Array) -> jax.Array:
+        """Positions to latent-pool slots (``token_slots``): only the rows attended are read,
+        and they lie in the sequence's own pages."""
+        return token_slots(self.pages.block_table, token_ids, self.page_size)
+
+    def pool_window(self, keys: jax.Array, gate: jax.Array, chunk: Chunk) -> PoolWindow:
+        """The window ``kpool_compress`` pools for a chunk: each row's stage (positions
+        ``old - KP .. old - 1``) then its valid chunk tokens moved to the front (positions
+        ``old ..``); ``first_pool = KP - old % KP`` is the window offset of the pool holding
+        position ``old - old % KP`` (the sequence's pool grid starts at 0)."""
+        mask = chunk.mask
+        n_new = mask.sum(axis=1, dtype=jnp.int32)
+        old_lengths = self.pages.lengths - n_new
+        kp = self.stage_keys.shape[1]
+        order = jnp.argsort(~mask, axis=1, stable=True)  # valid entries first, in chunk order
+        s = mask.shape[1]
+        win_keys = jnp.concatenate([self.stage_keys, _compact(keys, order).astype(self.stage_keys.dtype)], 1)
+        win_gate = jnp.concatenate([self.stage_gate, _compact(gate, order).astype(jnp.float32)], 1)
+        i = jnp.arange(kp + s, dtype=jnp.int32)[None]
+        valid = jnp.where(i < kp, old_lengths[:, None] - kp + i >= 0, i - kp < n_new[:, None])
+        first_pool = (kp - old_lengths % kp).astype(jnp.int32)
+        return PoolWindow(win_keys, win_gate, valid, None, first_pool)
+
+    def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
+                    chunk: Chunk) -> "PagedCache":
+        """Write the pools of the window that complete in this chunk (their last token is at
+        a position below the new length) into their pages, once, and keep each row's last
+        ``KP`` window entries (positions ``new - KP .. new - 1``) as its new stage.
+
+        ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
+        ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``."""
+        n_new = chunk.mask.sum(axis=1, dtype=jnp.int32)
+        old_lengths = self.pages.lengths - n_new
+        kp = self.stage_keys.shape[1]
+        ppp = self.pools_per_page
+        new_len = old_lengths + n_new
+        pool_id = old_lengths[:, None] // kp + jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
+        new = ((pool_id + 1) * kp <= new_len[:, None]) & pooled_valid
+        j = jnp.clip(pool_id // ppp, 0, self.pages_per_seq - 1)
+        page = jnp.take_along_axis(self.pages.block_table, j, axis=1)
+        slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
+        upd = {}
+        if self.is_fp8:  # quantised once, here
+            pooled, scale = quantize_rows(pooled)
+            upd["pooled_scale"] = _scatter_rows(self.pooled_scale[..., None], scale[..., None], slots)[..., 0]
+        rows = to_store(pooled, self.dtype, self.pooled_store.dtype)
+        take = n_new[:, None] + jnp.arange(kp, dtype=jnp.int32)[None]
+        return self.replace(
+            **upd,
+            pooled_store=_scatter_rows(self.pooled_store, rows, slots),
+            stage_keys=_compact(window.keys, take),
+            stage_gate=_compact(window.gate, take),
+        )
+
+    def live_pools(self, q_pos: jax.Array) -> jax.Array:
+        """``[B, Q]`` the pools complete at each query (``visible_pools`` from position 0, up
+        to the row's pool count)."""
+        kp = self.stage_keys.shape[1]
+        return visible_pools(q_pos, 0, kp, (self.pages.lengths // kp)[:, None])
+
+    def pool_keys(self) -> "PagedPoolKeys":
+        """The pooled-key pages, block table and pool counts: ``index_scores_paged``' key source."""
+        kp = self.stage_keys.shape[1]
+        return PagedPoolKeys(self.pooled_store, self.pages.block_table, self.pages.lengths // kp,
+                             self.pooled_scale, dtype=self.dtype)
+
+    def pool_origin(self) -> jax.Array:
+        """``[max_seqs]`` zeros: a sequence's pool grid starts at position 0."""
+        return jnp.zeros(self.pages.lengths.shape, jnp.int32)
+
+    def visible_tail(self, pools, n_vis, q_pos, kpool: int) -> jax.Array:
+        """``[B, Q, KP - 1]`` the tokens of each query's incomplete visible pool (positions
+        ``n_vis - n_vis % KP .. q``, ``n_vis = q + 1``; ``-1`` where empty or for a padding
+        query): the contiguous tail of a sequence from position 0 with no holes, which
+        never falls in a complete pool (``pools`` unused)."""
+        count = n_vis % kpool
+        off = jnp.arange(kpool - 1, dtype=jnp.int32)
+        ids = (n_vis - count)[..., None] + off
+        ok = (off < count[..., None]) & (q_pos[..., None] >= 0)
+        return jnp.where(ok, ids, -1).astype(jnp.int32)
+
+    def end_chunk(self, chunk: Chunk) -> "PagedCache":
+        """Nothing: ``begin_chunk`` moved the lengths."""
+        return self
+
+
+_replace_fields = PagedCache.replace
+
+
+def _replace(self, **updates) -> PagedCache:
+    """``dataclasses.replace``, where ``latent=`` / ``pooled=`` are float rows (every page's;
+    ``contiguous.store_rows``)."""
+    return _replace_fields(self, **store_rows(self, updates))
+
+
+PagedCache.replace = _replace
+
 
 def init_paged_cache(
     cfg: DsaConfig,
@@ -332,102 +483,44 @@ def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
     return flat.reshape(n, per_page, width)
 
 
-def write_latent(cache: PagedCache, latent: jax.Array, positions: jax.Array) -> PagedCache:
-    """The chunk's latent rows ``[B, S, CR]`` written at their positions (``-1``: not
-    written), through the (already reserved) block table; an fp8 cache quantises them here,
-    once, and writes their scales beside them."""
-    slots = token_slots(cache.pages.block_table, positions, cache.page_size)
-    upd = {}
-    if cache.is_fp8:
-        latent, scale = quantize_rows(latent)
-        upd["latent_scale"] = _scatter_rows(cache.latent_scale[..., None], scale[..., None], slots)[..., 0]
-    rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
-    return cache.replace(latent_store=_scatter_rows(cache.latent_store, rows, slots), **upd)
-
-
 # ---------------------------------------------------------------------------- pooled keys
 def _compact(a: jax.Array, order: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
 
 
-def paged_pool_window(cache: PagedCache, old_lengths, keys, gate, mask):
-    """The window ``kpool_compress`` pools for a chunk: each row's stage (positions
-    ``old - KP .. old - 1``) then its valid chunk tokens moved to the front (positions
-    ``old ..``). Returns ``(keys [B, KP+S, D], gate, valid [B, KP+S], first_pool [B])``:
-    ``first_pool = KP - old % KP`` is the window offset of the pool holding position
-    ``old - old % KP`` (the sequence's pool grid starts at 0)."""
-    kp = cache.stage_keys.shape[1]
-    order = jnp.argsort(~mask, axis=1, stable=True)  # valid entries first, in chunk order
-    n_new = mask.sum(axis=1, dtype=jnp.int32)
-    s = mask.shape[1]
-    win_keys = jnp.concatenate([cache.stage_keys, _compact(keys, order).astype(cache.stage_keys.dtype)], 1)
-    win_gate = jnp.concatenate([cache.stage_gate, _compact(gate, order).astype(jnp.float32)], 1)
-    i = jnp.arange(kp + s, dtype=jnp.int32)[None]
-    valid = jnp.where(i < kp, old_lengths[:, None] - kp + i >= 0, i - kp < n_new[:, None])
-    first_pool = (kp - old_lengths % kp).astype(jnp.int32)
-    return win_keys, win_gate, valid, first_pool
+@struct.dataclass
+class PagedPoolKeys:
+    """The key source of index scoring on a paged cache (``interface.PooledKeys``): the
+    pooled-key pages ``[N, PPP, D]`` (stored), ``block_table [B, PG]``, ``pool_counts [B]``
+    (each row's complete pools) and the fp8 scales ``[N, PPP]`` (or None)."""
 
+    stored: jax.Array
+    block_table: jax.Array
+    pool_counts: jax.Array
+    scale: jax.Array | None
+    dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
-def store_paged_pools(cache: PagedCache, old_lengths, window, pooled, pooled_valid, n_new) -> PagedCache:
-    """Write the pools of the window that complete in this chunk (their last token is at a
-    position below the new length) into their pages, once, and keep each row's last
-    ``KP`` window entries (positions ``new - KP .. new - 1``) as its new stage.
+    kernel = staticmethod(pk.index_scores_paged)
 
-    ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
-    ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``."""
-    win_keys, win_gate, _, _ = window
-    kp = cache.stage_keys.shape[1]
-    ppp = cache.pools_per_page
-    new_len = old_lengths + n_new
-    pool_id = old_lengths[:, None] // kp + jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
-    new = ((pool_id + 1) * kp <= new_len[:, None]) & pooled_valid
-    j = jnp.clip(pool_id // ppp, 0, cache.pages_per_seq - 1)
-    page = jnp.take_along_axis(cache.pages.block_table, j, axis=1)
-    slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
-    upd = {}
-    if cache.is_fp8:  # quantised once, here
-        pooled, scale = quantize_rows(pooled)
-        upd["pooled_scale"] = _scatter_rows(cache.pooled_scale[..., None], scale[..., None], slots)[..., 0]
-    rows = to_store(pooled, cache.dtype, cache.pooled_store.dtype)
-    take = n_new[:, None] + jnp.arange(kp, dtype=jnp.int32)[None]
-    return cache.replace(
-        **upd,
-        pooled_store=_scatter_rows(cache.pooled_store, rows, slots),
-        stage_keys=_compact(win_keys, take),
-        stage_gate=_compact(win_gate, take),
-    )
+    def operands(self) -> tuple:
+        """``(pooled-key pages, block_table, pool_counts)``: ``index_scores_paged``' key operands."""
+        return from_store(self.stored, self.dtype), self.block_table, self.pool_counts
 
-
-def paged_tile_scores(start, qi, w, pooled_store, block_table, pool_counts, q_pos, pooled_scale=None,
-                      *, tile: int, ppp: int, kpool: int, dtype, score_fn) -> jax.Array:
-    """``[B, Q, tile]`` float32 scores (``score_fn``: ``index_scores``'s signature) of each
-    sequence's pools ``start .. start + tile - 1``, read through its block table: only the
-    pages of those pools that the sequence owns are read (a ``-1`` entry is filled, not
-    read) and pools at or past ``pool_counts[b]`` are no candidates. ``pooled_scale [N,
-    PPP]``: the fp8 scales, gathered like the keys."""
-    b = block_table.shape[0]
-    n, _, d = pooled_store.shape
-    p = start + jnp.arange(tile, dtype=jnp.int32)
-    page = jnp.take(block_table, p // ppp, axis=1)  # [B, tile]
-    slot = jnp.where(page >= 0, page * ppp + p % ppp, n * ppp)
-    keys = jnp.take(pooled_store.reshape(n * ppp, d), slot.reshape(-1), axis=0, mode="fill", fill_value=0)
-    keys = from_store(keys.reshape(b, tile, d), dtype)
-    scale = None
-    if pooled_scale is not None:
-        scale = jnp.take(pooled_scale.reshape(n * ppp), slot.reshape(-1), mode="fill",
-                         fill_value=0).reshape(b, tile)
-    valid = (page >= 0) & (p[None] < pool_counts[:, None])
-    first_key = jnp.full((b,), start * kpool, jnp.int32)
-    return score_fn(qi, w, keys, valid, first_key, q_pos, scale, kpool=kpool)
-
-
-def paged_tail(q_pos: jax.Array, kpool: int) -> jax.Array:
-    """``[B, Q, KP - 1]`` the tokens of each query's incomplete visible pool (positions
-    ``(q+1) - (q+1) % KP .. q``; ``-1`` where empty or for a padding query): the
-    contiguous cache's ``visible_tail`` for a sequence from position 0 with no holes."""
-    n_vis = q_pos + 1
-    count = n_vis % kpool
-    off = jnp.arange(kpool - 1, dtype=jnp.int32)
-    ids = (n_vis - count)[..., None] + off
-    ok = (off < count[..., None]) & (q_pos[..., None] >= 0)
-    return jnp.where(ok, ids, -1).astype(jnp.int32)
+    def tile(self, start, tile: int, kpool: int) -> tuple:
+        """Each sequence's pools ``start .. start + tile - 1``, read through its block table:
+        only the pages of those pools that the sequence owns are read (a ``-1`` entry is
+        filled, not read), pools at or past ``pool_counts[b]`` are no candidates, and the
+        fp8 scales are gathered like the keys."""
+        b = self.block_table.shape[0]
+        n, ppp, d = self.stored.shape
+        p = start + jnp.arange(tile, dtype=jnp.int32)
+        page = jnp.take(self.block_table, p // ppp, axis=1)  # [B, tile]
+        slot = jnp.where(page >= 0, page * ppp + p % ppp, n * ppp)
+        keys = jnp.take(self.stored.reshape(n * ppp, d), slot.reshape(-1), axis=0, mode="fill", fill_value=0)
+        keys = from_store(keys.reshape(b, tile, d), self.dtype)
+        scale = None
+        if self.scale is not None:
+            scale = jnp.take(self.scale.reshape(n * ppp), slot.reshape(-1), mode="fill",
+                             fill_value=0).reshape(b, tile)
+        valid = (page >= 0) & (p[None] < self.pool_counts[:, None])
+        return keys, valid, jnp.full((b,), start * kpool, jnp.int32), scale

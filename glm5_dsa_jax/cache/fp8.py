@@ -20,10 +20,10 @@ Invariants:
   scale costs 516 bytes; four 128-groups would cost 528, and with the 33 bytes a token of
   pooled keys costs (32 + 4 / 4 scale) and the validity byte the per-token total (562)
   would break the 560-byte per-token budget of an fp8 cache (``tests/test_fp8_cache.py``
-  checks it; ``glm5_dsa_jax.cache`` cites this argument). The latent is ``kv_a_layernorm``'s output,
+  checks it; ``glm5_dsa_jax.cache.contiguous`` cites this argument). The latent is ``kv_a_layernorm``'s output,
   whose channels share one scale by construction, so a row scale loses little.
-* **Quantise once.** Only the writes (``cache.append_rows``, ``cache.store_pools``,
-  ``paged_cache.write_latent``, ``paged_cache.store_paged_pools``) call ``quantize_rows``;
+* **Quantise once.** Only the caches' writes (``write_latent`` and ``store_pools`` of
+  either cache, and ``replace(latent=, pooled=)``) call ``quantize_rows``;
   the stage of the incomplete pool stays in the compute dtype (it is pooled later).
 * **Dequantise in the kernels.** ``index_scores`` / ``index_scores_paged`` take
   ``pooled_scale`` and multiply each pool's head-summed score by it (``score = scale_p *

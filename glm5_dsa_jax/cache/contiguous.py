@@ -21,17 +21,15 @@ Invariants:
 
 Shapes never depend on ``length``, so one compiled step serves every step of a decode.
 
-On a CPU a 16-bit float cache stores the latent rows and pooled keys as their bits
-(``uint16``; ``latent_store`` / ``pooled_store``), and ``cache.latent`` / ``cache.pooled``
-are the float views (``dtype``, a static field, says which float). Why: XLA:CPU on jax 0.10
-converted a whole bf16 buffer to float32 and back around every one-row
-``dynamic_update_slice`` (a 131,072-slot latent: ~25 ms a step per sequence), whereas a
-``uint16`` buffer is written in place. Writing through a ``uint16`` view of a bf16 buffer does not help (XLA
-copies the buffer for the bitcasts), so the buffer itself must hold the bits. A float32
-cache, and any cache made while the default backend is not a CPU, is stored as is: only
-XLA:CPU needs the bits, and a Pallas kernel handed a bitcast view of a whole buffer could
-be given a copy of it. ``cache.replace(latent=..., pooled=...)`` takes float rows and
-stores their bits.
+On a CPU a 16-bit float (or fp8) cache stores the latent rows and pooled keys as their bits
+(``latent_store`` / ``pooled_store``; ``glm5_dsa_jax.cpu_policy``'s bit storage says which
+and why); ``cache.latent`` / ``cache.pooled`` are the float views (``dtype``, a static
+field, says which float) and ``cache.replace(latent=..., pooled=...)`` takes float rows and
+stores them. Only this package reads the stored buffers.
+
+This is the contiguous implementation of the cache interface
+(``glm5_dsa_jax.cache.interface``): a chunk's slots are ``length .. length + S - 1`` and
+the attention reads ``latent`` at the token ids themselves.
 
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
 not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept from
@@ -48,39 +46,35 @@ The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an 
 or bool cache would silently round the activations it holds (``int8`` gave outputs off by
 4), and ``float64`` would promote the attention to double.
 
-**fp8 caches** (``glm5_dsa_jax.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with one
+**fp8 caches** (``glm5_dsa_jax.cache.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with one
 float32 scale per row, ``latent_scale [B, L]`` and ``pooled_scale [B, P]`` (``None`` for a
 float cache: nothing else changes for those). Rows are quantised once, in ``append_rows``
 and ``store_pools``; the stage of the incomplete pool stays in the compute dtype
 (``stage_dtype``), and the kernels dequantise (``index_scores``' and ``sparse_mla``'s scale
 arguments). Per slot of capacity at GLM-5.3-Flash dims, kpool 4: 512 latent + 4 scale + 1
 validity + (128 + 4) / 4 pooled = 550 bytes (+ the per-batch stage; ``<= 560`` is tested).
-Why a scale per row and not per 128-wide group: ``glm5_dsa_jax.fp8``'s module doc. On a
+Why a scale per row and not per 128-wide group: ``glm5_dsa_jax.cache.fp8``'s module doc. On a
 CPU the e4m3 buffers hold their bits as ``uint8``, for the reason 16-bit ones hold
 ``uint16`` (an e4m3 buffer went through f16 around each one-row write, jax 0.10).
 """
 
 from __future__ import annotations
 
-import functools
-
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.fp8 import FP8, is_fp8, quantize_rows
-from glm5_dsa_jax.steps import SCORE_POOLS
 import pallas_kernels as pk
+from glm5_dsa_jax.cache.fp8 import FP8, is_fp8, quantize_rows
+from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
+from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 from pallas_kernels import first_valid
 
 __all__ = [
-    "DsaCache", "init_cache", "CACHE_DTYPES", "PoolWindow", "pool_window", "store_pools",
-    "append_rows", "write_rows", "write_pools", "store_dtype", "to_store", "from_store",
-    "visible_pools", "live_pool_tiles", "check_fits", "default_stage_dtype",
-    "pool_tile_scores", "pool_tile_scorer",
+    "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
+    "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
+    "default_stage_dtype", "store_rows",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -105,30 +99,6 @@ def check_cache_dtype(dtype):
             "silently round the latent rows)"
         )
     return dt
-
-
-def store_dtype(dtype, platform: str | None = None) -> jnp.dtype:
-    """The dtype a cache of float ``dtype`` stores its rows in on ``platform`` (default:
-    jax's default backend): on a CPU ``uint16`` for a 16-bit float and ``uint8`` for fp8
-    (see the module doc), else ``dtype``."""
-    dtype = jnp.dtype(dtype)
-    platform = jax.default_backend() if platform is None else platform
-    bits = {1: jnp.uint8, 2: jnp.uint16}.get(dtype.itemsize)
-    return jnp.dtype(bits) if bits is not None and platform == "cpu" else dtype
-
-
-def to_store(x: jax.Array, dtype, store) -> jax.Array:
-    """Float rows ``x`` as a cache of float ``dtype`` whose buffer has dtype ``store``
-    keeps them (a cast to ``dtype``, then its bits when ``store`` is ``uint16``)."""
-    x = jnp.asarray(x).astype(dtype)
-    store = jnp.dtype(store)
-    return x if store == x.dtype else jax.lax.bitcast_convert_type(x, store)
-
-
-def from_store(a: jax.Array, dtype) -> jax.Array:
-    """Stored rows ``a`` as floats of ``dtype`` (a bitcast for a 8- or 16-bit float cache)."""
-    dtype = jnp.dtype(dtype)
-    return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
 
 
 @struct.dataclass
@@ -211,22 +181,164 @@ class DsaCache:
                     f"{cfg.index_head_dim} and index_kpool={cfg.index_kpool}"
                 )
 
+    # ------------------------------------------------------------------ the cache interface
+    #: ``"xla"`` keeps a contiguous prefill tile's whole score row (``score_pools``): a
+    #: running sort of Q rows cost 1.5x the row's top-k at 1K tokens. A decode step streams.
+    STREAM_PREFILL = False
+
+    @property
+    def chunk_start(self) -> jax.Array:
+        """The slot of a chunk's first query: ``length`` (one timeline for the batch)."""
+        return self.length
+
+    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask) -> None:
+        """``check`` and ``check_fits`` of a chunk of ``mask.shape[1]`` tokens."""
+        self.check(cfg, has_indexer, batch)
+        check_fits(self, mask.shape[1])
+
+    def begin_chunk(self, mask: jax.Array) -> tuple["DsaCache", Chunk]:
+        """The chunk's slots ``length .. length + S - 1``, padding included (HF's
+        ``DynamicCache`` timeline); a padding query has slot ``-1``. ``fits``: the chunk
+        fits ``max_length`` (else nothing is written: only possible under a trace, an eager
+        call is refused by ``check_fits``). Nothing is written here."""
+        b, s = mask.shape
+        length = self.length
+        slots = length + jnp.arange(s, dtype=jnp.int32)[None]
+        n_vis = None
+        if self.n_valid is not None:
+            n_vis = self.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
+        return self, Chunk(mask=mask, q_pos=jnp.where(mask, slots, -1),
+                           positions=jnp.broadcast_to(slots, (b, s)), n_vis=n_vis,
+                           fits=length + s <= self.max_length, start=length)
+
+    def write_latent(self, latent: jax.Array, chunk: Chunk) -> "DsaCache":
+        """``append_rows`` of the chunk's rows ``[B, S, CR]`` at its slots."""
+        return append_rows(self, latent, chunk.mask, chunk.fits)
+
+    def attention_rows(self) -> tuple[jax.Array, jax.Array | None]:
+        """``(latent [B, max_length, CR], latent_scale [B, max_length] | None)``."""
+        return self.latent, self.latent_scale
+
+    def row_slots(self, token_ids: jax.Array) -> jax.Array:
+        """Token ids are slots of ``attention_rows``: unchanged."""
+        return token_ids
+
+    def pool_window(self, keys: jax.Array, gate: jax.Array, chunk: Chunk) -> PoolWindow:
+        """The ``PoolWindow`` of a chunk's indexer keys ``[B, S, D]`` and gate logits: slots
+        ``length - KP .. length + S - 1`` (the stage, then the chunk)."""
+        mask = chunk.mask
+        kp = self.stage_keys.shape[1]
+        s = keys.shape[1]
+        length, big = self.length, self.max_length
+        win_start = length - kp
+        chunk_first = first_valid(mask)
+        first_key = jnp.where(
+            self.first_key < big, self.first_key,
+            jnp.where(chunk_first < s, length + chunk_first, big),
+        ).astype(jnp.int32)
+        rel = first_key - win_start
+        first_pool = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
+        return PoolWindow(
+            keys=jnp.concatenate([self.stage_keys, keys.astype(self.stage_keys.dtype)], axis=1),
+            gate=jnp.concatenate([self.stage_gate, gate], axis=1),
+            valid=jnp.concatenate([self.stage_valid, mask], axis=1),
+            first_key=first_key,
+            first_pool=first_pool.astype(jnp.int32),
+        )
+
+    def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
+                    chunk: Chunk) -> "DsaCache":
+        """Write the pools of ``window`` that complete in this chunk, once, and keep the
+        window's last ``KP`` slots as the new stage (nothing when not ``chunk.fits``).
+
+        ``pooled [B, n, D]`` / ``pooled_valid [B, n]`` are ``kpool_compress`` of the window
+        from ``window.first_pool``; a pool is new when its last slot lies in the chunk.
+        """
+        fits = chunk.fits
+        kp = self.stage_keys.shape[1]
+        s = window.keys.shape[1] - kp
+        length = self.length
+        win_start = length - kp
+        wfirst, first_key = window.first_pool[:, None], window.first_key
+        q = jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
+        last = win_start + wfirst + (q + 1) * kp - 1  # timeline slot of each pool's end
+        pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
+        new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
+        new &= pool_ids < self.max_pools
+        bufs, rows = [self.pooled_store, self.pool_valid], [pooled, pooled_valid]
+        if self.is_fp8:  # quantised once, here
+            rows[0], scale = quantize_rows(pooled)
+            bufs.append(self.pooled_scale)
+            rows.append(scale)
+        rows[0] = to_store(rows[0], self.dtype, self.pooled_store.dtype)
+        pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
+        return self.replace(
+            pooled_store=pooled_cache,
+            pool_valid=pool_valid,
+            pooled_scale=scale[0] if scale else None,
+            stage_keys=jnp.where(fits, window.keys[:, s:], self.stage_keys),
+            stage_gate=jnp.where(fits, window.gate[:, s:], self.stage_gate),
+            stage_valid=jnp.where(fits, window.valid[:, s:], self.stage_valid),
+            first_key=jnp.where(fits, first_key, self.first_key),
+        )
+
+    def live_pools(self, q_pos: jax.Array) -> jax.Array:
+        """``[B, Q]`` the pools complete at each query (``visible_pools`` from ``first_key``)."""
+        return visible_pools(q_pos, self.first_key[:, None], self.stage_keys.shape[1], self.max_pools)
+
+    def pool_keys(self) -> "ContiguousPoolKeys":
+        """The pooled keys, ``pool_valid`` and ``first_key``: ``index_scores``' key source."""
+        return ContiguousPoolKeys(self.pooled_store, self.pool_valid, self.first_key, self.pooled_scale,
+                                  dtype=self.dtype)
+
+    def pool_origin(self) -> jax.Array:
+        """``[B]`` the slot where each row's pool grid starts: ``first_key``."""
+        return self.first_key
+
+    def visible_tail(self, pools, n_vis, q_pos, kpool: int) -> jax.Array:
+        """``[B, Q, KP - 1]`` each query's visible tail (``pk.visible_tail``: the ``n_vis %
+        KP`` valid slots after its last complete pool) without the slots of a selected pool
+        (``pools [B, Q, K]``)."""
+        first_key = self.first_key
+        tail = pk.visible_tail(first_key, n_vis, q_pos, self.key_valid, kpool)
+        # With holes in the mask the tail (HF's rule: from first_key + visible - visible %
+        # kpool) can fall inside a complete pool that is selected too; drop those ids so no
+        # token is attended twice (HF builds a mask from the ids, so it counts such a token
+        # once).
+        t_pool = jnp.where(tail >= 0, (tail - first_key[:, None, None]) // kpool, -2)
+        return jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
+
+    def end_chunk(self, chunk: Chunk) -> "DsaCache":
+        """``length`` and ``n_valid`` past the chunk (unchanged when it does not fit)."""
+        upd = {}
+        if self.n_valid is not None:
+            upd["n_valid"] = jnp.where(chunk.fits, chunk.n_vis[:, -1], self.n_valid)
+        s = chunk.mask.shape[1]
+        return self.replace(**upd, length=jnp.where(chunk.fits, chunk.start + s, chunk.start).astype(jnp.int32))
+
+
+
+def store_rows(cache, updates: dict) -> dict:
+    """``updates`` (``replace`` keywords) with ``latent=`` / ``pooled=`` (float rows) as the
+    stored fields ``latent_store`` / ``pooled_store`` (``cpu_policy.to_store``; an fp8
+    cache quantises them and sets ``latent_scale`` / ``pooled_scale`` too). Both caches'
+    ``replace`` go through it."""
+    for name in ("latent", "pooled"):
+        if name in updates:
+            store = getattr(cache, name + "_store").dtype
+            rows = updates.pop(name)
+            if cache.is_fp8:
+                rows, updates[name + "_scale"] = quantize_rows(rows)
+            updates[name + "_store"] = to_store(rows, cache.dtype, store)
+    return updates
+
 
 _replace_fields = DsaCache.replace
 
 
 def _replace(self, **updates) -> DsaCache:
-    """``dataclasses.replace``, where ``latent=`` / ``pooled=`` (float rows) are stored as
-    ``latent_store`` / ``pooled_store`` (``to_store``; an fp8 cache quantises them and sets
-    ``latent_scale`` / ``pooled_scale`` too)."""
-    for name in ("latent", "pooled"):
-        if name in updates:
-            store = getattr(self, name + "_store").dtype
-            rows = updates.pop(name)
-            if self.is_fp8:
-                rows, updates[name + "_scale"] = quantize_rows(rows)
-            updates[name + "_store"] = to_store(rows, self.dtype, store)
-    return _replace_fields(self, **updates)
+    """``dataclasses.replace``, where ``latent=`` / ``pooled=`` are float rows (``store_rows``)."""
+    return _replace_fields(self, **store_rows(self, updates))
 
 
 DsaCache.replace = _replace
@@ -379,84 +491,6 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
     )
 
 
-class PoolWindow(NamedTuple):
-    """The slots of the timeline that hold every slot of any pool completing in a chunk
-    of ``S`` tokens: the last ``KP`` slots before the chunk (the cache's ``stage_*``) then
-    the chunk, i.e. slots ``length - KP .. length + S - 1``.
-
-    ``keys [B, KP+S, D]`` (cache dtype), ``gate [B, KP+S, D]`` float32, ``valid [B, KP+S]``;
-    ``first_key [B]`` the row's first valid slot after this chunk (``max_length`` while
-    none); ``first_pool [B]`` int32, the window offset where the first whole pool on
-    ``first_key``'s pool grid starts (``KP + S`` when the row has no valid slot yet): what
-    ``kpool_compress`` takes as its ``first_key``.
-    """
-
-    keys: jax.Array
-    gate: jax.Array
-    valid: jax.Array
-    first_key: jax.Array
-    first_pool: jax.Array
-
-
-def pool_window(cache: DsaCache, keys: jax.Array, gate: jax.Array, mask: jax.Array) -> PoolWindow:
-    """The ``PoolWindow`` of a chunk's indexer keys ``[B, S, D]``, gate logits ``[B, S, D]``
-    and mask ``[B, S]``."""
-    kp = cache.stage_keys.shape[1]
-    s = keys.shape[1]
-    length, big = cache.length, cache.max_length
-    win_start = length - kp
-    chunk_first = first_valid(mask)
-    first_key = jnp.where(
-        cache.first_key < big, cache.first_key,
-        jnp.where(chunk_first < s, length + chunk_first, big),
-    ).astype(jnp.int32)
-    rel = first_key - win_start
-    first_pool = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
-    return PoolWindow(
-        keys=jnp.concatenate([cache.stage_keys, keys.astype(cache.stage_keys.dtype)], axis=1),
-        gate=jnp.concatenate([cache.stage_gate, gate], axis=1),
-        valid=jnp.concatenate([cache.stage_valid, mask], axis=1),
-        first_key=first_key,
-        first_pool=first_pool.astype(jnp.int32),
-    )
-
-
-def store_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
-                fits) -> DsaCache:
-    """Write the pools of ``window`` that complete in this chunk into the cache, once, and
-    keep the window's last ``KP`` slots as the new stage (nothing when not ``fits``).
-
-    ``pooled [B, n, D]`` / ``pooled_valid [B, n]`` are ``kpool_compress`` of the window
-    from ``window.first_pool``; a pool is new when its last slot lies in the chunk.
-    """
-    kp = cache.stage_keys.shape[1]
-    s = window.keys.shape[1] - kp
-    length = cache.length
-    win_start = length - kp
-    wfirst, first_key = window.first_pool[:, None], window.first_key
-    q = jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
-    last = win_start + wfirst + (q + 1) * kp - 1  # timeline slot of each pool's end
-    pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
-    new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
-    new &= pool_ids < cache.max_pools
-    bufs, rows = [cache.pooled_store, cache.pool_valid], [pooled, pooled_valid]
-    if cache.is_fp8:  # quantised once, here
-        rows[0], scale = quantize_rows(pooled)
-        bufs.append(cache.pooled_scale)
-        rows.append(scale)
-    rows[0] = to_store(rows[0], cache.dtype, cache.pooled_store.dtype)
-    pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
-    return cache.replace(
-        pooled_store=pooled_cache,
-        pool_valid=pool_valid,
-        pooled_scale=scale[0] if scale else None,
-        stage_keys=jnp.where(fits, window.keys[:, s:], cache.stage_keys),
-        stage_gate=jnp.where(fits, window.gate[:, s:], cache.stage_gate),
-        stage_valid=jnp.where(fits, window.valid[:, s:], cache.stage_valid),
-        first_key=jnp.where(fits, first_key, cache.first_key),
-    )
-
-
 # ---------------------------------------------------------------------------- live pools
 def visible_pools(q_pos: jax.Array, first_key, kpool: int, limit) -> jax.Array:
     """``[B, Q]`` int32: the pools complete at each query, ``(q_pos - first_key + 1) //
@@ -475,26 +509,29 @@ def live_pool_tiles(n_live: jax.Array, tile: int) -> jax.Array:
     return ((jnp.max(n_live) + tile - 1) // tile).astype(jnp.int32)
 
 
-def pool_tile_scores(start, qi, w, pooled_store, pool_valid, first_key, q_pos, pooled_scale=None, *,
-                     tile: int, kpool: int, dtype, score_fn) -> jax.Array:
-    """``[B, Q, tile]`` float32 scores (``score_fn``, ``index_scores``'s signature) of pools
-    ``start .. start + tile - 1`` of the cache: only that slice of the pooled keys (and of
-    their fp8 scales) is read (and converted from bits). The pool grid of the slice starts
-    ``start`` pools after ``first_key``, so its candidate rule is the whole row's."""
-    keys = from_store(jax.lax.dynamic_slice_in_dim(pooled_store, start, tile, axis=1), dtype)
-    valid = jax.lax.dynamic_slice_in_dim(pool_valid, start, tile, axis=1)
-    scale = None if pooled_scale is None else jax.lax.dynamic_slice_in_dim(pooled_scale, start, tile, axis=1)
-    return score_fn(qi, w, keys, valid, first_key + start * kpool, q_pos, scale, kpool=kpool)
+@struct.dataclass
+class ContiguousPoolKeys:
+    """The key source of index scoring on a contiguous cache (``interface.PooledKeys``):
+    pools ``[B, max_pools, D]`` (stored), ``pool_valid [B, max_pools]``, ``first_key [B]``
+    and the fp8 scales ``[B, max_pools]`` (or None)."""
 
+    stored: jax.Array
+    pool_valid: jax.Array
+    first_key: jax.Array
+    scale: jax.Array | None
+    dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
-@functools.lru_cache(maxsize=None)
-def pool_tile_scorer(tile: int, kpool: int, dtype):
-    """The ``index_scores`` of one pool tile (``pool_tile_scores``), one function per
-    statics so the eager ``while_loop`` trace is cached (see ``pk.streaming_topk``)."""
+    kernel = staticmethod(pk.index_scores)
 
-    def scores(start, *operands):
-        with jax.named_scope(SCORE_POOLS):
-            return pool_tile_scores(start, *operands, tile=tile, kpool=kpool, dtype=dtype,
-                                    score_fn=pk.index_scores_reference)
+    def operands(self) -> tuple:
+        """``(pooled keys, pool_valid, first_key)``: ``index_scores``' key operands."""
+        return from_store(self.stored, self.dtype), self.pool_valid, self.first_key
 
-    return scores
+    def tile(self, start, tile: int, kpool: int) -> tuple:
+        """Pools ``start .. start + tile - 1``: only that slice of the keys (and of their
+        fp8 scales) is read (and converted from bits). The slice's pool grid starts
+        ``start`` pools after ``first_key``, so its candidate rule is the whole row's."""
+        keys = from_store(jax.lax.dynamic_slice_in_dim(self.stored, start, tile, axis=1), self.dtype)
+        valid = jax.lax.dynamic_slice_in_dim(self.pool_valid, start, tile, axis=1)
+        scale = None if self.scale is None else jax.lax.dynamic_slice_in_dim(self.scale, start, tile, axis=1)
+        return keys, valid, self.first_key + start * kpool, scale
