@@ -66,6 +66,7 @@ from flax import nnx
 import pallas_kernels as pk
 from glm5_dsa_jax.cache import check_cache_dtype, from_store, to_store
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.cpu_policy import float32_products_context
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.fp8 import quantize_rows
 from glm5_dsa_jax.layer import DsaAttention, float32_params
@@ -226,16 +227,17 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
     def step(params, x, cache):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
-        m.wide = wide
         cfg = m.cfg
-        _, q_lat, latent = m.project(x)
+        with float32_products_context(wide):
+            _, q_lat, latent = m.project(x)
         pos = cache.length
         rows = to_store(latent, cache.dtype, cache.latent_store.dtype)
         lat = jax.lax.dynamic_update_slice(cache.latent_store, rows, (0, pos, 0))
         valid = jax.lax.dynamic_update_slice(cache.key_valid, jnp.ones(x.shape[:2], bool), (0, pos))
         mask = valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = pk.mla_masked_attention(q_lat, from_store(lat, cache.dtype), mask, scale=cfg.softmax_scale)
-        out = m.output_projection(o)
+        with float32_products_context(wide):
+            out = m.output_projection(o)
         return out, cache.replace(latent_store=lat, key_valid=valid, length=pos + x.shape[1])
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces

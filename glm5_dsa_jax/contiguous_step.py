@@ -28,7 +28,7 @@ from glm5_dsa_jax.ops import by_query_tiles
 __all__ = ["contiguous_call"]
 
 
-def contiguous_call(layer, x, mask, cache: DsaCache, prev_topk, position_ids=None):
+def contiguous_call(layer, x, mask, cache: DsaCache, prev_topk, position_ids=None, reduce_axis=None):
     """``(out, topk, cache)`` of ``layer`` on ``x [B, S, hidden]`` with ``mask`` (checked
     inputs) on the contiguous ``cache``: the pipeline of ``DsaAttention``'s class doc, steps
     2-5 per query tile (module doc). RoPE positions (``position_ids``, default) are the
@@ -46,7 +46,7 @@ def contiguous_call(layer, x, mask, cache: DsaCache, prev_topk, position_ids=Non
     q_pos = jnp.where(mask, length + jnp.arange(s, dtype=jnp.int32)[None], -1)
 
     if layer.indexer is not None:
-        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
+        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
         cache = layer.compress_pools(cache, ki, gate, mask, fits)
         n_vis = cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
         select_k = layer.cfg.select_k(cache.max_pools)
@@ -66,6 +66,6 @@ def contiguous_call(layer, x, mask, cache: DsaCache, prev_topk, position_ids=Non
 
         _, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (topk, -1))
 
-    out = layer.output_projection(o_lat, mask)
+    out = layer.output_projection(o_lat, mask, reduce_axis=reduce_axis)
     cache = cache.replace(length=jnp.where(fits, length + s, length).astype(jnp.int32))
     return out, topk, cache

@@ -8,7 +8,7 @@ Invariants:
   initialisers, creation order), stored in JAX layout (``[in, out]``, heads as their own
   axis), and carry their tensor-parallel placement as ``out_sharding`` metadata: the head
   axis of ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything
-  else, the whole indexer included, is replicated (see ``glm5_dsa_jax.plan`` for why).
+  else, the whole indexer included, is replicated (see ``glm5_dsa_jax.parallel.plan`` for why).
 * ``kv_b_proj`` is split once, at load, into ``w_uk [heads, qk_nope, kv_lora]`` and
   ``w_uv [heads, v_head, kv_lora]``; attention then runs in the ``kv_lora_rank``-wide
   latent space (``absorb_q`` before, ``absorb_o`` after), reading one latent row per
@@ -27,16 +27,17 @@ Invariants:
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
   parameters (XLA:CPU's bf16 matrix-vector product is over ten times slower), cached and
-  never written back (``glm5_dsa_jax.float32_copies``); each product still rounds to the
-  activation dtype. ``cpu_float32=False`` opts out; other platforms never use the copies.
+  never written back; each product still rounds to the activation dtype. The policy is
+  ``glm5_dsa_jax.cpu_policy``'s, invisible here; ``cpu_float32=False`` opts out.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
-  name (``glm5_dsa_jax.steps``): the contiguous call (``contiguous_step.contiguous_call``), the paged one
-  (``paged_step.paged_call``) and the data-parallel one (``data_parallel.dp_call``, which
-  runs this call per device) all run these methods, so no step is written twice. A step
-  that reads the cache takes either kind and picks its kernel by the cache's kind.
-* The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
-  runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
-  ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
+  name (``glm5_dsa_jax.steps``): the contiguous call (``contiguous_step.contiguous_call``)
+  and the paged one (``paged_step.paged_call``) run these methods, so no step is written
+  twice. A step that reads the cache takes either kind and picks its kernel by the
+  cache's kind. The steps are plain single-device code: they never look at a mesh.
+* A call checks its inputs, then runs through ``glm5_dsa_jax.parallel.execution.run``:
+  on a layer placed by ``shard_layer`` (``self.placement``: mesh, head axis, optional
+  batch axis) one ``shard_map`` over the mesh whose body is the plain pipeline; eagerly,
+  one cached jitted program. The call never re-enters itself.
 """
 
 from __future__ import annotations
@@ -54,23 +55,20 @@ from glm5_dsa_jax.cache import (
     DsaCache, check_fits, from_store, init_cache, live_pool_tiles, pool_tile_scorer, pool_window,
     store_pools, visible_pools,
 )
-from glm5_dsa_jax.contiguous_step import contiguous_call
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
-from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
+from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
 from glm5_dsa_jax.fp8 import check_cache_readable
 from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.ops import (
-    absorb_o, absorb_q, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
-)
+from glm5_dsa_jax.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.paged_cache import (
     PagedCache, check_room, init_paged_cache, paged_pool_window, paged_tail, store_paged_pools,
 )
-from glm5_dsa_jax.paged_step import paged_call, paged_tile_scorer
-from glm5_dsa_jax.parallel import indexer_kernel_call, place_inputs, replicate, sharded_sparse_mla
+from glm5_dsa_jax.paged_step import paged_tile_scorer
+from glm5_dsa_jax.parallel.execution import run, run_fn
+from glm5_dsa_jax.parallel.placement import Placement, place_cache
 from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.weights import hf_to_params, param_variable
 
@@ -152,21 +150,12 @@ class DsaAttention(nnx.Module):
         self.implementation = implementation
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
-        self.tp_axis = tp_axis
+        self._tp_axis = tp_axis
         self.block_q = block_q
         self.cpu_float32 = bool(cpu_float32)
-        #: The mesh ``shard_layer`` placed this layer on; ``None`` until then. Once set, the
-        #: layer's caches and call inputs are replicated on it and its steps run through
-        #: ``glm5_dsa_jax.parallel`` (attention per head shard, indexer replicated).
-        self.mesh: jax.sharding.Mesh | None = None
-        #: ``shard_layer(..., batch_axis=)``'s axis (calls go to ``data_parallel.dp_call``);
-        #: ``reduce_axis``, the axis ``o_proj`` is ``psum``-ed over, is set only on the
-        #: per-device copy that call merges inside its ``shard_map``.
-        self.batch_axis: str | None = None
-        self.reduce_axis: str | None = None
-        #: Float32 products (``ops.matmul``): set only on the copy a compiled step merges
-        #: (``decode.make_step``, when ``float32_compute()``), never on the user's layer.
-        self.wide = False
+        #: Where the layer runs (``parallel.placement.Placement``: mesh, head axis, optional
+        #: batch axis), set once by ``shard_layer``; ``None``: not placed.
+        self.placement: Placement | None = None
         # The attention's own tensors (the indexer's are DsaIndexer's); without
         # attention_bias the bias attributes are None.
         ParamFactory(cfg, rngs, param_dtype, tp_axis).create(self, layout.layer_tensors(cfg, indexer=False))
@@ -178,6 +167,22 @@ class DsaAttention(nnx.Module):
             if cfg.has_indexer(layer_idx)
             else None
         )
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        """The mesh ``shard_layer`` placed this layer on (``None`` before)."""
+        return None if self.placement is None else self.placement.mesh
+
+    @property
+    def tp_axis(self) -> str | None:
+        """The mesh axis the heads are split over: the placement's, else the constructor's
+        ``tp_axis`` (the parameters' ``out_sharding`` metadata)."""
+        return self._tp_axis if self.placement is None else self.placement.axis
+
+    @property
+    def batch_axis(self) -> str | None:
+        """The mesh axis a placed layer splits its rows and caches over (data parallelism)."""
+        return None if self.placement is None else self.placement.batch_axis
 
     # ------------------------------------------------------------------ weights
     @property
@@ -210,11 +215,7 @@ class DsaAttention(nnx.Module):
         copies of 16-bit parameters): ``cpu_float32`` is set and every parameter lives on
         CPU devices only (decided by where the parameters are, e.g. a ``shard_layer``
         mesh, not by which backends exist)."""
-        if not self.cpu_float32:
-            return False
-        leaves = jax.tree.leaves(nnx.state(self, nnx.Param))
-        platforms = {d.platform for a in leaves if isinstance(a, jax.Array) for d in a.devices()}
-        return platforms == {"cpu"}
+        return uses_float32(nnx.state(self, nnx.Param), self.cpu_float32)
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
@@ -226,8 +227,8 @@ class DsaAttention(nnx.Module):
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
                            dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype)
         check_cache_readable(cache, self.implementation)
-        return replicate(cache, self.mesh) if self.batch_axis is None else place_cache(
-            cache, self.mesh, self.batch_axis)
+        p = self.placement
+        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None) -> PagedCache:
@@ -235,14 +236,16 @@ class DsaAttention(nnx.Module):
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
         defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,
-        split by sequence and page over a ``batch_axis`` (``data_parallel.dp_paged_cache``)."""
-        kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
-                  stage_dtype=self.dtype)
-        if self.batch_axis is not None:
-            cache = dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
-        else:
-            cache = replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
-                                               pages_per_seq=pages_per_seq, **kw), self.mesh)
+        split by sequence and page over a ``batch_axis``: one page table of ``max_seqs / dp``
+        sequences and ``num_pages / dp`` pages per data shard (``pages``' module doc;
+        ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
+        ``ValueError`` unless both divide by ``dp``)."""
+        p = self.placement
+        cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
+                                 has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
+                                 stage_dtype=self.dtype, shards=1 if p is None else p.data_shards)
+        if p is not None:
+            cache = place_cache(cache, p.mesh, p.batch_axis)
         check_cache_readable(cache, self.implementation)
         return cache
 
@@ -268,23 +271,14 @@ class DsaAttention(nnx.Module):
             cache.check(self.cfg, self.has_indexer, x.shape[0])
             if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
                 check_room(cache, mask)
-            if self.batch_axis is not None:
-                return dp_call(self, x, mask, cache, prev_topk, position_ids)
-            x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
-            return paged_call(self, x, mask, cache, prev_topk, position_ids)
+            return run(self, x, mask, cache, prev_topk, position_ids)
         start = 0 if cache is None else cache.length
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         b, s, _ = x.shape
         if cache is not None:
             cache.check(self.cfg, self.has_indexer, b)
             check_fits(cache, s)
-        if self.batch_axis is not None:
-            return dp_call(self, x, mask, cache, prev_topk, position_ids)
-        x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
-        if cache is None:
-            out, topk, _ = contiguous_call(self, x, mask, self.init_cache(b, s), prev_topk, position_ids)
-            return out, topk
-        return contiguous_call(self, x, mask, cache, prev_topk, position_ids)
+        return run(self, x, mask, cache, prev_topk, position_ids)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -297,16 +291,7 @@ class DsaAttention(nnx.Module):
         if self.indexer is None:
             raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
         x, mask, _ = self.check_inputs(hidden_states, attention_mask)
-        x, mask = place_inputs(self.mesh, x, mask)
-        b, s, _ = x.shape
-        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-        rope = self.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
-        q_resid, _, _ = self.project(x, rope)
-        qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
-        fresh = replicate(init_cache(self.cfg, b, s, dtype=self.dtype), self.mesh)  # like x, also under DP
-        cache = self.compress_pools(fresh, ki, gate, mask, jnp.bool_(True))
-        q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
-        return self.score_pools(qi, w, cache, q_pos), cache.first_key
+        return run_fn(self, _selection_scores, (x, mask))
 
     # ------------------------------------------------------------------ pipeline steps
     def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
@@ -327,8 +312,8 @@ class DsaAttention(nnx.Module):
         eps = cfg.latent_norm_eps
         with jax.named_scope(steps.PROJECT):
             q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
-            q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self.wide)
-            q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self.wide)
+            q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...])
+            q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
             kv = self._dense(x, self.kv_a_proj, self.kv_a_proj_bias)
             latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], eps)
             if rope is not None:
@@ -340,7 +325,7 @@ class DsaAttention(nnx.Module):
         return q_resid, q_lat, latent
 
     def _dense(self, x, w, bias):
-        y = dense(x, w[...], self.wide)
+        y = dense(x, w[...])
         return y if bias is None else y + bias[...].astype(y.dtype)
 
     def compress_pools(self, cache: DsaCache | PagedCache, keys, gate, mask, fits=True):
@@ -384,7 +369,7 @@ class DsaAttention(nnx.Module):
         with jax.named_scope(steps.SELECT_POOLS):
             if n_live is None or self.implementation == "xla":
                 return self._indexer_kernel(pk.topk_pools, scores, select_k)
-            return self._indexer_kernel(topk_live, scores, n_live, select_k)
+            return self._indexer_kernel(pk.topk_pools, scores, select_k, n_live=n_live)
 
     def live_pools(self, cache: DsaCache | PagedCache, q_pos) -> jax.Array:
         """``[B, Q]`` the pools complete at each query (``cache.visible_pools``)."""
@@ -458,28 +443,41 @@ class DsaAttention(nnx.Module):
     def sparse_attention(self, q_lat, latent, token_ids, latent_scale=None) -> jax.Array:
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` (e4m3
         with ``latent_scale [B, L]`` for an fp8 cache) at ``token_ids [B, Q, W]`` -> ``o_lat
-        [B, Q, H, C]``. On a placed layer it runs per head shard, each device reading its
-        local latent (``parallel.sharded_sparse_mla``)."""
-        kernel = mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
-        rows = latent if latent_scale is None else (latent, latent_scale)  # placed alike
+        [B, Q, H, C]``. On a placed layer ``H`` is the device's heads: each device reads its
+        own copy of the rows it attends to."""
         with jax.named_scope(steps.SPARSE_ATTENTION):
-            return sharded_sparse_mla(q_lat, rows, token_ids, mesh=self.mesh, axis=self.tp_axis,
-                                      kernel=kernel)
+            return pk.sparse_mla(q_lat, latent, token_ids, latent_scale, scale=self.cfg.softmax_scale,
+                                 value_width=self.cfg.kv_lora_rank, implementation=self.implementation)
 
-    def output_projection(self, o_lat, mask=None) -> jax.Array:
+    def output_projection(self, o_lat, mask=None, *, reduce_axis: str | None = None) -> jax.Array:
         """Step 6: ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through ``w_uv`` and the
         row-parallel ``o_proj`` (plus its bias; ``absorb_o``). With the call's ``mask [B,
-        S]``: zeros at padding queries, in the compute dtype (a call's ``out``)."""
+        S]``: zeros at padding queries, in the compute dtype (a call's ``out``).
+        ``reduce_axis``: the head axis of a placed call's ``shard_map``, whose partial sums
+        are ``psum``-ed over it (the call's one collective)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
         with jax.named_scope(steps.OUTPUT_PROJECTION):
-            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
-                           reduce_axis=self.reduce_axis)
+            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, reduce_axis=reduce_axis)
             if mask is None:
                 return out
             return jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
 
     def _indexer_kernel(self, fn, *args, **kwargs):
-        """``fn(*args, implementation=self.implementation, **kwargs)``, replicated on a placed
-        layer (``parallel.indexer_kernel_call``)."""
-        return indexer_kernel_call(self.mesh, fn, *args, implementation=self.implementation, **kwargs)
+        """``fn(*args, implementation=self.implementation, **kwargs)``: an indexer step's kernel."""
+        return fn(*args, implementation=self.implementation, **kwargs)
+
+
+def _selection_scores(layer: DsaAttention, x, mask, reduce_axis=None):
+    """``DsaAttention.selection_scores``' body on checked inputs (run by
+    ``parallel.execution.run_fn``, per data shard on a placed layer): steps 0-2 on a fresh
+    cache. The indexer has no head-split parameter, so ``reduce_axis`` is unused."""
+    del reduce_axis
+    b, s, _ = x.shape
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    rope = layer.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
+    q_resid, _, _ = layer.project(x, rope)
+    qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
+    cache = layer.compress_pools(init_cache(layer.cfg, b, s, dtype=layer.dtype), ki, gate, mask, jnp.bool_(True))
+    q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
+    return layer.score_pools(qi, w, cache, q_pos), cache.first_key
 

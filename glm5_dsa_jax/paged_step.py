@@ -67,7 +67,7 @@ def paged_tile_scorer(tile: int, ppp: int, kpool: int, dtype):
     return scores
 
 
-def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
+def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None, reduce_axis=None):
     """``(out, topk, cache)`` of ``layer`` on ``x [max_seqs, S, hidden]`` with ``mask``
     (checked inputs; see the module doc). RoPE positions (``position_ids``, default) are
     each token's position within its sequence."""
@@ -89,7 +89,7 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
         return layer.sparse_attention(q_lat, latent_pool, slots, pool_scale)
 
     if layer.indexer is not None:
-        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
+        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
         cache = layer.compress_pools(cache, ki, gate, mask)
         select_k = layer.cfg.select_k(cache.max_pools)
 
@@ -104,4 +104,4 @@ def paged_call(layer, x, mask, cache: PagedCache, prev_topk, position_ids=None):
         _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q,
                                   (q_lat, 0), (topk, -1))
 
-    return layer.output_projection(o_lat, mask), topk, cache
+    return layer.output_projection(o_lat, mask, reduce_axis=reduce_axis), topk, cache

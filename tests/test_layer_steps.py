@@ -29,7 +29,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.steps import COMPRESS_POOLS, FULL_STEPS, SCORE_POOLS, SHARED_STEPS
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.sharding import shard_layer
 
 #: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

@@ -23,7 +23,8 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
-from glm5_dsa_jax import layout, plan, roofline
+from glm5_dsa_jax import layout, roofline
+from glm5_dsa_jax.parallel import plan
 from helpers import tiny8
 
 CONFIGS = {

@@ -26,7 +26,7 @@ import pytest
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import pages as pg
 from glm5_dsa_jax.decode import PagedDecoder, make_step
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.sharding import shard_layer
 from helpers import ATOL, RTOL, f32_layer
 
 

@@ -1,0 +1,181 @@
+"""The one execution of a layer's call: placed or not, eager or traced.
+
+``DsaAttention.__call__`` checks its inputs, then hands the call to ``run``. What runs is
+always the plain, single-device pipeline (``_pipeline``); this module decides only *where*
+and *how often it is compiled*:
+
+* **Not placed**: the pipeline itself.
+* **Placed** (``layer.placement``, set by ``shard_layer``): one ``jax.shard_map`` *manual
+  over every mesh axis*. Each device gets its shard of the head-split parameters
+  (``layout.partition_specs``), its rows of the inputs and of the cache when there is a
+  batch axis (``placement.cache_specs``), everything else whole, and runs the plain
+  pipeline on them; the only collective is the ``psum`` of the ``o_proj`` partial sums
+  over the head axis (``ops.absorb_o(..., reduce_axis=)``). Tensor parallelism alone is
+  the same program with the batch unsplit. Why manual over every axis: the body is plain
+  per-device code, so no step needs a ``shard_map``, a ``device_put`` or an output
+  sharding of its own (a ``pallas_call`` has no sharding rule: outside ``shard_map`` it
+  fails on ``Explicit`` axes), and the step's collectives are exactly the one the body
+  writes. It runs with ``check_vma=False`` for the same reason (no varying-axis rule).
+* **Eager** (no argument traced): the whole call is one ``jax.jit`` program, cached per
+  ``(graphdef, output specs, argument tree structure)`` (``_program``; jit itself keys the
+  shapes), so an eager step compiles nothing once warm, whatever closures the pipeline
+  makes per call. **Under a trace** (``jax.jit``, ``make_step``) the body is inlined.
+
+Invariants:
+
+* The layer's call never re-enters itself: the body calls the pipeline, not
+  ``DsaAttention.__call__``, so the inputs are checked once.
+* Inside the body a paged cache's page table is the shard's own: its ``n_free [1]`` is
+  handed to the pipeline as the scalar of a one-shard table and put back after.
+* Top-k rows are the unplaced layer's, bit for bit: each row's indexer arithmetic runs on
+  one device over whole, replicated operands and does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from glm5_dsa_jax import layout
+from glm5_dsa_jax.cache import init_cache
+from glm5_dsa_jax.contiguous_step import contiguous_call
+from glm5_dsa_jax.paged_cache import PagedCache
+from glm5_dsa_jax.paged_step import paged_call
+from glm5_dsa_jax.cpu_policy import float32_products
+from glm5_dsa_jax.parallel.placement import cache_specs, check_batch
+
+__all__ = ["run", "run_fn"]
+
+
+def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis):
+    """The plain pipeline of one call on one device: ``(out, topk)`` without a cache (a
+    fresh one sized to the input is used), ``(out, topk, cache)`` with one."""
+    if cache is None:
+        b, s, _ = x.shape
+        fresh = init_cache(layer.cfg, b, s, has_indexer=layer.has_indexer, dtype=layer.dtype,
+                           stage_dtype=layer.dtype)
+        out, topk, _ = contiguous_call(layer, x, mask, fresh, prev_topk, position_ids,
+                                       reduce_axis=reduce_axis)
+        return out, topk
+    if isinstance(cache, PagedCache):
+        return paged_call(layer, x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis)
+    return contiguous_call(layer, x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis)
+
+
+def run(layer, x, mask, cache, prev_topk, position_ids):
+    """The call of ``layer`` on checked inputs (``DsaAttention.__call__`` has run its
+    checks): ``(out, topk)`` without a cache, ``(out, topk, cache)`` with one."""
+    return run_fn(layer, _pipeline, (x, mask, prev_topk, position_ids), cache)
+
+
+def run_fn(layer, fn, rows: tuple, cache=None):
+    """``fn(module, *rows[:1], ..., cache, ...)``, the way ``run`` runs the pipeline: ``fn(module,
+    x, mask, cache, prev_topk, position_ids, reduce_axis)`` for the call; a function of
+    ``(module, *rows, reduce_axis)`` when ``cache`` is None and ``fn`` is not ``_pipeline``
+    (``DsaAttention.selection_scores``). ``rows`` are ``[B, ...]`` arrays (or None), split
+    over the batch axis of a placed layer; every output is ``[B, ...]`` rows too, except
+    the cache, placed as the cache given. ``fn`` must be a stable (module-level) function:
+    it keys the cached eager program."""
+    placement = layer.placement
+    with_cache = fn is _pipeline
+    args = (rows[0], rows[1], cache, *rows[2:]) if with_cache else rows
+    if placement is None:
+        if _traced(args):
+            return fn(layer, *args, None)
+        graphdef, state = nnx.split(layer)
+        key = (fn, graphdef, jax.tree.structure(args), float32_products(), None)
+        if key not in _PROGRAMS:
+            _remember(key, jax.jit(_plain(fn, graphdef)))
+        return _PROGRAMS[key](state, args)
+    bax = placement.batch_axis
+    if bax is not None:
+        check_batch(rows[0].shape[0], placement.mesh, bax)
+    rows = placement.place_rows(*rows)
+    row = placement.row_spec
+    if with_cache:
+        cache = placement.place_call_cache(cache)
+        cache_spec = P() if cache is None else cache_specs(cache, bax)
+        args = (rows[0], rows[1], cache, *rows[2:])
+        in_specs = (row, row, cache_spec) + (row,) * (len(rows) - 2)
+        out_specs = (row, row) if cache is None else (row, row, cache_spec)
+    else:
+        args, in_specs, out_specs = rows, (row,) * len(rows), row
+    graphdef, state = nnx.split(layer)
+    spec_leaves, spec_tree = jax.tree.flatten((in_specs, out_specs), is_leaf=_is_spec)
+    key = (fn, graphdef, jax.tree.structure(args), float32_products(), (spec_tree, tuple(spec_leaves)))
+    if key not in _PROGRAMS:
+        _remember(key, _sharded(fn, graphdef, state, placement, in_specs, out_specs, with_cache))
+    mapped, jitted = _PROGRAMS[key]
+    return (mapped if _traced((state, args)) else jitted)(state, args)
+
+
+#: The programs of ``run_fn``, one per key (see ``run_fn``); jit keys the shapes itself.
+_PROGRAMS: dict = {}
+_MAX_PROGRAMS = 256
+
+
+def _remember(key, program) -> None:
+    """Keep ``program`` under ``key``, dropping the oldest beyond ``_MAX_PROGRAMS`` (a key
+    holds a graphdef, hence the layer's static attributes and its mesh)."""
+    while len(_PROGRAMS) >= _MAX_PROGRAMS:
+        _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    _PROGRAMS[key] = program
+
+
+def _traced(tree) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(tree))
+
+
+def _is_spec(s) -> bool:
+    return isinstance(s, P)
+
+
+def _plain(fn, graphdef):
+    def plain(state, args):
+        return fn(nnx.merge(graphdef, state), *args, None)
+    return plain
+
+
+def _param_specs(state, cfg, layer_idx, axis):
+    """``PartitionSpec`` per leaf of an ``nnx.split`` state (the same tree): the layout's
+    head-split specs."""
+    plan = layout.partition_specs(cfg, axis, layer_idx=layer_idx)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    specs = [plan.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), P())
+             for path, _ in leaves]
+    return jax.tree.unflatten(treedef, specs)
+
+
+def _local(cache):
+    """A shard's view inside the body: a one-shard page table has a scalar ``n_free``."""
+    pages = getattr(cache, "pages", None)
+    if pages is not None and pages.n_free.ndim == 1:
+        return cache.replace(pages=pages.replace(n_free=pages.n_free[0]))
+    return cache
+
+
+def _global(local, like):
+    pages = getattr(like, "pages", None)
+    if pages is not None and pages.n_free.ndim == 1:
+        return local.replace(pages=local.pages.replace(n_free=local.pages.n_free.reshape(1)))
+    return local
+
+
+def _sharded(fn, graphdef, state, placement, in_specs, out_specs, with_cache):
+    """``(mapped, jitted)``: ``fn`` on the merged module under one ``shard_map`` manual over
+    every mesh axis (module doc), and its ``jax.jit``."""
+    module = nnx.merge(graphdef, state)
+    state_specs = _param_specs(state, module.cfg, module.layer_idx, placement.axis)
+
+    def body(state, args):
+        module = nnx.merge(graphdef, state)
+        if not with_cache:
+            return fn(module, *args, placement.axis)
+        cache = args[2]
+        res = fn(module, args[0], args[1], _local(cache), *args[3:], placement.axis)
+        return res if cache is None else (*res[:2], _global(res[2], cache))
+
+    mapped = jax.shard_map(body, mesh=placement.mesh, in_specs=(state_specs, in_specs),
+                           out_specs=out_specs, check_vma=False)
+    return mapped, jax.jit(mapped)
