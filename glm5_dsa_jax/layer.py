@@ -291,7 +291,8 @@ class DsaAttention(nnx.Module):
         if self.indexer is None:
             raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
         x, mask, _ = self.check_inputs(hidden_states, attention_mask)
-        return run_fn(self, _selection_scores, (x, mask))
+        (scores, first_key), _ = run_fn(self, _selection_scores, (x, mask))
+        return scores, first_key
 
     # ------------------------------------------------------------------ pipeline steps
     def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
@@ -467,11 +468,13 @@ class DsaAttention(nnx.Module):
         return fn(*args, implementation=self.implementation, **kwargs)
 
 
-def _selection_scores(layer: DsaAttention, x, mask, reduce_axis=None):
-    """``DsaAttention.selection_scores``' body on checked inputs (run by
-    ``parallel.execution.run_fn``, per data shard on a placed layer): steps 0-2 on a fresh
-    cache. The indexer has no head-split parameter, so ``reduce_axis`` is unused."""
-    del reduce_axis
+def _selection_scores(layer: DsaAttention, rows, cache, reduce_axis):
+    """``DsaAttention.selection_scores``' body on checked inputs ``rows = (x, mask)`` (run
+    by ``parallel.execution.run_fn``, per data shard on a placed layer): steps 0-2 on a
+    fresh cache. ``cache`` is None, and the indexer has no head-split parameter, so
+    ``reduce_axis`` is unused."""
+    del cache, reduce_axis
+    x, mask = rows
     b, s, _ = x.shape
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     rope = layer.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
@@ -479,5 +482,5 @@ def _selection_scores(layer: DsaAttention, x, mask, reduce_axis=None):
     qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
     cache = layer.compress_pools(init_cache(layer.cfg, b, s, dtype=layer.dtype), ki, gate, mask, jnp.bool_(True))
     q_pos = jnp.where(mask, jnp.arange(s, dtype=jnp.int32)[None], -1)
-    return layer.score_pools(qi, w, cache, q_pos), cache.first_key
+    return (layer.score_pools(qi, w, cache, q_pos), cache.first_key), None
 

@@ -39,10 +39,10 @@ from jax.sharding import PartitionSpec as P
 
 from glm5_dsa_jax import layout
 from glm5_dsa_jax.cache import init_cache
+from glm5_dsa_jax.cpu_policy import float32_products
 from glm5_dsa_jax.contiguous_step import contiguous_call
 from glm5_dsa_jax.paged_cache import PagedCache
 from glm5_dsa_jax.paged_step import paged_call
-from glm5_dsa_jax.cpu_policy import float32_products
 from glm5_dsa_jax.parallel.placement import cache_specs, check_batch
 
 __all__ = ["run", "run_fn"]
@@ -66,48 +66,49 @@ def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis):
 def run(layer, x, mask, cache, prev_topk, position_ids):
     """The call of ``layer`` on checked inputs (``DsaAttention.__call__`` has run its
     checks): ``(out, topk)`` without a cache, ``(out, topk, cache)`` with one."""
-    return run_fn(layer, _pipeline, (x, mask, prev_topk, position_ids), cache)
+    (out, topk), cache_out = run_fn(layer, _call, (x, mask, prev_topk, position_ids), cache)
+    return (out, topk) if cache is None else (out, topk, cache_out)
+
+
+def _call(module, rows, cache, reduce_axis):
+    x, mask, prev_topk, position_ids = rows
+    res = _pipeline(module, x, mask, cache, prev_topk, position_ids, reduce_axis)
+    return res[:2], (res[2] if cache is not None else None)
 
 
 def run_fn(layer, fn, rows: tuple, cache=None):
-    """``fn(module, *rows[:1], ..., cache, ...)``, the way ``run`` runs the pipeline: ``fn(module,
-    x, mask, cache, prev_topk, position_ids, reduce_axis)`` for the call; a function of
-    ``(module, *rows, reduce_axis)`` when ``cache`` is None and ``fn`` is not ``_pipeline``
-    (``DsaAttention.selection_scores``). ``rows`` are ``[B, ...]`` arrays (or None), split
-    over the batch axis of a placed layer; every output is ``[B, ...]`` rows too, except
-    the cache, placed as the cache given. ``fn`` must be a stable (module-level) function:
-    it keys the cached eager program."""
+    """``fn(module, rows, cache, reduce_axis) -> (row outputs, cache or None)`` run as a
+    call of ``layer`` is (module doc): once, unplaced; or per device under one
+    ``shard_map``, ``rows`` (``[B, ...]`` arrays or None, e.g. ``x``, ``mask``) and the row
+    outputs split over the batch axis, the cache placed as ``placement.cache_specs``
+    says, ``reduce_axis`` the head axis. Eagerly one cached ``jax.jit`` program: ``fn``
+    must be a stable (module-level) function, it keys the program. ``run`` runs the
+    layer's call through it, ``DsaAttention.selection_scores`` its indexer view."""
     placement = layer.placement
-    with_cache = fn is _pipeline
-    args = (rows[0], rows[1], cache, *rows[2:]) if with_cache else rows
     if placement is None:
-        if _traced(args):
-            return fn(layer, *args, None)
+        if _traced((rows, cache)):
+            return fn(layer, rows, cache, None)
         graphdef, state = nnx.split(layer)
-        key = (fn, graphdef, jax.tree.structure(args), float32_products(), None)
+        key = (fn, graphdef, jax.tree.structure((rows, cache)), float32_products())
         if key not in _PROGRAMS:
             _remember(key, jax.jit(_plain(fn, graphdef)))
-        return _PROGRAMS[key](state, args)
+        return _PROGRAMS[key](state, (rows, cache))
     bax = placement.batch_axis
     if bax is not None:
         check_batch(rows[0].shape[0], placement.mesh, bax)
     rows = placement.place_rows(*rows)
+    cache = placement.place_call_cache(cache)
     row = placement.row_spec
-    if with_cache:
-        cache = placement.place_call_cache(cache)
-        cache_spec = P() if cache is None else cache_specs(cache, bax)
-        args = (rows[0], rows[1], cache, *rows[2:])
-        in_specs = (row, row, cache_spec) + (row,) * (len(rows) - 2)
-        out_specs = (row, row) if cache is None else (row, row, cache_spec)
-    else:
-        args, in_specs, out_specs = rows, (row,) * len(rows), row
+    cache_spec = P() if cache is None else cache_specs(cache, bax)
+    specs = (((row,) * len(rows), cache_spec), (row, cache_spec))  # in, out
     graphdef, state = nnx.split(layer)
-    spec_leaves, spec_tree = jax.tree.flatten((in_specs, out_specs), is_leaf=_is_spec)
-    key = (fn, graphdef, jax.tree.structure(args), float32_products(), (spec_tree, tuple(spec_leaves)))
+    spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=_is_spec)
+    key = (fn, graphdef, jax.tree.structure((rows, cache)), float32_products(), spec_tree,
+           tuple(spec_leaves))
     if key not in _PROGRAMS:
-        _remember(key, _sharded(fn, graphdef, state, placement, in_specs, out_specs, with_cache))
+        _remember(key, _sharded(fn, graphdef, state, placement, *specs))
     mapped, jitted = _PROGRAMS[key]
-    return (mapped if _traced((state, args)) else jitted)(state, args)
+    return (mapped if _traced((state, rows, cache)) else jitted)(state, (rows, cache))
 
 
 #: The programs of ``run_fn``, one per key (see ``run_fn``); jit keys the shapes itself.
@@ -162,19 +163,16 @@ def _global(local, like):
     return local
 
 
-def _sharded(fn, graphdef, state, placement, in_specs, out_specs, with_cache):
+def _sharded(fn, graphdef, state, placement, in_specs, out_specs):
     """``(mapped, jitted)``: ``fn`` on the merged module under one ``shard_map`` manual over
     every mesh axis (module doc), and its ``jax.jit``."""
     module = nnx.merge(graphdef, state)
     state_specs = _param_specs(state, module.cfg, module.layer_idx, placement.axis)
 
     def body(state, args):
-        module = nnx.merge(graphdef, state)
-        if not with_cache:
-            return fn(module, *args, placement.axis)
-        cache = args[2]
-        res = fn(module, args[0], args[1], _local(cache), *args[3:], placement.axis)
-        return res if cache is None else (*res[:2], _global(res[2], cache))
+        rows, cache = args
+        outs, new = fn(nnx.merge(graphdef, state), rows, _local(cache), placement.axis)
+        return outs, (None if cache is None else _global(new, cache))
 
     mapped = jax.shard_map(body, mesh=placement.mesh, in_specs=(state_specs, in_specs),
                            out_specs=out_specs, check_vma=False)

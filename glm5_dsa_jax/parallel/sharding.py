@@ -147,7 +147,7 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = Non
     """The placement of a cache (``DsaCache`` or ``PagedCache``) on ``mesh`` (a pytree of
     ``NamedSharding``, ``None`` leaves kept): every field replicated, or with a
     ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
-    axis over it and the scalars replicated (``data_parallel.cache_specs``). Use it for a
+    axis over it and the scalars replicated (``placement.cache_specs``). Use it for a
     decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves."""
     return pl.cache_shardings(cache, mesh, batch_axis)
 
