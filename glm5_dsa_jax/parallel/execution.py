@@ -16,10 +16,13 @@ and *how often it is compiled*:
   sharding of its own (a ``pallas_call`` has no sharding rule: outside ``shard_map`` it
   fails on ``Explicit`` axes), and the step's collectives are exactly the one the body
   writes. It runs with ``check_vma=False`` for the same reason (no varying-axis rule).
-* **Eager** (no argument traced): the whole call is one ``jax.jit`` program, cached per
-  ``(graphdef, output specs, argument tree structure)`` (``_program``; jit itself keys the
-  shapes), so an eager step compiles nothing once warm, whatever closures the pipeline
-  makes per call. **Under a trace** (``jax.jit``, ``make_step``) the body is inlined.
+* **Eager** (no argument traced): the whole call is one ``jax.jit`` program, cached in
+  ``_PROGRAMS`` per function, ``nnx`` graphdef (the layer's structure and static
+  attributes, its placement included), argument tree structure, specs and CPU float32
+  policy (jit itself keys the shapes), so an eager step compiles nothing once warm,
+  whatever closures the pipeline makes per call. This is the one mechanism that makes
+  un-jitted calls cheap. **Under a trace** (``jax.jit``, ``make_step``) the body is
+  inlined.
 
 Invariants:
 
@@ -106,7 +109,7 @@ def run_fn(layer, fn, rows: tuple, cache=None):
     key = (fn, graphdef, jax.tree.structure((rows, cache)), float32_products(), spec_tree,
            tuple(spec_leaves))
     if key not in _PROGRAMS:
-        _remember(key, _sharded(fn, graphdef, state, placement, *specs))
+        _remember(key, _sharded(fn, layer, graphdef, state, *specs))
     mapped, jitted = _PROGRAMS[key]
     return (mapped if _traced((state, rows, cache)) else jitted)(state, (rows, cache))
 
@@ -133,6 +136,8 @@ def _is_spec(s) -> bool:
 
 
 def _plain(fn, graphdef):
+    """``fn`` on the module merged from ``graphdef`` and a state (the eager program's body)."""
+
     def plain(state, args):
         return fn(nnx.merge(graphdef, state), *args, None)
     return plain
@@ -157,17 +162,18 @@ def _local(cache):
 
 
 def _global(local, like):
+    """``_local`` undone: the shard's ``n_free`` back as its ``[1]`` slice of the global one."""
     pages = getattr(like, "pages", None)
     if pages is not None and pages.n_free.ndim == 1:
         return local.replace(pages=local.pages.replace(n_free=local.pages.n_free.reshape(1)))
     return local
 
 
-def _sharded(fn, graphdef, state, placement, in_specs, out_specs):
+def _sharded(fn, layer, graphdef, state, in_specs, out_specs):
     """``(mapped, jitted)``: ``fn`` on the merged module under one ``shard_map`` manual over
-    every mesh axis (module doc), and its ``jax.jit``."""
-    module = nnx.merge(graphdef, state)
-    state_specs = _param_specs(state, module.cfg, module.layer_idx, placement.axis)
+    every mesh axis of ``layer.placement`` (module doc), and its ``jax.jit``."""
+    placement = layer.placement
+    state_specs = _param_specs(state, layer.cfg, layer.layer_idx, placement.axis)
 
     def body(state, args):
         rows, cache = args
