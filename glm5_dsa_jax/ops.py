@@ -46,14 +46,20 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = None) -> jax.Array:
     """``einsum(spec, x, w)`` in ``x``'s dtype: ``w`` cast to ``x.dtype`` (the GPU path), or,
     while the CPU policy's float32 products are on, both operands in float32 and the output
-    rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed)."""
+    rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed).
+    ``reduce_axis``: the partial products are ``psum``-ed over that ``shard_map`` axis in the
+    product's own dtype, before the rounding (float32 partial sums under the policy)."""
     if float32_products():
         f32 = jnp.float32
-        return jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI).astype(x.dtype)
-    return jnp.einsum(spec, x, w.astype(x.dtype), precision=_HI)
+        out = jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI)
+    else:
+        out = jnp.einsum(spec, x, w.astype(x.dtype), precision=_HI)
+    if reduce_axis is not None:
+        out = jax.lax.psum(out, reduce_axis)
+    return out.astype(x.dtype)
 
 
 def absorb_q(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
@@ -71,9 +77,7 @@ def absorb_o(
     holds only its heads), the partial sums are ``psum``-ed over it before the bias is
     added (once): row-parallel ``o_proj``."""
     o = matmul("bshc,hvc->bshv", o_lat, w_uv)
-    out = matmul("bshv,hvo->bso", o, o_proj)
-    if reduce_axis is not None:
-        out = jax.lax.psum(out, reduce_axis)
+    out = matmul("bshv,hvo->bso", o, o_proj, reduce_axis=reduce_axis)
     return out if bias is None else out + bias.astype(out.dtype)
 
 
