@@ -22,8 +22,8 @@ from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder, make_step
 from glm5_dsa_jax.layout import hf_weight_shapes
 from glm5_dsa_jax.tools.memory_plan import MemoryPlan
-from glm5_dsa_jax.plan import TpPlan, partition_specs
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.plan import TpPlan, partition_specs
+from glm5_dsa_jax.parallel.sharding import shard_layer
 from glm5_dsa_jax.layer import (
     DsaAttention, DsaIndexer, absorb_o, absorb_q, clear_float32_copies, float32_params,
 )

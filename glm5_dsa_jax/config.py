@@ -26,7 +26,7 @@ Invariants:
   JSON object, is a ``ValueError`` naming the file; a ``model_type`` outside
   ``MODEL_TYPES`` is a ``ValueError`` naming the field and the supported values.
 * Head counts are the *full* model's: this config never holds a per-rank head count. The
-  tensor-parallel split lives in ``glm5_dsa_jax.sharding``.
+  tensor-parallel split lives in ``glm5_dsa_jax.parallel.sharding``.
 
 This project was specified from a CUDA serving engine's DSA kernel pipeline and TP plan (not
 in this repository). That engine also refused ``index_kpool > 8`` and ``kv_lora_rank !=

@@ -14,8 +14,9 @@ Invariants:
 * No shape depends on the current length (``cache.length`` is a traced scalar), so a
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
-* On a CPU (``layer.float32_compute()``) the step multiplies by cached float32 copies of
-  the parameters it is given (``glm5_dsa_jax.float32_copies.float32_params``): the caller's
+* On a CPU (``layer.float32_compute()``) the step applies the CPU policy
+  (``glm5_dsa_jax.cpu_policy``): it is traced with float32 products on and multiplies by
+  cached float32 copies of the parameters it is given (``float32_params``); the caller's
   ``params`` are the layer's own, in their own dtype; only the arrays handed to the
   compiled function differ.
 * ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
@@ -36,10 +37,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache, check_fits
-from glm5_dsa_jax.float32_copies import float32_params
+from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache, check_room
-from glm5_dsa_jax.sharding import batch_sharding, cache_shardings
+from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
 
@@ -61,8 +62,8 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
         module = nnx.merge(graphdef, params)
-        module.wide = wide
-        return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
+        with float32_products_context(wide):
+            return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
     mesh = layer.mesh
     donated = ("cache",) if donate else ()

@@ -8,7 +8,7 @@ Invariants:
   initialisers, creation order), stored in JAX layout (``[in, out]``, heads as their own
   axis), and carry their tensor-parallel placement as ``out_sharding`` metadata: the head
   axis of ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything
-  else, the whole indexer included, is replicated (see ``glm5_dsa_jax.plan`` for why).
+  else, the whole indexer included, is replicated (see ``glm5_dsa_jax.parallel.plan`` for why).
 * ``kv_b_proj`` is split once, at load, into ``w_uk [heads, qk_nope, kv_lora]`` and
   ``w_uv [heads, v_head, kv_lora]``; attention then runs in the ``kv_lora_rank``-wide
   latent space (``absorb_q`` before, ``absorb_o`` after), reading one latent row per
@@ -35,18 +35,18 @@ Invariants:
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
 * On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
   parameters (XLA:CPU's bf16 matrix-vector product is over ten times slower), cached and
-  never written back (``glm5_dsa_jax.float32_copies``); each product still rounds to the
-  activation dtype. ``cpu_float32=False`` opts out; other platforms never use the copies.
+  never written back; each product still rounds to the activation dtype. The policy is
+  ``glm5_dsa_jax.cpu_policy``'s, invisible here; ``cpu_float32=False`` opts out.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
-  name (``glm5_dsa_jax.steps``): ``forward`` and the data-parallel call
-  (``data_parallel.dp_call``, which runs this call per device) run these methods, so no
-  step is written twice. A step that reads the cache uses the cache's operations (its key
-  source and kernel for scoring, its rows and slots for attention, its tail), never its
-  kind. ``forward`` reads no placement of the layer (``mesh``, ``batch_axis``,
-  ``reduce_axis``): it runs as is inside a ``shard_map`` body.
-* The layer is placed on a mesh by ``shard_layer`` (``self.mesh``); how each step then
-  runs (per head shard or replicated) is ``glm5_dsa_jax.parallel``'s part, and with a
-  ``batch_axis`` (data parallelism) the whole call is ``glm5_dsa_jax.data_parallel``'s.
+  name (``glm5_dsa_jax.steps``): ``forward`` runs these methods, so no step is written
+  twice. A step that reads the cache uses the cache's operations (its key source and
+  kernel for scoring, its rows and slots for attention, its tail), never its kind. The
+  steps are plain single-device code: ``forward`` reads no placement of the layer and runs
+  as is inside a ``shard_map`` body.
+* A call checks its inputs, then runs through ``glm5_dsa_jax.parallel.execution.run``:
+  on a layer placed by ``shard_layer`` (``self.placement``: mesh, head axis, optional
+  batch axis) one ``shard_map`` over the mesh whose body is ``forward``; eagerly, one
+  cached jitted program. The call never re-enters itself.
 """
 
 from __future__ import annotations
@@ -65,16 +65,14 @@ from glm5_dsa_jax.cache.contiguous import live_pool_tiles
 from glm5_dsa_jax.cache.fp8 import check_cache_readable
 from glm5_dsa_jax.cache.interface import tile_scorer
 from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.data_parallel import dp_call, dp_paged_cache, place_cache
-from glm5_dsa_jax.float32_copies import clear_float32_copies, float32_params
+from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
 from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.ops import (
-    absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, mla_kernel, rms_norm, topk_live,
-)
+from glm5_dsa_jax.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
-from glm5_dsa_jax.parallel import indexer_kernel_call, place_inputs, replicate, sharded_sparse_mla
+from glm5_dsa_jax.parallel.execution import run, run_fn
+from glm5_dsa_jax.parallel.placement import Placement, place_cache
 from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.weights import hf_to_params, param_variable
 
@@ -156,21 +154,12 @@ class DsaAttention(nnx.Module):
         self.implementation = implementation
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
-        self.tp_axis = tp_axis
+        self._tp_axis = tp_axis
         self.block_q = block_q
         self.cpu_float32 = bool(cpu_float32)
-        #: The mesh ``shard_layer`` placed this layer on; ``None`` until then. Once set, the
-        #: layer's caches and call inputs are replicated on it and its steps run through
-        #: ``glm5_dsa_jax.parallel`` (attention per head shard, indexer replicated).
-        self.mesh: jax.sharding.Mesh | None = None
-        #: ``shard_layer(..., batch_axis=)``'s axis (calls go to ``data_parallel.dp_call``);
-        #: ``reduce_axis``, the axis ``o_proj`` is ``psum``-ed over, is set only on the
-        #: per-device copy that call merges inside its ``shard_map``.
-        self.batch_axis: str | None = None
-        self.reduce_axis: str | None = None
-        #: Float32 products (``ops.matmul``): set only on the copy a compiled step merges
-        #: (``decode.make_step``, when ``float32_compute()``), never on the user's layer.
-        self.wide = False
+        #: Where the layer runs (``parallel.placement.Placement``: mesh, head axis, optional
+        #: batch axis), set once by ``shard_layer``; ``None``: not placed.
+        self.placement: Placement | None = None
         # The attention's own tensors (the indexer's are DsaIndexer's); without
         # attention_bias the bias attributes are None.
         ParamFactory(cfg, rngs, param_dtype, tp_axis).create(self, layout.layer_tensors(cfg, indexer=False))
@@ -182,6 +171,22 @@ class DsaAttention(nnx.Module):
             if cfg.has_indexer(layer_idx)
             else None
         )
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh | None:
+        """The mesh ``shard_layer`` placed this layer on (``None`` before)."""
+        return None if self.placement is None else self.placement.mesh
+
+    @property
+    def tp_axis(self) -> str | None:
+        """The mesh axis the heads are split over: the placement's, else the constructor's
+        ``tp_axis`` (the parameters' ``out_sharding`` metadata)."""
+        return self._tp_axis if self.placement is None else self.placement.axis
+
+    @property
+    def batch_axis(self) -> str | None:
+        """The mesh axis a placed layer splits its rows and caches over (data parallelism)."""
+        return None if self.placement is None else self.placement.batch_axis
 
     # ------------------------------------------------------------------ weights
     @property
@@ -214,11 +219,7 @@ class DsaAttention(nnx.Module):
         copies of 16-bit parameters): ``cpu_float32`` is set and every parameter lives on
         CPU devices only (decided by where the parameters are, e.g. a ``shard_layer``
         mesh, not by which backends exist)."""
-        if not self.cpu_float32:
-            return False
-        leaves = jax.tree.leaves(nnx.state(self, nnx.Param))
-        platforms = {d.platform for a in leaves if isinstance(a, jax.Array) for d in a.devices()}
-        return platforms == {"cpu"}
+        return uses_float32(nnx.state(self, nnx.Param), self.cpu_float32)
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
@@ -230,8 +231,8 @@ class DsaAttention(nnx.Module):
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
                            dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype)
         check_cache_readable(cache, self.implementation)
-        return replicate(cache, self.mesh) if self.batch_axis is None else place_cache(
-            cache, self.mesh, self.batch_axis)
+        p = self.placement
+        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None) -> PagedCache:
@@ -239,14 +240,16 @@ class DsaAttention(nnx.Module):
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
         defaults to the compute dtype. Replicated on ``self.mesh`` once the layer is placed,
-        split by sequence and page over a ``batch_axis`` (``data_parallel.dp_paged_cache``)."""
-        kw = dict(has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
-                  stage_dtype=self.dtype)
-        if self.batch_axis is not None:
-            cache = dp_paged_cache(self, max_seqs, num_pages, page_size, pages_per_seq, **kw)
-        else:
-            cache = replicate(init_paged_cache(self.cfg, max_seqs, num_pages, page_size,
-                                               pages_per_seq=pages_per_seq, **kw), self.mesh)
+        split by sequence and page over a ``batch_axis``: one page table of ``max_seqs / dp``
+        sequences and ``num_pages / dp`` pages per data shard (``pages``' module doc;
+        ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
+        ``ValueError`` unless both divide by ``dp``)."""
+        p = self.placement
+        cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
+                                 has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
+                                 stage_dtype=self.dtype, shards=1 if p is None else p.data_shards)
+        if p is not None:
+            cache = place_cache(cache, p.mesh, p.batch_axis)
         check_cache_readable(cache, self.implementation)
         return cache
 
@@ -270,15 +273,7 @@ class DsaAttention(nnx.Module):
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         if cache is not None:
             cache.check_chunk(self.cfg, self.has_indexer, x.shape[0], mask)
-        if self.batch_axis is not None:
-            return dp_call(self, x, mask, cache, prev_topk, position_ids)
-        x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
-        if cache is None:
-            b, s, _ = x.shape
-            out, topk, _ = self.forward(x, mask, self.init_cache(b, s), prev_topk, position_ids,
-                                        reduce_axis=self.reduce_axis)
-            return out, topk
-        return self.forward(x, mask, cache, prev_topk, position_ids, reduce_axis=self.reduce_axis)
+        return run(self, x, mask, cache, prev_topk, position_ids)
 
     def forward(self, x, mask, cache: LayerCache, prev_topk, position_ids=None, *, reduce_axis=None):
         """``(out, topk, cache)`` of the layer on checked inputs ``x [B, S, hidden]``, ``mask
@@ -303,7 +298,7 @@ class DsaAttention(nnx.Module):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
 
         if self.indexer is not None:
-            qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
+            qi, w, ki, gate = self.indexer.project(x, q_resid, rope)
             cache = self.compress_pools(cache, ki, gate, chunk)  # pooled before any query scores
             select_k = self.cfg.select_k(cache.max_pools)
 
@@ -332,16 +327,8 @@ class DsaAttention(nnx.Module):
         if self.indexer is None:
             raise ValueError(f"layer {self.layer_idx} is a 'shared' layer: it has no indexer")
         x, mask, _ = self.check_inputs(hidden_states, attention_mask)
-        x, mask = place_inputs(self.mesh, x, mask)
-        b, s, _ = x.shape
-        x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
-        rope = self.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
-        q_resid, _, _ = self.project(x, rope)
-        qi, w, ki, gate = self.indexer.project(x, q_resid, rope, wide=self.wide)
-        fresh = replicate(init_cache(self.cfg, b, s, dtype=self.dtype), self.mesh)  # like x, also under DP
-        fresh, chunk = fresh.begin_chunk(mask)
-        cache = self.compress_pools(fresh, ki, gate, chunk)
-        return self.score_pools(qi, w, cache, chunk.q_pos), cache.pool_origin()
+        (scores, first_key), _ = run_fn(self, _selection_scores, (x, mask))
+        return scores, first_key
 
     # ------------------------------------------------------------------ pipeline steps
     def rope(self, positions) -> tuple[jax.Array, jax.Array] | None:
@@ -362,8 +349,8 @@ class DsaAttention(nnx.Module):
         eps = cfg.latent_norm_eps
         with jax.named_scope(steps.PROJECT):
             q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
-            q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...], self.wide)
-            q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...], wide=self.wide)
+            q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...])
+            q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
             kv = self._dense(x, self.kv_a_proj, self.kv_a_proj_bias)
             latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], eps)
             if rope is not None:
@@ -375,7 +362,7 @@ class DsaAttention(nnx.Module):
         return q_resid, q_lat, latent
 
     def _dense(self, x, w, bias):
-        y = dense(x, w[...], self.wide)
+        y = dense(x, w[...])
         return y if bias is None else y + bias[...].astype(y.dtype)
 
     def compress_pools(self, cache: LayerCache, keys, gate, chunk: Chunk):
@@ -407,7 +394,7 @@ class DsaAttention(nnx.Module):
         with jax.named_scope(steps.SELECT_POOLS):
             if n_live is None or self.implementation == "xla":
                 return self._indexer_kernel(pk.topk_pools, scores, select_k)
-            return self._indexer_kernel(topk_live, scores, n_live, select_k)
+            return self._indexer_kernel(pk.topk_pools, scores, select_k, n_live=n_live)
 
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 of a query tile: ``score_and_select`` where ``"xla"`` reads the live
@@ -457,31 +444,45 @@ class DsaAttention(nnx.Module):
     def sparse_attention(self, q_lat, latent, token_ids, latent_scale=None) -> jax.Array:
         """Step 5 (``sparse_mla``): ``q_lat [B, Q, H, C]`` over ``latent [B, L, C]`` (e4m3
         with ``latent_scale [B, L]`` for an fp8 cache) at ``token_ids [B, Q, W]`` -> ``o_lat
-        [B, Q, H, C]``. On a placed layer it runs per head shard, each device reading its
-        local latent (``parallel.sharded_sparse_mla``)."""
-        kernel = mla_kernel(self.cfg.softmax_scale, self.cfg.kv_lora_rank, self.implementation)
-        rows = latent if latent_scale is None else (latent, latent_scale)  # placed alike
+        [B, Q, H, C]``. On a placed layer ``H`` is the device's heads: each device reads its
+        own copy of the rows it attends to."""
         with jax.named_scope(steps.SPARSE_ATTENTION):
-            return sharded_sparse_mla(q_lat, rows, token_ids, mesh=self.mesh, axis=self.tp_axis,
-                                      kernel=kernel)
+            return pk.sparse_mla(q_lat, latent, token_ids, latent_scale, scale=self.cfg.softmax_scale,
+                                 value_width=self.cfg.kv_lora_rank, implementation=self.implementation)
 
-    def output_projection(self, o_lat, mask=None, *, reduce_axis=None) -> jax.Array:
+    def output_projection(self, o_lat, mask=None, *, reduce_axis: str | None = None) -> jax.Array:
         """Step 6: ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through ``w_uv`` and the
-        row-parallel ``o_proj`` (plus its bias; ``absorb_o``, which ``psum``s the partial
-        sums over ``reduce_axis`` inside a ``shard_map`` manual over it). With the call's
-        ``mask [B, S]``: zeros at padding queries, in the compute dtype (a call's ``out``)."""
+        row-parallel ``o_proj`` (plus its bias; ``absorb_o``). With the call's ``mask [B,
+        S]``: zeros at padding queries, in the compute dtype (a call's ``out``).
+        ``reduce_axis``: the head axis of a placed call's ``shard_map``, whose partial sums
+        are ``psum``-ed over it (the call's one collective)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
         with jax.named_scope(steps.OUTPUT_PROJECTION):
-            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, wide=self.wide,
-                           reduce_axis=reduce_axis)
+            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, reduce_axis=reduce_axis)
             if mask is None:
                 return out
             return jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
 
     def _indexer_kernel(self, fn, *args, **kwargs):
-        """``fn(*args, implementation=self.implementation, **kwargs)``, replicated on a placed
-        layer (``parallel.indexer_kernel_call``)."""
-        return indexer_kernel_call(self.mesh, fn, *args, implementation=self.implementation, **kwargs)
+        """``fn(*args, implementation=self.implementation, **kwargs)``: an indexer step's kernel."""
+        return fn(*args, implementation=self.implementation, **kwargs)
+
+
+def _selection_scores(layer: DsaAttention, rows, cache, reduce_axis):
+    """``DsaAttention.selection_scores``' body on checked inputs ``rows = (x, mask)`` (run
+    by ``parallel.execution.run_fn``, per data shard on a placed layer): steps 0-2 on a
+    fresh cache. ``cache`` is None, and the indexer has no head-split parameter, so
+    ``reduce_axis`` is unused."""
+    del cache, reduce_axis
+    x, mask = rows
+    b, s, _ = x.shape
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    rope = layer.rope(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s)))
+    q_resid, _, _ = layer.project(x, rope)
+    qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
+    fresh, chunk = init_cache(layer.cfg, b, s, dtype=layer.dtype).begin_chunk(mask)
+    cache = layer.compress_pools(fresh, ki, gate, chunk)
+    return (layer.score_pools(qi, w, cache, chunk.q_pos), cache.pool_origin()), None
 
 
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import glm5_dsa_jax as gd  # noqa: E402
-from glm5_dsa_jax import parallel, sharding as sh  # noqa: E402
+from glm5_dsa_jax.parallel import placement, sharding as sh  # noqa: E402
 
 
 def padded_inputs(cfg, seed, left_pads):
@@ -59,7 +59,7 @@ def run(layer, mesh, x, mask):
 
     cache = layer.init_cache(x.shape[0], 16)  # replicated over both processes
     # Inputs become global (replicated) arrays: every process passes the same values.
-    x1, m1, x2, m2 = parallel.place_inputs(mesh, x[:, :13], mask[:, :13], x[:, 13:], mask[:, 13:])
+    x1, m1, x2, m2 = placement.replicate((x[:, :13], mask[:, :13], x[:, 13:], mask[:, 13:]), mesh)
     out, topk, cache = step(state, x1, m1, cache)
     out2, topk2, cache = step(state, x2, m2, cache)
     return out, topk, out2, topk2
@@ -95,7 +95,7 @@ def run_dp(layer, mesh, x, mask):
             xs, ms = x[:, sl], mask[:, sl]
             if mesh is not None:  # global arrays split by sequence: every process passes all rows
                 rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-                xs, ms = parallel.put(xs, rows), parallel.put(ms, rows)
+                xs, ms = placement.put(xs, rows), placement.put(ms, rows)
             out, topk, cache = step(state, xs, ms, cache)
             results += [out, topk]
     return results

@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import float32_copies
+from glm5_dsa_jax import cpu_policy
 from glm5_dsa_jax.decode import DsaDecoder, make_step
 
 
@@ -89,12 +89,12 @@ def test_copies_are_cached_per_source_array():
     layer.q_a_proj.set_value(old * 2)  # a new source array: a new copy, never the stale one
     new = gd.float32_params(nnx.state(layer, nnx.Param))["q_a_proj"][...]
     np.testing.assert_array_equal(np.asarray(new), np.asarray((old * 2).astype(jnp.float32)))
-    n = len(float32_copies._F32_COPIES)
+    n = len(cpu_policy._F32_COPIES)
     del old, c1, c2, params
     gd.float32_params({"x": jnp.ones((2,), jnp.bfloat16)})  # a copy whose source dies at once
-    assert len(float32_copies._F32_COPIES) <= n
+    assert len(cpu_policy._F32_COPIES) <= n
     gd.clear_float32_copies()
-    assert not float32_copies._F32_COPIES
+    assert not cpu_policy._F32_COPIES
 
 
 def test_opt_out_and_float32_layers():

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import sharding as sh
+from glm5_dsa_jax.parallel import sharding as sh
 from glm5_dsa_jax.cache.pages import init_page_table
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch
 from helpers import dp_mesh as mesh_of

@@ -24,7 +24,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.sharding import shard_layer
 from helpers import ATOL, F32_REORDER, RTOL, YARN, check_selection, jitted_call, rope_tiny, same_sets
 from helpers import padded_batch as padded
 from hf_oracle import hf_attend_on, hf_attention, hf_forward, hf_stepped, layer_from_hf

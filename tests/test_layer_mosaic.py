@@ -153,7 +153,7 @@ def test_tp_sharded_layer_equals_xla(monkeypatch):
     here (it still runs in every single-device test above)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    from glm5_dsa_jax.sharding import shard_layer
+    from glm5_dsa_jax.parallel.sharding import shard_layer
 
     monkeypatch.setattr(gpu_callbacks, "_assert_no_barriers_allocated", lambda token: token)
 

@@ -4,17 +4,15 @@
   so the compiled decode step's HLO (op metadata) names every one of them, on a contiguous
   and on a paged cache: a profile or an HLO dump shows where the time goes.
 * An eager decode step (a layer call with a cache, outside jit) compiles nothing once the
-  first steps have run: the cache writes' ``lax.cond`` / ``fori_loop`` bodies are
-  module-level functions, so jax's caches hit (closures made anew per call compiled three
-  XLA programs on every step). Counted with jax's backend-compile events. The same holds
-  for a full layer followed by its shared layer (``prev_topk``), ``"xla"`` and
-  ``"pallas_interpret"``, unplaced and placed on TP meshes of 2 and 8 devices (the
-  ``shard_map`` programs of ``glm5_dsa_jax.parallel`` and the Pallas paths run as cached
-  ``jax.jit`` programs when eager), and for prefill chunks of several query tiles
-  (``ops.by_query_tiles``). Before those fixes a full + shared pair of eager steps compiled
-  6 (unplaced, ``"pallas_interpret"``: one per kernel) to 90 (TP 2 or 8, ``"xla"``: the
-  ``shard_map`` bodies op by op) programs, and a full + shared pair of 6-token chunks
-  with ``block_q=4`` 2 (``"xla"``: a ``lax.map`` each) or 3 (``"pallas_interpret"``).
+  first steps have run: an eager call runs as one ``jax.jit`` program of the whole call,
+  cached per layer structure, placement and argument structure
+  (``glm5_dsa_jax.parallel.execution``), so the closures the pipeline makes per call
+  compile nothing. Counted with jax's backend-compile events. The same holds for a full
+  layer followed by its shared layer (``prev_topk``), ``"xla"`` and ``"pallas_interpret"``,
+  unplaced and placed on TP meshes of 2 and 8 devices, and for prefill chunks of several
+  query tiles (``ops.by_query_tiles``). Before eager calls were cached, a full + shared
+  pair of eager steps compiled 6 (unplaced, ``"pallas_interpret"``: one per kernel) to 90
+  (TP 2 or 8, ``"xla"``: the ``shard_map`` bodies op by op) programs.
 * ``DsaAttention.check_inputs`` is the public check ``decode.DsaDecoder`` uses.
 """
 
@@ -29,7 +27,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.steps import COMPRESS_POOLS, FULL_STEPS, SCORE_POOLS, SHARED_STEPS
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.sharding import shard_layer
 
 #: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

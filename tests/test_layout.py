@@ -23,7 +23,8 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
-from glm5_dsa_jax import layout, plan
+from glm5_dsa_jax import layout
+from glm5_dsa_jax.parallel import plan
 from glm5_dsa_jax.tools import roofline
 from helpers import tiny8
 

@@ -16,7 +16,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.tools.memory_plan import cache_bytes
 MemoryPlan = gd.MemoryPlan  # the public name
-from glm5_dsa_jax.plan import TpPlan
+from glm5_dsa_jax.parallel.plan import TpPlan
 
 TINY = gd.DsaConfig.preset("tiny")
 FLASH = gd.DsaConfig.preset("glm53-flash")

@@ -26,7 +26,7 @@ import pytest
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.cache import pages as pg
 from glm5_dsa_jax.decode import PagedDecoder, make_step
-from glm5_dsa_jax.sharding import shard_layer
+from glm5_dsa_jax.parallel.sharding import shard_layer
 from helpers import ATOL, RTOL, f32_layer
 
 
@@ -322,8 +322,9 @@ def test_bytes_per_token_of_capacity():
 
 
 def test_sharded_eager_decode_compiles_nothing_after_warm_up(cfg):
-    """The eager paged step on a TP 2 mesh (cached ``shard_map`` programs, see
-    ``glm5_dsa_jax.parallel``) compiles nothing once warm, joins and releases included."""
+    """The eager paged step on a TP 2 mesh (one cached program per call, see
+    ``glm5_dsa_jax.parallel.execution``) compiles nothing once warm, joins and releases
+    included."""
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     cfg = gd.DsaConfig.tiny(num_attention_heads=8)

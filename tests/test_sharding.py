@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import sharding as sh
+from glm5_dsa_jax.parallel import sharding as sh
 from glm5_dsa_jax.decode import DsaDecoder
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch
 from helpers import tiny8 as tiny_cfg  # 8 heads: every TP size up to 8 divides them

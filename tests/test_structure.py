@@ -5,8 +5,9 @@ What issue 9 asked of the structure, checked on the source text (no import is ex
 * No import cycle among the modules of ``glm5_dsa_jax`` and ``pallas_kernels``, counting
   every import statement, at module level or inside a function (a function-level import
   hides a cycle from Python, not from a reader).
-* Imports point one way through the layers below (config_json -> config, rope -> layout -> kernels -> parallel
-  execution -> cache -> layer -> plan / placement -> decode -> checkpoint -> tools -> cli):
+* Imports point one way through the layers below (config_json -> config, rope -> layout -> kernels -> placement
+  / ops -> cache -> the calls -> execution -> layer -> plan / sharding -> decode -> checkpoint
+  -> tools -> cli):
   a module imports only from its own layer or the ones before it.
 * No module over 800 lines (``MAX_LINES``): a module holds a concern whole.
 * No module defines a function or class of its own name (the package's re-export would
@@ -119,22 +120,23 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: package above it. Package ``__init__`` modules that re-export sit with their contents.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.config_json", "glm5_dsa_jax.steps"),  # HF config.json spellings; step names
-    ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.float32_copies",
-     "glm5_dsa_jax.cpu_policy",
+    ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.cpu_policy",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),
     ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks
     ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
-    ("glm5_dsa_jax.parallel", "glm5_dsa_jax.ops", "glm5_dsa_jax.cache.fp8",
-     "glm5_dsa_jax.cache.interface"),  # how a step runs on a mesh; layer math; fp8 rows; the cache interface
+    # where a placed layer's arrays live; layer math; fp8 rows; the cache interface
+    ("glm5_dsa_jax.parallel.placement", "glm5_dsa_jax.ops", "glm5_dsa_jax.cache.fp8",
+     "glm5_dsa_jax.cache.interface"),
     ("glm5_dsa_jax.param_init", "glm5_dsa_jax.cache.pages"),  # parameters from the table; page bookkeeping
     ("glm5_dsa_jax.indexer",),  # the indexer's parameters and projections
     ("glm5_dsa_jax.cache.contiguous",),
     ("glm5_dsa_jax.cache.paged",),
     ("glm5_dsa_jax.cache",),  # re-exports the caches
-    ("glm5_dsa_jax.data_parallel",),  # the data-parallel call (takes the layer, imports none)
+    ("glm5_dsa_jax.parallel.execution",),  # the one execution of a call (takes the layer, imports none)
     ("glm5_dsa_jax.layer",),
-    ("glm5_dsa_jax.plan", "glm5_dsa_jax.sharding"),  # the TP plan; placement
+    # the TP plan; shard_layer (the parallel package's __init__ imports nothing)
+    ("glm5_dsa_jax.parallel",),
     ("glm5_dsa_jax.decode",),
     ("glm5_dsa_jax.checkpoint",),
     # the tools behind the CLI (bench, demo, roofline, memory_plan, cache_accuracy, gpu_compile)

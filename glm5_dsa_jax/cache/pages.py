@@ -14,7 +14,7 @@ Invariants (each function keeps them; ``check`` verifies them on concrete values
   stack ``free[:n_free]``, never both, never twice. ``free[n_free:]`` is unspecified.
 * ``lengths[b]`` is the number of tokens sequence ``b`` holds (its next position).
 
-**Shards** (data parallelism, ``glm5_dsa_jax.data_parallel``): a table may be ``shards``
+**Shards** (data parallelism, ``glm5_dsa_jax.parallel.placement``): a table may be ``shards``
 independent tables side by side, one per data shard of a mesh. Rows ``k * m .. (k+1) * m -
 1`` (``m = max_seqs / shards``) and pages ``k * n .. (k+1) * n - 1`` of the pools (``n =
 num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack and
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from glm5_dsa_jax.parallel import put
+from glm5_dsa_jax.parallel.placement import put
 
 __all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "STATUS_NAMES"]
 

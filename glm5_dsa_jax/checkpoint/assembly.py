@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.sharding import check_tp_mesh, shard_layer
+from glm5_dsa_jax.parallel.sharding import check_tp_mesh, shard_layer
 
 
 def read_json(path: Path, what: str) -> dict:

@@ -66,6 +66,7 @@ from flax import nnx
 import pallas_kernels as pk
 from glm5_dsa_jax.cache import PagedCache, check_cache_dtype
 from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.cpu_policy import float32_products_context
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.layer import DsaAttention, float32_params
 from glm5_dsa_jax.tools.roofline import step_read_bytes, weight_bytes
@@ -218,16 +219,17 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
     def step(params, x, cache):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
-        m.wide = wide
         cfg = m.cfg
-        _, q_lat, latent = m.project(x)
+        with float32_products_context(wide):
+            _, q_lat, latent = m.project(x)
         pos = cache.length
         cache, chunk = cache.begin_chunk(jnp.ones(x.shape[:2], bool))
         cache = cache.write_latent(latent, chunk)
         lat, _ = cache.attention_rows()
         mask = cache.key_valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = pk.mla_masked_attention(q_lat, lat, mask, scale=cfg.softmax_scale)
-        out = m.output_projection(o)
+        with float32_products_context(wide):
+            out = m.output_projection(o)
         return out, cache.end_chunk(chunk)
 
     return jax.jit(step, donate_argnames=("cache",)), params, traces

@@ -102,7 +102,7 @@ def _fill_chunk(graphdef, state, cache: DsaCache, x):
     q_resid, _, latent = layer.project(x, rope)  # the queries are dead code: XLA drops them
     cache = cache.write_latent(latent, chunk)
     if layer.indexer is not None:
-        _, _, ki, gate = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
+        _, _, ki, gate = layer.indexer.project(x, q_resid, rope)
         cache = layer.compress_pools(cache, ki, gate, chunk)
         cache = cache.replace(n_valid=cache.n_valid + s)
     return cache.replace(length=cache.length + s)
@@ -147,7 +147,7 @@ def _scores(layer, cache, x, queries):
     pos = length + jnp.arange(s, dtype=jnp.int32)[None]
     rope = layer.rope(pos)
     q_resid, _, _ = layer.project(x, rope)
-    qi, w, _, _ = layer.indexer.project(x, q_resid, rope, wide=layer.wide)
+    qi, w, _, _ = layer.indexer.project(x, q_resid, rope)
     # The queries' own pools complete within the chunk: score the cache's pools only
     # (those written by ``fill``), as a decode step at ``length`` sees them.
     return layer.score_pools(qi, w, cache, pos)[0]

@@ -12,7 +12,7 @@ Invariants:
   ``"shared"`` indexer layer has no indexer tensors). Weights are split over ``tp`` and
   replicated over ``data``.
 * **Caches are split over ``data`` by sequence and replicated over ``tp``**
-  (``glm5_dsa_jax.sharding``): MLA's single latent head has no head axis to split, so a
+  (``glm5_dsa_jax.parallel.sharding``): MLA's single latent head has no head axis to split, so a
   device of a ``tp`` group holds its group's whole cache; each ``data`` group holds the
   caches of ``batch / dp`` sequences. That is why data parallelism, not TP, is what
   multiplies the sequences a mesh can hold.
@@ -34,7 +34,7 @@ import jax
 from glm5_dsa_jax.cache import init_cache
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.cache import init_paged_cache
-from glm5_dsa_jax.plan import BF16_BYTES, TpPlan
+from glm5_dsa_jax.parallel.plan import BF16_BYTES, TpPlan
 
 __all__ = ["cache_bytes", "MemoryPlan", "CACHE_KINDS"]
 

@@ -1,8 +1,9 @@
 """Tensor and data parallelism for one DSA layer: placing its parameters and caches on a mesh.
 
 The plan (which tensor is split how, its PartitionSpecs and byte figures) is data in
-``glm5_dsa_jax.plan``, re-exported here; how each pipeline step then runs on the mesh is
-``glm5_dsa_jax.parallel``.
+``glm5_dsa_jax.parallel.plan``, re-exported here; what is split and replicated is
+``glm5_dsa_jax.parallel.placement``; how a placed call runs is
+``glm5_dsa_jax.parallel.execution`` (one ``shard_map`` over the mesh).
 
 Invariants:
 
@@ -20,14 +21,14 @@ Invariants:
   indexer and top-k are replicated within each tp group and computed once per sequence,
   by its own data shard; the only collective of a step is the ``o_proj`` all-reduce
   within the tp group, and no cache is gathered, because each device holds the cache rows
-  of exactly the sequences it computes. How the call runs, and why that way, is
-  ``glm5_dsa_jax.data_parallel``.
-* ``shard_layer`` places a layer: parameters by those specs, and the mesh recorded on the
-  layer (``layer.mesh``), from which its caches (``init_cache``) and its concrete call
-  inputs are replicated and its steps run on the mesh: the sparse attention per head
-  shard, the indexer's Pallas kernels replicated on every device, the ``o_proj`` output
-  all-reduced once per call; nothing is all-gathered. How each step runs on the mesh, and
-  why, is ``glm5_dsa_jax.parallel``'s part. It works on meshes with ``Explicit`` axis types
+  of exactly the sequences it computes.
+* ``shard_layer`` places a layer: parameters by those specs, and one ``Placement(mesh,
+  axis, batch_axis)`` recorded on the layer (``layer.placement``; ``layer.mesh`` reads
+  it), the only attribute of the layer set from outside. Its caches (``init_cache``) and
+  call inputs are then placed on the mesh and its call runs as one ``shard_map``: the
+  sparse attention per head shard, the indexer replicated on every device of a head
+  group, the ``o_proj`` output all-reduced once per call; nothing is all-gathered. It works
+  on meshes with ``Explicit`` axis types
   (``jax.make_mesh``'s default) and with ``Auto`` ones, eagerly and under ``jax.jit``, and
   on meshes that span processes (``jax.distributed``: every process passes the same host
   values).
@@ -39,11 +40,12 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from glm5_dsa_jax import data_parallel as dpar, layout
-from glm5_dsa_jax.parallel import put, replicate
-from glm5_dsa_jax.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
+from glm5_dsa_jax import layout
+from glm5_dsa_jax.parallel import placement as pl
+from glm5_dsa_jax.parallel.placement import Placement, put
+from glm5_dsa_jax.parallel.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
 from glm5_dsa_jax.weights import param_variable
 
 __all__ = [
@@ -84,9 +86,10 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
 
     * Every parameter is put on ``NamedSharding(mesh, partition_specs(...)[path])`` and its
       ``out_sharding`` metadata is set to that spec (it survives ``nnx.split``/``merge``).
-    * The mesh is recorded on the layer (``layer.mesh``): its ``init_cache`` caches are
-      then replicated on the mesh, and its sparse attention runs under ``jax.shard_map``,
-      each device on its own heads, reading its local copy of the latent.
+    * ``Placement(mesh, axis, batch_axis)`` is recorded on the layer (``layer.placement``,
+      ``layer.mesh``): its ``init_cache`` caches are then placed on the mesh, and its call
+      runs under one ``jax.shard_map``, each device on its own heads, reading its local
+      copy of the latent.
     * The mesh's axis types may be ``Explicit`` or ``Auto``; other axes than ``axis`` are
       allowed (everything not head-sharded is replicated over them).
     * ``batch_axis``: the layer's calls split their rows, and its caches their sequences
@@ -104,9 +107,10 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
         )
     check_tp_mesh(layer.cfg, mesh, axis)
     if batch_axis is not None:
-        dpar.check_dp_mesh(mesh, axis, batch_axis)
+        pl.check_dp_mesh(mesh, axis, batch_axis)
+    placement = Placement(mesh, axis, batch_axis)
     old = layer.mesh
-    if old is not None and (old != mesh or layer.tp_axis != axis or layer.batch_axis != batch_axis):
+    if old is not None and layer.placement != placement:
         raise ValueError(
             f"layer {layer.layer_idx} is already placed on mesh {dict(old.shape)} (axis "
             f"{layer.tp_axis!r}, batch_axis {layer.batch_axis!r}, devices "
@@ -134,9 +138,7 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
         spec = specs[path]
         var.set_value(put(var[...], NamedSharding(mesh, spec)))
         var.set_metadata(out_sharding=tuple(spec))
-    layer.tp_axis = axis
-    layer.batch_axis = batch_axis
-    layer.mesh = mesh
+    layer.placement = placement
     return layer
 
 
@@ -145,11 +147,9 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = Non
     """The placement of a cache (``DsaCache`` or ``PagedCache``) on ``mesh`` (a pytree of
     ``NamedSharding``, ``None`` leaves kept): every field replicated, or with a
     ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
-    axis over it and the scalars replicated (``data_parallel.cache_specs``). Use it for a
+    axis over it and the scalars replicated (``placement.cache_specs``). Use it for a
     decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves."""
-    if batch_axis is not None:
-        return dpar.cache_shardings(cache, mesh, batch_axis)
-    return jax.tree.map(lambda _: NamedSharding(mesh, P()), cache)
+    return pl.cache_shardings(cache, mesh, batch_axis)
 
 
 def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
@@ -157,9 +157,8 @@ def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
     constraint). ``ValueError`` when a leading axis does not divide by ``batch_axis``'s
     size, or a paged cache's page table was not made with that many shards."""
     if batch_axis is not None:
-        dpar.check_dp_mesh(mesh, None, batch_axis)
-        return dpar.place_cache(cache, mesh, batch_axis)
-    return replicate(cache, mesh)
+        pl.check_dp_mesh(mesh, None, batch_axis)
+    return pl.place_cache(cache, mesh, batch_axis)
 
 
 def batch_sharding(layer) -> NamedSharding:
@@ -167,5 +166,5 @@ def batch_sharding(layer) -> NamedSharding:
     its ``batch_axis``, or replicated on a layer without one."""
     if layer.mesh is None:
         raise ValueError("the layer is not placed on a mesh: call shard_layer(layer, mesh) first")
-    return NamedSharding(layer.mesh, P(layer.batch_axis) if layer.batch_axis else P())
+    return NamedSharding(layer.mesh, layer.placement.row_spec)
 

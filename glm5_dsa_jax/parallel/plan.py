@@ -1,6 +1,6 @@
 """The tensor-parallel plan of one DSA layer as data: which tensor is split how, what each
 rank holds, and the PartitionSpecs of our parameters. Pure data (no mesh, no devices);
-placement is ``glm5_dsa_jax.sharding``.
+placement is ``glm5_dsa_jax.parallel.sharding``.
 
 Invariants:
 
