@@ -68,7 +68,7 @@ from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
 from glm5_dsa_jax.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
+from glm5_dsa_jax.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.parallel.execution import run, run_fn
@@ -280,7 +280,7 @@ class DsaAttention(nnx.Module):
         [B, S]`` bool and a cache of either kind (never None): the one pipeline of a call
         (class doc), read top to bottom; every cache-specific part is an operation of the
         cache interface (``glm5_dsa_jax.cache.interface``). Steps 2-5 run per ``block_q``
-        query tile (``ops.by_query_tiles``), so no ``[S, P]`` or ``[S, S]`` tensor is built.
+        query tile (``by_query_tiles``), so no ``[S, P]`` or ``[S, S]`` tensor is built.
         RoPE positions (``position_ids``) default to the cache's (``Chunk.positions``).
         ``reduce_axis`` goes to ``output_projection``. Reads no placement of the layer:
         runs as is on one device or inside a ``shard_map`` body."""
@@ -496,3 +496,28 @@ def _scoring_step(scorer):
             return scorer(*args)
 
     return scores
+
+
+def by_query_tiles(fn, block_q: int, *arrays):
+    """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
+    cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
+    ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
+    tensor is built. One tile (a decode step) is a plain call, several a ``lax.map`` (every
+    call is traced: an eager call runs as one jitted program, ``parallel.execution``).
+    It lives beside ``forward``, the one pipeline that tiles its queries."""
+    b, s = arrays[0][0].shape[:2]
+    bq = min(block_q, s)
+    n_tiles = -(-s // bq)
+    pad = n_tiles * bq - s
+
+    def tiles(a, fill):
+        if pad:
+            a = jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
+        return jnp.moveaxis(a.reshape((b, n_tiles, bq) + a.shape[2:]), 1, 0)
+
+    args = tuple(tiles(a, fill) for a, fill in arrays)
+    if n_tiles == 1:
+        outs = jax.tree.map(lambda a: a[None], fn(*(a[0] for a in args)))
+    else:
+        outs = jax.lax.map(lambda t: fn(*t), args)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)

@@ -23,10 +23,6 @@ PACKAGE = ROOT / "glm5_dsa_jax"
 KIND_CHECK = re.compile(r"isinstance\([^)]*(PagedCache|DsaCache)")
 #: Modules outside the cache package that still ask a cache its kind, and why (an entry
 #: no longer needed fails, so the list stays true).
-KIND_CHECKS_LEFT = {
-    "data_parallel.py": "a paged cache's per-shard page table inside the data-parallel shard_map "
-                        "(issue 22 item 2 replaces that call)",
-}
 
 
 @pytest.mark.parametrize("cls", [DsaCache, PagedCache])
@@ -50,7 +46,7 @@ def test_the_pipeline_asks_no_cache_its_kind():
         rel = path.relative_to(PACKAGE)
         if rel.parts[0] != "cache" and KIND_CHECK.search(path.read_text()):
             found[str(rel)] = True
-    assert set(found) == set(KIND_CHECKS_LEFT), f"isinstance on a cache kind in {sorted(found)}"
+    assert not found, f"isinstance on a cache kind in {sorted(found)}"
 
 
 def test_no_stored_buffer_outside_the_cache_package():

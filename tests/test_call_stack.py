@@ -19,7 +19,6 @@ issue 22 the data 2 x tp 2 paged step measured 6 modules, 9 switches and one re-
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import traceback
 from pathlib import Path
@@ -28,7 +27,6 @@ import jax
 import numpy as np
 import pytest
 
-import glm5_dsa_jax as gd
 import pallas_kernels as pk
 from glm5_dsa_jax.parallel.sharding import shard_layer
 from helpers import dp_mesh, f32_layer, tiny8, tp_mesh
@@ -90,18 +88,8 @@ CASES = {
     "dp2xtp2-paged": ("dp2xtp2", "paged"),
 }
 
-#: Item 1 of issue 22 (one pipeline function in the layer module) is another branch's: while
-#: the pipeline still runs through ``contiguous_step`` / ``paged_step``, the chain crosses
-#: them (and ``ops.by_query_tiles``) and the bounds cannot hold. Once they are gone this
-#: marker is off and the bounds are checked.
-SPLIT_PIPELINE = importlib.util.find_spec("glm5_dsa_jax.contiguous_step") is not None
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_decode_step_stack_is_flat(case, recorded, request):
-    if SPLIT_PIPELINE:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="the pipeline is still split over contiguous_step / paged_step"))
+def test_decode_step_stack_is_flat(case, recorded):
     placement, kind = CASES[case]
     cfg = tiny8()
     layer = f32_layer(cfg, 1, implementation="pallas_interpret")
@@ -120,7 +108,9 @@ def test_decode_step_stack_is_flat(case, recorded, request):
         return layer(x[:, s:], cache=cache)
 
     jax.make_jaxpr(prefill_then_decode)(cache)
-    assert {"kpool_compress", "expand_selection", "sparse_mla"} <= {n for n, _ in recorded}, recorded
+    scoring = "index_scores" if kind == "contiguous" else "index_scores_paged"
+    assert {"kpool_compress", scoring, "topk_pools", "expand_selection", "sparse_mla"} <= {
+        n for n, _ in recorded}, recorded
     report = []
     for name, links in recorded:
         modules, switches, calls = measure(links)

@@ -39,7 +39,7 @@ it reads as an operand: jax caches a traced body by the function and its operand
 so a closure made anew per call over that call's arrays misses the cache, and an eager
 decode step (a layer call with a cache, outside jit) compiled three XLA programs on every
 step. The rest of an eager step follows the same rule (``glm5_dsa_jax.parallel``,
-``ops.by_query_tiles``), so it compiles nothing once a step of its shapes has run
+``layer.by_query_tiles``), so it compiles nothing once a step of its shapes has run
 (``tests/test_layer_steps.py`` counts the compilations).
 
 The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an integer
@@ -521,7 +521,10 @@ class ContiguousPoolKeys:
     scale: jax.Array | None
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
-    kernel = staticmethod(pk.index_scores)
+    @property
+    def kernel(self):
+        """``pk.index_scores``: the scoring wrapper for this key source (looked up at the call)."""
+        return pk.index_scores
 
     def operands(self) -> tuple:
         """``(pooled keys, pool_valid, first_key)``: ``index_scores``' key operands."""

@@ -500,7 +500,10 @@ class PagedPoolKeys:
     scale: jax.Array | None
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
 
-    kernel = staticmethod(pk.index_scores_paged)
+    @property
+    def kernel(self):
+        """``pk.index_scores_paged``: the scoring wrapper for this key source (looked up at the call)."""
+        return pk.index_scores_paged
 
     def operands(self) -> tuple:
         """``(pooled-key pages, block_table, pool_counts)``: ``index_scores_paged``' key operands."""
