@@ -67,7 +67,7 @@ from glm5_dsa_jax.ops import (
 from glm5_dsa_jax.indexer import DsaIndexer
 from glm5_dsa_jax.param_init import ParamFactory
 from glm5_dsa_jax.paged_cache import (
-    PagedCache, check_room, init_paged_cache, paged_pool_window, paged_tail, store_paged_pools,
+    PagedCache, check_chunk, init_paged_cache, paged_pool_window, paged_tail, store_paged_pools,
 )
 from glm5_dsa_jax.paged_step import paged_call, paged_tile_scorer
 from glm5_dsa_jax.parallel import indexer_kernel_call, place_inputs, replicate, sharded_sparse_mla
@@ -263,11 +263,13 @@ class DsaAttention(nnx.Module):
         if cache is not None:
             check_cache_readable(cache, self.implementation)
         if isinstance(cache, PagedCache):
-            # Positions are per sequence: a prev_topk is checked causal inside the step.
+            # Positions are per sequence: a concrete prev_topk is checked causal per row
+            # (check_chunk), a traced one kept causal inside the step.
             x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk)
-            cache.check(self.cfg, self.has_indexer, x.shape[0])
-            if not isinstance(mask, jax.core.Tracer) and not isinstance(cache.pages.n_free, jax.core.Tracer):
-                check_room(cache, mask)
+            cache.check(self.cfg, self.has_indexer, x.shape[0])  # validates a concrete page table
+            concrete = (mask, cache.pages.n_free) + (() if prev_topk is None else (prev_topk,))
+            if not any(isinstance(a, jax.core.Tracer) for a in concrete):
+                check_chunk(cache, mask, prev_topk)  # room for the chunk, a causal prev_topk
             if self.batch_axis is not None:
                 return dp_call(self, x, mask, cache, prev_topk, position_ids)
             x, mask, prev_topk = place_inputs(self.mesh, x, mask, prev_topk)
