@@ -29,13 +29,16 @@ eagerly as one ``ValueError`` naming every broken row (field, slot, page) and sh
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
-only by a row that names it *and* owns it, so no two rows share a page.
+only by a row that names it *and* owns it, so no two rows share a page. (A table whose
+block tables, lengths and owner record are all rewritten alike, e.g. two rows swapped
+wholesale, is a valid table: no check can tell, only not writing the table can.)
 
 **Shards** (data parallelism, ``glm5_dsa_jax.data_parallel``): a table may be ``shards``
 independent tables side by side, one per data shard of a mesh. Rows ``k * m .. (k+1) * m -
 1`` (``m = max_seqs / shards``) and pages ``k * n .. (k+1) * n - 1`` of the pools (``n =
-num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack, ``owner[k * n: (k+1) * n]``
-its owner record (rows local to the shard, ``0 .. m - 1``) and ``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard). Page
+num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack,
+``owner[k * n: (k+1) * n]`` its owner record (rows local to the shard, ``0 .. m - 1``) and
+``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard). Page
 ids in the block table and on a stack are *local* to the shard (``0 .. n - 1``), so a
 shard's rows never name another shard's page and a step run per shard reads only its own
 pools. ``reserve`` / ``release`` / ``check`` run per shard (rows take pages in row order

@@ -180,8 +180,8 @@ def same_sets(ours, theirs, live) -> np.ndarray:
 
 def check_selection(cfg, mask, ours, hf) -> tuple[int, int, int]:
     """Our top-k ``ours [B, S, W]`` against HF's own selection ``hf`` (``hf_oracle.HfSelection``:
-    the scores HF's indexer ranked, its candidates' tokens, its top-k), per valid query row:
-    the same tail, as many candidates chosen, and every candidate chosen by one side only
+    the scores HF's indexer ranked, its candidates' tokens, its top-k and tail), per valid
+    query row: ours is whole candidates plus HF's tail, as many candidates as HF's, and every candidate chosen by one side only
     scoring, by HF's scores, within ``SCORE_TIE`` of HF's cutoff (its lowest chosen score):
     only HF's arbitrary pick among tied candidates may differ. A padding query selects
     nothing. Returns ``(rows that differ at a tie, rows with more candidates than the
@@ -205,8 +205,10 @@ def check_selection(cfg, mask, ours, hf) -> tuple[int, int, int]:
                 h &= set().union(*tokens.values())
             chosen_a = {q for q, ids in tokens.items() if ids <= a}
             chosen_h = {q for q, ids in tokens.items() if ids <= h}
-            tail = lambda ids, chosen: ids - set().union(*(tokens[q] for q in chosen))  # noqa: E731
-            assert tail(a, chosen_a) == tail(h, chosen_h), (b, t, sorted(a), sorted(h))
+            tail = set(hf.tail[b, t][hf.tail[b, t] >= 0].tolist())  # HF's: whatever the scores
+            covered = lambda chosen: set().union(tail, *(tokens[q] for q in chosen))  # noqa: E731
+            assert covered(chosen_h) == h, ("HF's top-k read wrong", b, t, sorted(h))
+            assert covered(chosen_a) == a, (b, t, sorted(a), sorted(h), sorted(tail))
             k = min(select_k, len(cand))
             assert len(chosen_a) == len(chosen_h) == k, (b, t, sorted(chosen_a), sorted(chosen_h), k)
             n_sparse += len(cand) > select_k

@@ -43,11 +43,14 @@ class HfSelection(NamedTuple):
     """What HF's indexer ranked, per query row: ``scores [B, S, P]`` float32 over its
     candidates (``-inf``: not a candidate of that query, HF's masked entries), ``pools [B, S,
     P, KP]`` the token ids of each candidate (a token for ``index_kpool == 1``; ``-1``
-    padding), and its top-k ``topk [B, S, W]`` token ids."""
+    padding), its top-k ``topk [B, S, W]`` token ids, and ``tail [B, S, KP - 1]`` the
+    tail tokens it appended after its pools (``-1``: none; with holes in the mask HF's tail
+    may repeat tokens of a chosen pool)."""
 
     scores: np.ndarray
     pools: np.ndarray
     topk: np.ndarray
+    tail: np.ndarray
 
 
 def hf_selection(attn) -> HfSelection:
@@ -84,6 +87,10 @@ def _recording(attn):
             if pooled is not None:
                 del idx.get_pooled_states
         rec["topk"] = out
+        # The layout HF returns: its chosen pools' tokens, then (glm5_next) the tail.
+        kp = getattr(idx, "index_kpool", 1)
+        rec["pools_width"] = min(idx.index_topk // kp, rec["scores"].shape[-1]) * kp
+        rec["tail_width"] = kp - 1 if getattr(idx, "index_kpool_always_select_tail", False) else 0
         calls.append(rec)
         return out
 
@@ -104,7 +111,9 @@ def _as_selection(rec) -> HfSelection:
         pools = np.broadcast_to(rec["pools"].numpy()[:, None], (b, s) + tuple(rec["pools"].shape[1:]))
     else:
         pools = np.broadcast_to(np.arange(p)[None, None, :, None], (b, s, p, 1))
-    return HfSelection(scores, np.asarray(pools, np.int64), rec["topk"].numpy())
+    topk = rec["topk"].numpy()
+    tail = topk[..., rec["pools_width"]:rec["pools_width"] + rec["tail_width"]]
+    return HfSelection(scores, np.asarray(pools, np.int64), topk, tail)
 
 
 def _record_selection(attn, calls, first: bool = True) -> None:
@@ -116,12 +125,15 @@ def _record_selection(attn, calls, first: bool = True) -> None:
     p = max(x.scores.shape[2] for x in sels)
     w = max(x.topk.shape[2] for x in sels)
     kp = sels[0].pools.shape[3]
+    tw = max(x.tail.shape[2] for x in sels)
     _SELECTION[id(attn)] = HfSelection(
         np.concatenate([np.pad(x.scores, ((0, 0), (0, 0), (0, p - x.scores.shape[2])),
                                constant_values=-np.inf) for x in sels], 1),
         np.concatenate([np.pad(x.pools, ((0, 0), (0, 0), (0, p - x.pools.shape[2]), (0, 0)),
                                constant_values=-1) for x in sels], 1),
         np.concatenate([np.pad(x.topk, ((0, 0), (0, 0), (0, w - x.topk.shape[2])),
+                               constant_values=-1) for x in sels], 1),
+        np.concatenate([np.pad(x.tail, ((0, 0), (0, 0), (0, tw - x.tail.shape[2])),
                                constant_values=-1) for x in sels], 1))
     assert _SELECTION[id(attn)].pools.shape[3] == kp
 
