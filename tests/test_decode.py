@@ -68,7 +68,9 @@ def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail, kind):
 
     hf_out, hf_topk = hf_stepped(attn, cfg, x, mask, CHUNKS)
     _, sparse, rows = check_selection(cfg, mask, top, hf_selection(attn))
-    assert sparse * 3 >= rows, (sparse, rows)
+    # Enough rows see more pools than the top-k keeps (where a wrong score shows); holes
+    # leave few complete pools, so the "gaps" batch tests the mask, not the scores.
+    assert kind == "gaps" or sparse * 3 >= rows, (sparse, rows)
     live = mask & (top >= 0).any(-1)
     same = same_sets(top, hf_topk, live)
     assert same.sum() > live.sum() // 2
