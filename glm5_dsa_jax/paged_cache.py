@@ -284,9 +284,10 @@ def check_room(cache: PagedCache, mask) -> None:
     """Raise ``ValueError`` naming each sequence whose valid tokens in ``mask [max_seqs, S]``
     do not fit (too few free pages after the rows before it, or past ``max_length``);
     nothing is written. Needs concrete values (an eager call, ``PagedDecoder``)."""
-    n_new = jnp.asarray(mask, bool).sum(axis=1, dtype=jnp.int32)
-    _, status = cache.pages.reserve(n_new)
-    status, n_new = np.asarray(status), np.asarray(n_new)
+    n_new = np.asarray(mask, bool).sum(axis=1, dtype=np.int32)
+    # On a host copy (a small table): the same reservation, whatever mesh the cache is on.
+    _, status = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), cache.pages).reserve(n_new)
+    status = np.asarray(status)
     if (status == OK).all():
         return
     if (status == BAD_TABLE).any():

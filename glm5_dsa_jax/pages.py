@@ -229,7 +229,8 @@ class PageTable:
         page = jnp.take(self.free, jnp.clip(src, 0, self.num_pages - 1))
         table = jnp.where(fresh, page, self.block_table)
         lengths = jnp.where(ok, new_len, self.lengths)
-        row = jnp.broadcast_to(jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], fresh.shape)
+        # Every operand derived from the table's own arrays: placed alike on a mesh.
+        row = jnp.where(fresh, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
         owner = self.owner.at[jnp.where(fresh, page, self.num_pages)].set(row, mode="drop")
         return (self.replace(block_table=table, lengths=lengths, n_free=left, owner=owner),
                 status.astype(jnp.int32))
@@ -253,9 +254,10 @@ class PageTable:
         named = rows[:, None] & (table >= 0) & (table < n) & (jnp.take(self.owner, page) == row)
         # A page its row names twice goes back once: keep the first naming of each page.
         flat_idx = jnp.arange(table.size, dtype=jnp.int32).reshape(table.shape)
-        first = jnp.full((n,), table.size, jnp.int32).at[jnp.where(named, table, n)].min(flat_idx, mode="drop")
+        first = jnp.full_like(self.owner, table.size).at[jnp.where(named, table, n)].min(
+            jnp.where(named, flat_idx, table.size), mode="drop")
         named = named & (jnp.take(first, page) == flat_idx)
-        back = jnp.zeros((n,), bool).at[jnp.where(named, table, n)].set(True, mode="drop")
+        back = jnp.zeros_like(self.owner, bool).at[jnp.where(named, table, n)].set(named, mode="drop")
         in_rows = (self.owner >= 0) & (self.owner < m)
         rest = in_rows & jnp.take(rows, jnp.clip(self.owner, 0, m - 1)) & ~back  # owned, not named
         flat = named.reshape(-1)
@@ -263,7 +265,7 @@ class PageTable:
         pos = jnp.where(flat, self.n_free + jnp.cumsum(flat) - 1, n)  # stack slot of each page
         pos_rest = jnp.where(rest, self.n_free + n_named + jnp.cumsum(rest) - 1, n)
         free = self.free.at[pos].set(table.reshape(-1), mode="drop")
-        free = free.at[pos_rest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+        free = free.at[pos_rest].set(jnp.where(rest, jnp.arange(n, dtype=jnp.int32), -1), mode="drop")
         return self.replace(
             block_table=jnp.where(rows[:, None], -1, table),
             lengths=jnp.where(rows, 0, self.lengths),
@@ -292,12 +294,13 @@ class PageTable:
         in_range = (table >= 0) & (table < n)
         page = jnp.where(in_range, table, 0)
         mine = want & in_range & (jnp.take(owner, page) == row)
-        named = jnp.zeros((n,), jnp.int32).at[jnp.where(mine, table, n)].add(1, mode="drop")
+        named = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
                  want & in_range & ~mine,
                  mine & (jnp.take(named, page) > 1))
-        owned = jnp.zeros((m + 1,), jnp.int32).at[jnp.where((owner >= 0) & (owner < m), owner, m)].add(1)[:m]
+        is_row = (owner >= 0) & (owner < m)
+        owned = jnp.zeros_like(lengths).at[jnp.where(is_row, owner, m)].add(is_row.astype(jnp.int32), mode="drop")
         hits = [_first(r) for r in rules]
         row_fault = _fault_code(*(h[0] for h in hits), owned != need)
         row_at = jnp.zeros((m,), jnp.int32)
@@ -309,7 +312,7 @@ class PageTable:
         live = i < jnp.clip(n_free, 0, n)
         id_bad = live & ((free < 0) | (free >= n))
         fpage = jnp.where(live & ~id_bad, free, n)
-        on_stack = jnp.zeros((n,), jnp.int32).at[fpage].add(1, mode="drop")
+        on_stack = jnp.zeros_like(owner).at[fpage].add((fpage < n).astype(jnp.int32), mode="drop")
         fpage = jnp.clip(fpage, 0, n - 1)
         ok_id = live & ~id_bad
         stack_rules = (jnp.broadcast_to((n_free < 0) | (n_free > n), (n,)),
@@ -348,7 +351,8 @@ class PageTable:
         values; an eager paged call runs it on the table it is given, through
         ``PagedCache.check``): one message naming every broken row (its field, slot and
         page) and every broken free stack, with the shard for a sharded table."""
-        rf, ra, sf, sa = (np.asarray(a) for a in _FAULTS(self))
+        host = jax.tree.map(np.asarray, self)  # small; and one program whatever the placement
+        rf, ra, sf, sa = (np.asarray(a) for a in _FAULTS(host))
         if not rf.any() and not sf.any():
             return
         k, m, n = self.shards, self.max_seqs // self.shards, self.pages_per_shard
