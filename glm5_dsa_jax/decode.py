@@ -24,7 +24,7 @@ Invariants:
   it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
   dropped and ``length`` does not move.)
 * ``PagedDecoder`` does the same for a paged cache: before the step, the pages every row's
-  chunk needs are reserved on a copy (``paged_cache.check_room``) and a shortfall raises
+  chunk needs are reserved on a copy (``PagedCache.check_chunk``) and a shortfall raises
   ``ValueError`` naming the sequence; inside a step a row that does not fit writes nothing
   and ``cache.status`` says why. Sequences join (a row's next valid tokens start a new
   sequence after ``release``) and leave without recompiling: ``release`` is jitted once.
@@ -33,13 +33,13 @@ Invariants:
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.cache import PagedCache, check_room
+from glm5_dsa_jax.cache import PagedCache
+from glm5_dsa_jax.cache.paged import release_mask
 from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
@@ -171,16 +171,12 @@ class PagedDecoder:
     def __call__(self, hidden, mask=None, prev_topk=None):
         # Checks that need concrete values run eagerly, before donation.
         x, mask, prev_topk = self.layer.check_inputs(hidden, mask, prev_topk)
-        self.cache.check(self.layer.cfg, self.layer.has_indexer, x.shape[0])
-        check_room(self.cache, mask)
+        self.cache.check_chunk(self.layer.cfg, self.layer.has_indexer, x.shape[0], mask, prev_topk)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         return out, topk
 
     def release(self, rows) -> None:
-        """End the sequences where ``rows`` (``[max_seqs]`` bool): their pages return to the
-        pool and those rows start new sequences at position 0."""
-        rows = jnp.asarray(rows, bool)
-        if rows.shape != (self.cache.max_seqs,):
-            raise ValueError(f"rows must be a [max_seqs={self.cache.max_seqs}] bool mask, got "
-                             f"shape {tuple(rows.shape)}")
-        self.cache = self._release(self.cache, rows)
+        """End the sequences where ``rows`` (``[max_seqs]`` bool; ``PagedCache.release``:
+        integer ids or masks are refused): their pages return to the pool and those rows
+        start new sequences at position 0."""
+        self.cache = self._release(self.cache, release_mask(rows, self.cache.max_seqs))

@@ -39,17 +39,21 @@ def as_index_array(prev_topk):
     return jnp.asarray(arr, jnp.int32)
 
 
-def check_causal_topk(ids: np.ndarray, mask: np.ndarray, start: int) -> None:
+def check_causal_topk(ids: np.ndarray, mask: np.ndarray, start) -> None:
     """Refuse a ``prev_topk`` whose valid queries name a slot after their own (the future)
-    or a negative id other than ``-1`` (no token). Padding queries' rows are ignored."""
-    pos = start + np.arange(ids.shape[1])
-    bad = mask[..., None] & ((ids > pos[None, :, None]) | (ids < -1))
+    or a negative id other than ``-1`` (no token). Padding queries' rows are ignored.
+    ``start``: the slot of the first query (an int: one timeline, the contiguous cache),
+    or each query's own position ``[B, S]`` (a paged cache: positions per sequence)."""
+    pos = np.asarray(start)
+    pos = pos + np.arange(ids.shape[1])[None] if pos.ndim == 0 else pos
+    bad = mask[..., None] & ((ids > pos[..., None]) | (ids < -1))
     if bad.any():
         b, q, j = (int(v[0]) for v in np.nonzero(bad))
         raise ValueError(
             f"prev_topk[{b}, {q}, {j}] = {int(ids[b, q, j])} but query {q} sits at slot "
-            f"{start + q}: ids must be -1 (no token) or a slot <= the query's own (a shared "
-            f"layer never attends to the future); {int(bad.sum())} such entries"
+            f"{int(pos[b if pos.shape[0] > 1 else 0, q])} (row {b}): ids must be -1 (no token) "
+            f"or a slot <= the query's own (a shared layer never attends to the future); "
+            f"{int(bad.sum())} such entries"
         )
 
 

@@ -272,7 +272,7 @@ class DsaAttention(nnx.Module):
         start = 0 if cache is None else cache.chunk_start  # None: checked causal in the step
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         if cache is not None:
-            cache.check_chunk(self.cfg, self.has_indexer, x.shape[0], mask)
+            cache.check_chunk(self.cfg, self.has_indexer, x.shape[0], mask, prev_topk)
         return run(self, x, mask, cache, prev_topk, position_ids)
 
     def forward(self, x, mask, cache: LayerCache, prev_topk, position_ids=None, *, reduce_axis=None):

@@ -17,9 +17,17 @@ How the three are called (read from their ``*Model.forward`` / decoder layers):
   position_ids, past_key_values=...)``. ``glm_moe_dsa``'s attention returns
   ``(out, weights, topk)`` and takes ``prev_topk_indices`` on a shared layer;
   ``deepseek_v32``'s returns ``(out, weights)`` and always runs its indexer.
+
+HF's own selection: every run of an HF indexer by ``hf_forward`` / ``hf_stepped`` records the
+scores HF ranks (the tensor its ``topk`` is called on) and, for ``glm5_next``, the tokens of
+each pool (``get_pooled_states``); ``hf_selection(attn)`` returns those of the last run
+(``HfSelection``), so a selection is judged by HF's scores, not by the layer under test.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +36,106 @@ import glm5_dsa_jax as gd
 from helpers import f32_layer
 
 _ROTARY = {}  # id(attn) -> its model's rotary embedding (kept off the module's state)
+_SELECTION = {}  # id(attn) -> HfSelection of its indexer's last run (hf_forward / hf_stepped)
+
+
+class HfSelection(NamedTuple):
+    """What HF's indexer ranked, per query row: ``scores [B, S, P]`` float32 over its
+    candidates (``-inf``: not a candidate of that query, HF's masked entries), ``pools [B, S,
+    P, KP]`` the token ids of each candidate (a token for ``index_kpool == 1``; ``-1``
+    padding), its top-k ``topk [B, S, W]`` token ids, and ``tail [B, S, KP - 1]`` the
+    tail tokens it appended after its pools (``-1``: none; with holes in the mask HF's tail
+    may repeat tokens of a chosen pool)."""
+
+    scores: np.ndarray
+    pools: np.ndarray
+    topk: np.ndarray
+    tail: np.ndarray
+
+
+def hf_selection(attn) -> HfSelection:
+    """HF's own selection of the last ``hf_forward`` / ``hf_stepped`` that ran ``attn``'s
+    indexer (module doc)."""
+    return _SELECTION[id(attn)]
+
+
+@contextlib.contextmanager
+def _recording(attn):
+    """Record each run of ``attn.indexer``: ``{"scores", "pools", "topk"}`` torch, in a list."""
+    idx, calls = attn.indexer, []
+    forward, pooled = idx.forward, getattr(idx, "get_pooled_states", None)
+
+    def run(*a, **k):
+        rec, topk = {}, torch.Tensor.topk
+
+        def ranked(t, *ta, **tk):  # the first topk of an indexer run ranks its candidates
+            rec.setdefault("scores", t.detach().float().clone())
+            return topk(t, *ta, **tk)
+
+        def pools(*ga, **gk):
+            out = pooled(*ga, **gk)
+            rec["pools"] = out[1].detach().clone()
+            return out
+
+        torch.Tensor.topk = ranked
+        if pooled is not None:
+            idx.get_pooled_states = pools
+        try:
+            out = forward(*a, **k)
+        finally:
+            torch.Tensor.topk = topk
+            if pooled is not None:
+                del idx.get_pooled_states
+        rec["topk"] = out
+        # The layout HF returns: its chosen pools' tokens, then (glm5_next) the tail.
+        kp = getattr(idx, "index_kpool", 1)
+        rec["pools_width"] = min(idx.index_topk // kp, rec["scores"].shape[-1]) * kp
+        rec["tail_width"] = kp - 1 if getattr(idx, "index_kpool_always_select_tail", False) else 0
+        calls.append(rec)
+        return out
+
+    idx.forward = run
+    try:
+        yield calls
+    finally:
+        del idx.forward
+
+
+def _as_selection(rec) -> HfSelection:
+    """One indexer run's record as numpy: HF's masked scores (its dtype's minimum, or that
+    added to a score) become ``-inf``; a RoPE model's candidates are its tokens."""
+    scores = rec["scores"].numpy()
+    scores = np.where(scores > np.finfo(np.float32).min / 2, scores, -np.inf).astype(np.float32)
+    b, s, p = scores.shape
+    if "pools" in rec:
+        pools = np.broadcast_to(rec["pools"].numpy()[:, None], (b, s) + tuple(rec["pools"].shape[1:]))
+    else:
+        pools = np.broadcast_to(np.arange(p)[None, None, :, None], (b, s, p, 1))
+    topk = rec["topk"].numpy()
+    tail = topk[..., rec["pools_width"]:rec["pools_width"] + rec["tail_width"]]
+    return HfSelection(scores, np.asarray(pools, np.int64), topk, tail)
+
+
+def _record_selection(attn, calls, first: bool = True) -> None:
+    """Keep the first (or every, chunk after chunk: ``first=False``) recorded run as
+    ``attn``'s selection, candidates padded to the widest run."""
+    if not calls:
+        return
+    sels = [_as_selection(c) for c in (calls[:1] if first else calls)]
+    p = max(x.scores.shape[2] for x in sels)
+    w = max(x.topk.shape[2] for x in sels)
+    kp = sels[0].pools.shape[3]
+    tw = max(x.tail.shape[2] for x in sels)
+    _SELECTION[id(attn)] = HfSelection(
+        np.concatenate([np.pad(x.scores, ((0, 0), (0, 0), (0, p - x.scores.shape[2])),
+                               constant_values=-np.inf) for x in sels], 1),
+        np.concatenate([np.pad(x.pools, ((0, 0), (0, 0), (0, p - x.pools.shape[2]), (0, 0)),
+                               constant_values=-1) for x in sels], 1),
+        np.concatenate([np.pad(x.topk, ((0, 0), (0, 0), (0, w - x.topk.shape[2])),
+                               constant_values=-1) for x in sels], 1),
+        np.concatenate([np.pad(x.tail, ((0, 0), (0, 0), (0, tw - x.tail.shape[2])),
+                               constant_values=-1) for x in sels], 1))
+    assert _SELECTION[id(attn)].pools.shape[3] == kp
 
 
 def _classes(model_type: str):
@@ -134,6 +242,15 @@ def hf_forward(attn, x: np.ndarray, mask: np.ndarray, prev_topk=None, position_i
     if prev_topk is not None and _roped(attn):
         prev_topk = _no_empty_ids(prev_topk)
     pt = None if prev_topk is None else torch.from_numpy(np.asarray(prev_topk, np.int64)).int()
+    if attn.indexer is None or pt is not None:
+        return _hf_forward(attn, xt, mask, pt, position_ids)
+    with _recording(attn) as calls:
+        out = _hf_forward(attn, xt, mask, pt, position_ids)
+    _record_selection(attn, calls)
+    return out
+
+
+def _hf_forward(attn, xt, mask, pt, position_ids):
     topk = None
     with torch.no_grad():
         if not _roped(attn):
@@ -189,33 +306,22 @@ def hf_attend_on(attn, x, mask, topk, position_ids=None):
 def hf_stepped(attn, cfg: gd.DsaConfig, x: np.ndarray, mask: np.ndarray, chunks: list[int]):
     """Run the HF layer chunk by chunk with a ``DynamicCache`` (positions ``arange`` over the
     whole timeline, as HF's model numbers them); returns (out, topk) numpy, concatenated over
-    the chunks (topk rows of different widths are -1 padded)."""
+    the chunks (topk rows of different widths are -1 padded); ``hf_selection(attn)`` holds
+    the scores of every chunk."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf_config(cfg))
-    seen = []
-    forward = attn.indexer.forward
-
-    def record(*a, **k):
-        seen.append(forward(*a, **k))
-        return seen[-1]
-
-    attn.indexer.forward = record
     outs, pos = [], 0
-    try:
-        with torch.no_grad():
-            for n in chunks:
-                xt = torch.from_numpy(np.asarray(x[:, pos:pos + n], np.float32))
-                if _roped(attn):
-                    p = np.broadcast_to(np.arange(pos, pos + n), (x.shape[0], n)).copy()
-                    out, _ = _roped_call(attn, xt, additive_mask(mask[:, :pos + n], pos, n), p, cache=cache)
-                else:
-                    mt = torch.from_numpy(np.asarray(mask[:, pos:pos + n], bool))
-                    out = attn(hidden_states=xt, attention_mask=mt, past_key_values=cache)[0]
-                outs.append(out.numpy())
-                pos += n
-    finally:
-        del attn.indexer.forward
-    width = max(t.shape[-1] for t in seen)
-    pad = [np.pad(t.numpy(), ((0, 0), (0, 0), (0, width - t.shape[-1])), constant_values=-1) for t in seen]
-    return np.concatenate(outs, 1), np.concatenate(pad, 1)
+    with _recording(attn) as calls, torch.no_grad():
+        for n in chunks:
+            xt = torch.from_numpy(np.asarray(x[:, pos:pos + n], np.float32))
+            if _roped(attn):
+                p = np.broadcast_to(np.arange(pos, pos + n), (x.shape[0], n)).copy()
+                out, _ = _roped_call(attn, xt, additive_mask(mask[:, :pos + n], pos, n), p, cache=cache)
+            else:
+                mt = torch.from_numpy(np.asarray(mask[:, pos:pos + n], bool))
+                out = attn(hidden_states=xt, attention_mask=mt, past_key_values=cache)[0]
+            outs.append(out.numpy())
+            pos += n
+    _record_selection(attn, calls, first=False)
+    return np.concatenate(outs, 1), hf_selection(attn).topk

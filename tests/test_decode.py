@@ -16,7 +16,7 @@ import pytest
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, make_step
-from hf_oracle import hf_attention, hf_stepped, layer_from_hf
+from hf_oracle import hf_attention, hf_selection, hf_stepped, layer_from_hf
 from helpers import ATOL, F32_REORDER, RTOL, check_selection, f32_layer, hidden_states, padded_batch, same_sets
 
 CHUNKS = [6, 3, 1, 7, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 29 tokens: prefill chunks, then decode
@@ -67,7 +67,10 @@ def test_chunked_decode_equals_one_shot_and_hf(kpool, topk, tail, kind):
     np.testing.assert_allclose(out2, ref2, atol=F32_REORDER, rtol=F32_REORDER)
 
     hf_out, hf_topk = hf_stepped(attn, cfg, x, mask, CHUNKS)
-    check_selection(cfg, layer, x, mask, top, hf_topk)
+    _, sparse, rows = check_selection(cfg, mask, top, hf_selection(attn))
+    # Enough rows see more pools than the top-k keeps (where a wrong score shows); holes
+    # leave few complete pools, so the "gaps" batch tests the mask, not the scores.
+    assert kind == "gaps" or sparse * 3 >= rows, (sparse, rows)
     live = mask & (top >= 0).any(-1)
     same = same_sets(top, hf_topk, live)
     assert same.sum() > live.sum() // 2

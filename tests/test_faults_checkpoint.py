@@ -437,6 +437,39 @@ def test_orbax_value_changed_in_place_is_caught_by_digest(base, saved, tmp_path)
     assert sorted(p.split(":")[0] for p in e.problems) == differ
 
 
+def test_orbax_restore_names_every_problem_of_a_checkpoint_with_many(base, saved, tmp_path):
+    """A checkpoint with a missing, a misshaped and an extra array and several others
+    corrupted in place: one ``CheckpointError`` names each of them, and nothing else (a
+    problem found never stops the checks of the arrays after it)."""
+    d = _clone(saved, tmp_path)
+    tree = {f"layer_{i}": params_np(base.layers[i]) for i in DSA}
+    names = sorted(orbax_io._flat(tree))
+    missing, misshaped, *corrupted = names[:2] + names[3:-1:2]
+    assert len(corrupted) >= 8
+
+    def at(name):
+        *parents, leaf = name.split(".")
+        node = tree
+        for k in parents:
+            node = node[k]
+        return node, leaf
+
+    node, leaf = at(missing)
+    node.pop(leaf)
+    node, leaf = at(misshaped)
+    node[leaf] = np.zeros(node[leaf].shape + (2,), node[leaf].dtype)
+    for name in corrupted:
+        node, leaf = at(name)
+        node[leaf] = node[leaf] + np.asarray(1, node[leaf].dtype)
+    tree["layer_1"]["extra_w"] = np.ones((3,), np.float32)
+    shutil.rmtree(d / "params")
+    ckptr = orbax_io._orbax().StandardCheckpointer()
+    ckptr.save(d / "params", tree)
+    ckptr.wait_until_finished()
+    e = _restore_refused(d, "digest", "not in the checkpoint", "stored shape", "not a parameter of layer 1")
+    assert sorted(p.split(":")[0] for p in e.problems) == sorted([missing, misshaped, "layer_1.extra_w", *corrupted])
+
+
 def test_orbax_meta_problems(base, saved, tmp_path):
     d = _clone(saved, tmp_path)
     meta = json.loads((d / ck.META_FILE).read_text())

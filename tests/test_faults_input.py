@@ -328,3 +328,26 @@ def test_bad_cli_numbers_exit_2(argv):
     code, err = _exit_code(argv)
     assert code == 2, (argv, err)
     assert err.count("\n") == 1 and "error:" in err, err  # one line, not argparse's usage block
+
+
+def test_future_prev_topk_is_refused_on_a_paged_cache():
+    """A shared layer on a paged cache refuses an id past its query's position within the
+    query's own sequence, as the contiguous cache does, naming prev_topk, the row and the
+    id; nothing is written. The same id is accepted on a row whose sequence is longer."""
+    from glm5_dsa_jax.decode import PagedDecoder
+
+    cache = SHARED.init_paged_cache(2, num_pages=4, page_size=8)
+    _, _, cache = SHARED(_x(s=5), attention_mask=np.array([[True] * 5, [True] * 3 + [False] * 2]),
+                         cache=cache, prev_topk=_causal_topk(2, 5))  # lengths 5 and 3
+    ids = np.full((2, 1, CFG.out_width), -1, np.int32)
+    ids[:, 0, 0] = 4  # row 0's query is at position 5 (fine), row 1's at 3: 4 is its future
+    before = jax.tree.map(np.asarray, cache)
+    with pytest.raises(ValueError, match=r"prev_topk\[1, 0, 0\] = 4 but query 0 sits at slot 3 \(row 1\)"):
+        SHARED(_x(s=1, seed=1), cache=cache, prev_topk=ids)
+    assert_trees_equal(jax.tree.map(np.asarray, cache), before)
+    dec = PagedDecoder(SHARED, 2, num_pages=4, page_size=8)
+    dec(_x(s=5), np.array([[True] * 5, [True] * 3 + [False] * 2]), prev_topk=_causal_topk(2, 5))
+    with pytest.raises(ValueError, match=r"prev_topk\[1, 0, 0\] = 4 .*\(row 1\)"):
+        dec(_x(s=1, seed=1), prev_topk=ids)
+    ids[1, 0, 0] = 3  # its own position: accepted
+    SHARED(_x(s=1, seed=1), cache=cache, prev_topk=ids)

@@ -333,3 +333,91 @@ def test_sharded_eager_decode_compiles_nothing_after_warm_up(cfg):
     cache = layer.init_paged_cache(2, 6, 16)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 1, cfg.hidden_size)), jnp.float32)
     assert_warm_decode_compiles_nothing(layer, cache, x, (3, [True, False], 1), (3, [True, False], 1))
+
+
+# ---------------------------------------------------------------------------- broken tables
+def _probe_setup(cfg):
+    """Three 16-token sequences on 16-token pages (pages 0, 1, 2; pages 3 .. 6 free), a
+    decode step for each, and that step's clean result under jit."""
+    layer = f32_layer(cfg, 1, seed=3, block_q=8)
+    rng = np.random.default_rng(4)
+    cache = layer.init_paged_cache(3, num_pages=7, page_size=16)
+    _, _, cache = layer(jnp.asarray(rng.standard_normal((3, 16, cfg.hidden_size)), jnp.float32), cache=cache)
+    x = jnp.asarray(rng.standard_normal((3, 1, cfg.hidden_size)), jnp.float32)
+    step, params = make_step(layer, donate=False)
+    mask = jnp.ones((3, 1), bool)
+    clean = step(params, x, mask, cache)
+    return layer, cache, x, (step, params, mask), clean
+
+
+#: The page-table probes: ``(field, index, value)`` set on the table, the rows refused.
+PROBES = [
+    ("lengths", 1, -5, [1], r"row 1: lengths\[1\] = -5 outside \[0, max_length=112\]"),
+    ("lengths", 1, 30, [1], r"row 1: block_table row 1 holds 1 pages for length 30"),
+    ("n_free", (), 50, [0, 1, 2], r"n_free = 50 outside \[0, 7\]"),
+    ("block_table", (1, 0), 0, [1], r"row 1: block_table\[1, 0\] = page 0, which is row 0's, not row 1's"),
+]
+
+
+@pytest.mark.parametrize("field,index,value,refused,match", PROBES)
+def test_a_broken_page_table_is_refused_eagerly_and_writes_nothing_under_jit(cfg, field, index, value,
+                                                                            refused, match):
+    """Eager: ``ValueError`` naming the row before anything is written. Under jit: the
+    broken row (every row for a broken free stack) is ``BAD_TABLE``, writes nothing and
+    outputs zeros; every other row's output, top-k and pages are the clean step's."""
+    layer, cache, x, (step, params, mask), (ref_out, ref_topk, ref_cache) = _probe_setup(cfg)
+    pages = cache.pages
+    bad = cache.replace(pages=pages.replace(**{field: getattr(pages, field).at[index].set(value)}))
+    before = snapshot(bad)
+    with pytest.raises(ValueError, match=match):
+        layer(x, cache=bad)
+    assert_same(before, bad)
+    dec = PagedDecoder(layer, 3, num_pages=7, page_size=16)
+    dec.cache = bad
+    with pytest.raises(ValueError, match=match):
+        dec(x)
+    assert_same(before, bad)
+    out, topk, after = step(params, x, mask, bad)
+    assert np.asarray(after.status).tolist() == [pg.BAD_TABLE if b in refused else pg.OK for b in range(3)]
+    out, topk, ref_out, ref_topk = (np.asarray(a) for a in (out, topk, ref_out, ref_topk))
+    for b in range(3):
+        if b in refused:
+            assert (out[b] == 0).all() and (topk[b] == -1).all()
+        else:  # another sequence: as if the table were clean
+            np.testing.assert_array_equal(topk[b], ref_topk[b])
+            np.testing.assert_array_equal(out[b], ref_out[b])
+    # Nothing written for a refused row: its table row, length, stage and every page no
+    # other row took are as before.
+    good = [b for b in range(3) if b not in refused]
+    took = np.asarray(after.block_table)[good]
+    untouched = np.setdiff1d(np.arange(7), took[took >= 0])
+    for name in ("latent_store", "pooled_store"):
+        np.testing.assert_array_equal(np.asarray(getattr(after, name))[untouched],
+                                      np.asarray(getattr(bad, name))[untouched])
+    for b in refused:
+        for name in ("stage_keys", "stage_gate"):
+            np.testing.assert_array_equal(np.asarray(getattr(after, name))[b], np.asarray(getattr(bad, name))[b])
+        assert np.asarray(after.lengths)[b] == np.asarray(bad.lengths)[b]
+        np.testing.assert_array_equal(np.asarray(after.block_table)[b], np.asarray(bad.block_table)[b])
+    if len(refused) == 3:
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, after.pages),
+                     jax.tree.map(np.asarray, bad.pages))
+
+
+def test_release_takes_only_a_bool_mask(cfg):
+    """Row ids where a 0/1 mask belongs (``[2, 0, 1]``), or even a 0/1 integer mask, are
+    refused naming ``rows``, by the cache and by ``PagedDecoder``; nothing is released."""
+    layer = f32_layer(cfg, 1)
+    dec = PagedDecoder(layer, 3, num_pages=6, page_size=8)
+    dec(np.random.default_rng(1).standard_normal((3, 9, cfg.hidden_size)).astype(np.float32))
+    before = snapshot(dec.cache)
+    for rows in ([2, 0, 1], np.array([1, 0, 1]), jnp.array([1, 0, 1])):
+        with pytest.raises(ValueError, match=r"release rows must be a \[max_seqs=3\] bool mask .* got dtype int"):
+            dec.cache.release(rows)
+        with pytest.raises(ValueError, match=r"release rows must be a \[max_seqs=3\] bool mask"):
+            dec.release(rows)
+        assert_same(before, dec.cache)
+    with pytest.raises(ValueError, match=r"got shape \(2,\)"):
+        dec.release([True, False])
+    dec.release([True, False, True])  # a list of bools is a mask
+    assert dec.lengths.tolist() == [0, 9, 0]

@@ -1,5 +1,9 @@
 """Page bookkeeping (``glm5_dsa_jax.cache.pages``): the invariants under any schedule of
-reservations and releases, against a plain Python model of the allocator."""
+reservations and releases, against a plain Python model of the allocator; a table broken
+by its caller (each rule of ``ROW_FAULTS`` / ``STACK_FAULTS``) is refused by ``check``
+naming the row, and under jit ``reserve`` gives that row (or, for a broken free stack,
+every row of the shard) ``BAD_TABLE`` and takes nothing; ``release`` repairs a broken row.
+(The layer-level probes: ``tests/test_paged.py``.)"""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from glm5_dsa_jax.cache.pages import NO_FREE_PAGES, OK, TOO_LONG, init_page_table
+from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, init_page_table
 
 
 class Model:
@@ -117,9 +121,78 @@ def test_check_names_the_broken_entry(field, value, match):
         t.replace(**{field: jnp.asarray(value, jnp.int32)}).check()
 
 
-def test_check_finds_a_page_held_twice():
-    t = init_page_table(2, num_pages=4, page_size=4)
-    t, _ = t.reserve(jnp.asarray([4, 4]))
-    bt = t.block_table.at[1, 0].set(t.block_table[0, 0])
-    with pytest.raises(ValueError, match="held twice"):
-        t.replace(block_table=bt).check()
+def _three_rows(shards=1):
+    """Three rows per shard of 4 tokens (one page each) on 4-token pages, 7 pages a shard."""
+    t = init_page_table(3 * shards, num_pages=7 * shards, page_size=4, pages_per_seq=3, shards=shards)
+    t, status = RESERVE(t, jnp.full((3 * shards,), 4, jnp.int32))
+    assert (np.asarray(status) == OK).all()
+    return t
+
+
+def _set(t, field, index, value):
+    return t.replace(**{field: getattr(t, field).at[index].set(value)})
+
+
+#: Corruptions of ``_three_rows()`` (rows 0, 1, 2 own pages 0, 1, 2; pages 3 .. 6 free):
+#: ``(field, index, value, rows refused under jit, check's message)``.
+BROKEN = [
+    ("lengths", 1, -5, [1], r"row 1: lengths\[1\] = -5 outside \[0, max_length=12\]"),
+    ("lengths", 1, 30, [1], r"row 1: lengths\[1\] = 30 outside"),
+    ("lengths", 1, 8, [1], r"row 1: block_table row 1 holds 1 pages for length 8: it needs exactly its first 2"),
+    ("block_table", (1, 0), 9, [1], r"row 1: block_table\[1, 0\] = 9 is out of range: page ids are 0 .. 6"),
+    ("block_table", (1, 0), 0, [1], r"row 1: block_table\[1, 0\] = page 0, which is row 0's, not row 1's"),
+    ("block_table", (1, 0), 5, [1], r"row 1: block_table\[1, 0\] = page 5, which is free"),
+    ("owner", 1, 0, [0, 1], r"row 0: owner names 2 page\(s\) of row 0 \(\[0, 1\]\) but lengths\[0\] = 4 needs 1"),
+    ("n_free", (), 50, [0, 1, 2], r"n_free = 50 outside \[0, 7\] \(every row of the shard is refused\)"),
+    ("free", 3, 4, [0, 1, 2], r"page 4 is on the free stack twice"),
+    ("free", 0, 2, [0, 1, 2], r"free\[0\] = page 2 is on the free stack but owned by row 2"),
+    ("free", 0, -3, [0, 1, 2], r"free\[0\] = -3 is out of range"),
+    ("n_free", (), 3, [0, 1, 2], r"n_free = 3 but 4 pages are owned by no row"),
+    ("owner", 6, 7, [0, 1, 2], r"owner\[6\] = 7 names no row"),
+]
+
+
+@pytest.mark.parametrize("field,index,value,refused,match", BROKEN)
+def test_a_broken_table_is_refused_naming_the_row_and_under_jit_takes_nothing(field, index, value, refused,
+                                                                              match):
+    t = _set(_three_rows(), field, index, value)
+    with pytest.raises(ValueError, match=match):
+        t.check()
+    before = jax.tree.map(np.asarray, t)
+    after, status = RESERVE(t, jnp.full((3,), 4, jnp.int32))
+    want = [BAD_TABLE if b in refused else OK for b in range(3)]
+    assert np.asarray(status).tolist() == want
+    a = jax.tree.map(np.asarray, after)
+    for b in refused:  # a refused row keeps its length and its block-table row
+        assert a.lengths[b] == before.lengths[b]
+        np.testing.assert_array_equal(a.block_table[b], before.block_table[b])
+    if len(refused) == 3:  # a broken stack: nothing is taken at all
+        jax.tree.map(np.testing.assert_array_equal, a, before)
+    for b in set(range(3)) - set(refused):  # the others grow from a page no other row holds
+        assert a.lengths[b] == 8 and a.owner[a.block_table[b, 1]] == b
+
+
+def test_two_rows_naming_one_page_the_owner_goes_on_and_release_repairs_the_other():
+    t = _set(_three_rows(), "block_table", (1, 0), 0)  # row 1 names row 0's page; its page 1 is lost
+    after, status = RESERVE(t, jnp.asarray([4, 4, 0], jnp.int32))
+    assert np.asarray(status).tolist() == [OK, BAD_TABLE, OK]
+    assert np.asarray(after.block_table)[0].tolist() == [0, 3, -1]  # row 0 took the top free page
+    fixed = RELEASE(after, jnp.asarray([False, True, False]))
+    fixed.check()  # row 1's own page (1) went back, row 0's page stayed row 0's
+    assert int(fixed.n_free) == 4 and np.asarray(fixed.owner)[[0, 1]].tolist() == [0, -1]
+    assert sorted(np.asarray(fixed.free)[:4].tolist()) == [1, 4, 5, 6]
+
+
+def test_a_sharded_table_is_validated_per_shard():
+    t = _three_rows(shards=2)
+    t.check()
+    bad = t.replace(n_free=t.n_free.at[1].set(50))  # shard 1's stack: its rows 3, 4, 5 only
+    with pytest.raises(ValueError, match=r"shard 1 \(rows 3 .. 5, local page ids\): n_free = 50"):
+        bad.check()
+    _, status = bad.reserve(jnp.full((6,), 4, jnp.int32))
+    assert np.asarray(status).tolist() == [OK] * 3 + [BAD_TABLE] * 3
+    bad = _set(t, "block_table", (4, 0), 0)  # shard 1's row 4 names its shard's page 0 (row 3's)
+    with pytest.raises(ValueError, match=r"shard 1 .*row 4: block_table\[4, 0\] = page 0, which is row 3's"):
+        bad.check()
+    _, status = bad.reserve(jnp.full((6,), 4, jnp.int32))
+    assert np.asarray(status).tolist() == [OK] * 4 + [BAD_TABLE, OK]

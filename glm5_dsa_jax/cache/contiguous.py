@@ -191,8 +191,10 @@ class DsaCache:
         """The slot of a chunk's first query: ``length`` (one timeline for the batch)."""
         return self.length
 
-    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask) -> None:
-        """``check`` and ``check_fits`` of a chunk of ``mask.shape[1]`` tokens."""
+    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask, prev_topk=None) -> None:
+        """``check`` and ``check_fits`` of a chunk of ``mask.shape[1]`` tokens (a concrete
+        ``prev_topk`` is checked causal against ``chunk_start`` by the layer's input
+        checks, as the batch shares one timeline)."""
         self.check(cfg, has_indexer, batch)
         check_fits(self, mask.shape[1])
 

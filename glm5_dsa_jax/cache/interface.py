@@ -17,10 +17,12 @@ The operations of a call, in pipeline order:
 
 * ``chunk_start`` (property): the slot of the chunk's first query when the batch shares
   one timeline (``check_inputs`` checks a concrete ``prev_topk`` causal against it), or
-  None when positions are per row (the step keeps a shared layer causal).
-* ``check_chunk(cfg, has_indexer, batch, mask)``: ``ValueError`` (nothing written) unless
-  the cache was made for this layer and ``batch`` and the chunk fits (checked where the
-  values are concrete).
+  None when positions are per row (``check_chunk`` checks it per row, the step keeps a
+  traced one causal).
+* ``check_chunk(cfg, has_indexer, batch, mask, prev_topk=None)``: ``ValueError`` (nothing
+  written) unless the cache was made for this layer and ``batch``, its bookkeeping is
+  sound (paged: the page table is validated) and the chunk fits (checked where the values
+  are concrete).
 * ``begin_chunk(mask [B, S]) -> (cache, Chunk)``: claim room for the chunk (paged: pages
   reserved, all or nothing per row; a row without them is masked out of the whole call).
 * ``write_latent(latent [B, S, CR], chunk) -> cache``: the chunk's cache rows, before any
@@ -128,7 +130,7 @@ class LayerCache(Protocol):
 
     @property
     def chunk_start(self): ...
-    def check_chunk(self, cfg, has_indexer: bool, batch: int, mask) -> None: ...
+    def check_chunk(self, cfg, has_indexer: bool, batch: int, mask, prev_topk=None) -> None: ...
     def begin_chunk(self, mask) -> tuple["LayerCache", Chunk]: ...
     def write_latent(self, latent, chunk: Chunk) -> "LayerCache": ...
     def attention_rows(self) -> tuple: ...

@@ -26,9 +26,14 @@ Invariants:
   positions ``lengths[b] - KP .. lengths[b] - 1`` (right-aligned; negative positions are
   empty). A pool is pooled once, when its last token arrives, like the contiguous cache.
 * **A row that cannot get its pages writes nothing** (``status[b]`` says why: ``pages.OK``,
-  ``NO_FREE_PAGES``, ``TOO_LONG``); its outputs are zeros and its top-k ``-1``. Rows take
-  pages in row order, so a failure never takes or touches another sequence's pages.
-  Eager calls and ``PagedDecoder`` raise ``ValueError`` first (``check_room``).
+  ``NO_FREE_PAGES``, ``TOO_LONG``, ``BAD_TABLE``); its outputs are zeros and its top-k
+  ``-1``. Rows take pages in row order, so a failure never takes or touches another
+  sequence's pages. Eager calls and ``PagedDecoder`` raise ``ValueError`` first
+  (``check_chunk``, ``check_chunk_values``).
+* **The page table is validated, not trusted** (``pages``' module doc): an eager call
+  raises ``ValueError`` naming every broken row (``PagedCache.check``); under jit a broken
+  row is ``BAD_TABLE`` and a broken free stack makes every row of its shard one, so no
+  input lets a row read or write a page it does not own.
 * Shapes never depend on lengths or on which sequences are live: one compiled step serves
   every step, join and release.
 
@@ -69,11 +74,13 @@ from glm5_dsa_jax.cache.contiguous import (
 )
 from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
-from glm5_dsa_jax.cache.pages import NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
+from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
 from glm5_dsa_jax.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
+from glm5_dsa_jax.inputs import check_causal_topk
 
-__all__ = ["PagedCache", "PagedPoolKeys", "init_paged_cache", "check_room", "chunk_positions", "token_slots"]
+__all__ = ["PagedCache", "PagedPoolKeys", "init_paged_cache", "release_mask", "check_room",
+           "check_chunk_values", "chunk_positions", "token_slots"]
 
 
 @struct.dataclass
@@ -83,7 +90,7 @@ class PagedCache:
 
     pages: PageTable  # block tables [max_seqs, PG], lengths [max_seqs], free pages
     latent_store: jax.Array  # [N, page_size, kv_lora_rank], stored
-    status: jax.Array  # [max_seqs] int32, of the last step (pages.OK / NO_FREE_PAGES / TOO_LONG)
+    status: jax.Array  # [max_seqs] int32, of the last step (pages.OK / NO_FREE_PAGES / TOO_LONG / BAD_TABLE)
     pooled_store: jax.Array | None = None  # [N, PPP, index_head_dim], stored
     stage_keys: jax.Array | None = None  # [max_seqs, KP, index_head_dim], cache dtype
     stage_gate: jax.Array | None = None  # [max_seqs, KP, index_head_dim] float32
@@ -163,7 +170,9 @@ class PagedCache:
     def check(self, cfg: DsaConfig, has_indexer: bool, max_seqs: int, dtype=None) -> None:
         """Raise ``ValueError`` unless this cache was made for ``cfg``, a layer with (or
         without) an indexer, ``max_seqs`` rows and (when given) ``dtype``; the difference is
-        named. Concrete block tables are checked in range too."""
+        named. A concrete page table is validated too (``PageTable.check``: lengths, page
+        ids, owners, the free stack), naming every broken row; under jit the same faults
+        are each row's ``BAD_TABLE`` status instead (``PageTable.reserve``)."""
         lat = self.latent_store
         if lat.ndim != 3 or lat.shape[2] != cfg.kv_cache_dim:
             raise ValueError(
@@ -188,25 +197,20 @@ class PagedCache:
                     f"paged cache indexer state has pooled pages {tuple(self.pooled_store.shape)} "
                     f"and stage {tuple(self.stage_keys.shape)}; this layer needs pooled "
                     f"{want} (index_kpool={kp}, index_head_dim={d}) and stage {(max_seqs, kp, d)}")
-        table = self.pages.block_table
-        if not isinstance(table, jax.core.Tracer):
-            t, n = np.asarray(table), self.pages.pages_per_shard  # ids are local to a data shard
-            bad = (t < -1) | (t >= n)
-            if bad.any():
-                b, j = (int(v[0]) for v in np.nonzero(bad))
-                raise ValueError(
-                    f"paged cache block_table[{b}, {j}] = {int(t[b, j])} is out of range: page "
-                    f"ids are 0 .. {n - 1}, or -1 for none")
+        if not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(self.pages)):
+            self.pages.check()  # the table handed in: every row's bookkeeping, the free stack
 
     # ------------------------------------------------------------------ sequences
     def release(self, rows) -> "PagedCache":
         """Return the pages of every sequence where ``rows`` (``[max_seqs]`` bool) to the
         free pool; those rows then start a new sequence at position 0. A row that holds
-        nothing is a no-op. Usable inside jit (no shape changes, no recompilation)."""
-        rows = jnp.asarray(rows, bool)
-        if rows.shape != (self.max_seqs,):
-            raise ValueError(f"release rows must be a [max_seqs={self.max_seqs}] bool mask, "
-                             f"got shape {tuple(rows.shape)}")
+        nothing is a no-op; releasing a row refused as ``BAD_TABLE`` repairs it
+        (``PageTable.release``). Usable inside jit (no shape changes, no recompilation).
+
+        ``rows`` must be a bool mask (``release_mask``): an integer array is refused even
+        when it holds only 0 and 1, since row ids (``[2, 0, 1]``) and a 0/1 mask cannot be
+        told apart and releasing the wrong sequences loses their tokens."""
+        rows = release_mask(rows, self.max_seqs)
         upd = dict(pages=self.pages.release(rows), status=jnp.where(rows, OK, self.status))
         if self.has_indexer:
             upd.update(stage_keys=jnp.where(rows[:, None, None], 0, self.stage_keys).astype(self.stage_keys.dtype),
@@ -223,11 +227,14 @@ class PagedCache:
         """None: positions are per sequence (a shared layer is kept causal in the step)."""
         return None
 
-    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask) -> None:
-        """``check``, then ``check_room`` where the mask and the free pages are concrete."""
+    def check_chunk(self, cfg: DsaConfig, has_indexer: bool, batch: int, mask, prev_topk=None) -> None:
+        """``check`` (which validates a concrete page table), then, where the chunk's values
+        are concrete, ``check_chunk_values``: room for the chunk, and a shared layer's
+        ``prev_topk`` causal within each row's own sequence."""
         self.check(cfg, has_indexer, batch)
-        if not isinstance(mask, jax.core.Tracer) and not isinstance(self.pages.n_free, jax.core.Tracer):
-            check_room(self, mask)
+        concrete = (mask, self.pages.n_free) + (() if prev_topk is None else (prev_topk,))
+        if not any(isinstance(a, jax.core.Tracer) for a in concrete):
+            check_chunk_values(self, mask, prev_topk)
 
     def begin_chunk(self, mask: jax.Array) -> tuple["PagedCache", Chunk]:
         """Pages first: ``pages.reserve`` gives every row the pages its valid tokens need,
@@ -355,6 +362,24 @@ def _replace(self, **updates) -> PagedCache:
 PagedCache.replace = _replace
 
 
+def release_mask(rows, max_seqs: int) -> jax.Array:
+    """``rows`` as a ``[max_seqs]`` bool jax array, or ``ValueError`` naming ``rows``: a
+    bool array (or list of bools) of that shape only; integer row ids or a 0/1 integer
+    mask are refused (see ``PagedCache.release``). Checks dtype and shape only, so it
+    runs under jit too."""
+    arr = rows if isinstance(rows, jax.Array) else np.asarray(rows)
+    if arr.dtype != np.bool_:
+        raise ValueError(
+            f"release rows must be a [max_seqs={max_seqs}] bool mask (True = release that "
+            f"sequence), got dtype {arr.dtype} {np.shape(arr)}: row ids such as [2, 0, 1] or a "
+            "0/1 integer mask are refused, as the two cannot be told apart (pass rows == 1, or "
+            "a bool mask built from the ids)")
+    if arr.shape != (max_seqs,):
+        raise ValueError(f"release rows must be a [max_seqs={max_seqs}] bool mask, "
+                         f"got shape {tuple(arr.shape)}")
+    return jnp.asarray(arr)
+
+
 def init_paged_cache(
     cfg: DsaConfig,
     max_seqs: int,
@@ -414,11 +439,14 @@ def check_room(cache: PagedCache, mask) -> None:
     """Raise ``ValueError`` naming each sequence whose valid tokens in ``mask [max_seqs, S]``
     do not fit (too few free pages after the rows before it, or past ``max_length``);
     nothing is written. Needs concrete values (an eager call, ``PagedDecoder``)."""
-    n_new = jnp.asarray(mask, bool).sum(axis=1, dtype=jnp.int32)
-    _, status = cache.pages.reserve(n_new)
-    status, n_new = np.asarray(status), np.asarray(n_new)
+    n_new = np.asarray(mask, bool).sum(axis=1, dtype=np.int32)
+    # On a host copy (a small table): the same reservation, whatever mesh the cache is on.
+    _, status = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), cache.pages).reserve(n_new)
+    status = np.asarray(status)
     if (status == OK).all():
         return
+    if (status == BAD_TABLE).any():
+        cache.pages.check()  # raises, naming the broken rows
     lengths = np.asarray(cache.pages.lengths)
     n_free, ps = np.asarray(cache.pages.n_free).reshape(-1), cache.page_size
     m = cache.max_seqs // n_free.size  # rows per data shard, each with its own free pages
@@ -440,6 +468,19 @@ def check_room(cache: PagedCache, mask) -> None:
         else:
             left -= max(need, 0)
     raise ValueError("chunk does not fit the paged cache; nothing was written: " + "; ".join(problems))
+
+
+def check_chunk_values(cache: PagedCache, mask, prev_topk=None) -> None:
+    """The checks of an eager paged call that need the chunk's values (``mask [max_seqs,
+    S]``, a shared layer's ``prev_topk [max_seqs, S, W]``), before anything is written:
+    ``check_room``, and a ``prev_topk`` id after its query's position within its own
+    sequence (``chunk_positions``) raises ``ValueError`` naming ``prev_topk``, the row and
+    the id, as the contiguous cache does (``inputs.check_causal_topk``)."""
+    check_room(cache, mask)
+    if prev_topk is not None:
+        mask = np.asarray(mask, bool)
+        check_causal_topk(np.asarray(prev_topk), mask,
+                          np.asarray(chunk_positions(np.asarray(cache.pages.lengths), mask)))
 
 
 # ---------------------------------------------------------------------------- chunk -> slots

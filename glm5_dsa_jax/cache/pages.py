@@ -12,12 +12,32 @@ Invariants (each function keeps them; ``check`` verifies them on concrete values
   are pages and the rest are ``-1``.
 * Every page is either owned by exactly one (row, slot) of the block table or on the free
   stack ``free[:n_free]``, never both, never twice. ``free[n_free:]`` is unspecified.
+* ``owner[p]`` is the row that owns page ``p`` (``-1``: free): the record of who took it,
+  written only by ``reserve`` and ``release``. A row's pages are exactly the pages whose
+  owner it is, and the free stack exactly the pages no row owns.
 * ``lengths[b]`` is the number of tokens sequence ``b`` holds (its next position).
+
+**A table handed in is validated, not trusted** (``faults``; a caller may have written
+any field). Every ``reserve`` checks the table first and a row whose bookkeeping is
+broken (``ROW_FAULTS``: its length, a block-table entry out of range or not owned by it,
+a page twice in the row, an owner record that names more or fewer pages than its length
+needs) gets status ``BAD_TABLE`` and takes, writes and reads nothing; a broken free stack
+(``STACK_FAULTS``: ``n_free`` out of range, an entry out of range, twice, owned by a row,
+or a page neither owned nor free) affects every row of its shard, so every row of that
+shard gets ``BAD_TABLE`` and nothing is taken at all. ``check`` raises the same faults
+eagerly as one ``ValueError`` naming every broken row (field, slot, page) and shard.
+Why an owner record: when two rows name one page, the table alone cannot say whose it
+is; the record can, so the row that names a page it does not own is refused and the
+owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
+only by a row that names it *and* owns it, so no two rows share a page. (A table whose
+block tables, lengths and owner record are all rewritten alike, e.g. two rows swapped
+wholesale, is a valid table: no check can tell, only not writing the table can.)
 
 **Shards** (data parallelism, ``glm5_dsa_jax.parallel.placement``): a table may be ``shards``
 independent tables side by side, one per data shard of a mesh. Rows ``k * m .. (k+1) * m -
 1`` (``m = max_seqs / shards``) and pages ``k * n .. (k+1) * n - 1`` of the pools (``n =
-num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack and
+num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack,
+``owner[k * n: (k+1) * n]`` its owner record (rows local to the shard, ``0 .. m - 1``) and
 ``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard). Page
 ids in the block table and on a stack are *local* to the shard (``0 .. n - 1``), so a
 shard's rows never name another shard's page and a step run per shard reads only its own
@@ -40,11 +60,48 @@ from flax import struct
 
 from glm5_dsa_jax.parallel.placement import put
 
-__all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "STATUS_NAMES"]
+__all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "BAD_TABLE",
+           "STATUS_NAMES", "ROW_FAULTS", "STACK_FAULTS"]
 
-#: ``status`` values of ``PageTable.reserve``, one per row.
-OK, NO_FREE_PAGES, TOO_LONG = 0, 1, 2
-STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size"}
+#: ``status`` values of ``PageTable.reserve``, one per row. ``BAD_TABLE``: the row's own
+#: bookkeeping or its shard's free stack is broken (``PageTable.faults``); the row took,
+#: wrote and read nothing.
+OK, NO_FREE_PAGES, TOO_LONG, BAD_TABLE = 0, 1, 2, 3
+STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size",
+                BAD_TABLE: "inconsistent page table (PageTable.check names the fault)"}
+
+#: Per-row faults of ``PageTable.faults`` (code -> rule), the first broken one reported.
+ROW_LENGTH, ROW_PAGE_ID, ROW_NOT_OWNED, ROW_TWICE, ROW_OWNED_COUNT = 1, 2, 3, 4, 5
+ROW_FAULTS = {
+    ROW_LENGTH: "lengths[b] outside [0, max_length]",
+    ROW_PAGE_ID: "a block-table entry out of range, or not exactly the first pages_needed(lengths[b]) set",
+    ROW_NOT_OWNED: "a block-table entry names a page the row does not own (owner[page] != b)",
+    ROW_TWICE: "a page named twice in the row",
+    ROW_OWNED_COUNT: "owner names more or fewer pages of the row than its length needs",
+}
+#: Per-shard faults of the free stack (code -> rule): they refuse every row of the shard.
+STACK_N_FREE, STACK_OWNER, STACK_ID, STACK_OWNED, STACK_TWICE, STACK_LOST = 1, 2, 3, 4, 5, 6
+STACK_FAULTS = {
+    STACK_N_FREE: "n_free outside [0, pages of the shard]",
+    STACK_OWNER: "an owner entry names no row",
+    STACK_ID: "a free-stack entry out of range",
+    STACK_OWNED: "a page both on the free stack and owned by a row",
+    STACK_TWICE: "a page twice on the free stack",
+    STACK_LOST: "n_free differs from the number of pages no row owns",
+}
+
+
+def _first(flags, axis=-1):
+    """``(any, index of the first True)`` along ``axis``."""
+    return flags.any(axis=axis), jnp.argmax(flags, axis=axis).astype(jnp.int32)
+
+
+def _fault_code(*flags):
+    """The code (1-based position) of the first of ``flags`` that holds, 0 for none."""
+    code = jnp.zeros(jnp.shape(flags[0]), jnp.int32)
+    for i, f in reversed(list(enumerate(flags, 1))):
+        code = jnp.where(f, i, code)
+    return code
 
 
 def _take_pages(left, row):
@@ -76,6 +133,7 @@ class PageTable:
     lengths: jax.Array  # [max_seqs] int32, tokens held
     free: jax.Array  # [num_pages] int32, free page ids in free[:n_free]
     n_free: jax.Array  # [] int32
+    owner: jax.Array  # [num_pages] int32, row owning each page, -1 = free (module doc)
     page_size: int = struct.field(pytree_node=False, default=64)
 
     @property
@@ -112,11 +170,13 @@ class PageTable:
         k = self.shards
         m = self.max_seqs // k
         local = self.replace(block_table=self.block_table.reshape(k, m, -1),
-                             lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1))
+                             lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1),
+                             owner=self.owner.reshape(k, -1))
         rows = (_placed_like(jnp.asarray(r), self.lengths).reshape(k, m) for r in rows)
         table, *rest = jax.vmap(fn)(local, *rows)
         table = table.replace(block_table=table.block_table.reshape(self.max_seqs, -1),
-                              lengths=table.lengths.reshape(-1), free=table.free.reshape(-1))
+                              lengths=table.lengths.reshape(-1), free=table.free.reshape(-1),
+                              owner=table.owner.reshape(-1))
         return (table, *(r.reshape(-1) for r in rest))
 
     def shard(self, k: int) -> "PageTable":
@@ -126,7 +186,8 @@ class PageTable:
         return self.replace(block_table=np.asarray(self.block_table)[k * m:(k + 1) * m],
                             lengths=np.asarray(self.lengths)[k * m:(k + 1) * m],
                             free=np.asarray(self.free)[k * n:(k + 1) * n],
-                            n_free=np.asarray(self.n_free).reshape(-1)[k])
+                            n_free=np.asarray(self.n_free).reshape(-1)[k],
+                            owner=np.asarray(self.owner)[k * n:(k + 1) * n])
 
     def pages_needed(self, lengths: jax.Array) -> jax.Array:
         """Pages that hold ``lengths`` tokens."""
@@ -135,22 +196,28 @@ class PageTable:
     def reserve(self, n_new: jax.Array) -> tuple["PageTable", jax.Array]:
         """Make room for ``n_new[b]`` more tokens in each row: ``(table, status)``.
 
-        Rows take pages from the top of the free stack in row order. A row whose new
-        length passes ``max_length`` (``TOO_LONG``) or whose pages are not all free after
-        the rows before it took theirs (``NO_FREE_PAGES``) takes nothing and keeps its
-        length; every other row's length grows by ``n_new[b]``. ``status`` is ``[max_seqs]``
-        int32. Positions of the new tokens are ``old lengths[b] + 0 .. n_new[b] - 1``.
+        The table is validated first (``faults``): a row whose bookkeeping is broken, and
+        every row of a shard whose free stack is broken, gets ``BAD_TABLE`` and takes
+        nothing. Then rows take pages from the top of the free stack in row order. A row
+        whose new length passes ``max_length`` (``TOO_LONG``) or whose pages are not all
+        free after the rows before it took theirs (``NO_FREE_PAGES``) takes nothing and
+        keeps its length; every other row's length grows by ``n_new[b]``. ``status`` is
+        ``[max_seqs]`` int32. Positions of the new tokens are ``old lengths[b] + 0 ..
+        n_new[b] - 1``.
         """
         n_new = jnp.asarray(n_new, jnp.int32)
         if self.shards > 1:
             return self._per_shard(PageTable.reserve, n_new)
+        row_fault, _, stack_fault, _ = self._faults()
+        bad = (row_fault != 0) | (stack_fault != 0)
         have = self.pages_needed(self.lengths)
         new_len = self.lengths + n_new
         too_long = new_len > self.max_length
-        need = jnp.where(too_long, 0, self.pages_needed(new_len) - have)
+        skip = bad | too_long
+        need = jnp.where(skip, 0, self.pages_needed(new_len) - have)
 
-        left, ok = jax.lax.scan(_take_pages, self.n_free, (need, too_long))
-        status = jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, NO_FREE_PAGES)).astype(jnp.int32)
+        left, ok = jax.lax.scan(_take_pages, self.n_free, (need, skip))
+        status = jnp.where(bad, BAD_TABLE, jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, NO_FREE_PAGES)))
         got = jnp.where(ok, need, 0)
         # Pages are popped one by one from the top: the k-th new page of row b is stack
         # entry n_free - 1 - (pages taken by the rows before b) - k.
@@ -162,25 +229,49 @@ class PageTable:
         page = jnp.take(self.free, jnp.clip(src, 0, self.num_pages - 1))
         table = jnp.where(fresh, page, self.block_table)
         lengths = jnp.where(ok, new_len, self.lengths)
-        return self.replace(block_table=table, lengths=lengths, n_free=left), status
+        # Every operand derived from the table's own arrays: placed alike on a mesh.
+        row = jnp.where(fresh, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
+        owner = self.owner.at[jnp.where(fresh, page, self.num_pages)].set(row, mode="drop")
+        return (self.replace(block_table=table, lengths=lengths, n_free=left, owner=owner),
+                status.astype(jnp.int32))
 
     def release(self, rows: jax.Array) -> "PageTable":
         """Return the pages of every row where ``rows`` (``[max_seqs]`` bool) to the free
         stack; those rows then hold nothing (length 0, no pages). A row that holds
-        nothing is a no-op. Usable inside jit."""
+        nothing is a no-op. Usable inside jit.
+
+        Only pages a released row *owns* (``owner``) go back, each once: first those its
+        block table names, in table order, then any it owns but does not name. So
+        releasing a row whose bookkeeping was broken (``BAD_TABLE``) repairs it without
+        freeing another row's page."""
         rows = jnp.asarray(rows, bool)
         if self.shards > 1:
             return self._per_shard(lambda t, r: (PageTable.release(t, r),), rows)[0]
-        owned = rows[:, None] & (self.block_table >= 0)
-        flat = owned.reshape(-1)
-        pos = self.n_free + jnp.cumsum(flat) - 1  # stack slot of each returned page
-        pos = jnp.where(flat, pos, self.num_pages)  # others: dropped
-        free = self.free.at[pos].set(self.block_table.reshape(-1), mode="drop")
+        n, m = self.num_pages, self.max_seqs
+        table = self.block_table
+        page = jnp.clip(table, 0, n - 1)
+        row = jnp.arange(m, dtype=jnp.int32)[:, None]
+        named = rows[:, None] & (table >= 0) & (table < n) & (jnp.take(self.owner, page) == row)
+        # A page its row names twice goes back once: keep the first naming of each page.
+        flat_idx = jnp.arange(table.size, dtype=jnp.int32).reshape(table.shape)
+        first = jnp.full_like(self.owner, table.size).at[jnp.where(named, table, n)].min(
+            jnp.where(named, flat_idx, table.size), mode="drop")
+        named = named & (jnp.take(first, page) == flat_idx)
+        back = jnp.zeros_like(self.owner, bool).at[jnp.where(named, table, n)].set(named, mode="drop")
+        in_rows = (self.owner >= 0) & (self.owner < m)
+        rest = in_rows & jnp.take(rows, jnp.clip(self.owner, 0, m - 1)) & ~back  # owned, not named
+        flat = named.reshape(-1)
+        n_named = flat.sum(dtype=jnp.int32)
+        pos = jnp.where(flat, self.n_free + jnp.cumsum(flat) - 1, n)  # stack slot of each page
+        pos_rest = jnp.where(rest, self.n_free + n_named + jnp.cumsum(rest) - 1, n)
+        free = self.free.at[pos].set(table.reshape(-1), mode="drop")
+        free = free.at[pos_rest].set(jnp.where(rest, jnp.arange(n, dtype=jnp.int32), -1), mode="drop")
         return self.replace(
-            block_table=jnp.where(rows[:, None], -1, self.block_table),
+            block_table=jnp.where(rows[:, None], -1, table),
             lengths=jnp.where(rows, 0, self.lengths),
             free=free,
-            n_free=self.n_free + flat.sum(dtype=jnp.int32),
+            n_free=self.n_free + n_named + rest.sum(dtype=jnp.int32),
+            owner=jnp.where(back | rest, -1, self.owner),
         )
 
     def token_slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -191,48 +282,140 @@ class PageTable:
         page = jnp.where(positions >= 0, page, -1)
         return page, positions % self.page_size
 
+    def _faults(self):
+        """``faults`` of a one-shard table."""
+        n, m = self.num_pages, self.max_seqs
+        table, lengths, owner, free = self.block_table, self.lengths, self.owner, self.free
+        row = jnp.arange(m, dtype=jnp.int32)[:, None]
+        j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
+        bad_length = (lengths < 0) | (lengths > self.max_length)
+        need = self.pages_needed(jnp.clip(lengths, 0, self.max_length))
+        want = j < need[:, None]
+        in_range = (table >= 0) & (table < n)
+        page = jnp.where(in_range, table, 0)
+        mine = want & in_range & (jnp.take(owner, page) == row)
+        named = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
+        rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
+                 jnp.where(want, ~in_range, table != -1),
+                 want & in_range & ~mine,
+                 mine & (jnp.take(named, page) > 1))
+        is_row = (owner >= 0) & (owner < m)
+        owned = jnp.zeros_like(lengths).at[jnp.where(is_row, owner, m)].add(is_row.astype(jnp.int32), mode="drop")
+        hits = [_first(r) for r in rules]
+        row_fault = _fault_code(*(h[0] for h in hits), owned != need)
+        row_at = jnp.zeros((m,), jnp.int32)
+        for code, (_, at) in enumerate(hits, 1):
+            row_at = jnp.where(row_fault == code, at, row_at)
+
+        n_free = self.n_free
+        i = jnp.arange(n, dtype=jnp.int32)
+        live = i < jnp.clip(n_free, 0, n)
+        id_bad = live & ((free < 0) | (free >= n))
+        fpage = jnp.where(live & ~id_bad, free, n)
+        on_stack = jnp.zeros_like(owner).at[fpage].add((fpage < n).astype(jnp.int32), mode="drop")
+        fpage = jnp.clip(fpage, 0, n - 1)
+        ok_id = live & ~id_bad
+        stack_rules = (jnp.broadcast_to((n_free < 0) | (n_free > n), (n,)),
+                       (owner < -1) | (owner >= m),
+                       id_bad,
+                       ok_id & (jnp.take(owner, fpage) != -1),
+                       ok_id & (jnp.take(on_stack, fpage) > 1),
+                       jnp.broadcast_to(n_free != (owner == -1).sum(dtype=jnp.int32), (n,)))
+        hits = [_first(r) for r in stack_rules]
+        stack_fault = _fault_code(*(h[0] for h in hits))
+        stack_at = jnp.zeros((), jnp.int32)
+        for code, (_, at) in enumerate(hits, 1):
+            stack_at = jnp.where(stack_fault == code, at, stack_at)
+        return row_fault, row_at, stack_fault, stack_at
+
+    def faults(self):
+        """``(row_fault [max_seqs], row_at [max_seqs], stack_fault [shards], stack_at
+        [shards])`` int32: the first broken rule of each row (``ROW_FAULTS``; 0 = none) and
+        the block-table slot where it is broken, and of each shard's free stack
+        (``STACK_FAULTS``) and the stack entry or page where. One home of every rule:
+        ``reserve`` turns them into ``BAD_TABLE`` under jit, ``check`` into a
+        ``ValueError``. Usable inside jit; ``O(max_seqs * pages_per_seq + num_pages)``."""
+        if self.shards == 1:
+            rf, ra, sf, sa = self._faults()
+            return rf, ra, sf.reshape(1), sa.reshape(1)
+        k = self.shards
+        m = self.max_seqs // k
+        local = self.replace(block_table=self.block_table.reshape(k, m, -1),
+                             lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1),
+                             owner=self.owner.reshape(k, -1))
+        rf, ra, sf, sa = jax.vmap(PageTable._faults)(local)
+        return rf.reshape(-1), ra.reshape(-1), sf, sa
+
     def check(self) -> None:
         """Raise ``ValueError`` unless the invariants of the module doc hold (concrete
-        values only; for tests, debugging and tables handed in by a user); per shard, with
-        the shard named, for a sharded table."""
-        if self.shards > 1:
-            for k in range(self.shards):
-                try:
-                    self.shard(k).check()
-                except ValueError as e:
-                    m = self.max_seqs // self.shards
-                    raise ValueError(f"shard {k} (rows {k * m} .. {(k + 1) * m - 1}, local page "
-                                     f"ids): {e}") from None
+        values; an eager paged call runs it on the table it is given, through
+        ``PagedCache.check``): one message naming every broken row (its field, slot and
+        page) and every broken free stack, with the shard for a sharded table."""
+        host = jax.tree.map(np.asarray, self)  # small; and one program whatever the placement
+        rf, ra, sf, sa = (np.asarray(a) for a in _FAULTS(host))
+        if not rf.any() and not sf.any():
             return
-        table, lengths = np.asarray(self.block_table), np.asarray(self.lengths)
-        free, n_free = np.asarray(self.free), int(self.n_free)
-        if not 0 <= n_free <= self.num_pages:
-            raise ValueError(f"n_free = {n_free} outside [0, num_pages={self.num_pages}]")
-        if ((table < -1) | (table >= self.num_pages)).any():
-            b, j = (int(v[0]) for v in np.nonzero((table < -1) | (table >= self.num_pages)))
-            raise ValueError(
-                f"block_table[{b}, {j}] = {int(table[b, j])} is out of range: page ids are "
-                f"0 .. {self.num_pages - 1}, or -1 for none"
-            )
-        if ((lengths < 0) | (lengths > self.max_length)).any():
-            b = int(np.nonzero((lengths < 0) | (lengths > self.max_length))[0][0])
-            raise ValueError(f"lengths[{b}] = {int(lengths[b])} outside [0, {self.max_length}]")
-        need = -(-lengths // self.page_size)
-        for b in range(self.max_seqs):
-            row = table[b]
-            if (row[: need[b]] < 0).any() or (row[need[b]:] >= 0).any():
-                raise ValueError(
-                    f"block_table row {b} holds {int((row >= 0).sum())} pages for length "
-                    f"{int(lengths[b])}: it needs exactly its first {int(need[b])} entries set"
-                )
-        used = np.concatenate([table[table >= 0], free[:n_free]])
-        if used.size != self.num_pages or np.unique(used).size != self.num_pages:
-            counts = np.bincount(used, minlength=self.num_pages)
-            lost, twice = np.nonzero(counts == 0)[0], np.nonzero(counts > 1)[0]
-            raise ValueError(
-                f"pages lost {lost[:5].tolist()} or held twice {twice[:5].tolist()}: every page "
-                "must be in exactly one block-table entry or on the free stack"
-            )
+        k, m, n = self.shards, self.max_seqs // self.shards, self.pages_per_shard
+        problems = []
+        for s in range(k):
+            local = self.shard(s)
+            where = "" if k == 1 else f"shard {s} (rows {s * m} .. {(s + 1) * m - 1}, local page ids): "
+            if sf[s]:
+                problems.append(where + _stack_problem(local, int(sf[s]), int(sa[s])) +
+                                " (every row of the shard is refused)")
+            for b in np.nonzero(rf[s * m:(s + 1) * m])[0]:
+                problems.append(where + _row_problem(local, int(b), s * m, int(rf[s * m + b]),
+                                                     int(ra[s * m + b])))
+        raise ValueError(f"page table is inconsistent (page ids are 0 .. {n - 1}, or -1 for none); "
+                         "nothing was written: " + "; ".join(problems))
+
+
+#: ``PageTable.faults`` compiled once per table geometry (the eager check).
+_FAULTS = jax.jit(PageTable.faults)
+
+
+def _row_problem(t: PageTable, b: int, first_row: int, code: int, j: int) -> str:
+    """The message of row ``b`` (local; global ``first_row + b``) of the one-shard host table ``t``."""
+    g = first_row + b
+    length, entry = int(t.lengths[b]), int(t.block_table[b, j])
+    need = -(-max(0, min(length, t.max_length)) // t.page_size)
+    if code == ROW_LENGTH:
+        return f"row {g}: lengths[{g}] = {length} outside [0, max_length={t.max_length}]"
+    if code == ROW_PAGE_ID and not -1 <= entry < t.num_pages:
+        return (f"row {g}: block_table[{g}, {j}] = {entry} is out of range: page ids are "
+                f"0 .. {t.num_pages - 1}, or -1 for none")
+    if code == ROW_PAGE_ID:
+        return (f"row {g}: block_table row {g} holds {int((t.block_table[b] >= 0).sum())} pages for "
+                f"length {length}: it needs exactly its first {need} entries set")
+    if code == ROW_NOT_OWNED:
+        o = int(t.owner[entry])
+        whose = "free (owner -1)" if o == -1 else f"row {first_row + o}'s" if 0 <= o < t.max_seqs else f"owner {o}'s"
+        return (f"row {g}: block_table[{g}, {j}] = page {entry}, which is {whose}, not row {g}'s: "
+                "a row reads and writes only the pages it owns")
+    if code == ROW_TWICE:
+        return f"row {g}: block_table[{g}, {j}] = page {entry} is named twice in the row"
+    owned = np.nonzero(np.asarray(t.owner) == b)[0]
+    return (f"row {g}: owner names {owned.size} page(s) of row {g} ({owned[:5].tolist()}) but "
+            f"lengths[{g}] = {length} needs {need}, named by its block table")
+
+
+def _stack_problem(t: PageTable, code: int, i: int) -> str:
+    """The message of the free stack of the one-shard host table ``t``."""
+    n_free, n = int(t.n_free), t.num_pages
+    if code == STACK_N_FREE:
+        return f"n_free = {n_free} outside [0, {n}]"
+    if code == STACK_OWNER:
+        return f"owner[{i}] = {int(t.owner[i])} names no row (rows 0 .. {t.max_seqs - 1}, or -1 for free)"
+    page = int(t.free[i]) if code in (STACK_ID, STACK_OWNED, STACK_TWICE) else -1
+    if code == STACK_ID:
+        return f"free[{i}] = {page} is out of range: page ids are 0 .. {n - 1}"
+    if code == STACK_OWNED:
+        return f"free[{i}] = page {page} is on the free stack but owned by row {int(t.owner[page])}"
+    if code == STACK_TWICE:
+        return f"page {page} is on the free stack twice (free[:n_free={n_free}])"
+    unowned = int((np.asarray(t.owner) == -1).sum())
+    return (f"n_free = {n_free} but {unowned} pages are owned by no row: the free stack must "
+            "hold exactly the pages no row owns")
 
 
 def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
@@ -261,5 +444,6 @@ def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
         # Popped from the top: pages are handed out 0, 1, 2, ... on a fresh table.
         free=jnp.tile(jnp.arange(n - 1, -1, -1, dtype=jnp.int32), shards),
         n_free=jnp.asarray(num_pages, jnp.int32) if shards == 1 else jnp.full((shards,), n, jnp.int32),
+        owner=jnp.full((num_pages,), -1, jnp.int32),
         page_size=page_size,
     )

@@ -19,8 +19,9 @@ Invariants:
   sums of mixed 32-bit element bits, computed under ``jit`` so it is the same for any
   sharding and device count) of the values as saved. ``restore_checkpoint`` restores in
   the saved dtype, recomputes the digests and the non-finite counts, and raises one
-  ``CheckpointError`` (every problem: metadata, missing/misshaped arrays, unreadable data
-  files, digest mismatches, non-finite values) before any layer is returned. Orbax/
+  ``CheckpointError`` (every problem: metadata, missing/misshaped/extra arrays, unreadable
+  data files, digest mismatches, non-finite values) before any layer is returned: a
+  problem found never stops the checks of the other arrays, so the error names them all. Orbax/
   TensorStore errors are caught and reported per array. ``save_checkpoint`` refuses a
   layer holding NaN/inf before writing anything.
 * A parameter renamed since a checkpoint was written is found under its earlier path
@@ -358,8 +359,9 @@ def restore_checkpoint(
     sharding. ``dtype``/``param_dtype`` default to the saved ones (``param_dtype`` casts).
 
     Every array is verified against the digest recorded at save and for finiteness; every
-    problem (metadata, missing or misshaped arrays, unreadable or corrupted data files,
-    non-finite values) is raised in one ``CheckpointError`` and no layer is returned."""
+    problem (metadata, missing, misshaped or extra arrays, unreadable or corrupted data
+    files, non-finite values) is raised in one ``CheckpointError`` and no layer is returned:
+    every array is checked whatever was found before it."""
     ocp = _orbax()
     path = Path(path).absolute()
     meta, cfg = read_checkpoint_meta(path)
@@ -411,6 +413,7 @@ def restore_checkpoint(
                 problems.append(f"{name}: no digest in {META_FILE}")
                 continue
             tree_set(tree, spath, jax.ShapeDtypeStruct(s.shape, saved_dt, sharding=sh))
+        problems += _extra_entries(stored.get(f"layer_{i}"), shardings, i)
         abstracts[i], target[f"layer_{i}"] = abstract, tree
     target = {k: v for k, v in target.items() if v}
 
@@ -447,6 +450,17 @@ def restore_checkpoint(
             arrays = jax.tree.map(lambda a: a.astype(want_dt[i]), arrays)
         out[i] = fill_layer(abstracts[i], arrays, mesh, axis)
     return out
+
+
+def _extra_entries(stored_layer, shardings: Mapping, i: int) -> list[str]:
+    """The problems of the arrays a stored layer holds that are no parameter of layer
+    ``i`` (under its path or an earlier one, ``layout.Param.aliases``): a checkpoint of
+    another config or version, or a damaged tree."""
+    if not isinstance(stored_layer, Mapping):
+        return []
+    known = {".".join(c) for ppath in shardings for c in (ppath, *layout.find_param(ppath)[1].aliases)}
+    return [f"layer_{i}.{name}: in the checkpoint but not a parameter of layer {i}"
+            for name in sorted(_flat(stored_layer)) if name not in known]
 
 
 def _stored_path(tree, ppath: tuple[str, ...]) -> tuple[str, ...]:

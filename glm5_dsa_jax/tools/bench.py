@@ -141,9 +141,11 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
     n_free = n - batch * used
     # free[:n_free] are the free pages; the entries above the top are unspecified.
     free = np.concatenate([perm[batch * used:], perm[: batch * used]])
+    owner = np.full(n, -1, np.int32)  # pages.PageTable.owner: the row holding each page
+    owner[table[:, :used]] = np.arange(batch, dtype=np.int32)[:, None]
     pages = cache.pages.replace(
         block_table=jnp.asarray(table), lengths=jnp.full((batch,), context, jnp.int32),
-        free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32))
+        free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32), owner=jnp.asarray(owner))
     # Random float rows (float32 for fp8: replace() quantises them, with their scales).
     dt = jnp.float32 if cache.is_fp8 else cache.dtype
     cfg = layer.cfg
