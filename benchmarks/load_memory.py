@@ -123,7 +123,7 @@ def _naive(path, mesh, dtype):
     from safetensors.numpy import load_file
 
     import glm5_dsa_jax as gd
-    from glm5_dsa_jax.weights import hf_to_params
+    from glm5_dsa_jax.model.weights import hf_to_params
 
     cfg = gd.DsaConfig.from_hf_config(path)
     raw = load_file(os.path.join(path, "model.safetensors"))

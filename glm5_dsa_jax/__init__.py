@@ -17,17 +17,17 @@ from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.checkpoint import (
     CheckpointError, load_hf_checkpoint, read_hf_params, restore_checkpoint, save_checkpoint,
 )
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder, make_step
-from glm5_dsa_jax.layout import hf_weight_shapes
+from glm5_dsa_jax.model.layout import hf_weight_shapes
 from glm5_dsa_jax.tools.memory_plan import MemoryPlan
 from glm5_dsa_jax.parallel.plan import TpPlan, partition_specs
 from glm5_dsa_jax.parallel.sharding import shard_layer
-from glm5_dsa_jax.layer import (
+from glm5_dsa_jax.model.layer import (
     DsaAttention, DsaIndexer, absorb_o, absorb_q, clear_float32_copies, float32_params,
 )
-from glm5_dsa_jax.weights import WeightError, hf_to_params, params_to_hf
+from glm5_dsa_jax.model.weights import WeightError, hf_to_params, params_to_hf
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "read_hf_params", "restore_checkpoint", "save_checkpoint",

@@ -37,7 +37,7 @@ from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
 from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings

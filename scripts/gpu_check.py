@@ -80,7 +80,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import MOSAIC_MIN_JAX, jax_version, lower_for_cuda  # noqa: E402
 from glm5_dsa_jax.tools import roofline  # noqa: E402
-from glm5_dsa_jax.config import DsaConfig  # noqa: E402
+from glm5_dsa_jax.model.config import DsaConfig  # noqa: E402
 from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 
 

@@ -27,7 +27,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.checkpoint import safetensors_file
 from glm5_dsa_jax.cli import main
-from glm5_dsa_jax.weights import params_to_hf
+from glm5_dsa_jax.model.weights import params_to_hf
 from hf_oracle import hf_attend_on, hf_forward, hf_selection, randomize_
 from helpers import (ATOL, RTOL, assert_trees_equal, check_selection, f32_layer, fresh_dir, padded_batch,
                      params_np)

@@ -190,7 +190,7 @@ def test_gpu_compile_subcommand_and_its_python_m_alias(capsys):
 from glm5_dsa_jax import cli  # noqa: E402
 from glm5_dsa_jax.cli import gpu_compile as cli_gpu_compile  # noqa: E402
 from glm5_dsa_jax.cli import host  # noqa: E402
-from glm5_dsa_jax.config import MODEL_TYPES, PRESETS  # noqa: E402
+from glm5_dsa_jax.model.config import MODEL_TYPES, PRESETS  # noqa: E402
 from glm5_dsa_jax.tools import demo as demo_tool  # noqa: E402
 from glm5_dsa_jax.tools.gpu_compile import ToolchainMissing  # noqa: E402
 

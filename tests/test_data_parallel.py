@@ -280,7 +280,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"batch of 3 rows is not divisible by the 2 data shards of "
                                          r"mesh axis 'data'"):
         layer(x[:3, :4], attention_mask=mask[:3, :4])
-    with pytest.raises(ValueError, match=r"field \.latent_store has 3 rows, not divisible by the 2 "
+    with pytest.raises(ValueError, match=r"the cache's batch of 3 sequences is not divisible by the 2 "
                                          r"data shards of mesh axis 'data'"):
         layer.init_cache(3, MAX_LEN)
     with pytest.raises(ValueError, match=r"max_seqs=4 and num_pages=15 must both divide by the 2 data shards"):

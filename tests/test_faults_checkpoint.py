@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax.checkpoint import orbax_io
-from glm5_dsa_jax.weights import WeightError, params_to_hf
+from glm5_dsa_jax.model.weights import WeightError, params_to_hf
 from helpers import assert_trees_equal, f32_layer, fresh_dir, params_np
 from helpers import assert_same_layers as _assert_same
 

@@ -88,8 +88,8 @@ def _state(attn):
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_safetensors_of_each_type_import(tmp_path, model_type):
-    from glm5_dsa_jax import layout
-    from glm5_dsa_jax.weights import arrays_to_hf, hf_to_params
+    from glm5_dsa_jax.model import layout
+    from glm5_dsa_jax.model.weights import arrays_to_hf, hf_to_params
 
     cfg = small(model_type)
     sds = {i: _state(hf_attention(cfg, i, seed=10 + i)) for i in range(2)}

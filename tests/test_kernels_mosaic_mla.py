@@ -37,7 +37,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda
 from pallas_kernels.attention import MosaicSparseMlaBlockSizes, SparseMlaBlockSizes
 from pallas_kernels.scoring import IndexScoresBlockSizes, MosaicIndexScoresBlockSizes

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels as pk
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda
 from pallas_kernels.selection import (
     MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, mask_past_live, topk_pools,

@@ -1,6 +1,6 @@
 """The layer's pipeline steps: visible in the compiled step, and no compilation per eager step.
 
-* Each step runs under ``jax.named_scope`` with its method's name (``glm5_dsa_jax.steps``),
+* Each step runs under ``jax.named_scope`` with its method's name (``glm5_dsa_jax.model.layer``),
   so the compiled decode step's HLO (op metadata) names every one of them, on a contiguous
   and on a paged cache: a profile or an HLO dump shows where the time goes.
 * An eager decode step (a layer call with a cache, outside jit) compiles nothing once the
@@ -26,7 +26,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.steps import COMPRESS_POOLS, FULL_STEPS, SCORE_POOLS, SHARED_STEPS
+from glm5_dsa_jax.model.layer import COMPRESS_POOLS, FULL_STEPS, SCORE_POOLS, SHARED_STEPS
 from glm5_dsa_jax.parallel.sharding import shard_layer
 
 #: The event jax records for each XLA backend compilation (jax 0.10 and 0.12).

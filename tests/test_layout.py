@@ -1,4 +1,4 @@
-"""The layout table (``glm5_dsa_jax.layout``) against the layer, the plan and checkpoints.
+"""The layout table (``glm5_dsa_jax.model.layout``) against the layer, the plan and checkpoints.
 
 * Its HF shapes are what ``params_to_hf`` writes and its parameter shapes what
   ``DsaAttention`` creates, for full and shared layers, with and without biases.
@@ -23,7 +23,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
-from glm5_dsa_jax import layout
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.parallel import plan
 from glm5_dsa_jax.tools import roofline
 from helpers import tiny8

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import layout, rope
+from glm5_dsa_jax.model import layout, rope
 from glm5_dsa_jax.cli import main
-from glm5_dsa_jax.config import MODEL_TYPES, PRESETS
+from glm5_dsa_jax.model.config import MODEL_TYPES, PRESETS
 
 # DeepSeek-V3.2-Exp's config.json, trimmed to the fields read here (flat, legacy rope_scaling).
 DEEPSEEK_V32_JSON = {

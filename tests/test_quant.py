@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import checkpoint as ck
 from glm5_dsa_jax import quant
-from glm5_dsa_jax.weights import params_to_hf
+from glm5_dsa_jax.model.weights import params_to_hf
 from helpers import tiny8
 
 # The FP4 E2M1 code -> value table (OCP MX spec; codes 8..15 are the negatives).

@@ -1,4 +1,4 @@
-"""RoPE (``glm5_dsa_jax.rope``) against transformers' own rotary classes and functions of
+"""RoPE (``glm5_dsa_jax.model.rope``) against transformers' own rotary classes and functions of
 ``glm_moe_dsa`` and ``deepseek_v32``: default and YaRN frequencies, cos / sin up to position
 200k, both channel layouts (torch: listed in ``conftest.TORCH_MODULES``)."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax import rope
+from glm5_dsa_jax.model import rope
 
 from hf_oracle import hf_rotary
 

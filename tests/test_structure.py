@@ -119,22 +119,22 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: The layers, first to last; a module belongs to the first entry that names it or a
 #: package above it. Package ``__init__`` modules that re-export sit with their contents.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("glm5_dsa_jax.config_json", "glm5_dsa_jax.steps"),  # HF config.json spellings; step names
-    ("glm5_dsa_jax.config", "glm5_dsa_jax.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.cpu_policy",
+    ("glm5_dsa_jax.model.config_json",),  # HF config.json spellings
+    ("glm5_dsa_jax.model.config", "glm5_dsa_jax.model.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.cpu_policy",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),
-    ("glm5_dsa_jax.layout", "glm5_dsa_jax.inputs"),  # the tensor table; input checks
-    ("glm5_dsa_jax.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
+    # the tensor table and the parameters it makes; input checks
+    ("glm5_dsa_jax.model.layout", "glm5_dsa_jax.model.inputs"),
+    ("glm5_dsa_jax.model.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels
     # where a placed layer's arrays live; layer math; fp8 rows; the cache interface
-    ("glm5_dsa_jax.parallel.placement", "glm5_dsa_jax.ops", "glm5_dsa_jax.cache.fp8",
+    ("glm5_dsa_jax.parallel.placement", "glm5_dsa_jax.model.ops", "glm5_dsa_jax.cache.fp8",
      "glm5_dsa_jax.cache.interface"),
-    ("glm5_dsa_jax.param_init", "glm5_dsa_jax.cache.pages"),  # parameters from the table; page bookkeeping
-    ("glm5_dsa_jax.indexer",),  # the indexer's parameters and projections
+    ("glm5_dsa_jax.cache.pages",),  # page bookkeeping
     ("glm5_dsa_jax.cache.contiguous",),
     ("glm5_dsa_jax.cache.paged",),
     ("glm5_dsa_jax.cache",),  # re-exports the caches
     ("glm5_dsa_jax.parallel.execution",),  # the one execution of a call (takes the layer, imports none)
-    ("glm5_dsa_jax.layer",),
+    ("glm5_dsa_jax.model.layer", "glm5_dsa_jax.model"),  # the layer (``model/__init__`` imports nothing)
     # the TP plan; shard_layer (the parallel package's __init__ imports nothing)
     ("glm5_dsa_jax.parallel",),
     ("glm5_dsa_jax.decode",),
@@ -168,7 +168,7 @@ def test_cycle_finder_finds_a_cycle():
     # The checker itself: a planted cycle through a function-level import is found.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
-    src = "def f():\n    from glm5_dsa_jax.layer import DsaAttention\n"
+    src = "def f():\n    from glm5_dsa_jax.model.layer import DsaAttention\n"
     tree = ast.parse(src)
     assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
 
@@ -255,7 +255,7 @@ def test_function_level_imports_finds_them():
     # one is not.
     src = ("import re\n"
            "def f():\n    import ctypes\n    def g():\n        from .layout import TENSORS\n")
-    assert function_level_imports("glm5_dsa_jax.weights", src) == {"ctypes", "glm5_dsa_jax.layout"}
+    assert function_level_imports("glm5_dsa_jax.model.weights", src) == {"ctypes", "glm5_dsa_jax.model.layout"}
 
 
 def private_imports(module: str) -> list[str]:

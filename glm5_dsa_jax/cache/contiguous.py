@@ -67,7 +67,7 @@ from flax import struct
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import FP8, is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 from pallas_kernels import first_valid
 

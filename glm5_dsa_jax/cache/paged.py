@@ -75,9 +75,9 @@ from glm5_dsa_jax.cache.contiguous import (
 from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
-from glm5_dsa_jax.inputs import check_causal_topk
+from glm5_dsa_jax.model.inputs import check_causal_topk
 
 __all__ = ["PagedCache", "PagedPoolKeys", "init_paged_cache", "release_mask", "check_room",
            "check_chunk_values", "chunk_positions", "token_slots"]

@@ -39,8 +39,8 @@ from glm5_dsa_jax.checkpoint.orbax_io import (
     PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_checkpoint, save_checkpoint,
 )
 from glm5_dsa_jax.checkpoint.safetensors_file import SafetensorsFile
-from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.layer import DsaAttention
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "read_hf_params", "save_checkpoint", "restore_checkpoint",

@@ -33,8 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.parallel.sharding import check_tp_mesh, shard_layer
 
 

@@ -54,16 +54,17 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from glm5_dsa_jax import layout, quant
+from glm5_dsa_jax import quant
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.checkpoint.assembly import (
     abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.checkpoint.safetensors_file import CHUNK_BYTES, SafetensorsFile, TensorInfo
-from glm5_dsa_jax.config import MODEL_TYPES, DsaConfig
-from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.weights import cast_to, count_nonfinite, nonfinite_problem
+from glm5_dsa_jax.model.config import MODEL_TYPES, DsaConfig
+from glm5_dsa_jax.model.layer import DsaAttention
+from glm5_dsa_jax.model.layout import hf_weight_shapes
+from glm5_dsa_jax.model.weights import cast_to, count_nonfinite, nonfinite_problem
 from pallas_kernels import check_implementation
 
 __all__ = ["LAYER_PREFIXES", "load_hf_checkpoint", "read_hf_params"]

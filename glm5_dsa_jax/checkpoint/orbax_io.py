@@ -52,9 +52,9 @@ from glm5_dsa_jax.checkpoint.assembly import (
     abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax import layout
-from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.model import layout
+from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.layer import DsaAttention
 
 __all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint"]
 

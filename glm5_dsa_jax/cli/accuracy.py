@@ -13,7 +13,7 @@ import sys
 from tqdm import tqdm
 
 from glm5_dsa_jax.cli.args import UsageError, check_context, nonnegative_int, positive_int, positive_int_list
-from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.cache_accuracy import NEAR_TIE, measure
 
 

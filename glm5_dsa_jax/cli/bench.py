@@ -12,7 +12,7 @@ import sys
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cli.args import UsageError, nonnegative_int, positive_int, positive_int_list
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.tools import bench
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from glm5_dsa_jax.checkpoint import CheckpointError, load_hf_checkpoint, save_checkpoint
 from glm5_dsa_jax.cli.args import UsageError, positive_int
 from glm5_dsa_jax.cli.host import need_devices
-from glm5_dsa_jax.config import MODEL_TYPES
+from glm5_dsa_jax.model.config import MODEL_TYPES
 
 
 def _int_list(s: str) -> list[int]:

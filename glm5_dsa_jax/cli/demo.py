@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cli.args import UsageError, nonnegative_int
-from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.decode import DsaDecoder
 from glm5_dsa_jax.tools import demo
 

@@ -21,7 +21,7 @@ import time
 import jax
 
 from glm5_dsa_jax.cli.args import UsageError, check_context
-from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.gpu_compile import (
     TARGETS, compile_cases, default_cases, failures, format_table, toolchain,
 )

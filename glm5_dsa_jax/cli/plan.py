@@ -16,7 +16,7 @@ import json
 import sys
 
 from glm5_dsa_jax.cli.args import check_context, nonnegative_int, positive_float, positive_int
-from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.memory_plan import MemoryPlan
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
 

@@ -15,7 +15,7 @@ import sys
 
 from glm5_dsa_jax.tools import roofline
 from glm5_dsa_jax.cli.args import UsageError, check_context, positive_int
-from glm5_dsa_jax.config import PRESETS, DsaConfig
+from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.roofline import GPUS, RooflineRow
 
 

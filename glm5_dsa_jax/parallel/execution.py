@@ -40,7 +40,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from glm5_dsa_jax import layout
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.cache import init_cache
 from glm5_dsa_jax.cpu_policy import float32_products
 from glm5_dsa_jax.parallel.placement import cache_specs, check_batch

@@ -159,8 +159,10 @@ def _check_splits(cache, mesh, batch_axis) -> None:
             "the placed layer's init_paged_cache")
     for path, a in jax.tree_util.tree_flatten_with_path(cache)[0]:
         if np.ndim(a) and a.shape[0] % dp:
-            raise ValueError(f"cache field {jax.tree_util.keystr(path)} has {a.shape[0]} rows, not "
-                             f"divisible by the {dp} data shards of mesh axis {batch_axis!r}")
+            what = "pages" if pages is not None and a.shape[0] != pages.max_seqs else "sequences"
+            raise ValueError(f"the cache's batch of {a.shape[0]} {what} is not divisible by the {dp} data "
+                             f"shards of mesh axis {batch_axis!r} (its field {jax.tree_util.keystr(path)}): "
+                             f"make it with a multiple of {dp}")
 
 
 def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None):

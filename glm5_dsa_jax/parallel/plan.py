@@ -4,7 +4,7 @@ placement is ``glm5_dsa_jax.parallel.sharding``.
 
 Invariants:
 
-* Everything here is derived from the layout table (``glm5_dsa_jax.layout``, which says
+* Everything here is derived from the layout table (``glm5_dsa_jax.model.layout``, which says
   which tensors hold the ``"heads"`` axis): a tensor is split exactly when one of its
   parameters has that axis, by rows when the heads are in its PyTorch out-dim, by columns
   when in its in-dim (row-parallel: its output is all-reduced once per call). Everything
@@ -43,9 +43,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from glm5_dsa_jax import layout
-from glm5_dsa_jax.config import DsaConfig
-from glm5_dsa_jax.layout import partition_specs  # re-exported: the plan's specs, one home in layout
+from glm5_dsa_jax.model import layout
+from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.layout import partition_specs  # re-exported: the plan's specs, one home in layout
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "check_tp_size", "fmt_bytes",

@@ -42,11 +42,11 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from glm5_dsa_jax import layout
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.parallel import placement as pl
 from glm5_dsa_jax.parallel.placement import Placement, put
 from glm5_dsa_jax.parallel.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
-from glm5_dsa_jax.weights import param_variable
+from glm5_dsa_jax.model.weights import param_variable
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",

@@ -65,10 +65,10 @@ from flax import nnx
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache import PagedCache, check_cache_dtype
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import float32_products_context
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.layer import DsaAttention, float32_params
+from glm5_dsa_jax.model.layer import DsaAttention, float32_params
 from glm5_dsa_jax.tools.roofline import step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on

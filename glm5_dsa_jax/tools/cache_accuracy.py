@@ -49,8 +49,8 @@ import numpy as np
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache
-from glm5_dsa_jax.layer import DsaAttention
-from glm5_dsa_jax.layout import hf_weight_shapes
+from glm5_dsa_jax.model.layer import DsaAttention
+from glm5_dsa_jax.model.layout import hf_weight_shapes
 
 __all__ = ["trained_like_weights", "prompt_states", "fill", "measure", "Fp8Accuracy",
            "NEAR_TIE", "OUTLIER_SHARE", "OUTLIER_GAIN", "VOCAB"]

@@ -22,9 +22,9 @@ from flax import nnx
 
 import pallas_kernels as pk
 from glm5_dsa_jax.checkpoint import load_for_demo
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.decode import DsaDecoder
-from glm5_dsa_jax.layer import DsaAttention
+from glm5_dsa_jax.model.layer import DsaAttention
 
 __all__ = ["describe_row", "build_layers", "left_padded_batch", "default_prompt", "sparse_vs_dense",
            "decode_steps", "MIN_PROMPT", "COMPARED_QUERIES"]

@@ -32,7 +32,7 @@ import math
 import jax
 
 from glm5_dsa_jax.cache import init_cache
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache import init_paged_cache
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, TpPlan
 

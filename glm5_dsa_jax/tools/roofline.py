@@ -57,9 +57,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from glm5_dsa_jax import layout
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.cache import check_cache_dtype
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache.fp8 import is_fp8
 from pallas_kernels import (
     ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,

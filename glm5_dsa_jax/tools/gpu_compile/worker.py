@@ -34,7 +34,7 @@ import time
 import jax
 from jax.experimental import topologies
 
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.tools.gpu_compile.cases import MOSAIC_KERNELS, MOSAIC_LAUNCHES, Case, Step, build
 from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS
 from pallas_kernels import triton_calls

@@ -1,5 +1,5 @@
 """Hugging Face tensors <-> this project's parameters for one DSA layer, both directions
-derived from the layout table (``glm5_dsa_jax.layout``), plus the checks a load applies.
+derived from the layout table (``glm5_dsa_jax.model.layout``), plus the checks a load applies.
 
 Invariants:
 
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from glm5_dsa_jax import layout
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model import layout
+from glm5_dsa_jax.model.config import DsaConfig
 
 __all__ = ["hf_to_params", "params_to_hf", "arrays_to_hf", "WeightError", "count_nonfinite", "nonfinite_problem",
            "param_variable"]

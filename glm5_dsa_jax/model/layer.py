@@ -1,10 +1,10 @@
-"""Flax NNX module of one DSA layer: the lightning indexer (``glm5_dsa_jax.indexer``) and
+"""Flax NNX module of one DSA layer: the lightning indexer (``glm5_dsa_jax.model.layer``) and
 weight-absorbed sparse MLA, for the three model types of ``DsaConfig`` (GLM-5.3-Flash's NoPE
 ``glm5_next``; ``glm_moe_dsa`` and ``deepseek_v32`` with a RoPE part).
 
 Invariants:
 
-* Parameters are the rows of the layout table (``glm5_dsa_jax.layout``: names, shapes,
+* Parameters are the rows of the layout table (``glm5_dsa_jax.model.layout``: names, shapes,
   initialisers, creation order), stored in JAX layout (``[in, out]``, heads as their own
   axis), and carry their tensor-parallel placement as ``out_sharding`` metadata: the head
   axis of ``q_b_proj``, ``w_uk``, ``w_uv`` and ``o_proj`` is named ``tp_axis``; everything
@@ -38,7 +38,7 @@ Invariants:
   never written back; each product still rounds to the activation dtype. The policy is
   ``glm5_dsa_jax.cpu_policy``'s, invisible here; ``cpu_float32=False`` opts out.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
-  name (``glm5_dsa_jax.steps``): ``forward`` runs these methods, so no step is written
+  name (``glm5_dsa_jax.model.layer``): ``forward`` runs these methods, so no step is written
   twice. A step that reads the cache uses the cache's operations (its key source and
   kernel for scoring, its rows and slots for attention, its tail), never its kind. The
   steps are plain single-device code: ``forward`` reads no placement of the layer and runs
@@ -59,25 +59,111 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
-from glm5_dsa_jax import layout, steps
+from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.cache import Chunk, DsaCache, LayerCache, PagedCache, init_cache, init_paged_cache
 from glm5_dsa_jax.cache.contiguous import live_pool_tiles
 from glm5_dsa_jax.cache.fp8 import check_cache_readable
 from glm5_dsa_jax.cache.interface import tile_scorer
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
-from glm5_dsa_jax.inputs import check_inputs, check_position_ids
-from glm5_dsa_jax.layout import hf_weight_shapes
-from glm5_dsa_jax.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
-from glm5_dsa_jax.indexer import DsaIndexer
-from glm5_dsa_jax.param_init import ParamFactory
+from glm5_dsa_jax.model.inputs import check_inputs, check_position_ids
+from glm5_dsa_jax.model.layout import ParamFactory, hf_weight_shapes
+from glm5_dsa_jax.model.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
 from glm5_dsa_jax.parallel.execution import run, run_fn
 from glm5_dsa_jax.parallel.placement import Placement, place_cache
-from glm5_dsa_jax.rope import apply_rope, rope_cos_sin
-from glm5_dsa_jax.weights import hf_to_params, param_variable
+from glm5_dsa_jax.model.rope import apply_rope, rope_cos_sin
+from glm5_dsa_jax.model.weights import hf_to_params, param_variable
 
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
-           "float32_params", "clear_float32_copies"]
+           "float32_params", "clear_float32_copies",
+           "PROJECT", "INDEX_PROJECT", "COMPRESS_POOLS", "SCORE_POOLS", "SELECT_POOLS",
+           "EXPAND_TO_TOKENS", "SPARSE_ATTENTION", "OUTPUT_PROJECTION", "FULL_STEPS", "SHARED_STEPS"]
+
+# ---------------------------------------------------------------------------- step names
+# The names of the layer's pipeline steps: the ``jax.named_scope`` each one runs under.
+#
+# Rule: a step's name is the name of the ``DsaAttention`` method that runs it (the indexer's
+# projection, ``DsaIndexer.project``, is ``"index_project"``, to tell it from the layer's
+# ``project``). The kernel a step calls (``kpool_compress``, ``index_scores``, ...) is not
+# the step: a step also reads or writes the cache around its kernel, and the contiguous and
+# paged caches run the same step over different kernels (``index_scores`` /
+# ``index_scores_paged``). Why one home: the layer (``glm5_dsa_jax.layer``), the caches'
+# tile scorer (wrapped by the layer), the indexer and the
+# test that finds every step in a compiled step's HLO (``tests/test_layer_steps.py``) must
+# spell each name the same way, or a profile silently loses a step.
+#
+# Invariants: every name is a distinct identifier-like string (an HLO op's metadata shows
+# ``.../<name>/...``); ``FULL_STEPS`` lists, in pipeline order, the steps a layer with an
+# indexer runs, ``SHARED_STEPS`` those of a ``"shared"`` layer (it reuses its full layer's
+# token ids).
+PROJECT = "project"
+INDEX_PROJECT = "index_project"
+COMPRESS_POOLS = "compress_pools"
+SCORE_POOLS = "score_pools"
+SELECT_POOLS = "select_pools"
+EXPAND_TO_TOKENS = "expand_to_tokens"
+SPARSE_ATTENTION = "sparse_attention"
+OUTPUT_PROJECTION = "output_projection"
+
+FULL_STEPS = (PROJECT, INDEX_PROJECT, COMPRESS_POOLS, SCORE_POOLS, SELECT_POOLS, EXPAND_TO_TOKENS,
+              SPARSE_ATTENTION, OUTPUT_PROJECTION)
+SHARED_STEPS = (PROJECT, SPARSE_ATTENTION, OUTPUT_PROJECTION)
+
+
+# ---------------------------------------------------------------------------- indexer
+# The lightning indexer's parameters and projections (``DsaIndexer``), replicated under TP.
+#
+# The indexer emits a *selection*, not a partial sum, so it is replicated on every device of a
+# tensor-parallel mesh and computes the same top-k everywhere (``glm5_dsa_jax.parallel.placement``).
+# Its tensors are the layout table's indexer rows for the config's model type (k-pool gate
+# and APE only with k-pool compression, ``cfg.rules.kpool_compression``). The scoring,
+# selection and expansion steps that read what it projects are ``DsaAttention``'s methods.
+class DsaIndexer(nnx.Module):
+    """The lightning indexer of one full DSA layer (replicated under TP).
+
+    Parameters (the layout table's indexer rows, JAX layout): ``wq_b [q_lora, index_heads,
+    D]``, ``wk [hidden, D]``, ``k_norm_scale/k_norm_bias [D]``, ``weights_proj [hidden,
+    index_heads]``, ``kpool_gate [hidden, D]`` (HF ``index_kpool_compress_gate``
+    transposed), ``kpool_ape [KP, D]``.
+    """
+
+    def __init__(self, cfg: DsaConfig, *, rngs: nnx.Rngs, param_dtype=jnp.bfloat16, tp_axis="tp"):
+        ParamFactory(cfg, rngs, param_dtype, tp_axis).create(
+            self, [t for t in layout.layer_tensors(cfg, indexer=True) if t.indexer])
+        self.cfg = cfg
+        self.eps = cfg.index_norm_eps
+        self.index_heads = cfg.index_n_heads
+
+    def project(self, x: jax.Array, q_resid: jax.Array, rope=None):
+        """``x [B, S, hidden]``, ``q_resid [B, S, q_lora]`` -> queries ``[B, S, Hi, D]``,
+        weights ``[B, S, Hi]`` float32, keys ``[B, S, D]``, gate logits ``[B, S, D]`` float32.
+        ``rope``: ``(cos, sin)`` at the tokens' positions (``rope.rope_cos_sin``) for a model
+        whose indexer ropes the first ``qk_rope_head_dim`` channels of its queries and keys
+        (in ``cfg.rules.indexer_rope_style``); keys are roped before they are pooled or
+        cached, as HF caches them. Without k-pool compression the gate is zeros (a pool of
+        one token is that token: ``kpool_compress`` then returns the keys exactly)."""
+        cfg = self.cfg
+        with jax.named_scope(INDEX_PROJECT):
+            q = matmul("bsr,rhd->bshd", q_resid, self.wq_b[...])
+            k = layer_norm(dense(x, self.wk[...]), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
+            if rope is not None and cfg.rules.indexer_rope_style is not None:
+                r, style = cfg.qk_rope_head_dim, cfg.rules.indexer_rope_style
+                cos, sin = rope
+                q = jnp.concatenate([apply_rope(q[..., :r], cos[:, :, None], sin[:, :, None], style), q[..., r:]], -1)
+                k = jnp.concatenate([apply_rope(k[..., :r], cos, sin, style), k[..., r:]], -1)
+            if cfg.rules.kpool_compression:
+                gate = dense(x, self.kpool_gate[...]).astype(jnp.float32)
+            else:
+                gate = jnp.zeros(k.shape, jnp.float32)
+            w = dense(x, self.weights_proj[...]).astype(jnp.float32) * (self.index_heads**-0.5)
+        return q, w, k, gate
+
+    def pool_ape(self, dtype) -> jax.Array:
+        """``[KP, D]`` the k-pool APE (zeros without k-pool compression: KP is 1 there)."""
+        if self.cfg.rules.kpool_compression:
+            return self.kpool_ape[...]
+        return jnp.zeros((self.cfg.index_kpool, self.cfg.index_head_dim), dtype)
+
 
 # ---------------------------------------------------------------------------- attention
 class DsaAttention(nnx.Module):
@@ -256,7 +342,7 @@ class DsaAttention(nnx.Module):
     # ------------------------------------------------------------------ forward
     def check_inputs(self, hidden_states, attention_mask=None, prev_topk=None, *, start=None):
         """``(x, mask, prev_topk)`` after checking every input of a call (see
-        ``glm5_dsa_jax.inputs``): ``x`` in the compute dtype, ``mask`` bool, ``prev_topk``
+        ``glm5_dsa_jax.model.inputs``): ``x`` in the compute dtype, ``mask`` bool, ``prev_topk``
         int32 or None. ``start`` is the slot of the first query (the cache's length): with
         it, a concrete ``prev_topk`` is checked causal. Raises ``ValueError``."""
         return check_inputs(self.cfg, self.layer_idx, self.dtype, hidden_states, attention_mask,
@@ -347,7 +433,7 @@ class DsaAttention(nnx.Module):
         HF's attention, written in HF's de-interleaved layout)."""
         cfg = self.cfg
         eps = cfg.latent_norm_eps
-        with jax.named_scope(steps.PROJECT):
+        with jax.named_scope(PROJECT):
             q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
             q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...])
             q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
@@ -370,7 +456,7 @@ class DsaAttention(nnx.Module):
         once, into the cache (``kpool_compress`` between the cache's ``pool_window`` and
         ``store_pools``; nothing written when the chunk does not fit)."""
         kernel = functools.partial(self._indexer_kernel, pk.kpool_compress)
-        with jax.named_scope(steps.COMPRESS_POOLS):
+        with jax.named_scope(COMPRESS_POOLS):
             win = cache.pool_window(keys, gate, chunk)
             pooled, _, pooled_valid = kernel(win.keys, win.gate, win.valid,
                                              self.indexer.pool_ape(win.keys.dtype), win.first_pool)
@@ -383,7 +469,7 @@ class DsaAttention(nnx.Module):
         source are the cache's (``pool_keys``: ``index_scores``, or ``index_scores_paged``
         through the block table, each row's own pools only)."""
         kp = self.cfg.index_kpool
-        with jax.named_scope(steps.SCORE_POOLS):
+        with jax.named_scope(SCORE_POOLS):
             keys = cache.pool_keys()
             return self._indexer_kernel(keys.kernel, qi, w, *keys.operands(), q_pos, keys.scale, kpool=kp)
 
@@ -391,7 +477,7 @@ class DsaAttention(nnx.Module):
         """Step 3: ``[B, Q, select_k]`` pool ids of the best scores (``topk_pools``); with
         ``n_live [B, Q]`` (``live_pools``) a Pallas kernel reads only those (the rest are
         no candidates anyway)."""
-        with jax.named_scope(steps.SELECT_POOLS):
+        with jax.named_scope(SELECT_POOLS):
             if n_live is None or self.implementation == "xla":
                 return self._indexer_kernel(pk.topk_pools, scores, select_k)
             return self._indexer_kernel(pk.topk_pools, scores, select_k, n_live=n_live)
@@ -414,7 +500,7 @@ class DsaAttention(nnx.Module):
         the live tokens, not the capacity. Each tile is scored under ``"score_pools"``, the
         loop runs under ``"select_pools"``."""
         kp, tile = self.cfg.index_kpool, min(self.POOL_TILE, cache.max_pools)
-        with jax.named_scope(steps.SELECT_POOLS):
+        with jax.named_scope(SELECT_POOLS):
             n_live = cache.live_pools(q_pos)
             return pk.streaming_topk(_scoring_step(tile_scorer(tile, kp)), (qi, w, q_pos, cache.pool_keys()),
                                      live_pool_tiles(n_live, tile), tile=tile, n_pools=cache.max_pools,
@@ -426,7 +512,7 @@ class DsaAttention(nnx.Module):
         row of ``W = out_width`` token ids ``[B, Q, W]`` (``expand_selection``); ``-1``
         pads, and a padding query's row is all ``-1``."""
         cfg = self.cfg
-        with jax.named_scope(steps.EXPAND_TO_TOKENS):
+        with jax.named_scope(EXPAND_TO_TOKENS):
             tail = cache.visible_tail(pools, n_vis, q_pos, cfg.index_kpool) if cfg.tail_width else None
             token_ids = self._indexer_kernel(pk.expand_selection, pools, cache.pool_origin(), tail,
                                              kpool=cfg.index_kpool, out_width=cfg.out_width)
@@ -446,7 +532,7 @@ class DsaAttention(nnx.Module):
         with ``latent_scale [B, L]`` for an fp8 cache) at ``token_ids [B, Q, W]`` -> ``o_lat
         [B, Q, H, C]``. On a placed layer ``H`` is the device's heads: each device reads its
         own copy of the rows it attends to."""
-        with jax.named_scope(steps.SPARSE_ATTENTION):
+        with jax.named_scope(SPARSE_ATTENTION):
             return pk.sparse_mla(q_lat, latent, token_ids, latent_scale, scale=self.cfg.softmax_scale,
                                  value_width=self.cfg.kv_lora_rank, implementation=self.implementation)
 
@@ -457,7 +543,7 @@ class DsaAttention(nnx.Module):
         ``reduce_axis``: the head axis of a placed call's ``shard_map``, whose partial sums
         are ``psum``-ed over it (the call's one collective)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
-        with jax.named_scope(steps.OUTPUT_PROJECTION):
+        with jax.named_scope(OUTPUT_PROJECTION):
             out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, reduce_axis=reduce_axis)
             if mask is None:
                 return out
@@ -492,7 +578,7 @@ def _scoring_step(scorer):
     function per scorer, so the eager ``while_loop`` trace stays cached."""
 
     def scores(*args):
-        with jax.named_scope(steps.SCORE_POOLS):
+        with jax.named_scope(SCORE_POOLS):
             return scorer(*args)
 
     return scores

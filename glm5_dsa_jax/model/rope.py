@@ -34,7 +34,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 
 __all__ = ["ROPE_STYLES", "inv_freq", "rope_cos_sin", "apply_rope"]
 

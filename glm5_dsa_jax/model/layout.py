@@ -64,12 +64,16 @@ import dataclasses
 import math
 from typing import Callable, Iterable, Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec
 
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 
 __all__ = [
+    "ParamFactory",
     "DIMS", "Param", "Tensor", "TENSORS", "layer_tensors", "hf_tensor_shapes", "hf_weight_shapes",
     "param_shapes", "find_param", "iter_params", "read_param", "array_reader", "assemble_hf", "Reader",
     "partition_specs", "head_split_names",
@@ -428,3 +432,44 @@ def head_split_names() -> str:
         params = [p.name for p in t.params]
         names.append(t.name if params == [t.name] else f"{t.name} ({', '.join(params)})")
     return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+# ---------------------------------------------------------------------------- parameter creation
+# How a parameter is born: a row of the table becomes an ``nnx.Param`` with its
+# tensor-parallel ``out_sharding`` metadata, here and nowhere else.
+def _mesh_has(axis: str | None) -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return axis is not None and not mesh.empty and axis in mesh.axis_names
+
+
+class ParamFactory:
+    """Makes the ``nnx.Param`` of a ``Param`` row, with ``out_sharding`` metadata.
+
+    The shape, initialiser and head axis come from the layout table. The metadata is kept
+    even with no mesh in context (eager sharding is then switched off for the creation),
+    so ``shard_layer`` or a user's ``nnx.get_partition_spec`` can place the parameters later.
+    """
+
+    def __init__(self, cfg: DsaConfig, rngs: nnx.Rngs, param_dtype, tp_axis: str | None):
+        self.cfg, self.rngs, self.param_dtype, self.tp_axis = cfg, rngs, param_dtype, tp_axis
+
+    def __call__(self, p: Param) -> nnx.Param:
+        shape = p.shape(self.cfg)
+        if p.init == "ones":
+            value = jnp.ones(shape, self.param_dtype)
+        elif p.init == "zeros":
+            value = jnp.zeros(shape, self.param_dtype)
+        else:
+            std = p.init_std(self.cfg)
+            value = (jax.random.normal(self.rngs.params(), shape, jnp.float32) * std).astype(self.param_dtype)
+        spec = p.spec(self.tp_axis)
+        if _mesh_has(self.tp_axis):
+            return nnx.Param(value, out_sharding=spec)
+        with nnx.use_eager_sharding(False):
+            return nnx.Param(value, out_sharding=spec)
+
+    def create(self, module: nnx.Module, tensors) -> None:
+        """Set ``module.<name>`` for every parameter of ``tensors`` (table order: the order
+        the random inits are drawn in)."""
+        for _, p in iter_params(tensors):
+            setattr(module, p.path[-1], self(p))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_dsa_jax.config import DsaConfig
+from glm5_dsa_jax.model.config import DsaConfig
 
 __all__ = ["as_index_array", "check_causal_topk", "check_inputs", "check_position_ids"]
 

@@ -45,7 +45,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from glm5_dsa_jax.config_json import (
+from glm5_dsa_jax.model.config_json import (
     HF_DEFAULTS, HF_TYPE_NAMES, MODEL_TYPES, PRESET_CONFIGS, ROPE_TYPES, ModelRules, read_bool,
     read_float, read_int, read_pattern, read_rope, read_str_list,
 )
