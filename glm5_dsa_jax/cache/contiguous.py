@@ -36,11 +36,10 @@ not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept
 rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Every
 ``lax.cond`` / ``fori_loop`` body here is a module-level function that receives every array
 it reads as an operand: jax caches a traced body by the function and its operands' types,
-so a closure made anew per call over that call's arrays misses the cache, and an eager
-decode step (a layer call with a cache, outside jit) compiled three XLA programs on every
-step. The rest of an eager step follows the same rule (``glm5_dsa_jax.parallel``,
-``layer.by_query_tiles``), so it compiles nothing once a step of its shapes has run
-(``tests/test_layer_steps.py`` counts the compilations).
+so a closure made anew per call would be traced again. An eager layer call no longer
+depends on that: it runs as one cached jitted program (``glm5_dsa_jax.parallel.execution``),
+so it compiles nothing once a step of its shapes has run (``tests/test_layer_steps.py``
+counts the compilations).
 
 The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an integer
 or bool cache would silently round the activations it holds (``int8`` gave outputs off by
