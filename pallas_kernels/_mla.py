@@ -53,7 +53,7 @@ def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
 def accumulation_dtype(*arrays) -> jnp.dtype:
     """What the references compute in: float32, or float64 when an input is float64 (under
     ``jax_enable_x64``, for finite-difference checks)."""
-    return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
+    return jnp.dtype(jnp.float64 if any(a.dtype == jnp.float64 for a in arrays) else jnp.float32)
 
 
 def scan_block(width: int) -> int:
