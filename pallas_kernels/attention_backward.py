@@ -81,9 +81,16 @@ class SparseMlaBackwardBlockSizes:
     ``dlatent`` kernel (one program per block of latent rows):
 
     * ``block_rows``: latent rows per program (power of two in [16, 32]: a dot operand
-      and one bit each of an int32 entry mask).
+      and one bit each of an int32 entry mask). Each (row block, query) entry loads the
+      query's ``q`` and ``d_out``, so larger blocks mean fewer entries (half as many at
+      32 as at 16 when a query selects most rows of a block, as a 4K-token context does)
+      for the same loads of the rows.
     * ``dlatent_block_h``: heads per step of an entry (power of two >= 16).
-    * ``dlatent_num_warps``, ``dlatent_num_stages``: Triton's.
+    * ``dlatent_num_warps``, ``dlatent_num_stages``: Triton's (8 warps and 2 stages: 127
+      registers a thread and no spill at GLM-5.3-Flash's 512-wide rows; 4 warps take 240).
+
+    The defaults compile without spills for sm_80 and sm_90 (``gpu_compile``'s
+    ``sparse_mla_backward`` cases); their speed is not measured.
     """
 
     block_h: int = 16
@@ -91,10 +98,10 @@ class SparseMlaBackwardBlockSizes:
     block_c: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    block_rows: int = 16
+    block_rows: int = 32
     dlatent_block_h: int = 16
-    dlatent_num_warps: int = 4
-    dlatent_num_stages: int = 1
+    dlatent_num_warps: int = 8
+    dlatent_num_stages: int = 2
 
     def validate(self) -> "SparseMlaBackwardBlockSizes":
         """``self``, or a ``ValueError`` naming the bad field."""

@@ -15,7 +15,8 @@ row, ``V``: its leading value columns, see ``pallas_kernels.attention``). Invari
   (``masked_softmax``, which ``sparse_mla_reference`` shares).
 * ``combine_splits`` merges flash-decoding split partials ``(acc, max, sum)`` the same way
   for both ``sparse_mla`` kernels (Triton, ``attention``; Mosaic, ``mosaic_attention``): a
-  split with no valid id adds nothing, a row with none is exactly 0.
+  split with no valid id adds nothing, a row with none is exactly 0 (and, with
+  ``return_lse``, its log-sum-exp ``-inf``).
 
 Its attention is ``O(L)`` per query: for tests, demos and benchmarks' baselines, never the
 layer's path. The softmax arithmetic it shares (``masked_softmax``, ``combine_splits``) and

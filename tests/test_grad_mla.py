@@ -266,3 +266,19 @@ def test_backward_checks_its_arguments():
         sparse_mla_backward(q, lat, ids, out, lse, out[..., :8], **args)
     with pytest.raises(ValueError, match="lse"):
         sparse_mla_backward(q, lat, ids, out, lse[..., 0], out, **args)
+
+
+def test_pallas_backward_tilings_agree():
+    # Other tilings: column chunks of 16 (CR = 40: three chunks, the value boundary V = 24
+    # inside the second), rows in blocks of 16 (blocks spanning two batch rows' caches),
+    # 32 heads per dlatent step, ids in blocks of 16: the same gradients as the reference.
+    _, q, lat, ids = _problem(8, length=40, width=20)
+    v = 24
+    out, lse = attention._reference_with_lse(q, lat, ids, scale=SCALE, value_width=v)
+    d_out = _cotangent(out)
+    want = sparse_mla_backward(q, lat, ids, out, lse, d_out, scale=SCALE, value_width=v)
+    blocks = SparseMlaBackwardBlockSizes(block_c=16, block_w=16, block_rows=16, dlatent_block_h=32)
+    got = sparse_mla_backward(q, lat, ids, out, lse, d_out, scale=SCALE, value_width=v,
+                              implementation="pallas_interpret", block_sizes=blocks)
+    for a, b in zip(got, want):
+        _assert_close_f32(a, b)
