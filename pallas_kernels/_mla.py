@@ -1,6 +1,7 @@
 """What the Triton sparse-MLA kernels share, forward (``attention``) and backward
-(``attention_backward``): the row gather of the references, the id row's padding and its
-scan for the last valid slot, the default column chunk and the float32-accumulating dots.
+(``attention_backward``): the operand checks, the row gather of the references, the id
+row's padding and its scan for the last valid slot, the default column chunk and the
+float32-accumulating dots.
 
 Private (imports no public module of the package) so that neither kernel module imports
 the other for a helper. Axis letters as in the package glossary (``pallas_kernels``).
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import next_power_of_two
+from pallas_kernels._common import check_rank, next_power_of_two
+from pallas_kernels._dtypes import check_key_scale
 
-__all__ = ["accumulation_dtype", "gather_rows", "padded_width", "row_end", "default_block_c", "dot_nt", "dot_nn"]
+__all__ = ["accumulation_dtype", "check_operands", "gather_rows", "padded_width", "row_end", "default_block_c", "dot_nt", "dot_nn"]
 
 HI = jax.lax.Precision.HIGHEST
 SCAN_BLOCK = 4096  # widest single load of the id row when computing n_end
@@ -54,6 +56,26 @@ def accumulation_dtype(*arrays) -> jnp.dtype:
     """What the references compute in: float32, or float64 when an input is float64 (under
     ``jax_enable_x64``, for finite-difference checks)."""
     return jnp.dtype(jnp.float64 if any(a.dtype == jnp.float64 for a in arrays) else jnp.float32)
+
+
+def check_operands(q, latent, token_ids, latent_scale) -> None:
+    """``sparse_mla``'s operand checks (its forward and backward): ``q [B, Q, H, CR]``,
+    ``latent [B or 1, L, CR]`` as wide, integer ``token_ids [B, Q, W]``, ``latent_scale``
+    with fp8 rows only; a ``ValueError`` naming the tensor otherwise."""
+    check_rank("q", q, 4, "[B, Q, H, CR]")
+    check_rank("latent", latent, 3, "[B, L, CR]")
+    check_rank("token_ids", token_ids, 3, "[B, Q, W]")
+    b, nq, _, cr = q.shape
+    if latent.shape[0] not in (1, b) or latent.shape[2] != cr:
+        raise ValueError(
+            f"latent must be [B={b}, L, CR={cr}] or shared [1, L, CR={cr}] (rows as wide as "
+            f"the query q), got {tuple(latent.shape)}"
+        )
+    if token_ids.shape[:2] != (b, nq):
+        raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
+    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
+    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
 
 
 def scan_block(width: int) -> int:

@@ -73,11 +73,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
+    Implementation, check_positive_int, check_power_of_two, check_triton_params,
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
-from pallas_kernels._dtypes import check_key_scale, key_dot_dtype
-from pallas_kernels._mla import accumulation_dtype, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
+from pallas_kernels._dtypes import key_dot_dtype
+from pallas_kernels._mla import accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
 from pallas_kernels._mosaic import mosaic_takes
 from pallas_kernels.attention_backward import sparse_mla_backward
 from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
@@ -153,21 +153,8 @@ def sparse_mla(
     the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a ``MosaicSparseMlaBlockSizes``
     for ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes)
-    check_rank("q", q, 4, "[B, Q, H, CR]")
-    check_rank("latent", latent, 3, "[B, L, CR]")
-    check_rank("token_ids", token_ids, 3, "[B, Q, W]")
-    b, nq, _, cr = q.shape
-    if latent.shape[0] not in (1, b) or latent.shape[2] != cr:
-        raise ValueError(
-            f"latent must be [B={b}, L, CR={cr}] or shared [1, L, CR={cr}] (rows as wide as "
-            f"the query q), got {tuple(latent.shape)}"
-        )
-    if token_ids.shape[:2] != (b, nq):
-        raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
-    if not jnp.issubdtype(token_ids.dtype, jnp.integer):
-        raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
-    v = check_value_width(value_width, cr)
-    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
+    check_operands(q, latent, token_ids, latent_scale)
+    v = check_value_width(value_width, q.shape[3])
     if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: see the module doc
         implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
     if implementation == "xla":

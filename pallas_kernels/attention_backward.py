@@ -52,11 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    Implementation, check_block_sizes, check_power_of_two, check_rank, check_triton_params,
+    Implementation, check_block_sizes, check_power_of_two, check_triton_params,
     eager_jit, next_power_of_two, resolve_implementation,
 )
-from pallas_kernels._dtypes import check_key_scale, key_dot_dtype
-from pallas_kernels._mla import HI, accumulation_dtype, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
+from pallas_kernels._dtypes import key_dot_dtype
+from pallas_kernels._mla import HI, accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
 from pallas_kernels.dense_mla import check_value_width
 from pallas_kernels.transpose import MAX_BLOCK_ROWS, selection_transpose
 
@@ -198,23 +198,14 @@ def sparse_mla_backward(
     Triton kernels. ``scale`` must be a static float for the Pallas kernels."""
     implementation = resolve_implementation(implementation)
     blocks = check_block_sizes(block_sizes, SparseMlaBackwardBlockSizes)
-    check_rank("q", q, 4, "[B, Q, H, CR]")
-    check_rank("latent", latent, 3, "[B, L, CR]")
-    check_rank("token_ids", token_ids, 3, "[B, Q, W]")
+    check_operands(q, latent, token_ids, latent_scale)
     b, nq, h, cr = q.shape
-    if latent.shape[0] not in (1, b) or latent.shape[2] != cr:
-        raise ValueError(
-            f"latent must be [B={b}, L, CR={cr}] or shared [1, L, CR={cr}], got {tuple(latent.shape)}")
-    if token_ids.shape[:2] != (b, nq) or not jnp.issubdtype(token_ids.dtype, jnp.integer):
-        raise ValueError(f"token_ids must be integer [B={b}, Q={nq}, W], got "
-                         f"{token_ids.dtype} {tuple(token_ids.shape)}")
     v = check_value_width(value_width, cr)
     for name, x, shape in (("out", out, (b, nq, h, v)), ("d_out", d_out, (b, nq, h, v)),
                            ("lse", lse, (b, nq, h))):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must be {shape} ([B, Q, H{', V' if len(shape) == 4 else ''}]), "
                              f"got {tuple(x.shape)}")
-    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
     if implementation == "xla":
         return sparse_mla_backward_reference(
             q, latent, token_ids, out, lse, d_out, latent_scale, scale=scale, value_width=v)

@@ -140,7 +140,7 @@ def test_xla_gradients_equal_vjp_of_reference(shared):
 def test_xla_gradients_match_float64_finite_differences():
     with jax.enable_x64(True):
         rng = np.random.default_rng(1)
-        b, nq, h, c, length, width, v = 1, 2, 2, 6, 7, 4, 4
+        b, nq, h, c, length, v = 1, 2, 2, 6, 7, 4
         q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float64)
         lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float64)
         ids = jnp.asarray([[[0, 3, -1, 6], [2, 9, 3, 5]]], jnp.int32)
