@@ -72,7 +72,7 @@ class SparseMlaBackwardBlockSizes:
 
     * ``block_h``: heads per program (power of two >= 16; fewer are padded with zeros).
     * ``block_w``: selected ids per loop step (power of two >= 16; default 32, or 16 for
-      rows narrower than 17).
+      id rows narrower than 17 and for latent rows split in several column chunks).
     * ``block_c``: row columns per chunk (power of two >= 16; default as the forward's:
       the whole row up to 512 when ``CR`` is a power of two, else the chunk wasting the
       fewest padded columns). Both kernels use it.
@@ -84,13 +84,16 @@ class SparseMlaBackwardBlockSizes:
       and one bit each of an int32 entry mask). Each (row block, query) entry loads the
       query's ``q`` and ``d_out``, so larger blocks mean fewer entries (half as many at
       32 as at 16 when a query selects most rows of a block, as a 4K-token context does)
-      for the same loads of the rows.
+      for the same loads of the rows. Default 32 for a row in one column chunk, else 16.
     * ``dlatent_block_h``: heads per step of an entry (power of two >= 16).
-    * ``dlatent_num_warps``, ``dlatent_num_stages``: Triton's (8 warps and 2 stages: 127
-      registers a thread and no spill at GLM-5.3-Flash's 512-wide rows; 4 warps take 240).
+    * ``dlatent_num_warps`` (default 8 at 32 rows, 4 at 16), ``dlatent_num_stages``:
+      Triton's.
 
     The defaults compile without spills for sm_80 and sm_90 (``gpu_compile``'s
-    ``sparse_mla_backward`` cases); their speed is not measured.
+    ``sparse_mla_backward`` cases): at GLM-5.3-Flash's 512-wide rows (one chunk) the
+    ``dlatent`` kernel takes 127 registers a thread with 32 rows and 8 warps (240 with 4);
+    at GLM-5's 576-wide rows (nine chunks of 64) 32 rows or 32 ids a step spill, 16 do
+    not. Their speed is not measured.
     """
 
     block_h: int = 16
@@ -98,9 +101,9 @@ class SparseMlaBackwardBlockSizes:
     block_c: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    block_rows: int = 32
+    block_rows: int | None = None
     dlatent_block_h: int = 16
-    dlatent_num_warps: int = 8
+    dlatent_num_warps: int | None = None
     dlatent_num_stages: int = 2
 
     def validate(self) -> "SparseMlaBackwardBlockSizes":
@@ -111,25 +114,30 @@ class SparseMlaBackwardBlockSizes:
         for field in ("block_w", "block_c"):
             if getattr(self, field) is not None:
                 check_power_of_two(name + field, getattr(self, field), minimum=16)
-        check_power_of_two(name + "block_rows", self.block_rows, minimum=16)
-        if self.block_rows > MAX_BLOCK_ROWS:
-            raise ValueError(
-                f"{name}block_rows must be a power of two in [16, {MAX_BLOCK_ROWS}] (one bit "
-                f"per row of an int32 entry mask), got {self.block_rows!r}")
+        if self.block_rows is not None:
+            check_power_of_two(name + "block_rows", self.block_rows, minimum=16)
+            if self.block_rows > MAX_BLOCK_ROWS:
+                raise ValueError(
+                    f"{name}block_rows must be a power of two in [16, {MAX_BLOCK_ROWS}] (one "
+                    f"bit per row of an int32 entry mask), got {self.block_rows!r}")
         check_triton_params("SparseMlaBackwardBlockSizes", self.num_warps, self.num_stages)
-        check_triton_params("SparseMlaBackwardBlockSizes.dlatent", self.dlatent_num_warps,
-                            self.dlatent_num_stages)
+        warps = 1 if self.dlatent_num_warps is None else self.dlatent_num_warps  # None: resolved
+        check_triton_params("SparseMlaBackwardBlockSizes.dlatent", warps, self.dlatent_num_stages)
         return self
 
     def resolve(self, q_shape, width: int) -> "SparseMlaBackwardBlockSizes":
         """Every field set, for ``q`` of shape ``[B, Q, H, CR]`` and id rows ``W = width``
         wide: the sizes the kernels launch with."""
         self.validate()
+        block_c = default_block_c(q_shape[3]) if self.block_c is None else self.block_c
+        one_chunk = block_c >= q_shape[3]
         block_w = self.block_w
         if block_w is None:
-            block_w = min(next_power_of_two(width, 16), 32)
-        block_c = default_block_c(q_shape[3]) if self.block_c is None else self.block_c
-        return dataclasses.replace(self, block_w=block_w, block_c=block_c)
+            block_w = min(next_power_of_two(width, 16), 32 if one_chunk else 16)
+        block_rows = self.block_rows or (32 if one_chunk else 16)
+        warps = self.dlatent_num_warps or (8 if block_rows == 32 else 4)
+        return dataclasses.replace(self, block_w=block_w, block_c=block_c, block_rows=block_rows,
+                                   dlatent_num_warps=warps)
 
 
 def _selected_rows(latent, latent_scale, token_ids, dtype):

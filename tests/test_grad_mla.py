@@ -246,10 +246,22 @@ def test_pallas_forward_lse():
     ("block_rows", 64, "block_rows"), ("block_rows", 8, "block_rows"), ("block_h", 8, "block_h"),
     ("block_w", 24, "block_w"), ("block_c", 0, "block_c"), ("dlatent_block_h", 12, "dlatent_block_h"),
     ("num_warps", 3, "num_warps"), ("dlatent_num_stages", 0, "dlatent.num_stages"),
+    ("dlatent_num_warps", 0, "dlatent.num_warps"),
 ])
 def test_backward_block_sizes_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         SparseMlaBackwardBlockSizes(**{field: value}).validate()
+
+
+def test_backward_block_sizes_resolve_by_row_width():
+    # One column chunk (GLM-5.3-Flash's 512-wide rows): 32 rows and 32 ids a step, 8 warps;
+    # several (GLM-5's 576 = 9 x 64): 16 and 16, 4 warps (what compiles without spills).
+    flash = SparseMlaBackwardBlockSizes().resolve((1, 64, 64, 512), 2051)
+    assert (flash.block_c, flash.block_w, flash.block_rows, flash.dlatent_num_warps) == (512, 32, 32, 8)
+    rope = SparseMlaBackwardBlockSizes().resolve((1, 64, 64, 576), 2048)
+    assert (rope.block_c, rope.block_w, rope.block_rows, rope.dlatent_num_warps) == (64, 16, 16, 4)
+    mine = SparseMlaBackwardBlockSizes(block_rows=16, dlatent_num_warps=2).resolve((1, 1, 16, 512), 8)
+    assert (mine.block_w, mine.block_rows, mine.dlatent_num_warps) == (16, 16, 2)
 
 
 def test_backward_checks_its_arguments():
