@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels._common import lower_for_cuda, triton_calls
 import pallas_kernels.attention as attention
 from pallas_kernels.attention import sparse_mla_reference
 from pallas_kernels.attention_backward import SparseMlaBackwardBlockSizes, sparse_mla_backward
@@ -294,3 +295,21 @@ def test_pallas_backward_tilings_agree():
                               implementation="pallas_interpret", block_sizes=blocks)
     for a, b in zip(got, want):
         _assert_close_f32(a, b)
+
+
+def test_pallas_gradient_lowers_for_cuda():
+    # The gradient of a query tile of 64 at GLM-5.3-Flash's shapes (64 heads, 512-wide rows,
+    # 2051 ids, a 4K cache) lowers for CUDA with no GPU: the forward, then the dq kernel
+    # (one program per query and 16 heads) and the dlatent kernel (one per 32 rows).
+    b, nq, h, c, length, width = 1, 64, 64, 512, 4096, 2051
+    sd = jax.ShapeDtypeStruct
+
+    def grad(q, lat, ids, d_out):
+        fn = lambda q_, l_: pk.sparse_mla(q_, l_, ids, scale=0.0625, implementation="pallas")  # noqa: E731
+        return jax.vjp(fn, q, lat)[1](d_out)
+
+    lowered = lower_for_cuda(grad, sd((b, nq, h, c), jnp.bfloat16), sd((b, length, c), jnp.bfloat16),
+                             sd((b, nq, width), jnp.int32), sd((b, nq, h, c), jnp.bfloat16))
+    calls = [(k["name"], k["grid"], k["num_warps"]) for k in triton_calls(lowered)]
+    assert calls == [("sparse_mla", (nq * 4, 1, 1), 4), ("sparse_mla_dq", (nq * 4, 1, 1), 4),
+                     ("sparse_mla_dlatent", (length // 32, 1, 1), 8)]
