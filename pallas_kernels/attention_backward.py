@@ -238,7 +238,8 @@ def sparse_mla_backward(
 # writes ``scale * acc`` in q's dtype.
 #
 # dlatent: grid (ceil(R / block_rows),), one program per block of latent rows (flattened
-# ``[R, CR]``). It loads its rows once, then walks its transpose entries ``block_start[k] :
+# ``[R, CR]``). It loads its rows once (none when no entry names the block: a query tile's
+# backward touches few of a long context's blocks), then walks its transpose entries ``block_start[k] :
 # block_start[k + 1]`` times the head blocks, in order; per (entry, head block): the
 # query's ``q [block_h, CR]``, ``d_out [block_h, V]``, ``lse``, ``D``; everything
 # transposed so no dot needs a transposed operand: ``sT = kv @ q.T [block_rows, block_h]``,
@@ -296,7 +297,7 @@ def _dlatent_kernel(start_ref, query_ref, mask_ref, q_ref, do_ref, lse_ref, dd_r
     k = pl.program_id(0)
     lo, hi = start_ref[k], start_ref[k + 1]
     r = k * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-    r_ok = r < n_rows
+    r_ok = (r < n_rows) & (hi > lo)  # a block no query selects reads nothing, writes zeros
     r_safe = jnp.where(r_ok, r, 0)
     col_ok = [c * block_c + jnp.arange(block_c, dtype=jnp.int32) < latent_c for c in range(n_c)]
     cols = [jnp.minimum(c * block_c + jnp.arange(block_c, dtype=jnp.int32), latent_c - 1)
