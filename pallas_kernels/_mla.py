@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import check_rank, next_power_of_two
 from pallas_kernels._dtypes import check_key_scale
 
-__all__ = ["accumulation_dtype", "check_operands", "gather_rows", "padded_width", "row_end", "default_block_c", "dot_nt", "dot_nn"]
+__all__ = ["accumulation_dtype", "check_operands", "gather_rows", "padded_width", "pad_ids", "row_end",
+           "default_block_c", "dot_nt", "dot_nn"]
 
 HI = jax.lax.Precision.HIGHEST
 SCAN_BLOCK = 4096  # widest single load of the id row when computing n_end

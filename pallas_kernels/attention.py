@@ -77,7 +77,9 @@ from pallas_kernels._common import (
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
 from pallas_kernels._dtypes import key_dot_dtype
-from pallas_kernels._mla import accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
+from pallas_kernels._mla import (
+    accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end,
+)
 from pallas_kernels._mosaic import mosaic_takes
 from pallas_kernels.attention_backward import sparse_mla_backward
 from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
@@ -229,10 +231,10 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 # few rows to fill the GPU otherwise). Per program:
 #
 # 1. ``n_end`` = 1 + the last slot holding a valid id (0 if none), from loads of the id row
-#    in tiles of up to ``_mla.SCAN_BLOCK`` (the wrapper pads the row with -1 to a whole number of
-#    tiles and of ``block_w``, so no load of the id row is masked or out of bounds). Valid ids form a prefix of
-#    the row, so ``n_end`` is their count; but ``n_end`` is exact for any layout, and
-#    every slot below it is still masked on its own.
+#    in tiles of up to ``_mla.SCAN_BLOCK`` (the wrapper pads the row with -1 to a whole
+#    number of tiles and of ``block_w``, so no load of the id row is masked or out of
+#    bounds). Valid ids form a prefix of the row, so ``n_end`` is their count; but
+#    ``n_end`` is exact for any layout, and every slot below it is still masked on its own.
 # 2. The ``ceil(n_end / block_w)`` id blocks are divided evenly among the splits, so a
 #    short row (decode at a short context, the first tokens of a prefill) costs little and
 #    its work is still spread over every split.

@@ -56,7 +56,10 @@ from pallas_kernels._common import (
     eager_jit, next_power_of_two, resolve_implementation,
 )
 from pallas_kernels._dtypes import key_dot_dtype
-from pallas_kernels._mla import HI, accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
+from pallas_kernels._mla import (
+    HI, accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids,
+    row_end,
+)
 from pallas_kernels.dense_mla import check_value_width
 from pallas_kernels.transpose import MAX_BLOCK_ROWS, selection_transpose
 

@@ -130,7 +130,8 @@ def test_xla_gradients_equal_vjp_of_reference(shared):
     _, q, lat, ids = _problem(0, shared=shared)
     v = 24
     out, dq, dlat = _grads("xla", q, lat, ids, v)
-    ref_out, vjp = jax.vjp(lambda q_, l_: sparse_mla_reference(q_, l_, ids, scale=SCALE, value_width=v), q, lat)
+    ref = lambda q_, l_: sparse_mla_reference(q_, l_, ids, scale=SCALE, value_width=v)  # noqa: E731
+    ref_out, vjp = jax.vjp(ref, q, lat)
     want_dq, want_dlat = vjp(_cotangent(out))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
     np.testing.assert_allclose(np.asarray(dq), np.asarray(want_dq), rtol=1e-5, atol=1e-6)
@@ -207,7 +208,8 @@ def test_pallas_backward_is_deterministic_and_jits():
     # eager one; the transpose walks a hot row's many entries in a fixed order.
     _, q, lat, ids = _problem(4, nq=4, length=30)
     v = 40
-    first, second = _grads("pallas_interpret", q, lat, ids, v)[1:], _grads("pallas_interpret", q, lat, ids, v)[1:]
+    first = _grads("pallas_interpret", q, lat, ids, v)[1:]
+    second = _grads("pallas_interpret", q, lat, ids, v)[1:]
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(first, _grads("xla", q, lat, ids, v)[1:]):
