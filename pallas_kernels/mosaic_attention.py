@@ -69,13 +69,16 @@ from pallas_kernels._common import check_positive_int, require_mosaic_gpu
 from pallas_kernels._mosaic import check_16bit_operands, check_smem
 from pallas_kernels.dense_mla import combine_splits
 
-__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"]
+__all__ = [
+    "MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "gather_rows", "padded_ids", "padded_widths", "static_scale",
+    "split_lse", "tma_box", "HEAD_TILE", "IDS_COPY",
+]
 
 HEAD_TILE = 64  # heads per CTA: the warpgroup MMA's M
 _VALUE_CHUNK = 128  # value columns per MMA (its N)
 _TARGET_CTAS = 256  # auto num_splits aims at about this many CTAs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4
-_IDS_COPY = 32  # ids copied per block (>= block_w): a TMA moves a multiple of 128 bytes
+IDS_COPY = 32  # ids copied per block (>= block_w): a TMA moves a multiple of 128 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,34 +156,9 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     def step(j, carry):
         m_prev, l_prev, accs = carry
         base = j * block_w
-        plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, _IDS_COPY))], ids_s, bars.at[1])
-        plmgpu.barrier_wait(bars.at[1])
-
-        # The gather: one TMA row copy per slot, in a loop (unrolled, the 32 x 3 copies'
-        # addresses made ptxas spill at CR = 576).
-        @pl.loop(0, block_w)
-        def _(r):
-            tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
-            ok = (tok >= 0) & (tok < length)
-
-            for k in range(0, width_c, copy_c):  # a TMA box is at most 256 elements wide
-                cols = pl.ds(k, copy_c)
-
-                @pl.when(ok)
-                def _():
-                    plmgpu.copy_gmem_to_smem(
-                        lat_g.at[lat_b, pl.ds(tok, 1), cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-                @pl.when(~ok)
-                def _():
-                    plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-        plmgpu.barrier_wait(row_bar)
-        for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
-            cols = pl.ds(k, copy_c)
-            plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
-                         optimized=False)
-        plmgpu.commit_smem()
+        gather_rows(plmgpu, ids_g, lat_g, zero_g, ids_s, raw_s, kv_s, bars.at[1], row_bar, row=row,
+                    lat_b=lat_b, base=base, length=length, width_c=width_c, copy_c=copy_c,
+                    block_w=block_w, row_move=row_move)
 
         def score_mma(acc_ref):
             plmgpu.wgmma(acc_ref, q_s, kv_s.T)
@@ -231,10 +209,97 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         plmgpu.wait_smem_to_gmem(0)
 
 
+def gather_rows(plmgpu, ids_g, lat_g, zero_g, ids_s, raw_s, kv_s, ids_bar, row_bar, *, row, lat_b,
+                base, length, width_c, copy_c, block_w, row_move):
+    """Copy the ids ``base .. base + block_w`` of query row ``row`` into ``ids_s`` and their
+    latent rows (of ``lat_g[lat_b]``; a zero row for an id that is not a token) into the
+    MMA tile ``kv_s`` through the staging tile ``raw_s`` (see the module doc: Hopper has no
+    TMA gather). Shared by this forward and the backward's dq kernel
+    (``mosaic_attention_backward``)."""
+    plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, IDS_COPY))], ids_s, ids_bar)
+    plmgpu.barrier_wait(ids_bar)
+
+    # The gather: one TMA row copy per slot, in a loop (unrolled, the 32 x 3 copies'
+    # addresses made ptxas spill at CR = 576).
+    @pl.loop(0, block_w)
+    def _(r):
+        tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
+        ok = (tok >= 0) & (tok < length)
+
+        for k in range(0, width_c, copy_c):  # a TMA box is at most 256 elements wide
+            cols = pl.ds(k, copy_c)
+
+            @pl.when(ok)
+            def _():
+                plmgpu.copy_gmem_to_smem(
+                    lat_g.at[lat_b, pl.ds(tok, 1), cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
+
+            @pl.when(~ok)
+            def _():
+                plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
+
+    plmgpu.barrier_wait(row_bar)
+    for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
+        cols = pl.ds(k, copy_c)
+        plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
+                     optimized=False)
+    plmgpu.commit_smem()
+
+
+def padded_widths(c: int, v: int) -> tuple[int, int]:
+    """``(CR, V)`` padded as the kernels lay rows out: ``V`` to whole 128-column value chunks,
+    ``CR`` to whole 64-column (128-byte) lines and at least the padded ``V``. Zero columns
+    add nothing to a score (and the backward's zero ``d_out`` columns nothing to a
+    gradient)."""
+    v_pad = -(-v // _VALUE_CHUNK) * _VALUE_CHUNK
+    return max(-(-c // 64) * 64, v_pad), v_pad
+
+
+def padded_ids(token_ids, length: int, block_w: int):
+    """``token_ids [B, Q, W]`` as the gather reads them: ``[B*Q, W_pad]`` int32, ``-1``-padded
+    to whole id blocks plus room for the last block's copy of ``IDS_COPY`` ids, and each
+    row's ``n_end [B*Q]``: one past its last valid id (its blocks past that are skipped)."""
+    b, nq, width = token_ids.shape
+    ids = token_ids.reshape(b * nq, width).astype(jnp.int32)
+    w_pad = -(-width // block_w) * block_w + max(0, IDS_COPY - block_w)
+    ids = jnp.pad(ids, ((0, 0), (0, w_pad - width)), constant_values=-1)
+    ok = (ids >= 0) & (ids < length)
+    n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
+    return ids, n_end
+
+
+def tma_box(c: int) -> int:
+    """The TMA box width the gather copies a padded row of ``c`` columns in: a TMA box is at
+    most 256 elements wide."""
+    return max(k for k in (256, 192, 128, 64) if c % k == 0)
+
+
+def static_scale(scale) -> float:
+    """``scale`` as a Python float (the kernels bake it in), or a ``ValueError``."""
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(f"scale must be a static Python float for the Mosaic kernel, got {scale!r}") from e
+
+
+def split_lse(m, l):
+    """The log-sum-exp ``[..., H]`` of the scaled scores from per-split running maxima and
+    sums ``m, l [..., S, H]`` (as ``combine_splits`` merges them); ``-inf`` where every split
+    is empty (a row with no valid id)."""
+    m_all = jnp.max(m, axis=-2)
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+    denom = jnp.sum(jnp.exp(m - m_all[..., None, :]) * l, axis=-2)
+    return jnp.where(denom > 0, m_all + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+
+
 def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
-                      block_sizes: MosaicSparseMlaBlockSizes):
+                      block_sizes: MosaicSparseMlaBlockSizes, return_lse: bool = False):
     """``[B, Q, H, V]`` attention (shapes and meaning as ``sparse_mla_reference``; the caller
-    checked shapes and ``V = value_width``) with the Mosaic GPU kernel."""
+    checked shapes and ``V = value_width``) with the Mosaic GPU kernel. With
+    ``return_lse``: ``(out, lse)``, ``lse [B, Q, H]`` float32 the log-sum-exp of the scaled
+    scores over the row's valid ids (``-inf`` for a row with none), what the backward
+    (``mosaic_attention_backward``) recomputes the probabilities from; ``out`` is the same
+    bits either way."""
     plmgpu = require_mosaic_gpu("sparse_mla")
     b, nq, h, c = q.shape
     v = value_width
@@ -242,16 +307,13 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     width = token_ids.shape[2]
     check_16bit_operands("sparse_mla", q=q, latent=latent)
     if b * nq * h == 0 or width == 0 or length == 0:
-        return jnp.zeros((b, nq, h, v), q.dtype)
-    try:
-        scale = float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise ValueError(f"scale must be a static Python float for the Mosaic kernel, got {scale!r}") from e
+        out = jnp.zeros((b, nq, h, v), q.dtype)
+        return (out, jnp.full((b, nq, h), -jnp.inf, jnp.float32)) if return_lse else out
+    scale = static_scale(scale)
 
     # Rows padded to whole 64-column lines and to whole 128-column value chunks: zero
     # columns add nothing to a score, and value columns past V are cut off below.
-    v_pad = -(-v // _VALUE_CHUNK) * _VALUE_CHUNK
-    c_pad = max(-(-c // 64) * 64, v_pad)
+    c_pad, v_pad = padded_widths(c, v)
     if c_pad != c:  # a copy of the latent (no real model: CR = 512 or 576, V = 512)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, c_pad - c)))
         latent = jnp.pad(latent, ((0, 0), (0, 0), (0, c_pad - c)))
@@ -268,14 +330,9 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
         "output": HEAD_TILE * _VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
     }, blocks)
     qp = jnp.pad(q.reshape(rows, h, c), ((0, 0), (0, h_pad - h), (0, 0)))
-    ids = token_ids.reshape(rows, width).astype(jnp.int32)
-    # Whole id blocks, and room for the last block's copy of _IDS_COPY ids.
-    w_pad = -(-width // block_w) * block_w + max(0, _IDS_COPY - block_w)
-    ids = jnp.pad(ids, ((0, 0), (0, w_pad - width)), constant_values=-1)
-    ok = (ids >= 0) & (ids < length)
-    n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
+    ids, n_end = padded_ids(token_ids, length, block_w)
 
-    copy_c = max(k for k in (256, 192, 128, 64) if c % k == 0)  # TMA boxes: <= 256 wide
+    copy_c = tma_box(c)
     # One swizzle for every MMA operand (wgmma wants its two operands' swizzles equal): one
     # row of probabilities, block_w 16-bit elements, is 32, 64 or 128 bytes.
     swizzle = block_w * item
@@ -297,7 +354,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
             plmgpu.SMEM((block_w, c), q.dtype),  # gathered rows, as copied
             plmgpu.SMEM((block_w, c), q.dtype, transforms=mma_tiles),  # ... as the MMA reads them
             plmgpu.SMEM((HEAD_TILE, block_w), q.dtype, transforms=mma_tiles),  # probabilities
-            plmgpu.SMEM((max(block_w, _IDS_COPY),), jnp.int32),
+            plmgpu.SMEM((max(block_w, IDS_COPY),), jnp.int32),
             plmgpu.SMEM((HEAD_TILE, _VALUE_CHUNK), f32, transforms=f32_tiles),
             plmgpu.SMEM((2, HEAD_TILE), f32),
             plmgpu.Barrier(num_barriers=2),
@@ -310,4 +367,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
         kernel_name="mosaic_sparse_mla",
     )(ids, n_end, qp, latent, jnp.zeros((1, c), latent.dtype))
     out = combine_splits(acc, m, l).astype(q.dtype)
-    return out[:, :h, :v_true].reshape(b, nq, h, v_true)
+    out = out[:, :h, :v_true].reshape(b, nq, h, v_true)
+    if not return_lse:
+        return out
+    return out, split_lse(m, l)[:, :h].reshape(b, nq, h)
