@@ -68,13 +68,14 @@ from pallas_kernels.mosaic_attention import (
 
 __all__ = [
     "MosaicSparseMlaBackwardBlockSizes", "mosaic_sparse_mla_backward", "TRANSPOSE_ROWS", "ROW_TILE",
+    "column_block",
 ]
 
 TRANSPOSE_ROWS = 32  # block_rows of the selection_transpose the dlatent kernel reads
 ROW_TILE = 64  # latent rows per dlatent CTA: the MMA's M, two transpose blocks
 
 
-def _column_block(c: int, want: int) -> int:
+def column_block(c: int, want: int) -> int:
     """The largest multiple of 64 at most ``want`` that divides ``c`` (a multiple of 64)."""
     for k in range(want - want % 64, 0, -64):
         if c % k == 0:
@@ -155,7 +156,7 @@ def _dq_kernel(ids_g, nend_g, q_g, do_g, lse_g, dd_g, lat_g, zero_g, dq_g,
         ids = plmgpu.load(ids_s.at[pl.ds(0, block_w)], layout=per_slot)
         ok = lax.broadcast_in_dim((ids >= 0) & (ids < length), shape, [1])
         p = jnp.where(ok, jnp.exp(s * scale - lse), 0.0)
-        plmgpu.store(dz_s, (p * (dp - dd)).astype(dtype), optimized=False)
+        plmgpu.store(dz_s, jnp.where(ok, p * (dp - dd), 0.0).astype(dtype), optimized=False)
         plmgpu.commit_smem()
 
         def grad(acc_ref):
@@ -223,7 +224,9 @@ def _dlatent_kernel(start_g, query_g, mask_g, q_g, do_g, lse_g, dd_g, lat_g, dla
             dd = lax.broadcast_in_dim(plmgpu.load(dd_s, layout=per_head), shape, [1])
             pt = jnp.where(picked, jnp.exp(st * scale - lse), 0.0)
             plmgpu.store(pt_s, pt.astype(dtype), optimized=False)
-            plmgpu.store(dzt_s, (pt * (dpt - dd) * scale).astype(dtype), optimized=False)
+            # where, not pt * ...: an unselected row's dp^T may be NaN (a NaN row of the pool)
+            dzt = jnp.where(picked, pt * (dpt - dd) * scale, 0.0)
+            plmgpu.store(dzt_s, dzt.astype(dtype), optimized=False)
             plmgpu.commit_smem()
 
             def grad(acc_ref):
@@ -292,7 +295,7 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
     rows = b * nq
     n_h = -(-h // HEAD_TILE)
     h_pad = n_h * HEAD_TILE
-    block_c = _column_block(c, blocks.block_c)
+    block_c = column_block(c, blocks.block_c)
     block_w, block_h = blocks.block_w, blocks.block_h
     # Padding heads: zero query and d_out, lse = +inf (probability 0), D = 0.
     qp = jnp.pad(q.reshape(rows, h, c_true), ((0, 0), (0, h_pad - h), (0, c - c_true)))

@@ -9,9 +9,10 @@ sum_p dz k[p]``; ``dpooled[p] = sum_{t, h} dz q[t, h]``. Invariants:
 * **No ``[Q, P, H]`` tensor in HBM**: ``zeta`` is recomputed in each kernel from ``q`` and
   the keys, in registers, one ``[heads, pools]`` tile at a time. Only ``g [B, Q, P]`` (the
   cotangent itself, zeroed where not a candidate by the wrapper) is read.
-* **Masks by ``where``**: a non-candidate pair (``g = 0`` there) adds exact zeros even
-  where its key is garbage or NaN (an invalid pool); padding queries, heads, pools and
-  channels are zeros.
+* **Masks by ``where``**: a non-candidate pair (``g = 0`` there) adds exact zeros; an
+  invalid pool's key (garbage, possibly NaN) is zeroed by the wrapper in the copy that pads
+  the keys (an MMA multiplies every key of a tile, and ``0 * NaN`` is NaN); padding
+  queries, heads, pools and channels are zeros.
 * **Deterministic, no atomics**: ``dq`` and ``dw`` of a query are one CTA's sums (query
   major), ``dpooled`` of a pool tile one CTA's (pool major), each in a fixed order.
 * **Float32 sums; 16-bit MMA operands** (``q`` and ``pooled`` one 16-bit dtype, as the
@@ -200,7 +201,10 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
     n_tiles = jnp.pad(-(-jnp.clip(vis, 0, n_pools) // block_p), ((0, 0), (0, q_pad - n_q)))
     qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, dim - d_true)))
     wp = jnp.pad(w.astype(f32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
-    keys = jnp.pad(pooled, ((0, 0), (0, p_pad - n_pools), (0, dim - d_true)))
+    # Invalid pools' keys zeroed (in the copy that pads them): ``dq += dz k`` multiplies
+    # every key of a tile, and 0 * NaN is NaN.
+    keys = jnp.pad(jnp.where(pool_valid[..., None], pooled, jnp.zeros((), pooled.dtype)),
+                   ((0, 0), (0, p_pad - n_pools), (0, dim - d_true)))
     item = dtype.itemsize
     swizzle = mma_swizzle(dim, item)
     mma = (plmgpu.TilingTransform((8, swizzle // item)), plmgpu.SwizzleTransform(swizzle))

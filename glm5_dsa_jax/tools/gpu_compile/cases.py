@@ -212,8 +212,48 @@ KERNEL_MODULES: dict[str, str] = {
 }
 
 
+def _sparse_mla_backward_mosaic(cfg, s: Step, blocks: dict):
+    # The forward's shapes (``_sparse_mla``) plus out, lse and d_out; the transpose is built
+    # inside the call (XLA), as the custom_vjp's backward builds it.
+    from pallas_kernels.mosaic_attention_backward import (
+        TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
+    )
+    from pallas_kernels.transpose import selection_transpose
+
+    _, avals, static = _sparse_mla(cfg, s, {})
+    (q_shape, dt), (latent, _), ids = avals
+    scale, v = cfg.softmax_scale, cfg.kv_lora_rank
+    bs = MosaicSparseMlaBackwardBlockSizes(**blocks)
+    out = (q_shape[:3] + (v,), dt)
+
+    def fn(qr, lat, ids, o, lse, do):
+        tr = selection_transpose(ids, lat.shape[1], shared=lat.shape[0] == 1,
+                                 block_rows=TRANSPOSE_ROWS)
+        return mosaic_sparse_mla_backward(qr, lat, ids, o, lse, do, tr, scale=scale, value_width=v,
+                                          interpret=False, block_sizes=bs)
+    return fn, [(q_shape, dt), (latent, dt), ids, out, (q_shape[:3], jnp.float32), out], static
+
+
+def _index_scores_backward_mosaic(cfg, s: Step, blocks: dict):
+    # Contiguous keys only (the paged backward gathers its pools into this layout): a paged
+    # step compiles the same call at its pool count.
+    from pallas_kernels.mosaic_scoring_backward import (
+        MosaicIndexScoresBackwardBlockSizes, mosaic_index_scores_backward,
+    )
+
+    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
+    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    bs = MosaicIndexScoresBackwardBlockSizes(**blocks)
+    fn = lambda qi, w, pooled, pv, fk, qp, g: mosaic_index_scores_backward(  # noqa: E731
+        qi, w, pooled, pv, fk, qp, g, kpool=kp, interpret=False, block_sizes=bs)
+    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
+                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32),
+                ((b, q, p), jnp.float32)]
+
+
 #: The Mosaic GPU kernels, as ``KERNELS`` entries (``implementation="mosaic"``); see the
-#: module doc.
+#: module doc. The backward kernels (``*_backward_mosaic``) are built from their own
+#: functions (no public wrapper dispatches to them by ``implementation``).
 MOSAIC_KERNELS: dict[str, Callable] = {
     "index_scores_mosaic": functools.partial(
         _index_scores, implementation="mosaic", sizes=pk.MosaicIndexScoresBlockSizes),
@@ -221,16 +261,21 @@ MOSAIC_KERNELS: dict[str, Callable] = {
         _topk_pools, implementation="mosaic", sizes=pk.MosaicTopkPoolsBlockSizes),
     "sparse_mla_mosaic": functools.partial(
         _sparse_mla, implementation="mosaic", sizes=pk.MosaicSparseMlaBlockSizes),
+    "sparse_mla_backward_mosaic": _sparse_mla_backward_mosaic,
+    "index_scores_backward_mosaic": _index_scores_backward_mosaic,
 }
 MOSAIC_KERNEL_MODULES: dict[str, str] = {
     "mosaic_scoring": "index_scores_mosaic",  # index_scores_paged too, on paged steps
     "mosaic_selection": "topk_pools_mosaic",
     "mosaic_attention": "sparse_mla_mosaic",
+    "mosaic_attention_backward": "sparse_mla_backward_mosaic",
+    "mosaic_scoring_backward": "index_scores_backward_mosaic",
 }
 #: The Mosaic kernels whose MMAs are Hopper's ``wgmma``, which Blackwell (sm_100) does not
 #: have (its tensor cores take ``tcgen05`` MMAs into tensor memory; LLVM cannot select
 #: ``wgmma.fence`` for sm_100a): they compile only for compute capability 9.x.
-MOSAIC_HOPPER_ONLY: tuple[str, ...] = ("index_scores_mosaic", "sparse_mla_mosaic")
+MOSAIC_HOPPER_ONLY: tuple[str, ...] = ("index_scores_mosaic", "sparse_mla_mosaic",
+                                       "sparse_mla_backward_mosaic", "index_scores_backward_mosaic")
 #: One warpgroup (128 threads) per CTA in every Mosaic kernel of this package.
 MOSAIC_THREADS: dict[str, int] = {k: 128 for k in MOSAIC_KERNELS}
 
@@ -278,12 +323,42 @@ def _sparse_mla_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
     return {"mosaic_sparse_mla": _cuda_grid((rows, n_h, v // bs.block_v, bs.num_splits))}
 
 
+def _sparse_mla_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    # mosaic_attention_backward: dq grid (B*Q rows, head tiles, column blocks); dlatent grid
+    # (row tiles of ROW_TILE over the flattened latent rows, column blocks)
+    from pallas_kernels.mosaic_attention import HEAD_TILE, padded_widths
+    from pallas_kernels.mosaic_attention_backward import (
+        ROW_TILE, TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, column_block,
+    )
+
+    rows, n_h = s.batch * s.queries, -(-cfg.num_attention_heads // HEAD_TILE)
+    c, _ = padded_widths(cfg.kv_cache_dim, cfg.kv_lora_rank)
+    n_c = c // column_block(c, MosaicSparseMlaBackwardBlockSizes(**blocks).validate().block_c)
+    n_rows = s.batch * s.context  # [B, L] rows, or the paged pool's [1, B * L]
+    tiles = -(-(-(-n_rows // TRANSPOSE_ROWS) * TRANSPOSE_ROWS) // ROW_TILE)
+    return {"mosaic_sparse_mla_dq": _cuda_grid((rows, n_h, n_c)),
+            "mosaic_sparse_mla_dlatent": _cuda_grid((tiles, n_c))}
+
+
+def _index_scores_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    # mosaic_scoring_backward: dq / dw grid (Q, B, head tiles of 64); dpooled (pool tiles, B)
+    from pallas_kernels.mosaic_scoring_backward import MosaicIndexScoresBackwardBlockSizes
+
+    bb = MosaicIndexScoresBackwardBlockSizes(**blocks).validate()
+    p = max(1, s.context // cfg.index_kpool)
+    n_h = -(-cfg.index_n_heads // 64)
+    return {"mosaic_index_scores_dq": _cuda_grid((s.queries, s.batch, n_h)),
+            "mosaic_index_scores_dpooled": _cuda_grid((-(-p // bb.block_p), s.batch))}
+
+
 #: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: CUDA grid}``, the launches its
 #: wrapper makes (a kernel name ``N`` compiles to the PTX entry ``N_mosaic_gpu_kernel``).
 MOSAIC_LAUNCHES: dict[str, Callable] = {
     "index_scores_mosaic": _index_scores_mosaic_launches,
     "topk_pools_mosaic": _topk_pools_mosaic_launches,
     "sparse_mla_mosaic": _sparse_mla_mosaic_launches,
+    "sparse_mla_backward_mosaic": _sparse_mla_backward_mosaic_launches,
+    "index_scores_backward_mosaic": _index_scores_backward_mosaic_launches,
 }
 
 
