@@ -297,12 +297,17 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
     h_pad = n_h * HEAD_TILE
     block_c = column_block(c, blocks.block_c)
     block_w, block_h = blocks.block_w, blocks.block_h
-    # Padding heads: zero query and d_out, lse = +inf (probability 0), D = 0.
-    qp = jnp.pad(q.reshape(rows, h, c_true), ((0, 0), (0, h_pad - h), (0, c - c_true)))
+    # Padding heads: zero query and d_out, lse = +inf (probability 0), D = 0. At least two
+    # query rows (a padding row is never read): with one, ptxas spilled the dlatent kernel
+    # (255 registers and a stack frame, against 164 at two or more; its entry loop's
+    # copies of q[n] became loop-invariant).
+    extra = max(0, 2 - rows)
+    qp = jnp.pad(q.reshape(rows, h, c_true), ((0, extra), (0, h_pad - h), (0, c - c_true)))
     dop = jnp.pad(d_out.astype(dtype).reshape(rows, h, value_width),
-                  ((0, 0), (0, h_pad - h), (0, c - value_width)))
-    lsep = jnp.pad(lse.astype(f32).reshape(rows, h), ((0, 0), (0, h_pad - h)), constant_values=jnp.inf)
-    ddp = jnp.pad(dd.reshape(rows, h), ((0, 0), (0, h_pad - h)))
+                  ((0, extra), (0, h_pad - h), (0, c - value_width)))
+    lsep = jnp.pad(lse.astype(f32).reshape(rows, h), ((0, extra), (0, h_pad - h)),
+                   constant_values=jnp.inf)
+    ddp = jnp.pad(dd.reshape(rows, h), ((0, extra), (0, h_pad - h)))
     lat = latent if c == c_true else jnp.pad(latent, ((0, 0), (0, 0), (0, c - c_true)))
     item = dtype.itemsize
     params = plmgpu.CompilerParams(lowering_semantics=plmgpu.LoweringSemantics.Lane)
