@@ -66,19 +66,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_16bit_operands, check_smem
+from pallas_kernels._mosaic import (
+    HEAD_TILE, IDS_COPY, VALUE_CHUNK, check_16bit_operands, check_smem, gather_rows, padded_ids,
+    padded_widths, static_scale, tma_box,
+)
 from pallas_kernels.dense_mla import combine_splits
 
-__all__ = [
-    "MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "gather_rows", "padded_ids", "padded_widths", "static_scale",
-    "split_lse", "tma_box", "HEAD_TILE", "IDS_COPY",
-]
+__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "split_lse", "HEAD_TILE"]
 
-HEAD_TILE = 64  # heads per CTA: the warpgroup MMA's M
-_VALUE_CHUNK = 128  # value columns per MMA (its N)
 _TARGET_CTAS = 256  # auto num_splits aims at about this many CTAs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4
-IDS_COPY = 32  # ids copied per block (>= block_w): a TMA moves a multiple of 128 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +107,8 @@ class MosaicSparseMlaBlockSizes:
         if self.block_w not in (16, 32, 64) or isinstance(self.block_w, bool):
             raise ValueError(f"{name}block_w must be 16, 32 or 64, got {self.block_w!r}")
         bv = self.block_v
-        if not isinstance(bv, int) or isinstance(bv, bool) or bv < _VALUE_CHUNK or bv % _VALUE_CHUNK:
-            raise ValueError(f"{name}block_v must be a multiple of {_VALUE_CHUNK}, got {bv!r}")
+        if not isinstance(bv, int) or isinstance(bv, bool) or bv < VALUE_CHUNK or bv % VALUE_CHUNK:
+            raise ValueError(f"{name}block_v must be a multiple of {VALUE_CHUNK}, got {bv!r}")
         if self.num_splits is not None:
             check_positive_int(name + "num_splits", self.num_splits)
         return self
@@ -122,7 +119,7 @@ class MosaicSparseMlaBlockSizes:
         self.validate()
         block_v = min(self.block_v, v)
         while v % block_v:  # value blocks tile V (both multiples of 128)
-            block_v -= _VALUE_CHUNK
+            block_v -= VALUE_CHUNK
         splits = self.num_splits
         if splits is None:
             ctas = rows * head_blocks * (v // block_v)
@@ -144,7 +141,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     lat_b = 0 if shared else row // nq
     h0 = hb * HEAD_TILE
     v0 = vb * block_v
-    n_chunks = block_v // _VALUE_CHUNK
+    n_chunks = block_v // VALUE_CHUNK
 
     plmgpu.copy_gmem_to_smem(q_g.at[row, pl.ds(h0, HEAD_TILE)], q_s, bars.at[0])
     plmgpu.barrier_wait(bars.at[0])
@@ -178,16 +175,16 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         new = []
         for c, acc in enumerate(accs):
             def value_mma(acc_ref, c=c):
-                plmgpu.wgmma(acc_ref, p_s, kv_s.at[:, pl.ds(v0 + c * _VALUE_CHUNK, _VALUE_CHUNK)])
+                plmgpu.wgmma(acc_ref, p_s, kv_s.at[:, pl.ds(v0 + c * VALUE_CHUNK, VALUE_CHUNK)])
                 return acc_ref[...]
 
-            pv = pl.run_scoped(value_mma, plmgpu.ACC((HEAD_TILE, _VALUE_CHUNK), jnp.float32))
+            pv = pl.run_scoped(value_mma, plmgpu.ACC((HEAD_TILE, VALUE_CHUNK), jnp.float32))
             new.append(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv)
         return m_next, l_next, tuple(new)
 
     m0 = plmgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), per_head)
     l0 = plmgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), per_head)
-    acc0 = tuple(plmgpu.layout_cast(jnp.zeros((HEAD_TILE, _VALUE_CHUNK), jnp.float32), wgmma_layout)
+    acc0 = tuple(plmgpu.layout_cast(jnp.zeros((HEAD_TILE, VALUE_CHUNK), jnp.float32), wgmma_layout)
                  for _ in range(n_chunks))
     m_i, l_i, accs = lax.fori_loop(lo, hi, step, (m0, l0, acc0))
 
@@ -195,7 +192,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         o_s[...] = acc
         plmgpu.commit_smem()
         plmgpu.copy_smem_to_gmem(
-            o_s, acc_g.at[row, split, pl.ds(h0, HEAD_TILE), pl.ds(v0 + c * _VALUE_CHUNK, _VALUE_CHUNK)])
+            o_s, acc_g.at[row, split, pl.ds(h0, HEAD_TILE), pl.ds(v0 + c * VALUE_CHUNK, VALUE_CHUNK)])
         plmgpu.wait_smem_to_gmem(0)
     # The running max and sum, once per (row, head block, split): value block 0 writes them.
     vec_s[0] = m_i
@@ -207,79 +204,6 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         plmgpu.copy_smem_to_gmem(vec_s.at[0], m_g.at[row, split, pl.ds(h0, HEAD_TILE)])
         plmgpu.copy_smem_to_gmem(vec_s.at[1], l_g.at[row, split, pl.ds(h0, HEAD_TILE)])
         plmgpu.wait_smem_to_gmem(0)
-
-
-def gather_rows(plmgpu, ids_g, lat_g, zero_g, ids_s, raw_s, kv_s, ids_bar, row_bar, *, row, lat_b,
-                base, length, width_c, copy_c, block_w, row_move):
-    """Copy the ids ``base .. base + block_w`` of query row ``row`` into ``ids_s`` and their
-    latent rows (of ``lat_g[lat_b]``; a zero row for an id that is not a token) into the
-    MMA tile ``kv_s`` through the staging tile ``raw_s`` (see the module doc: Hopper has no
-    TMA gather). Shared by this forward and the backward's dq kernel
-    (``mosaic_attention_backward``)."""
-    plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, IDS_COPY))], ids_s, ids_bar)
-    plmgpu.barrier_wait(ids_bar)
-
-    # The gather: one TMA row copy per slot, in a loop (unrolled, the 32 x 3 copies'
-    # addresses made ptxas spill at CR = 576).
-    @pl.loop(0, block_w)
-    def _(r):
-        tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
-        ok = (tok >= 0) & (tok < length)
-
-        for k in range(0, width_c, copy_c):  # a TMA box is at most 256 elements wide
-            cols = pl.ds(k, copy_c)
-
-            @pl.when(ok)
-            def _():
-                plmgpu.copy_gmem_to_smem(
-                    lat_g.at[lat_b, pl.ds(tok, 1), cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-            @pl.when(~ok)
-            def _():
-                plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-    plmgpu.barrier_wait(row_bar)
-    for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
-        cols = pl.ds(k, copy_c)
-        plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
-                     optimized=False)
-    plmgpu.commit_smem()
-
-
-def padded_widths(c: int, v: int) -> tuple[int, int]:
-    """``(CR, V)`` padded as the kernels lay rows out: ``V`` to whole 128-column value chunks,
-    ``CR`` to whole 64-column (128-byte) lines and at least the padded ``V``. Zero columns
-    add nothing to a score (and the backward's zero ``d_out`` columns nothing to a
-    gradient)."""
-    v_pad = -(-v // _VALUE_CHUNK) * _VALUE_CHUNK
-    return max(-(-c // 64) * 64, v_pad), v_pad
-
-
-def padded_ids(token_ids, length: int, block_w: int):
-    """``token_ids [B, Q, W]`` as the gather reads them: ``[B*Q, W_pad]`` int32, ``-1``-padded
-    to whole id blocks plus room for the last block's copy of ``IDS_COPY`` ids, and each
-    row's ``n_end [B*Q]``: one past its last valid id (its blocks past that are skipped)."""
-    b, nq, width = token_ids.shape
-    ids = token_ids.reshape(b * nq, width).astype(jnp.int32)
-    w_pad = -(-width // block_w) * block_w + max(0, IDS_COPY - block_w)
-    ids = jnp.pad(ids, ((0, 0), (0, w_pad - width)), constant_values=-1)
-    ok = (ids >= 0) & (ids < length)
-    n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
-    return ids, n_end
-
-
-def tma_box(c: int) -> int:
-    """The TMA box width the gather copies a padded row of ``c`` columns in: a TMA box is at
-    most 256 elements wide."""
-    return max(k for k in (256, 192, 128, 64) if c % k == 0)
-
-
-def static_scale(scale) -> float:
-    """``scale`` as a Python float (the kernels bake it in), or a ``ValueError``."""
-    try:
-        return float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise ValueError(f"scale must be a static Python float for the Mosaic kernel, got {scale!r}") from e
 
 
 def split_lse(m, l):
@@ -327,7 +251,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     check_smem("the mosaic sparse_mla", {
         "query tile": HEAD_TILE * c * item, "gathered rows": 2 * block_w * c * item,
         "probabilities": HEAD_TILE * block_w * item,
-        "output": HEAD_TILE * _VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
+        "output": HEAD_TILE * VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
     }, blocks)
     qp = jnp.pad(q.reshape(rows, h, c), ((0, 0), (0, h_pad - h), (0, 0)))
     ids, n_end = padded_ids(token_ids, length, block_w)
@@ -355,7 +279,7 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
             plmgpu.SMEM((block_w, c), q.dtype, transforms=mma_tiles),  # ... as the MMA reads them
             plmgpu.SMEM((HEAD_TILE, block_w), q.dtype, transforms=mma_tiles),  # probabilities
             plmgpu.SMEM((max(block_w, IDS_COPY),), jnp.int32),
-            plmgpu.SMEM((HEAD_TILE, _VALUE_CHUNK), f32, transforms=f32_tiles),
+            plmgpu.SMEM((HEAD_TILE, VALUE_CHUNK), f32, transforms=f32_tiles),
             plmgpu.SMEM((2, HEAD_TILE), f32),
             plmgpu.Barrier(num_barriers=2),
             plmgpu.Barrier(num_arrivals=block_w * (c // copy_c)),

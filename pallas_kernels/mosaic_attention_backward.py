@@ -61,14 +61,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import require_mosaic_gpu
-from pallas_kernels._mosaic import check_16bit_operands, check_smem
-from pallas_kernels.mosaic_attention import (
-    HEAD_TILE, IDS_COPY, gather_rows, padded_ids, padded_widths, static_scale, tma_box,
+from pallas_kernels._mosaic import (
+    HEAD_TILE, IDS_COPY, check_16bit_operands, check_smem, gather_rows, padded_ids, padded_widths,
+    static_scale, tma_box,
 )
 
 __all__ = [
     "MosaicSparseMlaBackwardBlockSizes", "mosaic_sparse_mla_backward", "TRANSPOSE_ROWS", "ROW_TILE",
-    "column_block",
+    "column_block", "launch_grids",
 ]
 
 TRANSPOSE_ROWS = 32  # block_rows of the selection_transpose the dlatent kernel reads
@@ -246,6 +246,19 @@ def _dlatent_kernel(start_g, query_g, mask_g, q_g, do_g, lse_g, dd_g, lat_g, dla
     plmgpu.wait_smem_to_gmem(0)
 
 
+def launch_grids(rows: int, heads: int, latent_rows: int, cr: int, v: int,
+                 blocks: MosaicSparseMlaBackwardBlockSizes) -> dict[str, tuple[int, ...]]:
+    """The Pallas grids of the two launches (kernel name -> grid) for ``rows = B*Q`` query
+    rows of ``heads`` heads, ``latent_rows = R`` flattened latent rows of ``CR = cr``
+    columns, ``V = v``: dq ``(rows, head tiles, column blocks)``, dlatent ``(row tiles,
+    column blocks)``."""
+    c, _ = padded_widths(cr, v)
+    n_c = c // column_block(c, blocks.validate().block_c)
+    tiles = -(-(-(-latent_rows // TRANSPOSE_ROWS) * TRANSPOSE_ROWS) // ROW_TILE)
+    return {"mosaic_sparse_mla_dq": (rows, -(-heads // HEAD_TILE), n_c),
+            "mosaic_sparse_mla_dlatent": (tiles, n_c)}
+
+
 def _check_transpose(transpose, n_rows: int, n_entries: int):
     """``transpose``'s arrays as the dlatent kernel reads them, or a ``ValueError`` naming the
     field: ``block_start`` the CSR offsets of ``ceil(R / 32) + 1`` row blocks (``block_rows
@@ -261,11 +274,7 @@ def _check_transpose(transpose, n_rows: int, n_entries: int):
         if arr.shape != (n_entries,):
             raise ValueError(f"transpose.{name} must have shape ({n_entries},) (B*Q*W entries), "
                              f"got {arr.shape}")
-    # Pad to whole row tiles: a tile past the last block starts and ends at the last offset.
-    tiles = -(-(want - 1) * TRANSPOSE_ROWS // ROW_TILE)
-    n_starts = tiles * (ROW_TILE // TRANSPOSE_ROWS) + 1
-    start = jnp.pad(start.astype(jnp.int32), (0, n_starts - want), mode="edge")
-    return start, transpose.entry_query.astype(jnp.int32), transpose.entry_mask.astype(jnp.int32), tiles
+    return start.astype(jnp.int32), transpose.entry_query.astype(jnp.int32), transpose.entry_mask.astype(jnp.int32)
 
 
 def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose, *, scale, value_width,
@@ -287,15 +296,17 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
         return jnp.zeros_like(q), jnp.zeros_like(latent)
     scale = static_scale(scale)
     n_rows = n_lat * length
-    start, entry_query, entry_mask, tiles = _check_transpose(transpose, n_rows, b * nq * width)
+    start, entry_query, entry_mask = _check_transpose(transpose, n_rows, b * nq * width)
 
     f32 = jnp.float32
     dd = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)  # D = do . o
     c, _ = padded_widths(c_true, value_width)
     rows = b * nq
-    n_h = -(-h // HEAD_TILE)
+    grids = launch_grids(rows, h, n_rows, c_true, value_width, blocks)
+    n_h = grids["mosaic_sparse_mla_dq"][1]
+    tiles = grids["mosaic_sparse_mla_dlatent"][0]
     h_pad = n_h * HEAD_TILE
-    block_c = column_block(c, blocks.block_c)
+    block_c = c // grids["mosaic_sparse_mla_dq"][2]
     block_w, block_h = blocks.block_w, blocks.block_h
     # Padding heads: zero query and d_out, lse = +inf (probability 0), D = 0. At least two
     # query rows (a padding row is never read): with one, ptxas spilled the dlatent kernel
@@ -344,7 +355,7 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
             plmgpu.Barrier(num_barriers=5),
             plmgpu.Barrier(num_arrivals=block_w * (c // copy_c)),
         ],
-        grid=(rows, n_h, c // block_c),
+        grid=grids["mosaic_sparse_mla_dq"],
         grid_names=("row", "hb", "cb"),
         compiler_params=params, interpret=interp, kernel_name="mosaic_sparse_mla_dq",
     )(ids, n_end, qp, dop, lsep, ddp, lat, jnp.zeros((1, c), dtype))
@@ -358,6 +369,8 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
     }, blocks)
     r_pad = tiles * ROW_TILE
     lat_rows = jnp.pad(lat.reshape(n_rows, c), ((0, r_pad - n_rows), (0, 0)))
+    # A tile past the last transpose block starts and ends at the last offset.
+    start = jnp.pad(start, (0, tiles * (ROW_TILE // TRANSPOSE_ROWS) + 1 - start.shape[0]), mode="edge")
     mma = tiles_of(block_h * item)
     dlat = plmgpu.kernel(
         functools.partial(_dlatent_kernel, scale=scale, head_tiles=h_pad // block_h,
@@ -374,7 +387,7 @@ def mosaic_sparse_mla_backward(q, latent, token_ids, out, lse, d_out, transpose,
             plmgpu.SMEM((ROW_TILE, block_c), dtype, transforms=tiles_of(128)),
             plmgpu.Barrier(num_barriers=5),
         ],
-        grid=(tiles, c // block_c),
+        grid=grids["mosaic_sparse_mla_dlatent"],
         grid_names=("rt", "cb"),
         compiler_params=params, interpret=interp, kernel_name="mosaic_sparse_mla_dlatent",
     )(start, entry_query, entry_mask, qp, dop, lsep, ddp, lat_rows)

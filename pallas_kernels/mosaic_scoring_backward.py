@@ -43,10 +43,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_smem
-from pallas_kernels.mosaic_scoring import check_operands, mma_swizzle, visible_pools
+from pallas_kernels._mosaic import check_index_operands, check_smem, mma_swizzle, visible_pools
 
-__all__ = ["MosaicIndexScoresBackwardBlockSizes", "mosaic_index_scores_backward"]
+__all__ = ["MosaicIndexScoresBackwardBlockSizes", "mosaic_index_scores_backward", "launch_grids"]
 
 _HEAD_TILE = 64  # heads per dq / dw CTA: the warpgroup MMA's M
 
@@ -72,6 +71,17 @@ class MosaicIndexScoresBackwardBlockSizes:
             raise ValueError("MosaicIndexScoresBackwardBlockSizes.block_p must be a multiple of 64 "
                              f"in [64, 256], got {bp!r}")
         return self
+
+
+def launch_grids(batch: int, n_queries: int, heads: int, n_pools: int,
+                 blocks: MosaicIndexScoresBackwardBlockSizes) -> dict[str, tuple[int, ...]]:
+    """The Pallas grids of the two launches (kernel name -> grid): dq / dw ``(Q padded to
+    whole query tiles, B, head tiles)``, dpooled ``(pool tiles, B)``."""
+    blocks.validate()
+    block_q = min(blocks.block_q, n_queries)
+    q_pad = -(-n_queries // block_q) * block_q
+    return {"mosaic_index_scores_dq": (q_pad, batch, -(-heads // _HEAD_TILE)),
+            "mosaic_index_scores_dpooled": (-(-n_pools // blocks.block_p), batch)}
 
 
 def _dq_kernel(ntiles_g, q_g, w_g, pooled_g, g_g, dq_g, dw_g,
@@ -180,7 +190,7 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
     as ``index_scores_reference``, the caller checked them) given ``d_scores [B, Q, P]``
     (ignored where the pool is not a candidate). ``interpret``: Mosaic GPU interpret mode."""
     plmgpu = require_mosaic_gpu("index_scores backward")
-    check_operands(q, pooled, "pooled", kpool)
+    check_index_operands(q, pooled, "pooled", kpool)
     blocks = block_sizes.validate()
     b, n_q, heads, d_true = q.shape
     n_pools = pooled.shape[1]
@@ -194,7 +204,8 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
     dim = -(-d_true // 16) * 16
     hn = -(-heads // _HEAD_TILE) * _HEAD_TILE
     p_pad = -(-n_pools // block_p) * block_p
-    q_pad = -(-n_q // block_q) * block_q
+    grids = launch_grids(b, n_q, heads, n_pools, blocks)
+    q_pad = grids["mosaic_index_scores_dq"][0]
     vis = visible_pools(first_key, q_pos, kpool)
     cand = pool_valid[:, None, :] & (jnp.arange(n_pools, dtype=jnp.int32) < vis[..., None])
     g = jnp.pad(jnp.where(cand, d_scores.astype(f32), 0.0), ((0, 0), (0, q_pad - n_q), (0, p_pad - n_pools)))
@@ -230,7 +241,7 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
             plmgpu.SMEM((_HEAD_TILE,), f32),
             plmgpu.Barrier(num_barriers=4),
         ],
-        grid=(q_pad, b, hn // _HEAD_TILE),
+        grid=grids["mosaic_index_scores_dq"],
         grid_names=("t", "b", "hb"),
         compiler_params=params, interpret=interp, kernel_name="mosaic_index_scores_dq",
     )(n_tiles, qp, wp, keys, g)
@@ -253,7 +264,7 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
             plmgpu.SMEM((block_p, dim), dtype, transforms=mma),
             plmgpu.Barrier(num_barriers=4),
         ],
-        grid=(p_pad // block_p, b),
+        grid=grids["mosaic_index_scores_dpooled"],
         grid_names=("pt", "b"),
         compiler_params=params, interpret=interp, kernel_name="mosaic_index_scores_dpooled",
     )(qp, wp, keys, g)

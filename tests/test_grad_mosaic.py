@@ -103,7 +103,7 @@ def test_forward_lse():
     kv = np.asarray(latent, np.float64)[np.arange(2)[:, None, None], np.clip(np.asarray(ids), 0, 49)]
     s = np.einsum("bqhc,bqwc->bqhw", np.asarray(q, np.float64), kv) * 0.3
     s = np.where(ok[:, :, None, :], s, -np.inf)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"):
         m = s.max(-1, keepdims=True)
         want = (m + np.log(np.exp(s - np.where(np.isfinite(m), m, 0)).sum(-1, keepdims=True)))[..., 0]
     got = np.asarray(lse)
@@ -112,15 +112,17 @@ def test_forward_lse():
 
 
 @NEEDS_MOSAIC
-@pytest.mark.parametrize("shared, cr, v, h", [(False, 128, 128, 4), (True, 192, 128, 70), (False, 40, 40, 2)])
-def test_sparse_mla_backward_matches_vjp(shared, cr, v, h):
+@pytest.mark.parametrize("shared, cr, v, h, nq, block_c", [
+    (False, 128, 128, 4, 2, 64), (True, 192, 128, 70, 1, 192), (False, 40, 40, 2, 2, 192)])
+def test_sparse_mla_backward_matches_vjp(shared, cr, v, h, nq, block_c):
     """Per-sequence and shared latents; a RoPE tail (V < CR: its columns get only the score
-    gradient); two head tiles (H = 70); CR = V = 40 (the tiny config, padded to 128)."""
+    gradient); two head tiles (H = 70); CR = V = 40 (the tiny config, padded to 128); two
+    column blocks (block_c = 64 of 128) and one."""
     length = 70  # three transpose blocks of 32: two row tiles of 64, the last part empty
-    q, latent, ids, d_out, named = _mla_case(1 + cr, b=2, nq=2, h=h, cr=cr, v=v, length=length,
+    q, latent, ids, d_out, named = _mla_case(1 + cr, b=2, nq=nq, h=h, cr=cr, v=v, length=length,
                                              width=20, shared=shared)
     scale = cr**-0.5
-    blocks = MosaicSparseMlaBackwardBlockSizes(block_c=64)
+    blocks = MosaicSparseMlaBackwardBlockSizes(block_c=block_c)
     dq, dlat = _mla_backward(q, latent, ids, d_out, v, scale, blocks)
     assert dq.dtype == q.dtype and dlat.dtype == latent.dtype
     want_dq, want_dlat = _mla_vjp(q, latent, ids, d_out, v, scale, named)
@@ -128,6 +130,8 @@ def test_sparse_mla_backward_matches_vjp(shared, cr, v, h):
     _close(dlat, want_dlat)
     assert (np.asarray(dq, np.float32)[-1, -1] == 0).all()  # the row with no valid id
     assert (np.asarray(dlat, np.float32)[~named] == 0).all()  # rows no query names
+    if cr != 128:
+        return  # one determinism check is enough (interpret mode is slow)
     dq2, dlat2 = _mla_backward(q, latent, ids, d_out, v, scale, blocks)
     np.testing.assert_array_equal(np.asarray(dq2, np.float32), np.asarray(dq, np.float32))
     np.testing.assert_array_equal(np.asarray(dlat2, np.float32), np.asarray(dlat, np.float32))

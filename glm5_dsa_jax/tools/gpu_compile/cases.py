@@ -49,6 +49,15 @@ from typing import Callable, Iterable
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels.mosaic_attention_backward import (
+    TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
+)
+from pallas_kernels.mosaic_attention_backward import launch_grids as mosaic_sparse_mla_backward_grids
+from pallas_kernels.mosaic_scoring_backward import (
+    MosaicIndexScoresBackwardBlockSizes, mosaic_index_scores_backward,
+)
+from pallas_kernels.mosaic_scoring_backward import launch_grids as mosaic_index_scores_backward_grids
+from pallas_kernels.transpose import selection_transpose
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
@@ -215,11 +224,6 @@ KERNEL_MODULES: dict[str, str] = {
 def _sparse_mla_backward_mosaic(cfg, s: Step, blocks: dict):
     # The forward's shapes (``_sparse_mla``) plus out, lse and d_out; the transpose is built
     # inside the call (XLA), as the custom_vjp's backward builds it.
-    from pallas_kernels.mosaic_attention_backward import (
-        TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
-    )
-    from pallas_kernels.transpose import selection_transpose
-
     _, avals, static = _sparse_mla(cfg, s, {})
     (q_shape, dt), (latent, _), ids = avals
     scale, v = cfg.softmax_scale, cfg.kv_lora_rank
@@ -237,10 +241,6 @@ def _sparse_mla_backward_mosaic(cfg, s: Step, blocks: dict):
 def _index_scores_backward_mosaic(cfg, s: Step, blocks: dict):
     # Contiguous keys only (the paged backward gathers its pools into this layout): a paged
     # step compiles the same call at its pool count.
-    from pallas_kernels.mosaic_scoring_backward import (
-        MosaicIndexScoresBackwardBlockSizes, mosaic_index_scores_backward,
-    )
-
     b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
     h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     bs = MosaicIndexScoresBackwardBlockSizes(**blocks)
@@ -324,31 +324,19 @@ def _sparse_mla_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
 
 
 def _sparse_mla_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
-    # mosaic_attention_backward: dq grid (B*Q rows, head tiles, column blocks); dlatent grid
-    # (row tiles of ROW_TILE over the flattened latent rows, column blocks)
-    from pallas_kernels.mosaic_attention import HEAD_TILE, padded_widths
-    from pallas_kernels.mosaic_attention_backward import (
-        ROW_TILE, TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, column_block,
-    )
-
-    rows, n_h = s.batch * s.queries, -(-cfg.num_attention_heads // HEAD_TILE)
-    c, _ = padded_widths(cfg.kv_cache_dim, cfg.kv_lora_rank)
-    n_c = c // column_block(c, MosaicSparseMlaBackwardBlockSizes(**blocks).validate().block_c)
-    n_rows = s.batch * s.context  # [B, L] rows, or the paged pool's [1, B * L]
-    tiles = -(-(-(-n_rows // TRANSPOSE_ROWS) * TRANSPOSE_ROWS) // ROW_TILE)
-    return {"mosaic_sparse_mla_dq": _cuda_grid((rows, n_h, n_c)),
-            "mosaic_sparse_mla_dlatent": _cuda_grid((tiles, n_c))}
+    # dq over (B*Q rows, head tiles, column blocks); dlatent over (row tiles of the [B, L]
+    # rows, or the paged pool's [1, B * L], column blocks)
+    grids = mosaic_sparse_mla_backward_grids(
+        s.batch * s.queries, cfg.num_attention_heads, s.batch * s.context, cfg.kv_cache_dim,
+        cfg.kv_lora_rank, MosaicSparseMlaBackwardBlockSizes(**blocks))
+    return {name: _cuda_grid(grid) for name, grid in grids.items()}
 
 
 def _index_scores_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
-    # mosaic_scoring_backward: dq / dw grid (Q, B, head tiles of 64); dpooled (pool tiles, B)
-    from pallas_kernels.mosaic_scoring_backward import MosaicIndexScoresBackwardBlockSizes
-
-    bb = MosaicIndexScoresBackwardBlockSizes(**blocks).validate()
-    p = max(1, s.context // cfg.index_kpool)
-    n_h = -(-cfg.index_n_heads // 64)
-    return {"mosaic_index_scores_dq": _cuda_grid((s.queries, s.batch, n_h)),
-            "mosaic_index_scores_dpooled": _cuda_grid((-(-p // bb.block_p), s.batch))}
+    grids = mosaic_index_scores_backward_grids(
+        s.batch, s.queries, cfg.index_n_heads, max(1, s.context // cfg.index_kpool),
+        MosaicIndexScoresBackwardBlockSizes(**blocks))
+    return {name: _cuda_grid(grid) for name, grid in grids.items()}
 
 
 #: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: CUDA grid}``, the launches its
