@@ -33,7 +33,7 @@ from pallas_kernels._common import check_positive_int, target_device
 
 __all__ = [
     "SMEM_BYTES", "check_smem", "takes_dtypes", "wgmma_on_target", "mosaic_takes",
-    "check_16bit_operands", "HEAD_TILE", "VALUE_CHUNK", "IDS_COPY", "MAX_INDEX_HEADS", "gather_rows",
+    "check_16bit_operands", "matmul", "HEAD_TILE", "VALUE_CHUNK", "IDS_COPY", "MAX_INDEX_HEADS", "gather_rows",
     "padded_ids", "padded_widths", "static_scale", "tma_box", "mma_swizzle", "check_index_operands",
     "visible_pools",
 ]
@@ -96,6 +96,17 @@ def check_16bit_operands(kernel: str, **operands) -> None:
             f"the mosaic {kernel} multiplies 16-bit operands on the tensor cores (wgmma's "
             f"float32 is TF32): {names} must both be bfloat16 or both float16, got {got}"
         )
+
+
+def matmul(plmgpu, shape, *products):
+    """``sum(a @ b for a, b in products)`` as a float32 ``shape`` value: the warpgroup MMAs
+    (``wgmma``, SMEM operands) into one scoped accumulator, read back when they are done."""
+    def run(acc_ref):
+        for a, b in products:
+            plmgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plmgpu.ACC(shape, jnp.float32))
 
 
 # ---- sparse_mla (mosaic_attention and its backward) ----

@@ -43,6 +43,10 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   wrapper). Every CTA writes its unnormalised accumulator, running max and sum; the
   wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also
   divides by the sum (0 for a row with no valid id: the output is exactly 0).
+* ``return_lse=True`` also returns each head's log-sum-exp of the scaled scores, merged
+  from the same split partials (``split_lse``; ``-inf`` for a row with no valid id): the
+  residual the backward (``mosaic_attention_backward``) recomputes probabilities from. The
+  kernel is the same launch, so ``out`` is the same bits either way.
 
 Operands: ``q`` and ``latent`` of one 16-bit dtype (``_mosaic.takes_dtypes``; the tensor
 cores' float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as

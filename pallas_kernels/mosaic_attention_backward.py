@@ -62,8 +62,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import require_mosaic_gpu
 from pallas_kernels._mosaic import (
-    HEAD_TILE, IDS_COPY, check_16bit_operands, check_smem, gather_rows, padded_ids, padded_widths,
-    static_scale, tma_box,
+    HEAD_TILE, IDS_COPY, check_16bit_operands, check_smem, gather_rows, matmul, padded_ids,
+    padded_widths, static_scale, tma_box,
 )
 
 __all__ = [
@@ -143,27 +143,15 @@ def _dq_kernel(ids_g, nend_g, q_g, do_g, lse_g, dd_g, lat_g, zero_g, dq_g,
                     lat_b=lat_b, base=j * block_w, length=length, width_c=width_c, copy_c=copy_c,
                     block_w=block_w, row_move=row_move)
 
-        def scores(acc_ref):
-            plmgpu.wgmma(acc_ref, q_s, kv_s.T)
-            return acc_ref[...]
-
-        def dprobs(acc_ref):
-            plmgpu.wgmma(acc_ref, do_s, kv_s.T)
-            return acc_ref[...]
-
-        s = pl.run_scoped(scores, plmgpu.ACC(shape, jnp.float32))
-        dp = pl.run_scoped(dprobs, plmgpu.ACC(shape, jnp.float32))
+        s = matmul(plmgpu, shape, (q_s, kv_s.T))
+        dp = matmul(plmgpu, shape, (do_s, kv_s.T))
         ids = plmgpu.load(ids_s.at[pl.ds(0, block_w)], layout=per_slot)
         ok = lax.broadcast_in_dim((ids >= 0) & (ids < length), shape, [1])
         p = jnp.where(ok, jnp.exp(s * scale - lse), 0.0)
         plmgpu.store(dz_s, jnp.where(ok, p * (dp - dd), 0.0).astype(dtype), optimized=False)
         plmgpu.commit_smem()
 
-        def grad(acc_ref):
-            plmgpu.wgmma(acc_ref, dz_s, kv_s.at[:, pl.ds(c0, block_c)])
-            return acc_ref[...]
-
-        return acc + pl.run_scoped(grad, plmgpu.ACC((HEAD_TILE, block_c), jnp.float32))
+        return acc + matmul(plmgpu, (HEAD_TILE, block_c), (dz_s, kv_s.at[:, pl.ds(c0, block_c)]))
 
     acc0 = plmgpu.layout_cast(jnp.zeros((HEAD_TILE, block_c), jnp.float32), wgmma_layout)
     acc = lax.fori_loop(0, n_blocks, step, acc0)
@@ -210,16 +198,8 @@ def _dlatent_kernel(start_g, query_g, mask_g, q_g, do_g, lse_g, dd_g, lat_g, dla
             for k in (1, 2, 3, 4):
                 plmgpu.barrier_wait(bars.at[k])
 
-            def scores(acc_ref):
-                plmgpu.wgmma(acc_ref, lat_s, q_s.T)
-                return acc_ref[...]
-
-            def dprobs(acc_ref):
-                plmgpu.wgmma(acc_ref, lat_s, do_s.T)
-                return acc_ref[...]
-
-            st = pl.run_scoped(scores, plmgpu.ACC(shape, jnp.float32))
-            dpt = pl.run_scoped(dprobs, plmgpu.ACC(shape, jnp.float32))
+            st = matmul(plmgpu, shape, (lat_s, q_s.T))
+            dpt = matmul(plmgpu, shape, (lat_s, do_s.T))
             lse = lax.broadcast_in_dim(plmgpu.load(lse_s, layout=per_head), shape, [1])
             dd = lax.broadcast_in_dim(plmgpu.load(dd_s, layout=per_head), shape, [1])
             pt = jnp.where(picked, jnp.exp(st * scale - lse), 0.0)
@@ -229,12 +209,8 @@ def _dlatent_kernel(start_g, query_g, mask_g, q_g, do_g, lse_g, dd_g, lat_g, dla
             plmgpu.store(dzt_s, dzt.astype(dtype), optimized=False)
             plmgpu.commit_smem()
 
-            def grad(acc_ref):
-                plmgpu.wgmma(acc_ref, pt_s, do_s.at[:, cols])
-                plmgpu.wgmma(acc_ref, dzt_s, q_s.at[:, cols])
-                return acc_ref[...]
-
-            return acc + pl.run_scoped(grad, plmgpu.ACC((ROW_TILE, block_c), jnp.float32))
+            return acc + matmul(plmgpu, (ROW_TILE, block_c), (pt_s, do_s.at[:, cols]),
+                                (dzt_s, q_s.at[:, cols]))
 
         return lax.fori_loop(0, head_tiles, head_tile, acc)
 

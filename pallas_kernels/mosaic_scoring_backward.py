@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_index_operands, check_smem, mma_swizzle, visible_pools
+from pallas_kernels._mosaic import check_index_operands, check_smem, matmul, mma_swizzle, visible_pools
 
 __all__ = ["MosaicIndexScoresBackwardBlockSizes", "mosaic_index_scores_backward", "launch_grids"]
 
@@ -106,11 +106,7 @@ def _dq_kernel(ntiles_g, q_g, w_g, pooled_g, g_g, dq_g, dw_g,
         plmgpu.barrier_wait(bars.at[2])
         plmgpu.barrier_wait(bars.at[3])
 
-        def scores(acc_ref):
-            plmgpu.wgmma(acc_ref, q_s, keys_s.T)
-            return acc_ref[...]
-
-        zeta = pl.run_scoped(scores, plmgpu.ACC(shape, jnp.float32)) * scale
+        zeta = matmul(plmgpu, shape, (q_s, keys_s.T)) * scale
         g = lax.broadcast_in_dim(plmgpu.load(g_s, layout=per_pool), shape, [1])
         live = g != 0.0
         dw = dw + jnp.sum(jnp.where(live & (zeta > 0.0), g * zeta, 0.0), axis=1)
@@ -118,11 +114,7 @@ def _dq_kernel(ntiles_g, q_g, w_g, pooled_g, g_g, dq_g, dw_g,
                      optimized=False)
         plmgpu.commit_smem()
 
-        def grad(acc_ref):
-            plmgpu.wgmma(acc_ref, dz_s, keys_s)
-            return acc_ref[...]
-
-        return dq + pl.run_scoped(grad, plmgpu.ACC((_HEAD_TILE, dim), jnp.float32)), dw
+        return dq + matmul(plmgpu, (_HEAD_TILE, dim), (dz_s, keys_s)), dw
 
     dq0 = plmgpu.layout_cast(jnp.zeros((_HEAD_TILE, dim), jnp.float32), wgmma_layout)
     dw0 = plmgpu.layout_cast(jnp.zeros((_HEAD_TILE,), jnp.float32), per_head)
@@ -156,22 +148,14 @@ def _dpooled_kernel(q_g, w_g, pooled_g, g_g, dk_g,
             plmgpu.barrier_wait(bars.at[k])
 
         def query(i, acc):
-            def scores(acc_ref):
-                plmgpu.wgmma(acc_ref, keys_s, q_s.at[i].T)
-                return acc_ref[...]
-
-            zeta = pl.run_scoped(scores, plmgpu.ACC(shape, jnp.float32)) * scale
+            zeta = matmul(plmgpu, shape, (keys_s, q_s.at[i].T)) * scale
             g = lax.broadcast_in_dim(plmgpu.load(g_s.at[i], layout=per_pool), shape, [0])
             wv = lax.broadcast_in_dim(plmgpu.load(w_s.at[i], layout=per_head), shape, [1])
             dz = jnp.where((g != 0.0) & (zeta > 0.0), g * wv * scale, 0.0)
             plmgpu.store(dz_s, dz.astype(dtype), optimized=False)
             plmgpu.commit_smem()
 
-            def grad(acc_ref):
-                plmgpu.wgmma(acc_ref, dz_s, q_s.at[i])
-                return acc_ref[...]
-
-            return acc + pl.run_scoped(grad, plmgpu.ACC((block_p, dim), jnp.float32))
+            return acc + matmul(plmgpu, (block_p, dim), (dz_s, q_s.at[i]))
 
         return lax.fori_loop(0, block_q, query, acc)
 

@@ -118,9 +118,9 @@ def test_sparse_mla_backward_matches_vjp(shared, cr, v, h, nq, block_c):
     """Per-sequence and shared latents; a RoPE tail (V < CR: its columns get only the score
     gradient); two head tiles (H = 70); CR = V = 40 (the tiny config, padded to 128); two
     column blocks (block_c = 64 of 128) and one."""
-    length = 70  # three transpose blocks of 32: two row tiles of 64, the last part empty
+    length = 40  # B * L = 80 rows: three transpose blocks of 32, two row tiles of 64
     q, latent, ids, d_out, named = _mla_case(1 + cr, b=2, nq=nq, h=h, cr=cr, v=v, length=length,
-                                             width=20, shared=shared)
+                                             width=12, shared=shared)
     scale = cr**-0.5
     blocks = MosaicSparseMlaBackwardBlockSizes(block_c=block_c)
     dq, dlat = _mla_backward(q, latent, ids, d_out, v, scale, blocks)
@@ -130,7 +130,7 @@ def test_sparse_mla_backward_matches_vjp(shared, cr, v, h, nq, block_c):
     _close(dlat, want_dlat)
     assert (np.asarray(dq, np.float32)[-1, -1] == 0).all()  # the row with no valid id
     assert (np.asarray(dlat, np.float32)[~named] == 0).all()  # rows no query names
-    if cr != 128:
+    if cr != 40:
         return  # one determinism check is enough (interpret mode is slow)
     dq2, dlat2 = _mla_backward(q, latent, ids, d_out, v, scale, blocks)
     np.testing.assert_array_equal(np.asarray(dq2, np.float32), np.asarray(dq, np.float32))
