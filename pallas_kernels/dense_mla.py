@@ -15,7 +15,8 @@ row, ``V``: its leading value columns, see ``pallas_kernels.attention``). Invari
   (``masked_softmax``, which ``sparse_mla_reference`` shares).
 * ``combine_splits`` merges flash-decoding split partials ``(acc, max, sum)`` the same way
   for both ``sparse_mla`` kernels (Triton, ``attention``; Mosaic, ``mosaic_attention``): a
-  split with no valid id adds nothing, a row with none is exactly 0.
+  split with no valid id adds nothing, a row with none is exactly 0 (and, with
+  ``return_lse``, its log-sum-exp ``-inf``).
 
 Its attention is ``O(L)`` per query: for tests, demos and benchmarks' baselines, never the
 layer's path. The softmax arithmetic it shares (``masked_softmax``, ``combine_splits``) and
@@ -80,12 +81,18 @@ def mla_masked_attention(
     return o.astype(q.dtype)
 
 
-def combine_splits(acc, m, l):
+def combine_splits(acc, m, l, *, return_lse: bool = False):
     """Merge per-split partials ``acc [..., S, H, V]``, ``m, l [..., S, H]`` (f32, ``S``
-    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty."""
+    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty. With
+    ``return_lse``: ``(out, lse [..., H])``, the log-sum-exp of the scores over every split
+    (``-inf`` where every split is empty), the attention backward's residual."""
     m_all = jnp.max(m, axis=-2, keepdims=True)
     m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
     w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
     denom = jnp.sum(w * l, axis=-2)
     num = jnp.sum(w[..., None] * acc, axis=-3)
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = num / safe[..., None]
+    if not return_lse:
+        return out
+    return out, jnp.where(denom > 0, m_all[..., 0, :] + jnp.log(safe), -jnp.inf)

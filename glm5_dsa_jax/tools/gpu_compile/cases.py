@@ -12,6 +12,10 @@ Invariants:
   room for every sequence's capacity: ``index_scores`` runs as ``index_scores_paged``
   (pooled-key pages through the block table), ``topk_pools`` with a ``n_live`` bound,
   ``sparse_mla`` over the shared latent pool ``[1, batch * context, C]``.
+* Backward kernels (``BACKWARD_KERNELS``: ``sparse_mla``'s ``dq`` and token-major
+  ``dlatent`` kernels) are cases at the steps a training step's gradient launches them
+  (``TRAIN_STEPS``: a prefill chunk or a whole prompt, queries in tiles of ``block_q``
+  over the context's latent rows), not at decode steps.
 * Shapes follow the config: ``index_kpool`` (1 without a tail for the RoPE models, whose
   indexer selects tokens), and ``sparse_mla``'s query and cache rows ``kv_cache_dim =
   kv_lora_rank + qk_rope_head_dim`` wide (``[c, k_rot]``), its values the ``kv_lora_rank``
@@ -61,8 +65,8 @@ from pallas_kernels.transpose import selection_transpose
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
-           "PAGED_KERNELS", "MOSAIC_KERNELS", "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES",
-           "MOSAIC_THREADS", "MOSAIC_HOPPER_ONLY", "mosaic_cases", "mosaic_on_target"]
+           "PAGED_KERNELS", "BACKWARD_KERNELS", "TRAIN_STEPS", "MOSAIC_KERNELS",
+           "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES", "MOSAIC_THREADS", "MOSAIC_HOPPER_ONLY", "mosaic_cases", "mosaic_on_target"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
@@ -72,6 +76,11 @@ DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other comp
 CACHES = ("contiguous", "paged")  # init_cache's one timeline per batch; init_paged_cache's pages
 PAGE_SIZE = 64  # tokens a page of the paged cache (its default; vLLM's and SGLang's too)
 PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs differ when paged
+#: Backward kernels: launched by a training step's gradient, which the layer takes over
+#: whole chunks of queries (``TRAIN_STEPS``; tiles of ``block_q`` queries, as the forward),
+#: never at a decode step; their default cases are at those steps only.
+BACKWARD_KERNELS = ("sparse_mla_backward",)
+TRAIN_STEPS = ("prefill", "prompt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +204,20 @@ def _sparse_mla(cfg, s: Step, blocks: dict, implementation="pallas",
                 ((b, q, cfg.out_width), jnp.int32)], (v,)
 
 
+def _sparse_mla_backward(cfg, s: Step, blocks: dict):
+    # sparse_mla's backward at the forward's shapes (the layer differentiates attention per
+    # query tile of block_q): the dq kernel and the token-major dlatent kernel.
+    b, q, dt, cr = s.batch, s.queries, jnp.dtype(s.dtype), cfg.kv_cache_dim
+    h, scale, v = cfg.num_attention_heads, cfg.softmax_scale, cfg.kv_lora_rank
+    bs = pk.SparseMlaBackwardBlockSizes(**blocks)
+    fn = lambda qr, lat, ids, out, lse, d_out: pk.sparse_mla_backward(  # noqa: E731
+        qr, lat, ids, out, lse, d_out, scale=scale, value_width=v, implementation="pallas",
+        block_sizes=bs)
+    latent = (1, b * s.context, cr) if s.cache == "paged" else (b, s.context, cr)
+    return fn, [((b, q, h, cr), dt), (latent, dt), ((b, q, cfg.out_width), jnp.int32),
+                ((b, q, h, v), dt), ((b, q, h), jnp.float32), ((b, q, h, v), dt)], (v,)
+
+
 #: One entry per kernel: ``(cfg, step, blocks) -> (fn, [(shape, dtype), ...][, static])``.
 #: ``fn`` calls the public wrapper with ``implementation="pallas"`` and ``block_sizes`` built
 #: from ``blocks`` (the fields of the kernel's block-size dataclass to override; empty in the
@@ -207,6 +230,7 @@ KERNELS: dict[str, Callable] = {
     "topk_pools": _topk_pools,
     "expand_selection": _expand_selection,
     "sparse_mla": _sparse_mla,
+    "sparse_mla_backward": _sparse_mla_backward,
 }
 
 #: Every kernel module of ``pallas_kernels`` that launches a ``pallas_call``, mapped to the
@@ -218,6 +242,7 @@ KERNEL_MODULES: dict[str, str] = {
     "radix_select": "topk_pools",
     "expansion": "expand_selection",
     "attention": "sparse_mla",
+    "attention_backward": "sparse_mla_backward",
 }
 
 
@@ -379,7 +404,8 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
                   steps=STEPS, dtypes=DTYPES, caches=CACHES) -> list[Case]:
     """Every kernel at every step, context, batch, dtype and cache kind (by default
     bfloat16, the serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8, contiguous and
-    paged; a paged case only for ``PAGED_KERNELS``, the others being the same either way)."""
+    paged; a paged case only for ``PAGED_KERNELS``, the others being the same either way;
+    a ``BACKWARD_KERNELS`` case only at the ``TRAIN_STEPS``)."""
     kernels = list(KERNELS) if kernels is None else list(kernels)
     unknown = sorted(set(kernels) - set(KERNELS) - set(MOSAIC_KERNELS))
     if unknown:
@@ -396,7 +422,8 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
     paged = set(PAGED_KERNELS) | set(MOSAIC_KERNELS)  # each Mosaic kernel has a paged form
     return [Case(k, Step(kind, b, n, dt, cache=c)) for c in CACHES if c in caches
             for k in kernels if c == "contiguous" or k in paged
-            for dt in dtypes for n in contexts for kind in steps for b in batches]
+            for dt in dtypes for n in contexts for kind in steps
+            if k not in BACKWARD_KERNELS or kind in TRAIN_STEPS for b in batches]
 
 
 def mosaic_cases(**kwargs) -> list[Case]:
