@@ -44,7 +44,8 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also
   divides by the sum (0 for a row with no valid id: the output is exactly 0).
 * ``return_lse=True`` also returns each head's log-sum-exp of the scaled scores, merged
-  from the same split partials (``split_lse``; ``-inf`` for a row with no valid id): the
+  from the same split partials (``dense_mla.combine_splits``; ``-inf`` for a row with no
+  valid id): the
   residual the backward (``mosaic_attention_backward``) recomputes probabilities from. The
   kernel is the same launch, so ``out`` is the same bits either way.
 
@@ -76,7 +77,7 @@ from pallas_kernels._mosaic import (
 )
 from pallas_kernels.dense_mla import combine_splits
 
-__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "split_lse", "HEAD_TILE"]
+__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "HEAD_TILE"]
 
 _TARGET_CTAS = 256  # auto num_splits aims at about this many CTAs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4
@@ -210,16 +211,6 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         plmgpu.wait_smem_to_gmem(0)
 
 
-def split_lse(m, l):
-    """The log-sum-exp ``[..., H]`` of the scaled scores from per-split running maxima and
-    sums ``m, l [..., S, H]`` (as ``combine_splits`` merges them); ``-inf`` where every split
-    is empty (a row with no valid id)."""
-    m_all = jnp.max(m, axis=-2)
-    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
-    denom = jnp.sum(jnp.exp(m - m_all[..., None, :]) * l, axis=-2)
-    return jnp.where(denom > 0, m_all + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-
-
 def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
                       block_sizes: MosaicSparseMlaBlockSizes, return_lse: bool = False):
     """``[B, Q, H, V]`` attention (shapes and meaning as ``sparse_mla_reference``; the caller
@@ -294,8 +285,9 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
         interpret=plmgpu.InterpretGPUParams() if interpret else None,
         kernel_name="mosaic_sparse_mla",
     )(ids, n_end, qp, latent, jnp.zeros((1, c), latent.dtype))
-    out = combine_splits(acc, m, l).astype(q.dtype)
-    out = out[:, :h, :v_true].reshape(b, nq, h, v_true)
     if not return_lse:
-        return out
-    return out, split_lse(m, l)[:, :h].reshape(b, nq, h)
+        out = combine_splits(acc, m, l)
+    else:
+        out, lse = combine_splits(acc, m, l, return_lse=True)
+    out = out.astype(q.dtype)[:, :h, :v_true].reshape(b, nq, h, v_true)
+    return (out, lse[:, :h].reshape(b, nq, h)) if return_lse else out

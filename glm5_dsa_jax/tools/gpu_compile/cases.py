@@ -79,7 +79,7 @@ PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs dif
 #: Backward kernels: launched by a training step's gradient, which the layer takes over
 #: whole chunks of queries (``TRAIN_STEPS``; tiles of ``block_q`` queries, as the forward),
 #: never at a decode step; their default cases are at those steps only.
-BACKWARD_KERNELS = ("sparse_mla_backward",)
+BACKWARD_KERNELS = ("sparse_mla_backward", "sparse_mla_backward_mosaic", "index_scores_backward_mosaic")
 TRAIN_STEPS = ("prefill", "prompt")
 
 
