@@ -43,6 +43,11 @@ Kernel shape (``plmgpu.kernel``, Lane lowering semantics, one warpgroup per CTA,
   wrapper). Every CTA writes its unnormalised accumulator, running max and sum; the
   wrapper merges them (``dense_mla.combine_splits``, a small XLA fusion), which also
   divides by the sum (0 for a row with no valid id: the output is exactly 0).
+* ``return_lse=True`` also returns each head's log-sum-exp of the scaled scores, merged
+  from the same split partials (``dense_mla.combine_splits``; ``-inf`` for a row with no
+  valid id): the
+  residual the backward (``mosaic_attention_backward``) recomputes probabilities from. The
+  kernel is the same launch, so ``out`` is the same bits either way.
 
 Operands: ``q`` and ``latent`` of one 16-bit dtype (``_mosaic.takes_dtypes``; the tensor
 cores' float32 is TF32): ``sparse_mla`` runs any other dtypes on the Triton kernel, as
@@ -66,16 +71,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_16bit_operands, check_smem
+from pallas_kernels._mosaic import (
+    HEAD_TILE, IDS_COPY, VALUE_CHUNK, check_16bit_operands, check_smem, gather_rows, padded_ids,
+    padded_widths, static_scale, tma_box,
+)
 from pallas_kernels.dense_mla import combine_splits
 
-__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"]
+__all__ = ["MosaicSparseMlaBlockSizes", "mosaic_sparse_mla", "HEAD_TILE"]
 
-HEAD_TILE = 64  # heads per CTA: the warpgroup MMA's M
-_VALUE_CHUNK = 128  # value columns per MMA (its N)
 _TARGET_CTAS = 256  # auto num_splits aims at about this many CTAs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4
-_IDS_COPY = 32  # ids copied per block (>= block_w): a TMA moves a multiple of 128 bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +112,8 @@ class MosaicSparseMlaBlockSizes:
         if self.block_w not in (16, 32, 64) or isinstance(self.block_w, bool):
             raise ValueError(f"{name}block_w must be 16, 32 or 64, got {self.block_w!r}")
         bv = self.block_v
-        if not isinstance(bv, int) or isinstance(bv, bool) or bv < _VALUE_CHUNK or bv % _VALUE_CHUNK:
-            raise ValueError(f"{name}block_v must be a multiple of {_VALUE_CHUNK}, got {bv!r}")
+        if not isinstance(bv, int) or isinstance(bv, bool) or bv < VALUE_CHUNK or bv % VALUE_CHUNK:
+            raise ValueError(f"{name}block_v must be a multiple of {VALUE_CHUNK}, got {bv!r}")
         if self.num_splits is not None:
             check_positive_int(name + "num_splits", self.num_splits)
         return self
@@ -119,7 +124,7 @@ class MosaicSparseMlaBlockSizes:
         self.validate()
         block_v = min(self.block_v, v)
         while v % block_v:  # value blocks tile V (both multiples of 128)
-            block_v -= _VALUE_CHUNK
+            block_v -= VALUE_CHUNK
         splits = self.num_splits
         if splits is None:
             ctas = rows * head_blocks * (v // block_v)
@@ -141,7 +146,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     lat_b = 0 if shared else row // nq
     h0 = hb * HEAD_TILE
     v0 = vb * block_v
-    n_chunks = block_v // _VALUE_CHUNK
+    n_chunks = block_v // VALUE_CHUNK
 
     plmgpu.copy_gmem_to_smem(q_g.at[row, pl.ds(h0, HEAD_TILE)], q_s, bars.at[0])
     plmgpu.barrier_wait(bars.at[0])
@@ -153,34 +158,9 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
     def step(j, carry):
         m_prev, l_prev, accs = carry
         base = j * block_w
-        plmgpu.copy_gmem_to_smem(ids_g.at[row, pl.ds(base, max(block_w, _IDS_COPY))], ids_s, bars.at[1])
-        plmgpu.barrier_wait(bars.at[1])
-
-        # The gather: one TMA row copy per slot, in a loop (unrolled, the 32 x 3 copies'
-        # addresses made ptxas spill at CR = 576).
-        @pl.loop(0, block_w)
-        def _(r):
-            tok = ids_s[r]  # a scalar read of SMEM, not of GMEM
-            ok = (tok >= 0) & (tok < length)
-
-            for k in range(0, width_c, copy_c):  # a TMA box is at most 256 elements wide
-                cols = pl.ds(k, copy_c)
-
-                @pl.when(ok)
-                def _():
-                    plmgpu.copy_gmem_to_smem(
-                        lat_g.at[lat_b, pl.ds(tok, 1), cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-                @pl.when(~ok)
-                def _():
-                    plmgpu.copy_gmem_to_smem(zero_g.at[:, cols], raw_s.at[pl.ds(r, 1), cols], row_bar)
-
-        plmgpu.barrier_wait(row_bar)
-        for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
-            cols = pl.ds(k, copy_c)
-            plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
-                         optimized=False)
-        plmgpu.commit_smem()
+        gather_rows(plmgpu, ids_g, lat_g, zero_g, ids_s, raw_s, kv_s, bars.at[1], row_bar, row=row,
+                    lat_b=lat_b, base=base, length=length, width_c=width_c, copy_c=copy_c,
+                    block_w=block_w, row_move=row_move)
 
         def score_mma(acc_ref):
             plmgpu.wgmma(acc_ref, q_s, kv_s.T)
@@ -200,16 +180,16 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         new = []
         for c, acc in enumerate(accs):
             def value_mma(acc_ref, c=c):
-                plmgpu.wgmma(acc_ref, p_s, kv_s.at[:, pl.ds(v0 + c * _VALUE_CHUNK, _VALUE_CHUNK)])
+                plmgpu.wgmma(acc_ref, p_s, kv_s.at[:, pl.ds(v0 + c * VALUE_CHUNK, VALUE_CHUNK)])
                 return acc_ref[...]
 
-            pv = pl.run_scoped(value_mma, plmgpu.ACC((HEAD_TILE, _VALUE_CHUNK), jnp.float32))
+            pv = pl.run_scoped(value_mma, plmgpu.ACC((HEAD_TILE, VALUE_CHUNK), jnp.float32))
             new.append(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv)
         return m_next, l_next, tuple(new)
 
     m0 = plmgpu.layout_cast(jnp.full((HEAD_TILE,), -jnp.inf, jnp.float32), per_head)
     l0 = plmgpu.layout_cast(jnp.zeros((HEAD_TILE,), jnp.float32), per_head)
-    acc0 = tuple(plmgpu.layout_cast(jnp.zeros((HEAD_TILE, _VALUE_CHUNK), jnp.float32), wgmma_layout)
+    acc0 = tuple(plmgpu.layout_cast(jnp.zeros((HEAD_TILE, VALUE_CHUNK), jnp.float32), wgmma_layout)
                  for _ in range(n_chunks))
     m_i, l_i, accs = lax.fori_loop(lo, hi, step, (m0, l0, acc0))
 
@@ -217,7 +197,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         o_s[...] = acc
         plmgpu.commit_smem()
         plmgpu.copy_smem_to_gmem(
-            o_s, acc_g.at[row, split, pl.ds(h0, HEAD_TILE), pl.ds(v0 + c * _VALUE_CHUNK, _VALUE_CHUNK)])
+            o_s, acc_g.at[row, split, pl.ds(h0, HEAD_TILE), pl.ds(v0 + c * VALUE_CHUNK, VALUE_CHUNK)])
         plmgpu.wait_smem_to_gmem(0)
     # The running max and sum, once per (row, head block, split): value block 0 writes them.
     vec_s[0] = m_i
@@ -232,9 +212,13 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
 
 
 def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
-                      block_sizes: MosaicSparseMlaBlockSizes):
+                      block_sizes: MosaicSparseMlaBlockSizes, return_lse: bool = False):
     """``[B, Q, H, V]`` attention (shapes and meaning as ``sparse_mla_reference``; the caller
-    checked shapes and ``V = value_width``) with the Mosaic GPU kernel."""
+    checked shapes and ``V = value_width``) with the Mosaic GPU kernel. With
+    ``return_lse``: ``(out, lse)``, ``lse [B, Q, H]`` float32 the log-sum-exp of the scaled
+    scores over the row's valid ids (``-inf`` for a row with none), what the backward
+    (``mosaic_attention_backward``) recomputes the probabilities from; ``out`` is the same
+    bits either way."""
     plmgpu = require_mosaic_gpu("sparse_mla")
     b, nq, h, c = q.shape
     v = value_width
@@ -242,16 +226,13 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     width = token_ids.shape[2]
     check_16bit_operands("sparse_mla", q=q, latent=latent)
     if b * nq * h == 0 or width == 0 or length == 0:
-        return jnp.zeros((b, nq, h, v), q.dtype)
-    try:
-        scale = float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise ValueError(f"scale must be a static Python float for the Mosaic kernel, got {scale!r}") from e
+        out = jnp.zeros((b, nq, h, v), q.dtype)
+        return (out, jnp.full((b, nq, h), -jnp.inf, jnp.float32)) if return_lse else out
+    scale = static_scale(scale)
 
     # Rows padded to whole 64-column lines and to whole 128-column value chunks: zero
     # columns add nothing to a score, and value columns past V are cut off below.
-    v_pad = -(-v // _VALUE_CHUNK) * _VALUE_CHUNK
-    c_pad = max(-(-c // 64) * 64, v_pad)
+    c_pad, v_pad = padded_widths(c, v)
     if c_pad != c:  # a copy of the latent (no real model: CR = 512 or 576, V = 512)
         q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, c_pad - c)))
         latent = jnp.pad(latent, ((0, 0), (0, 0), (0, c_pad - c)))
@@ -265,17 +246,12 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
     check_smem("the mosaic sparse_mla", {
         "query tile": HEAD_TILE * c * item, "gathered rows": 2 * block_w * c * item,
         "probabilities": HEAD_TILE * block_w * item,
-        "output": HEAD_TILE * _VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
+        "output": HEAD_TILE * VALUE_CHUNK * 4 + 2 * HEAD_TILE * 4 + block_w * 4,
     }, blocks)
     qp = jnp.pad(q.reshape(rows, h, c), ((0, 0), (0, h_pad - h), (0, 0)))
-    ids = token_ids.reshape(rows, width).astype(jnp.int32)
-    # Whole id blocks, and room for the last block's copy of _IDS_COPY ids.
-    w_pad = -(-width // block_w) * block_w + max(0, _IDS_COPY - block_w)
-    ids = jnp.pad(ids, ((0, 0), (0, w_pad - width)), constant_values=-1)
-    ok = (ids >= 0) & (ids < length)
-    n_end = jnp.max(jnp.where(ok, jnp.arange(1, w_pad + 1, dtype=jnp.int32), 0), axis=1)
+    ids, n_end = padded_ids(token_ids, length, block_w)
 
-    copy_c = max(k for k in (256, 192, 128, 64) if c % k == 0)  # TMA boxes: <= 256 wide
+    copy_c = tma_box(c)
     # One swizzle for every MMA operand (wgmma wants its two operands' swizzles equal): one
     # row of probabilities, block_w 16-bit elements, is 32, 64 or 128 bytes.
     swizzle = block_w * item
@@ -297,8 +273,8 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
             plmgpu.SMEM((block_w, c), q.dtype),  # gathered rows, as copied
             plmgpu.SMEM((block_w, c), q.dtype, transforms=mma_tiles),  # ... as the MMA reads them
             plmgpu.SMEM((HEAD_TILE, block_w), q.dtype, transforms=mma_tiles),  # probabilities
-            plmgpu.SMEM((max(block_w, _IDS_COPY),), jnp.int32),
-            plmgpu.SMEM((HEAD_TILE, _VALUE_CHUNK), f32, transforms=f32_tiles),
+            plmgpu.SMEM((max(block_w, IDS_COPY),), jnp.int32),
+            plmgpu.SMEM((HEAD_TILE, VALUE_CHUNK), f32, transforms=f32_tiles),
             plmgpu.SMEM((2, HEAD_TILE), f32),
             plmgpu.Barrier(num_barriers=2),
             plmgpu.Barrier(num_arrivals=block_w * (c // copy_c)),
@@ -309,5 +285,9 @@ def mosaic_sparse_mla(q, latent, token_ids, *, scale, value_width, interpret,
         interpret=plmgpu.InterpretGPUParams() if interpret else None,
         kernel_name="mosaic_sparse_mla",
     )(ids, n_end, qp, latent, jnp.zeros((1, c), latent.dtype))
-    out = combine_splits(acc, m, l).astype(q.dtype)
-    return out[:, :h, :v_true].reshape(b, nq, h, v_true)
+    if not return_lse:
+        out = combine_splits(acc, m, l)
+    else:
+        out, lse = combine_splits(acc, m, l, return_lse=True)
+    out = out.astype(q.dtype)[:, :h, :v_true].reshape(b, nq, h, v_true)
+    return (out, lse[:, :h].reshape(b, nq, h)) if return_lse else out

@@ -69,12 +69,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_16bit_operands, check_smem
+from pallas_kernels._mosaic import check_index_operands, check_smem, mma_swizzle, visible_pools
 
 __all__ = ["MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"]
 
 _HEAD_STEP = 32  # heads are padded to a multiple: one f32 weight row is a whole 128-byte line
-_MAX_HEADS = 256  # wgmma's largest N
 @dataclasses.dataclass(frozen=True)
 class MosaicIndexScoresBlockSizes:
     """Tiling of the Mosaic GPU ``index_scores`` (see the module doc).
@@ -103,14 +102,6 @@ class MosaicIndexScoresBlockSizes:
         """The sizes the kernel launches with for ``Q = n_queries``."""
         self.validate()
         return dataclasses.replace(self, block_q=max(1, min(self.block_q, n_queries)))
-
-
-def _swizzle(dim: int, itemsize: int) -> int:
-    """The widest TMA / MMA swizzle (bytes) that tiles a row of ``dim`` elements."""
-    for s in (128, 64, 32):
-        if (dim * itemsize) % s == 0:
-            return s
-    raise ValueError(f"no swizzle tiles a row of {dim} x {itemsize} bytes")
 
 
 def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, table_g, zero_g, out_g,
@@ -209,7 +200,7 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     q_pad = vis.shape[1]
     qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, 0)))
     wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
-    swizzle = _swizzle(dim, q.dtype.itemsize)
+    swizzle = mma_swizzle(dim, q.dtype.itemsize)
     mma_tiles = (plmgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                  plmgpu.SwizzleTransform(swizzle))
     kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
@@ -240,14 +231,6 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     )(qp, wp, vis, seen, pv, pooled, table, zero)
 
 
-def _check_operands(q, keys, keys_name, kpool):
-    heads = q.shape[2]
-    check_16bit_operands("index_scores", **{"q": q, keys_name: keys})
-    if heads > _MAX_HEADS:
-        raise ValueError(f"the mosaic index_scores takes at most {_MAX_HEADS} heads Hi, got {heads}")
-    check_positive_int("kpool", kpool)
-
-
 def _query_tiles(vis, block_q, bound=None):
     """``vis [B, Q]`` padded to whole query tiles (padding queries see nothing) and each
     tile's ``seen [B, Q_pad / block_q]``: the pools any of its queries can see, capped at
@@ -266,7 +249,7 @@ def mosaic_index_scores_paged(q, w, pooled_pages, block_table, pool_counts, q_po
     """``index_scores_paged`` (``pallas_kernels.scoring``'s contract; the caller checked
     the shapes) with this kernel: ``[B, Q, PG * PPP]`` float32."""
     plmgpu = require_mosaic_gpu("index_scores_paged")
-    _check_operands(q, pooled_pages, "pooled_pages", kpool)
+    check_index_operands(q, pooled_pages, "pooled_pages", kpool)
     b, n_q = q.shape[:2]
     n_pages, ppp = pooled_pages.shape[:2]
     n_pools = block_table.shape[1] * ppp
@@ -301,7 +284,7 @@ def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, in
     """Scores ``[B, Q, P]`` float32 (shapes and meaning as ``index_scores_reference``; the
     caller checked the shapes) with the Mosaic GPU kernel, tiled by ``block_sizes``."""
     plmgpu = require_mosaic_gpu("index_scores")
-    _check_operands(q, pooled, "pooled", kpool)
+    check_index_operands(q, pooled, "pooled", kpool)
     b, n_q = q.shape[:2]
     n_pools = pooled.shape[1]
     if b == 0 or n_q == 0 or n_pools == 0:
@@ -312,10 +295,7 @@ def mosaic_index_scores(q, w, pooled, pool_valid, first_key, q_pos, *, kpool, in
     if p_pad != n_pools:  # a copy of the pooled keys: see the module doc
         pooled = jnp.pad(pooled, ((0, 0), (0, p_pad - n_pools), (0, 0)))
         pv = jnp.pad(pv, ((0, 0), (0, p_pad - n_pools)))
-    # vis[b, t]: pools query t can see causally; pool p is a candidate iff valid and p < vis
-    # (``first_key + (p + 1)*KP - 1 <= q_pos``; a padding query, q_pos = -1, sees none).
-    vis = jnp.floor_divide(q_pos.astype(jnp.int32) - first_key.astype(jnp.int32)[:, None] + 1, kpool)
-    vis, seen = _query_tiles(vis, blocks.block_q)
+    vis, seen = _query_tiles(visible_pools(first_key, q_pos, kpool), blocks.block_q)
     out = _launch(plmgpu, q, w, vis, seen, pv, pooled, jnp.zeros((1, 1), jnp.int32),
                   n_pools=p_pad, blocks=blocks, interpret=interpret, page_chunk=None)
     return out[:, :n_q, :n_pools]

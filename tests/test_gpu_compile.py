@@ -311,6 +311,13 @@ def test_mosaic_kernels_exist_per_target():
         "mosaic_index_scores": (131072 // 4 // 64, 8, 64 // 8)}
     assert gc.cases.MOSAIC_LAUNCHES["sparse_mla_mosaic"](cfg, step, {}) == {
         "mosaic_sparse_mla": (1, 512 // 128, 8 * 64)}
+    # The backward: dq (rows, heads, column blocks of 128 of CR 512) and dlatent (row tiles
+    # of 64 of the 8 x 128K rows, column blocks); dq / dw (queries, B, heads), dpooled.
+    assert gc.cases.MOSAIC_LAUNCHES["sparse_mla_backward_mosaic"](cfg, step, {}) == {
+        "mosaic_sparse_mla_dq": (512 // 128, 1, 8 * 64),
+        "mosaic_sparse_mla_dlatent": (512 // 128, 8 * 131072 // 64, 1)}
+    assert gc.cases.MOSAIC_LAUNCHES["index_scores_backward_mosaic"](cfg, step, {}) == {
+        "mosaic_index_scores_dq": (1, 8, 64), "mosaic_index_scores_dpooled": (8, 131072 // 4 // 64, 1)}
 
 
 def test_mosaic_shapes_of_glm52_are_glm5s():
@@ -343,5 +350,31 @@ def test_mosaic_kernels_compile_for_sm90a(toolchain, preset):
     names = {r.kernel for r in reports}
     assert names == {f"mosaic_{k}_mosaic_gpu_kernel"
                      for k in ("index_scores", "index_scores_paged", "sparse_mla")}
+    for r in reports:
+        assert r.warps == 4 and 0 < r.regs <= 255 and r.blocks_per_sm >= 1 and r.smem_dynamic > 0
+
+
+@pytest.mark.parametrize("preset", ["glm53-flash", "glm5"])
+def test_mosaic_backward_kernels_compile_for_sm90a(toolchain, preset):
+    """The Mosaic backward kernels (``sparse_mla``'s dq and dlatent, ``index_scores``' dq /
+    dw and dpooled) of ``preset`` (CR 512 and 576: the latter fills the most shared memory)
+    compiled to sm_90a cubin at a training step (a prefill chunk's query tile), contiguous
+    and paged, and at one query row (the shape that once made ptxas spill the dlatent
+    kernel); no spill, no stack, one CTA fits an SM. (deepseek-v32's shapes, 128 heads,
+    compile alike: 229 registers; not run here.)"""
+    from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
+
+    if jax_version() < MOSAIC_MIN_JAX:
+        pytest.skip(f"Mosaic GPU kernels need jax >= {MOSAIC_MIN_JAX}")
+    kernels = ["sparse_mla_backward_mosaic", "index_scores_backward_mosaic"]
+    cases = [c for c in gc.mosaic_cases(contexts=[131072], batches=[1], steps=["prefill"])
+             if c.kernel in kernels]
+    assert len(cases) == 2 * 2
+    cases.append(gc.Case("sparse_mla_backward_mosaic", gc.Step("decode", 1, 131072)))
+    reports = gc.compile_cases(cases, ("sm_90",), config={"preset": preset})
+    assert all(r.ok for r in reports), gc.failures(reports)
+    assert {r.kernel for r in reports} == {
+        f"mosaic_{k}_mosaic_gpu_kernel"
+        for k in ("sparse_mla_dq", "sparse_mla_dlatent", "index_scores_dq", "index_scores_dpooled")}
     for r in reports:
         assert r.warps == 4 and 0 < r.regs <= 255 and r.blocks_per_sm >= 1 and r.smem_dynamic > 0

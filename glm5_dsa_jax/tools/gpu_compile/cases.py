@@ -53,6 +53,15 @@ from typing import Callable, Iterable
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels.mosaic_attention_backward import (
+    TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
+)
+from pallas_kernels.mosaic_attention_backward import launch_grids as mosaic_sparse_mla_backward_grids
+from pallas_kernels.mosaic_scoring_backward import (
+    MosaicIndexScoresBackwardBlockSizes, mosaic_index_scores_backward,
+)
+from pallas_kernels.mosaic_scoring_backward import launch_grids as mosaic_index_scores_backward_grids
+from pallas_kernels.transpose import selection_transpose
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
            "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
@@ -70,7 +79,7 @@ PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs dif
 #: Backward kernels: launched by a training step's gradient, which the layer takes over
 #: whole chunks of queries (``TRAIN_STEPS``; tiles of ``block_q`` queries, as the forward),
 #: never at a decode step; their default cases are at those steps only.
-BACKWARD_KERNELS = ("sparse_mla_backward",)
+BACKWARD_KERNELS = ("sparse_mla_backward", "sparse_mla_backward_mosaic", "index_scores_backward_mosaic")
 TRAIN_STEPS = ("prefill", "prompt")
 
 
@@ -237,8 +246,39 @@ KERNEL_MODULES: dict[str, str] = {
 }
 
 
+def _sparse_mla_backward_mosaic(cfg, s: Step, blocks: dict):
+    # The forward's shapes (``_sparse_mla``) plus out, lse and d_out; the transpose is built
+    # inside the call (XLA), as the custom_vjp's backward builds it.
+    _, avals, static = _sparse_mla(cfg, s, {})
+    (q_shape, dt), (latent, _), ids = avals
+    scale, v = cfg.softmax_scale, cfg.kv_lora_rank
+    bs = MosaicSparseMlaBackwardBlockSizes(**blocks)
+    out = (q_shape[:3] + (v,), dt)
+
+    def fn(qr, lat, ids, o, lse, do):
+        tr = selection_transpose(ids, lat.shape[1], shared=lat.shape[0] == 1,
+                                 block_rows=TRANSPOSE_ROWS)
+        return mosaic_sparse_mla_backward(qr, lat, ids, o, lse, do, tr, scale=scale, value_width=v,
+                                          interpret=False, block_sizes=bs)
+    return fn, [(q_shape, dt), (latent, dt), ids, out, (q_shape[:3], jnp.float32), out], static
+
+
+def _index_scores_backward_mosaic(cfg, s: Step, blocks: dict):
+    # Contiguous keys only (the paged backward gathers its pools into this layout): a paged
+    # step compiles the same call at its pool count.
+    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
+    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    bs = MosaicIndexScoresBackwardBlockSizes(**blocks)
+    fn = lambda qi, w, pooled, pv, fk, qp, g: mosaic_index_scores_backward(  # noqa: E731
+        qi, w, pooled, pv, fk, qp, g, kpool=kp, interpret=False, block_sizes=bs)
+    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
+                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32),
+                ((b, q, p), jnp.float32)]
+
+
 #: The Mosaic GPU kernels, as ``KERNELS`` entries (``implementation="mosaic"``); see the
-#: module doc.
+#: module doc. The backward kernels (``*_backward_mosaic``) are built from their own
+#: functions (no public wrapper dispatches to them by ``implementation``).
 MOSAIC_KERNELS: dict[str, Callable] = {
     "index_scores_mosaic": functools.partial(
         _index_scores, implementation="mosaic", sizes=pk.MosaicIndexScoresBlockSizes),
@@ -246,16 +286,21 @@ MOSAIC_KERNELS: dict[str, Callable] = {
         _topk_pools, implementation="mosaic", sizes=pk.MosaicTopkPoolsBlockSizes),
     "sparse_mla_mosaic": functools.partial(
         _sparse_mla, implementation="mosaic", sizes=pk.MosaicSparseMlaBlockSizes),
+    "sparse_mla_backward_mosaic": _sparse_mla_backward_mosaic,
+    "index_scores_backward_mosaic": _index_scores_backward_mosaic,
 }
 MOSAIC_KERNEL_MODULES: dict[str, str] = {
     "mosaic_scoring": "index_scores_mosaic",  # index_scores_paged too, on paged steps
     "mosaic_selection": "topk_pools_mosaic",
     "mosaic_attention": "sparse_mla_mosaic",
+    "mosaic_attention_backward": "sparse_mla_backward_mosaic",
+    "mosaic_scoring_backward": "index_scores_backward_mosaic",
 }
 #: The Mosaic kernels whose MMAs are Hopper's ``wgmma``, which Blackwell (sm_100) does not
 #: have (its tensor cores take ``tcgen05`` MMAs into tensor memory; LLVM cannot select
 #: ``wgmma.fence`` for sm_100a): they compile only for compute capability 9.x.
-MOSAIC_HOPPER_ONLY: tuple[str, ...] = ("index_scores_mosaic", "sparse_mla_mosaic")
+MOSAIC_HOPPER_ONLY: tuple[str, ...] = ("index_scores_mosaic", "sparse_mla_mosaic",
+                                       "sparse_mla_backward_mosaic", "index_scores_backward_mosaic")
 #: One warpgroup (128 threads) per CTA in every Mosaic kernel of this package.
 MOSAIC_THREADS: dict[str, int] = {k: 128 for k in MOSAIC_KERNELS}
 
@@ -303,12 +348,30 @@ def _sparse_mla_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
     return {"mosaic_sparse_mla": _cuda_grid((rows, n_h, v // bs.block_v, bs.num_splits))}
 
 
+def _sparse_mla_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    # dq over (B*Q rows, head tiles, column blocks); dlatent over (row tiles of the [B, L]
+    # rows, or the paged pool's [1, B * L], column blocks)
+    grids = mosaic_sparse_mla_backward_grids(
+        s.batch * s.queries, cfg.num_attention_heads, s.batch * s.context, cfg.kv_cache_dim,
+        cfg.kv_lora_rank, MosaicSparseMlaBackwardBlockSizes(**blocks))
+    return {name: _cuda_grid(grid) for name, grid in grids.items()}
+
+
+def _index_scores_backward_mosaic_launches(cfg, s: Step, blocks: dict) -> dict:
+    grids = mosaic_index_scores_backward_grids(
+        s.batch, s.queries, cfg.index_n_heads, max(1, s.context // cfg.index_kpool),
+        MosaicIndexScoresBackwardBlockSizes(**blocks))
+    return {name: _cuda_grid(grid) for name, grid in grids.items()}
+
+
 #: Per Mosaic kernel: ``(cfg, step, blocks) -> {kernel name: CUDA grid}``, the launches its
 #: wrapper makes (a kernel name ``N`` compiles to the PTX entry ``N_mosaic_gpu_kernel``).
 MOSAIC_LAUNCHES: dict[str, Callable] = {
     "index_scores_mosaic": _index_scores_mosaic_launches,
     "topk_pools_mosaic": _topk_pools_mosaic_launches,
     "sparse_mla_mosaic": _sparse_mla_mosaic_launches,
+    "sparse_mla_backward_mosaic": _sparse_mla_backward_mosaic_launches,
+    "index_scores_backward_mosaic": _index_scores_backward_mosaic_launches,
 }
 
 

@@ -48,10 +48,15 @@ _MOSAIC_RE = re.compile(r'stablehlo\.custom_call @mosaic_gpu\w*\(.*?\bmodule = "
 def _mosaic_signature(cfg, lowered, case: Case) -> tuple:
     """(calls, signature) of a Mosaic GPU case: its launches (PTX entry and grid, from
     ``MOSAIC_LAUNCHES``) and a hash of every Mosaic custom call's module."""
-    mods = [hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
-            for m in _MOSAIC_RE.finditer(lowered.as_text())]
+    texts = [m.group(1) for m in _MOSAIC_RE.finditer(lowered.as_text())]
+    mods = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
     launches = MOSAIC_LAUNCHES[case.kernel](cfg, case.step, dict(case.blocks))
-    calls = [dict(name=f"{name}_mosaic_gpu_kernel", grid=grid) for name, grid in launches.items()]
+    # Each launch's module (its kernel name is in the module's text): a case of several
+    # launches may share a module with an earlier case, which the plugin then does not
+    # compile (nor dump) again; its numbers are that earlier case's (``module``).
+    calls = [dict(name=f"{name}_mosaic_gpu_kernel", grid=grid,
+                  module=next((h for t, h in zip(texts, mods) if name in t), None))
+             for name, grid in launches.items()]
     return (calls if mods else []), (case.kernel, tuple(sorted(set(mods))))
 
 
