@@ -198,12 +198,9 @@ def _attend_fwd(q, latent, token_ids, latent_scale, scale, value_width, implemen
         out, lse = _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale,
                                        value_width=value_width)
     elif implementation in ("mosaic", "mosaic_interpret"):
-        # mosaic: wired at merge (mosaic_sparse_mla(..., return_lse=True)); the Triton
-        # forward, which returns the lse, until then.
-        out, lse = _sparse_mla_pallas(
-            q, latent, token_ids, latent_scale, scale=scale, value_width=value_width,
-            interpret=implementation == "mosaic_interpret",
-            block_sizes=SparseMlaBlockSizes().resolve(q.shape, token_ids.shape[2]))
+        out, lse = _sparse_mla_mosaic(q, latent, token_ids, scale=scale, value_width=value_width,
+                                      interpret=implementation == "mosaic_interpret",
+                                      block_sizes=blocks, return_lse=True)
     else:
         out, lse = _sparse_mla_pallas(q, latent, token_ids, latent_scale, scale=scale,
                                       value_width=value_width,
@@ -401,7 +398,7 @@ class SparseMlaBlockSizes:
         )
 
 
-_sparse_mla_mosaic = eager_jit("scale", "value_width", "interpret", "block_sizes")(mosaic_sparse_mla)
+_sparse_mla_mosaic = eager_jit("scale", "value_width", "interpret", "block_sizes", "return_lse")(mosaic_sparse_mla)
 
 
 @eager_jit("scale", "value_width", "interpret", "block_sizes")

@@ -37,7 +37,9 @@ selected rows in the backward, so the forward saves none; its ``dlatent`` is an 
 scatter-add, deterministic on the CPU, where it is meant to run; float64 inputs are
 computed in float64, for finite-difference checks). ``"pallas"`` /
 ``"pallas_interpret"`` run the two Triton kernels below; ``"mosaic"`` /
-``"mosaic_interpret"`` run them too until the Mosaic backward is wired in.
+``"mosaic_interpret"`` the Mosaic GPU kernels of ``mosaic_attention_backward`` (the same two
+passes, the same transpose) on 16-bit operands, the Triton kernels on any other (float32, an
+fp8 cache), as the forward does.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ from pallas_kernels._mla import (
     row_end,
 )
 from pallas_kernels.dense_mla import check_value_width
+from pallas_kernels._mosaic import mosaic_takes
+from pallas_kernels.mosaic_attention_backward import (
+    TRANSPOSE_ROWS as MOSAIC_TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
+)
 from pallas_kernels.transpose import MAX_BLOCK_ROWS, selection_transpose
 
 __all__ = ["sparse_mla_backward", "sparse_mla_backward_reference", "SparseMlaBackwardBlockSizes"]
@@ -220,16 +226,26 @@ def sparse_mla_backward(
     if implementation == "xla":
         return sparse_mla_backward_reference(
             q, latent, token_ids, out, lse, d_out, latent_scale, scale=scale, value_width=v)
-    # mosaic: wired at merge (mosaic_attention_backward); the Triton kernels until then.
-    interpret = implementation in ("pallas_interpret", "mosaic_interpret")
     try:
         scale = float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError) as e:
         raise ValueError(
             f"scale must be a static Python float for the Pallas kernels, got {scale!r}") from e
+    if implementation.startswith("mosaic") and latent_scale is None and mosaic_takes(q.dtype, latent.dtype):
+        transpose = selection_transpose(token_ids, latent.shape[1], shared=latent.shape[0] == 1,
+                                        block_rows=MOSAIC_TRANSPOSE_ROWS)
+        return _sparse_mla_backward_mosaic(
+            q, latent, token_ids, out, lse, d_out, transpose, scale=scale, value_width=v,
+            interpret=implementation == "mosaic_interpret",
+            block_sizes=MosaicSparseMlaBackwardBlockSizes())
+    interpret = implementation in ("pallas_interpret", "mosaic_interpret")
     return _sparse_mla_backward_pallas(
         q, latent, token_ids, out, lse, d_out, latent_scale, scale=scale, value_width=v,
         interpret=interpret, block_sizes=blocks.resolve(q.shape, token_ids.shape[2]))
+
+
+_sparse_mla_backward_mosaic = eager_jit("scale", "value_width", "interpret", "block_sizes")(
+    mosaic_sparse_mla_backward)
 
 
 # ------------------------------------------------------------- Pallas kernels (Triton backend)
