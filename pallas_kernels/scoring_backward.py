@@ -97,7 +97,7 @@ class IndexScoresBackwardBlockSizes:
     dq_block_q: int = 1
     dq_block_p: int = 64
     dk_block_p: int = 64
-    dk_block_q: int = 2
+    dk_block_q: int = 1
     num_warps: int = 4
     num_stages: int = 2
 
