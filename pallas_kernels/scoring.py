@@ -46,6 +46,16 @@ Invariants (both sources):
   the tile; paged: also at or past ``pool_counts[b]``) loads no key and writes ``-inf``,
   so a cache sized for a long capacity costs what its filled part costs.
 
+Differentiable (issue 24) w.r.t. ``q``, ``w`` and the pooled keys (``pooled`` /
+``pooled_pages``) under every implementation, ``"xla"`` included: one ``jax.custom_vjp``
+(``_differentiable``) whose residuals are the operands themselves (nothing ``[Q, P, Hi]``
+is saved) and whose backward is ``pallas_kernels.scoring_backward`` (the reference in
+query tiles for ``"xla"``, Triton kernels otherwise; deterministic). The integer / bool
+operands and the fp8 scale get no gradient; a non-candidate (``-inf``) score passes none.
+The paged backward gathers each sequence's pools (as the paged reference does), runs the
+contiguous backward and puts each pool's gradient back into the one page slot that holds
+it (``_into_pages``: an integer scatter of the owner, then a gather; no float sum).
+
 One family, so that the key source is the only difference:
 
 * One reference: ``index_scores_reference``. ``index_scores_paged_reference`` gathers

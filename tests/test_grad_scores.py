@@ -22,6 +22,7 @@ import pytest
 
 import pallas_kernels as pk
 from helpers import F32_REORDER, F32_VS_F64
+from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
 from pallas_kernels.scoring_backward import REFERENCE_BLOCK_Q
 
 KP = 2
@@ -300,3 +301,19 @@ def test_streaming_topk_under_grad():
 
     d = jax.grad(loss)(scores)
     assert float(jnp.sum(d)) == 6.0  # one per selected pool, 3 per row
+
+
+@pytest.mark.skipif(jax_version() < MOSAIC_MIN_JAX,
+                    reason=f"Mosaic GPU interpret mode needs jax >= {MOSAIC_MIN_JAX}")
+def test_mosaic_interpret_differentiates():
+    """The Mosaic forward (bf16: its kernel runs) under the same custom_vjp: its backward is
+    the Triton one until the Mosaic backward is wired, so the gradients are the Pallas
+    ones bit for bit (the backward recomputes from the operands, not the forward's output)."""
+    operands, g, _ = problem(dim=32, dtype=jnp.bfloat16, seed=13)
+    got = grads(operands, g, "mosaic_interpret")
+    want = grads(operands, g, "pallas_interpret")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    d = jax.grad(lambda s: jnp.sum(jnp.take_along_axis(  # noqa: E731
+        s, pk.topk_pools(s, 3, implementation="mosaic_interpret"), -1)))(g[:, :, :16])
+    assert float(jnp.sum(d)) == 3 * g.shape[0] * g.shape[1]
