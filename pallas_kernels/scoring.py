@@ -295,6 +295,8 @@ def _into_pages(d_pooled, pooled_pages, block_table):
     n_pages, ppp = pooled_pages.shape[:2]
     slots, _ = _pool_slots(pooled_pages, block_table)  # unowned: n_pages * ppp, dropped
     n_rows = slots.size
+    if n_rows == 0:  # no sequence names a page
+        return jnp.zeros_like(pooled_pages, d_pooled.dtype)
     source = jnp.arange(n_rows, dtype=jnp.int32)
     owner = jnp.full((n_pages * ppp,), -1, jnp.int32).at[slots.reshape(-1)].max(
         source, mode="drop")
@@ -458,6 +460,8 @@ def _paged_backward(q, w, pooled_pages, rest, scale, g, *, kpool, implementation
     as the reference scores them), ``index_scores_backward`` on them, and their gradient
     put back into the pages (``_into_pages``: deterministic, see there)."""
     block_table, pool_counts, q_pos = rest
+    if pooled_pages.shape[0] * pooled_pages.shape[1] == 0:  # no page: nothing is a candidate
+        return jnp.zeros_like(q), jnp.zeros_like(w), jnp.zeros_like(pooled_pages)
     pooled, pool_valid, first_key, gathered_scale = _as_contiguous(
         pooled_pages, block_table, pool_counts, scale)
     dq, dw, d_pooled = index_scores_backward(

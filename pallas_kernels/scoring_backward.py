@@ -386,16 +386,16 @@ def _index_scores_backward_pallas(q, w, pooled, pool_valid, first_key, q_pos, d_
     """The two Triton kernels on checked operands; see the module doc."""
     b, n_q, heads, dim = q.shape
     n_pools = pooled.shape[1]
-    if heads < 1 or dim < 1 or n_pools < 1:
-        raise ValueError(f"the Pallas index_scores backward needs Hi, D, P >= 1, got Hi={heads}, "
-                         f"D={dim}, P={n_pools}")
+    if heads < 1 or dim < 1:
+        raise ValueError(f"the Pallas index_scores backward needs Hi, D >= 1, got Hi={heads}, "
+                         f"D={dim}")
     check_triton_dtypes(q, w, "pooled", pooled)
     if pool_valid.dtype != jnp.bool_:
         raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
     for name, x in (("first_key", first_key), ("q_pos", q_pos)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
-    if b == 0 or n_q == 0:
+    if b == 0 or n_q == 0 or n_pools == 0:  # no score: no gradient
         return jnp.zeros_like(q), jnp.zeros_like(w), jnp.zeros_like(pooled)
     blocks = block_sizes.resolve(n_q, n_pools)
     first_key, q_pos = first_key.astype(jnp.int32), q_pos.astype(jnp.int32)

@@ -317,3 +317,27 @@ def test_mosaic_interpret_differentiates():
     d = jax.grad(lambda s: jnp.sum(jnp.take_along_axis(  # noqa: E731
         s, pk.topk_pools(s, 3, implementation="mosaic_interpret"), -1)))(g[:, :, :16])
     assert float(jnp.sum(d)) == 3 * g.shape[0] * g.shape[1]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_empty_problems_differentiate(implementation):
+    """No query, no sequence, no pool position or (Pallas) no page: zero gradients of the
+    operands' shapes, no kernel launched on an empty axis."""
+    ones = lambda *shape: jnp.ones(shape)  # noqa: E731
+    for b, n_q, n_pools in ((0, 3, 4), (2, 0, 4)):
+        rest = (jnp.ones((b, n_pools), bool), jnp.zeros(b, jnp.int32), jnp.full((b, n_q), 5))
+        f = lambda q, w, k: pk.index_scores(  # noqa: E731
+            q, w, k, *rest, kpool=KP, implementation=implementation)
+        primals = (ones(b, n_q, 2, 8), ones(b, n_q, 2), ones(b, n_pools, 8))
+        out, vjp = jax.vjp(f, *primals)
+        for d, x in zip(vjp(jnp.ones_like(out)), primals):
+            assert d.shape == x.shape and not np.any(np.asarray(d))
+    pages = ((2, 0), (0, 2)) if implementation == "pallas_interpret" else ((2, 0),)
+    for n_pages, pg in pages:  # (the reference cannot gather from an empty page pool)
+        rest = (jnp.full((1, pg), -1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.full((1, 2), 5))
+        f = lambda q, w, k: pk.index_scores_paged(  # noqa: E731
+            q, w, k, *rest, kpool=KP, implementation=implementation)
+        primals = (ones(1, 2, 2, 8), ones(1, 2, 2), ones(n_pages, 4, 8))
+        out, vjp = jax.vjp(f, *primals)
+        for d, x in zip(vjp(jnp.ones_like(out)), primals):
+            assert d.shape == x.shape and not np.any(np.asarray(d))
