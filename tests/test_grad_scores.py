@@ -15,6 +15,8 @@ reference's XLA vjp), and the integer steps (``topk_pools``, ``streaming_topk``,
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,12 +52,19 @@ def problem(b=2, n_q=5, heads=3, dim=20, n_pools=40, seed=0, dtype=jnp.float32):
     return operands, g, cand
 
 
-def grads(operands, g, implementation, scale=None, block_sizes=None):
-    """``(dq, dw, dpooled)`` of ``index_scores`` by ``jax.vjp``."""
+@functools.partial(jax.jit, static_argnames="implementation")
+def grads(operands, g, implementation):
+    """``(dq, dw, dpooled)`` of ``index_scores`` by ``jax.vjp`` (one compiled program: op by
+    op, the reference's many small ops would each compile)."""
     q, w, pooled, *rest = operands
     f = lambda q, w, pooled: pk.index_scores(  # noqa: E731
-        q, w, pooled, *rest, scale, kpool=KP, implementation=implementation)
+        q, w, pooled, *rest, kpool=KP, implementation=implementation)
     return jax.vjp(f, q, w, pooled)[1](g)
+
+
+def vjp_of(f, primals, cotangent):
+    """``jax.vjp(f, *primals)`` pulled back along ``cotangent``, as one jitted program."""
+    return jax.jit(lambda p, c: jax.vjp(f, *p)[1](c))(tuple(primals), cotangent)
 
 
 def assert_close(got, want, tol=F32_REORDER):
@@ -69,12 +78,12 @@ def test_xla_equals_vjp_of_reference():
     operands, g, cand = problem()
     q, w, pooled, *rest = operands
     ref = lambda q, w, pooled: pk.index_scores_reference(q, w, pooled, *rest, kpool=KP)  # noqa: E731
-    want = jax.vjp(ref, q, w, pooled)[1](jnp.where(cand, g, 0.0))
+    want = vjp_of(ref, (q, w, pooled), jnp.where(cand, g, 0.0))
     got = grads(operands, g, "xla")
     assert_close(got, want)
     assert all(a.dtype == b.dtype for a, b in zip(got, (q, w, pooled)))
     # The contract's wrapper is the same function.
-    direct = pk.index_scores_backward(*operands, g, kpool=KP, implementation="xla")
+    direct = jax.jit(functools.partial(pk.index_scores_backward, kpool=KP))(*operands, g)
     for a, b in zip(direct, got):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -137,11 +146,11 @@ def test_pallas_interpret_bf16_and_fp8_keys():
     scale = jnp.linspace(0.5, 2.0, pooled.shape[0] * pooled.shape[1]).reshape(pooled.shape[:2])
     ops8 = (q.astype(jnp.bfloat16), w, keys8, *rest)
     ref = lambda q, w, k, s: pk.index_scores_reference(q, w, k, *rest, s, kpool=KP)  # noqa: E731
-    want = jax.vjp(ref, ops8[0], w, keys8, scale)[1](jnp.where(cand, g, 0.0))
+    want = vjp_of(ref, (ops8[0], w, keys8, scale), jnp.where(cand, g, 0.0))
     for impl in ("xla", "pallas_interpret"):
         f = lambda q, w, k, s: pk.index_scores(  # noqa: E731
             q, w, k, *rest, s, kpool=KP, implementation=impl)
-        got = jax.vjp(f, ops8[0], w, keys8, scale)[1](g)
+        got = vjp_of(f, (ops8[0], w, keys8, scale), g)
         assert np.all(np.asarray(got[3]) == 0.0)  # no gradient for the scale
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2**-6,
                                    atol=2**-6 * np.abs(np.asarray(want[1])).max())
@@ -178,15 +187,17 @@ def test_paged_equals_contiguous(implementation):
     want = grads(contiguous, g, implementation)
     f = lambda q, w, pages: pk.index_scores_paged(  # noqa: E731
         q, w, pages, table, counts, q_pos, kpool=KP, implementation=implementation)
-    got = jax.vjp(f, q, w, pages)[1](g)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    got = vjp_of(f, (q, w, pages), g)
     d_pages = np.asarray(got[2])
-    expect = np.zeros_like(d_pages)  # unowned pages: zero
+    expect = np.zeros_like(d_pages)  # unowned pages (NaN keys): zero
     for i in range(2):
         for j in range(table.shape[1]):
             expect[table[i, j]] = np.asarray(want[2])[i, j * 4:(j + 1) * 4]
-    np.testing.assert_array_equal(d_pages, expect)
+    # Two programs: XLA:CPU may contract a multiply-add of the interpreted kernel into an
+    # FMA in one and not the other (float32 rounding; the GPU kernel is one binary).
+    assert_close((got[0], got[1], d_pages), (want[0], want[1], expect))
+    spare = np.setdiff1d(np.arange(d_pages.shape[0]), np.asarray(table))
+    assert spare.size and np.all(d_pages[spare] == 0)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
@@ -226,10 +237,10 @@ def test_xla_saves_and_builds_nothing_queries_by_pools_by_heads():
     operands, g, _ = problem(b=1, n_q=n_q, heads=heads, n_pools=n_pools, seed=9)
     q, w, pooled, *rest = operands
     f = lambda q, w, k: pk.index_scores(q, w, k, *rest, kpool=KP)  # noqa: E731
-    _, vjp = jax.vjp(f, q, w, pooled)
-    full = n_q * n_pools * heads
-    assert max(x.size for x in jax.tree.leaves(vjp)) < full
-    jaxpr = jax.make_jaxpr(vjp)(g)
+    residuals = jax.jit(lambda *p: jax.tree.leaves(jax.vjp(f, *p)[1]))(q, w, pooled)
+    assert max(x.size for x in residuals) == q.size  # the operands, the largest being q
+    # What the custom_vjp's backward runs for "xla":
+    jaxpr = jax.make_jaxpr(lambda *a: pk.index_scores_backward(*a, kpool=KP))(*operands, g)
 
     def shapes(jaxpr):  # every intermediate's shape, the scan body's too
         for e in jaxpr.eqns:
@@ -264,7 +275,7 @@ def test_kpool_compress_gradient_equals_reference():
     out = {}
     for impl in ("xla", "pallas_interpret"):
         f = lambda k, g, a: pk.kpool_compress(k, g, valid, a, implementation=impl)[0]  # noqa: E731
-        out[impl] = jax.vjp(f, keys, gate, ape)[1](ct)
+        out[impl] = vjp_of(f, (keys, gate, ape), ct)
     for a, b in zip(out["pallas_interpret"], out["xla"]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(np.abs(np.asarray(a)).max() > 0 for a in out["xla"])
@@ -282,12 +293,12 @@ def test_integer_steps_under_grad(implementation):
                                   implementation=implementation)
         return jnp.sum(jnp.take_along_axis(s, ids, -1) ** 2) + jnp.sum(tok) * 0.0
 
-    d = jax.grad(loss)(scores)
+    d = jax.jit(jax.grad(loss))(scores)
     ids = pk.topk_pools(scores, 4)
     want = jnp.zeros_like(scores).at[0, jnp.arange(2)[:, None], ids[0]].set(
         2 * jnp.take_along_axis(scores, ids, -1)[0])
     np.testing.assert_array_equal(np.asarray(d), np.asarray(want))
-    jax.jvp(loss, (scores,), (jnp.ones_like(scores),))
+    jax.jit(lambda s, t: jax.jvp(loss, (s,), (t,)))(scores, jnp.ones_like(scores))
 
 
 def test_streaming_topk_under_grad():
@@ -299,7 +310,7 @@ def test_streaming_topk_under_grad():
                                 rows=(1, 2))
         return jnp.sum(jnp.take_along_axis(s, ids, -1))
 
-    d = jax.grad(loss)(scores)
+    d = jax.jit(jax.grad(loss))(scores)
     assert float(jnp.sum(d)) == 6.0  # one per selected pool, 3 per row
 
 
@@ -307,13 +318,11 @@ def test_streaming_topk_under_grad():
                     reason=f"Mosaic GPU interpret mode needs jax >= {MOSAIC_MIN_JAX}")
 def test_mosaic_interpret_differentiates():
     """The Mosaic forward (bf16: its kernel runs) under the same custom_vjp: its backward is
-    the Triton one until the Mosaic backward is wired, so the gradients are the Pallas
-    ones bit for bit (the backward recomputes from the operands, not the forward's output)."""
+    the Triton one until the Mosaic backward is wired, so the gradients are the Pallas ones
+    (the backward recomputes from the operands, not from the forward's output; two jitted
+    programs, so float32 rounding apart: see ``test_paged_equals_contiguous``)."""
     operands, g, _ = problem(dim=32, dtype=jnp.bfloat16, seed=13)
-    got = grads(operands, g, "mosaic_interpret")
-    want = grads(operands, g, "pallas_interpret")
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_close(grads(operands, g, "mosaic_interpret"), grads(operands, g, "pallas_interpret"))
     d = jax.grad(lambda s: jnp.sum(jnp.take_along_axis(  # noqa: E731
         s, pk.topk_pools(s, 3, implementation="mosaic_interpret"), -1)))(g[:, :, :16])
     assert float(jnp.sum(d)) == 3 * g.shape[0] * g.shape[1]
@@ -329,8 +338,7 @@ def test_empty_problems_differentiate(implementation):
         f = lambda q, w, k: pk.index_scores(  # noqa: E731
             q, w, k, *rest, kpool=KP, implementation=implementation)
         primals = (ones(b, n_q, 2, 8), ones(b, n_q, 2), ones(b, n_pools, 8))
-        out, vjp = jax.vjp(f, *primals)
-        for d, x in zip(vjp(jnp.ones_like(out)), primals):
+        for d, x in zip(vjp_of(f, primals, ones(b, n_q, n_pools)), primals):
             assert d.shape == x.shape and not np.any(np.asarray(d))
     pages = ((2, 0), (0, 2)) if implementation == "pallas_interpret" else ((2, 0),)
     for n_pages, pg in pages:  # (the reference cannot gather from an empty page pool)
@@ -338,6 +346,5 @@ def test_empty_problems_differentiate(implementation):
         f = lambda q, w, k: pk.index_scores_paged(  # noqa: E731
             q, w, k, *rest, kpool=KP, implementation=implementation)
         primals = (ones(1, 2, 2, 8), ones(1, 2, 2), ones(n_pages, 4, 8))
-        out, vjp = jax.vjp(f, *primals)
-        for d, x in zip(vjp(jnp.ones_like(out)), primals):
+        for d, x in zip(vjp_of(f, primals, ones(1, 2, pg * 4)), primals):
             assert d.shape == x.shape and not np.any(np.asarray(d))
