@@ -121,6 +121,29 @@ def test_bench_train_dense_mask_is_the_same_function():
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5 * np.abs(a).max(), err_msg=name)
 
 
+def test_gpu_check_train_runs_on_cpu():
+    """The training rows of scripts/gpu_check.py (scripts/gpu_check_train.py) on tiny shapes,
+    the harness end to end: selection, the kernels' vjp rows, the layer's bench rows and
+    gradient check (implementation "xla": this CPU has no GPU, and interpret mode is the
+    kernel tests' business)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
+    r = subprocess.run([sys.executable, script, "--train", "--smoke", "--impl", "xla", "--tokens", "32",
+                        "--json"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["preset"] == "tiny" and res["tokens"] == [32]
+    kernels = {(row["kernel"], row.get("impl")) for row in res["rows"]}
+    assert {("sparse_mla", "xla"), ("index_scores", "xla"), ("layer", "sparse"), ("layer", "dense_mask"),
+            ("layer grads", "xla")} <= kernels
+    for row in res["rows"]:
+        if row["kernel"] in ("sparse_mla", "index_scores"):
+            assert row["fwd_us"] > 0 and row["fwd_bwd_us"] > 0 and row["bound_us"] > 0, row
+    r = subprocess.run([sys.executable, script, "--train", "--tokens", "5000", "--smoke"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "exceed max_position_embeddings=4,096" in r.stderr
+
+
 def test_bench_decode_capacity(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1",
                  "--iters", "1", "--capacity", "512", "--hf-max-context", "0", "--json"]) == 0
