@@ -309,6 +309,14 @@ def test_train_phases_totals_and_indexer_rows():
         assert bool(indexer) == indexer_loss, indexer
         assert {"sparse_mla_bwd:dq", "sparse_mla_bwd:dlatent", "selection_transpose",
                 "xla:lse_delta", "xla:o_proj bwd"} <= set(bwd)
+    # The indexer's backward (with an indexer loss): one dq/dw program per query over the
+    # pools it sees (causal: about half of S x P), every query re-read per dpooled tile.
+    s, pools, hi, d = 4096, 4096 // CFG.index_kpool, CFG.index_n_heads, CFG.index_head_dim
+    seen = sum((q + 1) // CFG.index_kpool for q in range(s))
+    assert rl.SCORES_BWD_BLOCK_Q == 1 and bwd["index_scores_bwd:dq_dw"].programs == 2 * s
+    assert bwd["index_scores_bwd:dq_dw"].flops == 2 * seen * hi * (4 * d + 2)
+    assert bwd["index_scores_bwd:dpooled"].flops == 2 * s * pools * hi * 4 * d
+    assert bwd["index_scores_bwd:dpooled"].programs == 2 * pools // rl.SCORES_BWD_BLOCK_P
     # The forward is the prefill of the whole sequence, plus the lse sparse_mla saves.
     fwd = _by(rows, "train_fwd")
     pre = _by(rl.rows(CFG, "h200", 4096, 2, chunk=4096, phases=("prefill",)), "prefill")

@@ -89,12 +89,15 @@ with multiply-adds as 2, the bound at the datasheet's bandwidth and bf16 peak). 
     clusters them, so fewer: an upper estimate), every visible block once the query
     selects every pool. The tail's block is not counted apart (at most one per query).
   - with an indexer loss (``indexer_loss``, the next issue's; off: these rows are
-    absent): ``index_scores_bwd:dq_dw`` (query-major over the forward's ``block_q``
-    tiles: every pooled key re-read per query tile, ``zeta`` recomputed, ``dq`` and ``dw``
-    written) and ``index_scores_bwd:dpooled`` (pool-major over its ``block_p`` tiles:
-    every query tile's ``qi`` and ``w`` re-read per pool tile, ``dpooled`` written), each
-    reading ``d_scores [B, S, P]`` float32 once; and ``xla:kpool_compress bwd`` (XLA's vjp
-    of the pooling: keys and gate logits read, their gradients written).
+    absent): ``index_scores_bwd:dq_dw`` (query-major, ``SCORES_BWD_BLOCK_Q`` queries a
+    program, looping over the pools its queries can see: those pooled keys re-read per
+    program, their ``d_scores`` read, ``zeta`` recomputed (``2 D`` per head and pool),
+    ``dq`` (``2 D``) and ``dw`` (``2``) accumulated and written once) and
+    ``index_scores_bwd:dpooled`` (pool-major, ``SCORES_BWD_BLOCK_P`` pools a program: a
+    tile some query sees loops over every query of the row, re-reading its ``qi`` and
+    ``w`` once per tile, ``zeta`` recomputed and ``dpooled`` accumulated, ``4 D`` per
+    query, head and pool; ``d_scores`` read once); and ``xla:kpool_compress bwd`` (XLA's
+    vjp of the pooling: keys and gate logits read, their gradients written).
 * ``dense_mask``, the attention part of MaxText's formulation on the same projections and
   selection (its projections are the sparse ones, not repeated): ``xla:topk_to_mask``
   (the ids read, the ``[B, S, S]`` bool mask written), ``xla:masked_mla_fwd`` (scores
@@ -124,7 +127,7 @@ from pallas_kernels import (
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
            "weight_bytes", "Matmul", "matmuls", "matmul_weights", "step_read_bytes", "selected_ids",
            "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES", "DLATENT_BLOCK_ROWS",
-           "BWD_BLOCK_H"]
+           "BWD_BLOCK_H", "SCORES_BWD_BLOCK_Q", "SCORES_BWD_BLOCK_P"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +424,11 @@ SORT_PASSES = 4
 #: program (``SparseMlaBackwardBlockSizes``' defaults, ``pallas_kernels.attention_backward``).
 DLATENT_BLOCK_ROWS = 16
 BWD_BLOCK_H = 16
+#: The indexer backward's tiling: queries per ``dq``/``dw`` program, pools per ``dpooled``
+#: program (``IndexScoresBackwardBlockSizes``' ``dq_block_q`` and ``dk_block_p`` defaults,
+#: ``pallas_kernels.scoring_backward``).
+SCORES_BWD_BLOCK_Q = 1
+SCORES_BWD_BLOCK_P = 64
 
 
 def _expected_blocks(cfg: DsaConfig, visible: int, block_rows: int) -> float:
@@ -461,15 +469,15 @@ def _train_bwd_rows(cfg: DsaConfig, context: int, batch: int, eb: int, indexer_l
     if indexer_loss:
         kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
         pools = max(1, s // kp)
-        blk = IndexScoresBlockSizes().resolve(s, pools)
-        q_tiles, p_tiles = -(-s // blk.block_q), -(-pools // blk.block_p)
+        bq, bp = SCORES_BWD_BLOCK_Q, SCORES_BWD_BLOCK_P
+        q_tiles, p_tiles = -(-s // bq), -(-pools // bp)
+        # pools the queries of each dq program see (its last query's, the loop's bound)
+        seen = sum(min(pools, min(s, (i + 1) * bq) // kp) for i in range(q_tiles))
         q_bytes = s * hi * (d * eb + 4)  # a sequence's queries and head weights
-        g_bytes = s * pools * 4
-        fl = b * s * pools * hi * (4 * d + 3)  # zeta recomputed, dq (or dpooled), dw
-        out.append(("index_scores_bwd:dq_dw", b * (q_tiles * pools * d * eb + g_bytes + 2 * q_bytes),
-                    fl, b * q_tiles))
-        out.append(("index_scores_bwd:dpooled", b * (p_tiles * q_bytes + g_bytes + 2 * pools * d * eb),
-                    fl, b * p_tiles))
+        out.append(("index_scores_bwd:dq_dw", b * (seen * (d * eb + bq * 4) + 2 * q_bytes),
+                    b * seen * bq * hi * (4 * d + 2), b * q_tiles))
+        out.append(("index_scores_bwd:dpooled", b * (p_tiles * q_bytes + s * pools * 4 + 2 * pools * d * eb),
+                    b * s * pools * hi * 4 * d, b * p_tiles))
         out.append(("xla:kpool_compress bwd", b * (2 * s * d * (eb + 4) + pools * d * eb),
                     b * pools * kp * d * 8, 0))
     return out
