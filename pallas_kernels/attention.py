@@ -23,7 +23,8 @@ row, ``V``: its leading value columns). Invariants:
   never copied per row (the Pallas latent block of every program is batch 0's).
 * ``id < 0`` (and ``id >= L``) is not a token: it is never read and gets no weight.
 * A row with no valid id returns zeros: never NaN, never an out-of-bounds read.
-* Softmax in float32 with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
+* Softmax in float32 (float64 for float64 inputs: the references only, for finite
+  differences) with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
   ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
 * fp8 rows: with ``latent_scale [B or 1, L]`` (float32, one per row) ``latent`` is
   ``float8_e4m3fn`` and row ``id`` is ``latent[b, id] * latent_scale[b, id]``
@@ -32,6 +33,11 @@ row, ``V``: its leading value columns). Invariants:
   ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
   e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same
   products in the same order (in float32).
+* Differentiable w.r.t. ``q`` and ``latent`` under every implementation (a
+  ``jax.custom_vjp``; see the comment above ``_attend``): the forward saves the output and
+  its log-sum-exp, never the gathered ``[Q, W, CR]`` rows; the backward
+  (``pallas_kernels.attention_backward``) is deterministic. ``token_ids`` and
+  ``latent_scale`` get no gradient, nor does an fp8 ``latent`` (a serving format).
 * A row must not repeat an id (the selection never does): the dense oracle
   ``topk_to_mask`` counts a repeated id once, the sparse path would weigh it twice.
 
@@ -71,33 +77,15 @@ from pallas_kernels._common import (
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
 from pallas_kernels._dtypes import check_key_scale, key_dot_dtype
+from pallas_kernels._mla import accumulation_dtype, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end
 from pallas_kernels._mosaic import mosaic_takes
+from pallas_kernels.attention_backward import sparse_mla_backward
 from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
 from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
 
 _HI = jax.lax.Precision.HIGHEST
-
-
-def gather_rows(latent: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """``latent [B, L, CR]`` or shared ``[1, L, CR]``, in-range ``token_ids [B, Q, W]`` ->
-    ``[B, Q, W, CR]``.
-
-    8- and 16-bit floats are gathered through their bits: XLA:CPU otherwise converts the
-    whole ``[B, L, CR]`` cache to a wider float before gathering ``W`` rows of it, an
-    O(context) pass. A shared ``[1, L, CR]`` pool is gathered from directly (never
-    broadcast to ``B`` rows).
-    """
-    if latent.shape[0] == 1:
-        take = lambda lat, i: lat[0][i]
-    else:
-        take = jax.vmap(lambda lat, i: lat[i])
-    if jnp.issubdtype(latent.dtype, jnp.floating) and latent.dtype.itemsize in (1, 2):
-        bits = jax.lax.bitcast_convert_type
-        uint = jnp.uint8 if latent.dtype.itemsize == 1 else jnp.uint16
-        return bits(take(bits(latent, uint), token_ids), latent.dtype)
-    return take(latent, token_ids)
 
 
 def sparse_mla_reference(
@@ -120,23 +108,37 @@ def sparse_mla_reference(
     Returns:
       ``[B, Q, H, V]`` in ``q.dtype``.
     """
+    return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale,
+                               value_width=value_width)[0]
+
+
+def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value_width=None):
+    """``sparse_mla_reference``'s output and the log-sum-exp ``[B, Q, H]`` of its scaled
+    scores over the valid ids (``-inf`` where none; float32, float64 for float64 inputs),
+    the backward's residual."""
     length = latent.shape[1]
     v = check_value_width(value_width, latent.shape[2])
+    f = accumulation_dtype(q, latent)
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
-    kv = gather_rows(latent, safe).astype(jnp.float32)  # [B,Q,W,CR]
+    kv = gather_rows(latent, safe).astype(f)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     kv = jnp.where(valid[..., None], kv, 0.0)
-    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(jnp.float32), kv, precision=_HI)
+    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(f), kv, precision=_HI)
     if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
-        row_scale = gather_rows(latent_scale.astype(jnp.float32)[..., None], safe)[..., 0]
+        row_scale = gather_rows(latent_scale.astype(f)[..., None], safe)[..., 0]
         row_scale = jnp.where(valid, row_scale, 0.0)[:, :, None, :]  # [B, Q, 1, W]
         s = s * row_scale
     p = masked_softmax(s * scale, valid[:, :, None, :])
     if latent_scale is not None:
         p = p * row_scale
     o = jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
-    return o.astype(q.dtype)
+    z = jnp.where(valid[:, :, None, :], s * scale, -jnp.inf)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(z - m), axis=-1)  # exp(-inf) = 0 at invalid slots
+    lse = jnp.where(total > 0, m[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    return o.astype(q.dtype), lse
 
 
 def sparse_mla(
@@ -166,20 +168,70 @@ def sparse_mla(
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
     v = check_value_width(value_width, cr)
     check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
-    if implementation == "xla":
-        return sparse_mla_reference(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
     if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: see the module doc
         implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
-    if mosaic:
-        return _sparse_mla_mosaic(
-            q, latent, token_ids, scale=scale, value_width=v,
-            interpret=implementation == "mosaic_interpret", block_sizes=blocks,
-        )
-    return _sparse_mla_pallas(
-        q, latent, token_ids, latent_scale, scale=scale, value_width=v,
-        interpret=implementation == "pallas_interpret",
-        block_sizes=blocks.resolve(q.shape, token_ids.shape[2]),
-    )
+    if implementation == "xla":
+        if isinstance(scale, jax.core.Tracer):  # a traced scale: autodiff of the reference
+            return sparse_mla_reference(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
+        blocks = None  # the reference has no tiling: one custom_vjp whatever was validated
+    elif not mosaic:
+        blocks = blocks.resolve(q.shape, token_ids.shape[2])
+    return _attend(q, latent, token_ids, latent_scale, scale, v, implementation, blocks)
+
+
+# ------------------------------------------------------------------------------ gradients
+# ``sparse_mla`` is a ``jax.custom_vjp`` (``_attend``) under every implementation: the
+# forward saves ``q``, ``latent`` (the caller's array), ``token_ids``, ``latent_scale``,
+# the output and its log-sum-exp ``lse [B, Q, H]``, nothing ``[Q, W, CR]``; the backward is
+# ``attention_backward.sparse_mla_backward`` with the same implementation (``"xla"``: a
+# plain-jnp backward that recomputes the gather; the Pallas ones: Triton kernels,
+# deterministic). ``token_ids`` is integer (no gradient); ``latent_scale`` gets none either
+# (an fp8 cache is a serving format), nor does an fp8 ``latent`` (zeros).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attend(q, latent, token_ids, latent_scale, scale, value_width, implementation, blocks):
+    """``sparse_mla`` after its checks: ``implementation`` resolved, ``blocks`` validated
+    (resolved for Triton; None for ``"xla"``)."""
+    if implementation == "xla":
+        return sparse_mla_reference(q, latent, token_ids, latent_scale, scale=scale,
+                                    value_width=value_width)
+    if implementation in ("mosaic", "mosaic_interpret"):
+        return _sparse_mla_mosaic(q, latent, token_ids, scale=scale, value_width=value_width,
+                                  interpret=implementation == "mosaic_interpret", block_sizes=blocks)
+    return _sparse_mla_pallas(q, latent, token_ids, latent_scale, scale=scale,
+                              value_width=value_width,
+                              interpret=implementation == "pallas_interpret", block_sizes=blocks)[0]
+
+
+def _attend_fwd(q, latent, token_ids, latent_scale, scale, value_width, implementation, blocks):
+    if implementation == "xla":
+        out, lse = _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale,
+                                       value_width=value_width)
+    elif implementation in ("mosaic", "mosaic_interpret"):
+        # mosaic: wired at merge (mosaic_sparse_mla(..., return_lse=True)); the Triton
+        # forward, which returns the lse, until then.
+        out, lse = _sparse_mla_pallas(
+            q, latent, token_ids, latent_scale, scale=scale, value_width=value_width,
+            interpret=implementation == "mosaic_interpret",
+            block_sizes=SparseMlaBlockSizes().resolve(q.shape, token_ids.shape[2]))
+    else:
+        out, lse = _sparse_mla_pallas(q, latent, token_ids, latent_scale, scale=scale,
+                                      value_width=value_width,
+                                      interpret=implementation == "pallas_interpret",
+                                      block_sizes=blocks)
+    return out, (q, latent, token_ids, latent_scale, out, lse)
+
+
+def _attend_bwd(scale, value_width, implementation, blocks, residuals, d_out):
+    q, latent, token_ids, latent_scale, out, lse = residuals
+    dq, dlatent = sparse_mla_backward(q, latent, token_ids, out, lse, d_out, latent_scale,
+                                      scale=scale, value_width=value_width,
+                                      implementation=implementation)
+    return dq, dlatent, None, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 # ------------------------------------------------------------- Pallas kernel (Triton backend)
@@ -190,7 +242,7 @@ def sparse_mla(
 # few rows to fill the GPU otherwise). Per program:
 #
 # 1. ``n_end`` = 1 + the last slot holding a valid id (0 if none), from loads of the id row
-#    in tiles of up to ``_SCAN_BLOCK`` (the wrapper pads the row with -1 to a whole number of
+#    in tiles of up to ``_mla.SCAN_BLOCK`` (the wrapper pads the row with -1 to a whole number of
 #    tiles and of ``block_w``, so no load of the id row is masked or out of bounds). Valid ids form a prefix of
 #    the row, so ``n_end`` is their count; but ``n_end`` is exact for any layout, and
 #    every slot below it is still masked on its own.
@@ -208,58 +260,21 @@ def sparse_mla(
 #    block_c)`` (``k_rot`` or padding) land in output columns that the wrapper cuts off.
 #    fp8 rows: e4m3 chunks converted to q's 16-bit dtype (exact) or f32; the block's row
 #    scales (one masked load) multiply the scores before ``scale`` and ``p`` before ``p @ kv``.
-# 4. One split: write ``acc / sum`` in q's dtype. Several: write ``acc``, the max and
-#    the sum in f32, and ``combine_splits`` (``dense_mla``) merges them (a small XLA fusion).
+# 4. One split: write ``acc / sum`` in q's dtype and the log-sum-exp ``max + log(sum)``
+#    in f32 (the backward's residual). Several: write ``acc``, the max and the sum in f32,
+#    and ``combine_splits`` (``dense_mla``) merges them and their log-sum-exp (a small XLA
+#    fusion).
 #
 # All-invalid rows and splits: the running max stays -inf, every p is 0 and the sum 0, so
-# the output is exactly 0 (the divisions are guarded), never NaN.
+# the output is exactly 0 (the divisions are guarded), never NaN, and the log-sum-exp -inf.
 
-_SCAN_BLOCK = 4096  # widest single load of the id row when computing n_end
 _TARGET_PROGRAMS = 256  # auto num_splits aims at about this many programs (2 per H100/H200 SM)
 _MIN_BLOCKS_PER_SPLIT = 4  # ... but never splits a row into shares of fewer id blocks
-
-
-def _scan_block(width: int) -> int:
-    return min(next_power_of_two(width), _SCAN_BLOCK)
-
-
-def _padded_width(width: int, block_w: int) -> int:
-    """The id row's width in the kernel: a multiple of the scan tile and of ``block_w``.
-
-    Every load of the id row then lies inside it. jax >= 0.12 bounds-checks a static slice
-    of a Ref even when the load is masked, so a row of 2051 ids read in a tile of 4096 is
-    refused at trace time; padding with -1 (never a token) keeps the loads whole and unmasked.
-    """
-    step = max(_scan_block(width), block_w)  # both powers of two
-    return -(-width // step) * step
-
-
-def _default_block_c(c: int) -> int:
-    """Power-of-two chunk of the row width: whole CR up to 512 when CR is a power of two;
-    otherwise the chunk that wastes the fewest padded columns (a small cost per chunk)."""
-    best = None
-    for bc in (16, 32, 64, 128, 256, 512):
-        n = -(-c // bc)
-        cost = n * bc + 16 * n
-        if best is None or cost < best[0]:
-            best = (cost, bc)
-    return best[1]
 
 
 def _auto_num_splits(rows: int, n_wblocks: int) -> int:
     want = max(1, -(-_TARGET_PROGRAMS // max(rows, 1)))
     return max(1, min(want, n_wblocks // _MIN_BLOCKS_PER_SPLIT))
-
-
-def _dot_nt(a, b):
-    """``a @ b.T`` with float32 accumulation (bf16 tensor cores for bf16; IEEE f32 for f32)."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
-                           preferred_element_type=jnp.float32)
-
-
-def _dot_nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
-                           preferred_element_type=jnp.float32)
 
 
 def _sparse_mla_kernel(
@@ -272,17 +287,9 @@ def _sparse_mla_kernel(
     split = pl.program_id(1)
     f32 = jnp.float32
 
-    # 1. n_end: one past the last valid slot of the row. ``width`` is a multiple of ``scan``
-    # and of ``block_w`` (the wrapper pads the id row with -1), so every load is in bounds.
-    scan = _scan_block(width)
-
-    def scan_tile(t, n_end):
-        pos = t * scan + jnp.arange(scan, dtype=jnp.int32)
-        ids = ids_ref[pl.ds(t * scan, scan)]
-        ok = (ids >= 0) & (ids < length)
-        return jnp.maximum(n_end, jnp.max(jnp.where(ok, pos + 1, 0)))
-
-    n_end = lax.fori_loop(0, width // scan, scan_tile, jnp.int32(0))
+    # 1. n_end: one past the last valid slot of the row. The id row is a ``padded_width``
+    # (the wrapper pads it with -1), so every load is in bounds.
+    n_end = row_end(ids_ref, width, length)
 
     # 2. This split's share of the id blocks that hold valid ids.
     n_blocks = (n_end + block_w - 1) // block_w
@@ -310,7 +317,7 @@ def _sparse_mla_kernel(
                 mask=ok[:, None] & col_ok[c][None, :], other=0.0 if fp8 else 0,  # Triton: no i32 -> e4m3
             ).astype(kv_dtype)
             kvs.append(kv)
-            s += _dot_nt(qs[c], kv)
+            s += dot_nt(qs[c], kv)
         if fp8:  # each row's scale on its score (0 where masked: never read)
             row_scale = plgpu.load(scale_ref.at[rows], mask=ok, other=0.0)
             s = s * row_scale[None, :]
@@ -322,7 +329,7 @@ def _sparse_mla_kernel(
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         pv = (p * row_scale[None, :] if fp8 else p).astype(kv_dtype)
         accs = tuple(  # the value chunks only: zip stops at the n_v accumulators
-            alpha[:, None] * acc + _dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
+            alpha[:, None] * acc + dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
         )
         return m_next, l_next, accs
 
@@ -333,11 +340,13 @@ def _sparse_mla_kernel(
 
     # 4. Write.
     if num_splits == 1:
-        (o_ref,) = out_refs
-        inv = 1.0 / jnp.where(l_i > 0, l_i, 1.0)
+        o_ref, lse_ref = out_refs
+        l_safe = jnp.where(l_i > 0, l_i, 1.0)
+        inv = 1.0 / l_safe
         for c, acc in enumerate(accs):
             out = (acc * inv[:, None]).astype(o_ref.dtype)
             plgpu.store(o_ref.at[:, pl.ds(c * block_c, block_c)], out)
+        plgpu.store(lse_ref.at[:], jnp.where(l_i > 0, m_i + jnp.log(l_safe), -jnp.inf))
     else:
         acc_ref, m_ref, l_ref = out_refs
         for c, acc in enumerate(accs):
@@ -392,7 +401,7 @@ class SparseMlaBlockSizes:
         block_w = self.block_w
         if block_w is None:
             block_w = min(next_power_of_two(width, 16), 32)
-        block_c = _default_block_c(c) if self.block_c is None else self.block_c
+        block_c = default_block_c(c) if self.block_c is None else self.block_c
         num_splits = self.num_splits
         if num_splits is None:
             num_splits = _auto_num_splits(
@@ -412,7 +421,7 @@ def _sparse_mla_pallas(
     block_sizes: SparseMlaBlockSizes,
 ):
     """Pallas attention with the resolved ``block_sizes`` (every field set) and ``V =
-    value_width`` (checked)."""
+    value_width`` (checked): ``(out [B, Q, H, V] in q's dtype, lse [B, Q, H] float32)``."""
     block_h, block_w, block_c = block_sizes.block_h, block_sizes.block_w, block_sizes.block_c
     num_splits = block_sizes.num_splits
     b, nq, h, c = q.shape
@@ -420,7 +429,7 @@ def _sparse_mla_pallas(
     length = latent.shape[1]
     width = token_ids.shape[2]
     if b * nq * h * c == 0 or width == 0 or length == 0:  # nothing to attend to
-        return jnp.zeros((b, nq, h, v), q.dtype)
+        return jnp.zeros((b, nq, h, v), q.dtype), jnp.full((b, nq, h), -jnp.inf, jnp.float32)
 
     n_h = -(-h // block_h)
     n_c = -(-c // block_c)
@@ -432,11 +441,8 @@ def _sparse_mla_pallas(
     q = q.reshape(rows, h, c)
     if (h_pad, c_pad) != (h, c):
         q = jnp.pad(q, ((0, 0), (0, h_pad - h), (0, c_pad - c)))
-    ids = token_ids.reshape(rows, width).astype(jnp.int32)
-    padded = _padded_width(width, block_w)
-    if padded != width:
-        ids = jnp.pad(ids, ((0, 0), (0, padded - width)), constant_values=-1)
-    width = padded
+    ids = pad_ids(token_ids, block_w)
+    width = ids.shape[1]
 
     try:
         scale = float(scale)
@@ -464,8 +470,10 @@ def _sparse_mla_pallas(
             (None, length), (lambda i, s: (0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0))))
         operands.append(latent_scale.astype(jnp.float32))
     if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype)
-        out_specs = pl.BlockSpec((None, block_h, v_pad), lambda i, s: (i // n_h, i % n_h, 0))
+        out_shape = (jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype),
+                     jax.ShapeDtypeStruct((rows, h_pad), jnp.float32))
+        out_specs = (pl.BlockSpec((None, block_h, v_pad), lambda i, s: (i // n_h, i % n_h, 0)),
+                     pl.BlockSpec((None, block_h), lambda i, s: (i // n_h, i % n_h)))
     else:
         out_shape = (
             jax.ShapeDtypeStruct((rows, num_splits, h_pad, v_pad), jnp.float32),
@@ -490,5 +498,8 @@ def _sparse_mla_pallas(
         name="sparse_mla",
     )(*operands)
     if num_splits > 1:
-        out = combine_splits(*out).astype(q_dtype)
-    return out[:, :h, :v].reshape(b, nq, h, v)
+        out, lse = combine_splits(*out, return_lse=True)
+        out = out.astype(q_dtype)
+    else:
+        out, lse = out
+    return out[:, :h, :v].reshape(b, nq, h, v), lse[:, :h].reshape(b, nq, h)

@@ -80,12 +80,18 @@ def mla_masked_attention(
     return o.astype(q.dtype)
 
 
-def combine_splits(acc, m, l):
+def combine_splits(acc, m, l, *, return_lse: bool = False):
     """Merge per-split partials ``acc [..., S, H, V]``, ``m, l [..., S, H]`` (f32, ``S``
-    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty."""
+    splits, unnormalised) into ``[..., H, V]``; 0 where every split is empty. With
+    ``return_lse``: ``(out, lse [..., H])``, the log-sum-exp of the scores over every split
+    (``-inf`` where every split is empty), the attention backward's residual."""
     m_all = jnp.max(m, axis=-2, keepdims=True)
     m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
     w = jnp.exp(m - m_all)  # 0 for an empty split (m = -inf)
     denom = jnp.sum(w * l, axis=-2)
     num = jnp.sum(w[..., None] * acc, axis=-3)
-    return num / jnp.where(denom > 0, denom, 1.0)[..., None]
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = num / safe[..., None]
+    if not return_lse:
+        return out
+    return out, jnp.where(denom > 0, m_all[..., 0, :] + jnp.log(safe), -jnp.inf)

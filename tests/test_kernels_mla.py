@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels.attention as attention
+import pallas_kernels._mla as mla_helpers
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda, triton_calls
 from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
@@ -147,7 +147,7 @@ def test_invalid_ids_are_never_read():
 def test_wide_row_scanned_in_tiles(monkeypatch):
     # Rows wider than the single-load scan limit find n_end with a loop of tiles; shrink
     # the limit so a 40-wide row takes three tiles, with its last valid id in the last one.
-    monkeypatch.setattr(attention, "_SCAN_BLOCK", 16)
+    monkeypatch.setattr(mla_helpers, "SCAN_BLOCK", 16)
     rng = np.random.default_rng(3)
     b, nq, h, c, length, width = 1, 2, 16, 16, 50, 40
     q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)

@@ -300,6 +300,8 @@ KERNEL_DISPATCH: dict[tuple[str, str], frozenset[str]] = {
         {"MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"}),
     ("pallas_kernels.attention", "pallas_kernels.mosaic_attention"): frozenset(
         {"MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"}),
+    ("pallas_kernels.attention", "pallas_kernels.attention_backward"): frozenset(
+        {"sparse_mla_backward"}),  # the custom_vjp's backward
     ("pallas_kernels.selection", "pallas_kernels.mosaic_selection"): frozenset(
         {"MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"}),
     ("pallas_kernels.selection", "pallas_kernels.radix_select"): frozenset(
