@@ -298,6 +298,7 @@ def test_private_import_check_can_fail(tmp_path, monkeypatch):
 KERNEL_DISPATCH: dict[tuple[str, str], frozenset[str]] = {
     ("pallas_kernels.scoring", "pallas_kernels.mosaic_scoring"): frozenset(
         {"MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"}),
+    ("pallas_kernels.scoring", "pallas_kernels.scoring_backward"): frozenset({"index_scores_backward"}),
     ("pallas_kernels.attention", "pallas_kernels.mosaic_attention"): frozenset(
         {"MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"}),
     ("pallas_kernels.attention", "pallas_kernels.attention_backward"): frozenset(
