@@ -67,7 +67,12 @@ GPUs, ``"xla"`` elsewhere::
 tile up to a device-side tile count (what ``implementation="xla"`` runs, so its work follows
 the live pools); it is an xla-only op, with neither ``implementation`` nor ``block_sizes``
 (its ``tile`` is the caller's pool tile; Triton has no sort for its running merge);
-``radix_select`` holds the Pallas kernels behind ``topk_pools``; ``dense_mla`` the dense
+``attention_backward`` holds ``sparse_mla``'s backward (``sparse_mla_backward``: a
+reference and Triton kernels; ``sparse_mla`` is a ``jax.custom_vjp`` under every
+implementation), ``transpose`` the token-major ``selection_transpose`` its deterministic
+latent gradient walks; ``scoring_backward`` holds the
+backward of ``index_scores`` / ``index_scores_paged`` (their ``jax.custom_vjp``: no
+``[Q, P, Hi]`` tensor, deterministic); ``radix_select`` holds the Pallas kernels behind ``topk_pools``; ``dense_mla`` the dense
 oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``) and the softmax
 pieces both attention kernels share (``masked_softmax``, ``combine_splits``).
 
@@ -77,7 +82,9 @@ for a helper (a wrapper imports only its own step's kernels, to dispatch to them
 ``tests/test_structure.py`` checks it): ``_common`` the implementation names, checks and
 CUDA-lowering helpers the wrappers and tests share; ``_mosaic`` when the Mosaic kernels run
 (``mosaic_takes``: 16-bit operands on a target with ``wgmma``) and their checks;
-``_dtypes`` the fp8 operands (``key_dot_dtype``, ``check_key_scale``); ``_order_key`` the
+``_dtypes`` the fp8 operands (``key_dot_dtype``, ``check_key_scale``); ``_mla`` what the
+Triton sparse-MLA forward and backward share (``gather_rows``, the id row's scan, the dots); ``_scores`` what the
+indexer's scoring and its backward share (the candidate rule, the dots' dtypes); ``_order_key`` the
 order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``). The names other
 packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
 ``lower_for_cuda`` / ``triton_calls``, ``order_key``) are exported here, so no module
@@ -90,6 +97,9 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.attention import (
     MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_reference,
+)
+from pallas_kernels.attention_backward import (
+    SparseMlaBackwardBlockSizes, sparse_mla_backward, sparse_mla_backward_reference,
 )
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
@@ -104,10 +114,14 @@ from pallas_kernels.scoring import (
     IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, gather_pools, index_scores,
     index_scores_paged, index_scores_paged_reference, index_scores_reference, pool_last_token,
 )
+from pallas_kernels.scoring_backward import (
+    IndexScoresBackwardBlockSizes, index_scores_backward, index_scores_backward_reference,
+)
 from pallas_kernels.selection import (
     MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,
 )
 from pallas_kernels.streaming_selection import streaming_topk
+from pallas_kernels.transpose import SelectionTranspose, selection_transpose
 
 __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
@@ -117,10 +131,12 @@ __all__ = [
     "IndexScoresBlockSizes", "MosaicIndexScoresBlockSizes", "index_scores",
     "index_scores_reference", "pool_last_token",
     "gather_pools", "index_scores_paged", "index_scores_paged_reference",
+    "IndexScoresBackwardBlockSizes", "index_scores_backward", "index_scores_backward_reference",
     "KpoolCompressBlockSizes", "first_valid", "kpool_compress", "kpool_compress_reference",
     "num_pools",
     "MosaicSparseMlaBlockSizes", "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla",
-    "sparse_mla_reference",
+    "sparse_mla_reference", "SparseMlaBackwardBlockSizes", "sparse_mla_backward",
+    "sparse_mla_backward_reference", "SelectionTranspose", "selection_transpose",
     "topk_to_mask",
     "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
     "streaming_topk",

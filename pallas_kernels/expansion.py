@@ -145,7 +145,11 @@ def expand_selection(
     block_sizes: ExpandSelectionBlockSizes | None = None,
 ) -> jax.Array:
     """Expand pools to ``token_ids [B, Q, W]`` and append the tail; see the module doc.
-    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel."""
+    ``block_sizes`` (validated under every implementation) tiles the Pallas kernel.
+
+    No gradient: the selection is discrete; every input and the output are integers (no
+    float input to stop), so no tangent reaches the kernel under ``jax.grad`` /
+    ``jax.jvp``."""
     implementation = without_mosaic(implementation)  # no Mosaic kernel for this step: Triton's (see the package doc)
     blocks = check_block_sizes(block_sizes, ExpandSelectionBlockSizes)
     check_rank("pool_ids", pool_ids, 3, "[B, Q, K]")

@@ -14,6 +14,10 @@ Axis letters as in the package glossary (``pallas_kernels``). Invariants:
   shapes are static; ``P`` is never 0 so that kernels never see an empty axis.
 * Block sizes (``KpoolCompressBlockSizes``) change the tiling, never a number: any valid
   ``block_pools`` gives the same bits.
+* Differentiable under every implementation w.r.t. ``keys``, ``gate`` and ``ape``: the
+  Pallas path is a ``jax.custom_vjp`` whose backward is XLA's vjp of the reference (the
+  kernel computes the reference's numbers), so its gradients are the reference's, bit for
+  bit; ``key_valid`` / ``first_key`` get none.
 """
 
 from __future__ import annotations
@@ -159,10 +163,35 @@ def kpool_compress(
         raise ValueError(f"first_key must be [B] = ({keys.shape[0]},), got {tuple(first_key.shape)}")
     if implementation == "xla":
         return kpool_compress_reference(keys, gate, key_valid, ape, first_key)
-    return _kpool_compress_pallas(
-        keys, gate, key_valid, ape, first_key,
-        interpret=implementation == "pallas_interpret", block_sizes=blocks,
-    )
+    kernel = functools.partial(_kpool_compress_pallas,
+                               interpret=implementation == "pallas_interpret", block_sizes=blocks)
+    return _differentiable(kernel, keys, gate, key_valid, ape, first_key)
+
+
+def _differentiable(kernel, keys, gate, key_valid, ape, first_key):
+    """``kernel(keys, gate, key_valid, ape, first_key)`` (the Pallas pooling) under a
+    ``jax.custom_vjp`` whose backward is XLA's vjp of ``kpool_compress_reference`` (the
+    kernel computes the reference's numbers, so this is its gradient; the issue lets the
+    pooling differentiate through XLA). ``keys``, ``gate`` and ``ape`` get gradients, from
+    the cotangent of ``pooled``; ``key_valid`` and ``first_key`` (and the integer / bool
+    outputs) none."""
+
+    @jax.custom_vjp
+    def pool(keys, gate, key_valid, ape, first_key):
+        return kernel(keys, gate, key_valid, ape, first_key)
+
+    def pool_fwd(*args):
+        return kernel(*args), args
+
+    def pool_bwd(args, cotangents):
+        keys, gate, key_valid, ape, first_key = args
+        pooled_of = lambda keys, gate, ape: kpool_compress_reference(  # noqa: E731
+            keys, gate, key_valid, ape, first_key)[0]
+        d_keys, d_gate, d_ape = jax.vjp(pooled_of, keys, gate, ape)[1](cotangents[0])
+        return d_keys, d_gate, None, d_ape, None
+
+    pool.defvjp(pool_fwd, pool_bwd)
+    return pool(keys, gate, key_valid, ape, first_key)
 
 
 # --------------------------------------------------------------------------------------

@@ -92,8 +92,13 @@ from pallas_kernels._common import (
     Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
-from pallas_kernels._dtypes import FP8, check_key_scale, key_dot_dtype
+from pallas_kernels._dtypes import check_key_scale
 from pallas_kernels._mosaic import mosaic_takes
+from pallas_kernels._scores import (
+    candidates, channels, check_triton_dtypes, pool_last_token, reference_dot_dtype,
+    score_dot_dtype, visible_pools,
+)
+from pallas_kernels.scoring_backward import index_scores_backward
 from pallas_kernels.mosaic_scoring import (
     MosaicIndexScoresBlockSizes, mosaic_index_scores, mosaic_index_scores_paged,
 )
@@ -139,16 +144,9 @@ class IndexScoresBlockSizes:
         )
 
 
-def pool_last_token(first_key: jax.Array, n_pools: int, kpool: int) -> jax.Array:
-    """``[B] -> [B, P]`` int32: the last token id of every pool."""
-    p = jnp.arange(n_pools, dtype=jnp.int32)
-    return first_key.astype(jnp.int32)[:, None] + (p[None, :] + 1) * kpool - 1
-
-
 def _finish_scores(score, pool_valid, first_key, q_pos, kpool):
     """Apply the candidate mask and the sign / NaN canonicalisation (as the kernels do)."""
-    last = pool_last_token(first_key, score.shape[-1], kpool)
-    cand = pool_valid[:, None, :] & (last[:, None, :] <= q_pos[:, :, None])
+    cand = candidates(pool_valid, first_key, q_pos, kpool)
     score = jnp.where(score == 0.0, 0.0, score)
     return jnp.where(cand & ~jnp.isnan(score), score, -jnp.inf)
 
@@ -184,7 +182,7 @@ def index_scores_reference(
     # Products of 16-bit floats are exact in float32, so a dot in the inputs' dtype with a
     # float32 accumulator is the float32 computation (up to summation order) without
     # converting the whole pooled cache to float32 on every step.
-    dt = key_dot_dtype(q.dtype) if pooled_scale is not None else jnp.promote_types(q.dtype, pooled.dtype)
+    dt = reference_dot_dtype(q.dtype, pooled.dtype)
     s = jnp.einsum(
         "bqhd,bpd->bqhp", q.astype(dt), pooled.astype(dt),
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
@@ -256,15 +254,43 @@ def index_scores_paged_reference(
     Returns:
       ``[B, Q, PG * PPP]`` float32 scores, ``-inf`` where the pool is not a candidate.
     """
+    pooled, pool_valid, first_key, scale = _as_contiguous(
+        pooled_pages, block_table, pool_counts, pooled_scale)
+    return index_scores_reference(q, w, pooled, pool_valid, first_key, q_pos, scale, kpool=kpool)
+
+
+def _as_contiguous(pooled_pages, block_table, pool_counts, pooled_scale):
+    """The paged key source as the contiguous one: ``(pooled [B, PG * PPP, D], pool_valid,
+    first_key = 0, scales)`` (``gather_pools``; ``pool_valid = owned & (p <
+    pool_counts[b])``)."""
     _, owned = _pool_slots(pooled_pages, block_table)
     pool = jnp.arange(owned.shape[1], dtype=jnp.int32)
     pool_valid = owned & (pool[None, :] < pool_counts.astype(jnp.int32)[:, None])
     first_key = jnp.zeros(block_table.shape[:1], jnp.int32)
     scale = None if pooled_scale is None else gather_pools(pooled_scale, block_table)
-    return index_scores_reference(
-        q, w, gather_pools(pooled_pages, block_table), pool_valid, first_key, q_pos, scale,
-        kpool=kpool,
-    )
+    return gather_pools(pooled_pages, block_table), pool_valid, first_key, scale
+
+
+def _into_pages(d_pooled, pooled_pages, block_table):
+    """``d_pooled [B, PG * PPP, D]`` (each sequence's pools, as ``gather_pools`` gives them)
+    -> ``[N, PPP, D]``: each page slot gets the gradient of the (sequence, pool) that names
+    it; a slot no sequence names gets zeros.
+
+    Deterministic, with no float sum: the owner of every slot is found by an *integer*
+    scatter-max of ``b * PG * PPP + p`` (exact, so its order cannot matter), then each slot
+    gathers its owner's row. A slot has at most one owner in a valid block table (a page
+    is owned by exactly one (row, slot): ``glm5_dsa_jax.cache.pages``), so this is the
+    gradient; of a table naming one page twice it keeps the last naming (by ``(b, p)``)
+    instead of summing the two, so that no two sequences ever sum into one slot."""
+    n_pages, ppp = pooled_pages.shape[:2]
+    slots, _ = _pool_slots(pooled_pages, block_table)  # unowned: n_pages * ppp, dropped
+    n_rows = slots.size
+    source = jnp.arange(n_rows, dtype=jnp.int32)
+    owner = jnp.full((n_pages * ppp,), -1, jnp.int32).at[slots.reshape(-1)].max(
+        source, mode="drop")
+    owner = jnp.where(owner < 0, n_rows, owner)  # no owner: past the rows, gathers zeros
+    flat = d_pooled.reshape((n_rows,) + d_pooled.shape[2:])
+    return jnp.take(flat, owner, axis=0, mode="fill", fill_value=0).reshape(pooled_pages.shape)
 
 
 def index_scores(
@@ -301,7 +327,7 @@ def index_scores(
         (q, w, pooled, pool_valid, first_key, q_pos), pooled_scale, kpool=kpool,
         implementation=implementation, mosaic=mosaic, blocks=blocks,
         reference=index_scores_reference, mosaic_kernel=_index_scores_mosaic,
-        pallas_kernel=_index_scores_pallas,
+        pallas_kernel=_index_scores_pallas, backward=_contiguous_backward,
     )
 
 
@@ -345,7 +371,7 @@ def index_scores_paged(
         (q, w, pooled_pages, block_table, pool_counts, q_pos), pooled_scale, kpool=kpool,
         implementation=implementation, mosaic=mosaic, blocks=blocks,
         reference=index_scores_paged_reference, mosaic_kernel=_index_scores_paged_mosaic,
-        pallas_kernel=_index_scores_paged_pallas,
+        pallas_kernel=_index_scores_paged_pallas, backward=_paged_backward,
     )
 
 
@@ -360,23 +386,74 @@ def _check_queries(q, w) -> tuple[int, int, int, int]:
 
 
 def _run_scores(args, pooled_scale, *, kpool, implementation, mosaic, blocks, reference,
-                mosaic_kernel, pallas_kernel):
+                mosaic_kernel, pallas_kernel, backward):
     """Score checked inputs ``args = (q, w, keys, ...)`` (``keys`` the pooled keys, whole or
     paged) with the implementation ``kernel_family`` chose: ``reference`` for ``"xla"``;
     ``mosaic_kernel`` when Mosaic was asked for and takes the operands (``mosaic_takes``),
     else ``pallas_kernel``, at ``IndexScoresBlockSizes()`` when it stands in for Mosaic
     (float32 or fp8 keys: see the module doc). Shared by ``index_scores`` and
-    ``index_scores_paged``, so both fall back alike."""
-    q, keys = args[0], args[2]
-    if implementation == "xla":
-        return reference(*args, pooled_scale, kpool=kpool)
-    if mosaic and not mosaic_takes(q.dtype, keys.dtype):
-        implementation, mosaic, blocks = without_mosaic(implementation), False, IndexScoresBlockSizes()
-    if mosaic:
-        return mosaic_kernel(*args, kpool=kpool, interpret=implementation == "mosaic_interpret",
-                             block_sizes=blocks)
-    return pallas_kernel(*args, pooled_scale, kpool=kpool,
-                         interpret=implementation == "pallas_interpret", block_sizes=blocks)
+    ``index_scores_paged``, so both fall back alike, and both differentiate alike
+    (``_differentiable``: ``backward`` is the key source's, called with the implementation)."""
+
+    def forward(q, w, keys, rest, scale):
+        args = (q, w, keys, *rest)
+        impl, use_mosaic, sizes = implementation, mosaic, blocks
+        if impl == "xla":
+            return reference(*args, scale, kpool=kpool)
+        if use_mosaic and not mosaic_takes(q.dtype, keys.dtype):
+            impl, use_mosaic, sizes = without_mosaic(impl), False, IndexScoresBlockSizes()
+        if use_mosaic:
+            return mosaic_kernel(*args, kpool=kpool, interpret=impl == "mosaic_interpret",
+                                 block_sizes=sizes)
+        return pallas_kernel(*args, scale, kpool=kpool, interpret=impl == "pallas_interpret",
+                             block_sizes=sizes)
+
+    grad = functools.partial(backward, kpool=kpool, implementation=implementation)
+    return _differentiable(forward, grad, args, pooled_scale)
+
+
+def _differentiable(forward, backward, args, pooled_scale):
+    """``forward(q, w, keys, rest, scale)`` under a ``jax.custom_vjp`` (every
+    implementation, ``"xla"`` included) whose backward is ``backward(q, w, keys, rest,
+    scale, g) -> (dq, dw, dkeys)``. The residuals are the operands themselves (the caller's
+    arrays): nothing ``[Q, P, Hi]`` is saved, the backward recomputes the logits tile by
+    tile. The integer / bool operands (``rest``) and the fp8 scale get no gradient (an fp8
+    pooled cache is a serving format; its scale is not trained)."""
+    q, w, keys, *rest = args
+
+    @jax.custom_vjp
+    def scores(q, w, keys, rest, scale):
+        return forward(q, w, keys, rest, scale)
+
+    def scores_fwd(q, w, keys, rest, scale):
+        return forward(q, w, keys, rest, scale), (q, w, keys, rest, scale)
+
+    def scores_bwd(res, g):
+        dq, dw, dkeys = backward(*res, g)
+        rest, scale = res[3], res[4]
+        return dq, dw, dkeys, tuple(None for _ in rest), None if scale is None else jnp.zeros_like(scale)
+
+    scores.defvjp(scores_fwd, scores_bwd)
+    return scores(q, w, keys, tuple(rest), pooled_scale)
+
+
+def _contiguous_backward(q, w, pooled, rest, scale, g, *, kpool, implementation):
+    """``index_scores``' backward: ``index_scores_backward`` on its operands."""
+    return index_scores_backward(q, w, pooled, *rest, g, scale, kpool=kpool,
+                                 implementation=implementation)
+
+
+def _paged_backward(q, w, pooled_pages, rest, scale, g, *, kpool, implementation):
+    """``index_scores_paged``' backward: each sequence's pools gathered (``_as_contiguous``,
+    as the reference scores them), ``index_scores_backward`` on them, and their gradient
+    put back into the pages (``_into_pages``: deterministic, see there)."""
+    block_table, pool_counts, q_pos = rest
+    pooled, pool_valid, first_key, gathered_scale = _as_contiguous(
+        pooled_pages, block_table, pool_counts, scale)
+    dq, dw, d_pooled = index_scores_backward(
+        q, w, pooled, pool_valid, first_key, q_pos, g, gathered_scale, kpool=kpool,
+        implementation=implementation)
+    return dq, dw, _into_pages(d_pooled, pooled_pages, block_table)
 
 
 _index_scores_mosaic = eager_jit("kpool", "interpret", "block_sizes")(mosaic_index_scores)
@@ -467,13 +544,6 @@ def _scores_kernel(
                     block_h=block_h, block_d=block_d, dot_dtype=dot_dtype)
 
 
-def _channels(dim, block_d):
-    """Whether each of the ``[block_d]`` channel lanes is one of the ``dim`` real ones, and an
-    in-bounds channel index for each."""
-    ch = jnp.arange(block_d, dtype=jnp.int32)
-    return ch < dim, jnp.minimum(ch, dim - 1)
-
-
 def _load_keys(ref, index, rows, rows_ok, ch_ok, ch_safe, dot_dtype):
     """The tile's ``[block_p, block_d]`` keys ``ref[*index, rows[i], ch]`` in ``dot_dtype``:
     zero in a padding channel and in a row not ``rows_ok`` (``None``: every row), whose
@@ -492,12 +562,12 @@ class _ContiguousKeys:
 
     def live_bound(self, valid_ref, fk_ref, *, b, qpos, kpool):
         # ``first_key + (p + 1)*KP - 1 <= q_pos`` iff ``p < (q_pos - first_key + 1) // KP``.
-        return jnp.max(jnp.maximum(qpos - fk_ref[b] + 1, 0)) // kpool
+        return jnp.max(visible_pools(qpos, fk_ref[b], kpool))
 
     def load_tile(self, pooled_ref, valid_ref, fk_ref, pscale_ref, *, b, pool, pool_in, live,
                   kpool, n_pools, dim, block_d, dot_dtype):
         pool_safe = jnp.minimum(pool, n_pools - 1)
-        ch_ok, ch_safe = _channels(dim, block_d)
+        ch_ok, ch_safe = channels(dim, block_d)
         keys = _load_keys(pooled_ref, (b,), pool_safe, None, ch_ok, ch_safe, dot_dtype)
         loaded = plgpu.load(valid_ref.at[b, pool_safe]) != 0
         last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
@@ -515,13 +585,13 @@ class _PagedKeys:
     n_slots: int
 
     def live_bound(self, bt_ref, counts_ref, *, b, qpos, kpool):
-        seen = jnp.max(jnp.maximum(qpos + 1, 0)) // kpool  # pools the tile's queries can see
+        seen = jnp.max(visible_pools(qpos, 0, kpool))  # pools the tile's queries can see
         return jnp.minimum(counts_ref[b], seen)
 
     def load_tile(self, keys_ref, bt_ref, counts_ref, pscale_ref, *, b, pool, pool_in, live,
                   kpool, n_pools, dim, block_d, dot_dtype):
         ppp = self.ppp
-        ch_ok, ch_safe = _channels(dim, block_d)
+        ch_ok, ch_safe = channels(dim, block_d)
         # Page entries, then the owned keys below the live bound.
         pool_safe = jnp.minimum(pool, n_pools - 1)
         in_live = pool_in & (pool < live)
@@ -554,7 +624,7 @@ def _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, 
     both do the same arithmetic."""
     f32 = jnp.float32
     scale = dim**-0.5
-    ch_ok, ch_safe = _channels(dim, block_d)
+    ch_ok, ch_safe = channels(dim, block_d)
     hd = jnp.arange(block_h, dtype=jnp.int32)
     h_ok = hd < heads
     h_safe = jnp.minimum(hd, heads - 1)
@@ -579,33 +649,11 @@ def _score_rows(q_ref, w_ref, qpos_ref, out_ref, keys, loaded, last, pscale, *, 
         plgpu.store(out_ref.at[b, t, pool], jnp.where(cand, score, -jnp.inf), mask=pool_in)
 
 
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def _score_dot_dtype(q_dtype, key_dtype):
-    """The dtype the Triton kernels' dot multiplies in: ``key_dot_dtype`` for fp8 keys; the
-    operands' own for bf16 / f16 of one dtype (tensor cores, exact products in the float32
-    accumulator); else float32 (IEEE, ``allow_tf32=False``)."""
-    if jnp.dtype(key_dtype) == FP8:
-        return key_dot_dtype(q_dtype)
-    if q_dtype == key_dtype and q_dtype != jnp.float32:
-        return q_dtype
-    return jnp.float32
-
-
-def _check_triton_dtypes(q, w, keys_name, keys):
-    """``ValueError`` unless ``q``, the keys and ``w`` are float32, bfloat16 or float16 (the
-    keys may also be e4m3), as the Triton kernel takes them."""
-    for name, x in (("q", q), (keys_name, keys), ("w", w)):
-        if x.dtype not in _FLOAT_DTYPES and not (name == keys_name and x.dtype == FP8):
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
-
-
 def _launch_scores(operands, *, source, name, n_pools, kpool, block_sizes, interpret):
     """The Triton scoring kernel's ``pallas_call`` on ``operands = (q, w, keys, table, row,
     q_pos[, scales])`` read through the key ``source``: grid ``(query tiles, B, pool
     tiles)`` over ``[B, Q, n_pools]`` float32 scores, tiled by ``block_sizes`` resolved to
-    the problem, the dot in ``_score_dot_dtype``."""
+    the problem, the dot in ``score_dot_dtype``."""
     q, keys = operands[0], operands[2]
     b, n_q, heads, dim = q.shape
     blocks = block_sizes.resolve(n_q, n_pools)
@@ -613,7 +661,7 @@ def _launch_scores(operands, *, source, name, n_pools, kpool, block_sizes, inter
         _scores_kernel, source=source, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads,
         dim=dim, block_q=blocks.block_q, block_p=blocks.block_p,
         block_h=next_power_of_two(heads, 16), block_d=next_power_of_two(dim, 16),
-        dot_dtype=_score_dot_dtype(q.dtype, keys.dtype),
+        dot_dtype=score_dot_dtype(q.dtype, keys.dtype),
     )
     return pl.pallas_call(
         kernel,
@@ -640,7 +688,7 @@ def _index_scores_pallas(
         raise ValueError(
             f"the Pallas index_scores needs Hi, D, P >= 1, got Hi={heads}, D={dim}, P={n_pools}"
         )
-    _check_triton_dtypes(q, w, "pooled", pooled)
+    check_triton_dtypes(q, w, "pooled", pooled)
     if pool_valid.dtype != jnp.bool_:
         raise ValueError(f"pool_valid must be bool, got dtype {pool_valid.dtype}")
     for name, x in (("first_key", first_key), ("q_pos", q_pos)):
@@ -670,7 +718,7 @@ def _index_scores_paged_pallas(
     n_slots = n_pages * ppp
     if heads < 1 or dim < 1:
         raise ValueError(f"the Pallas index_scores_paged needs Hi, D >= 1, got Hi={heads}, D={dim}")
-    _check_triton_dtypes(q, w, "pooled_pages", pooled_pages)
+    check_triton_dtypes(q, w, "pooled_pages", pooled_pages)
     if b == 0 or n_q == 0 or n_pools == 0:
         return jnp.zeros((b, n_q, n_pools), jnp.float32)
     if n_slots == 0:  # no page at all: nothing is a candidate

@@ -183,9 +183,14 @@ def topk_pools(
     kernels and picks the Triton path: a ``TopkPoolsBlockSizes`` for ``"pallas"``, a
     ``MosaicTopkPoolsBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults). ``n_live`` (``[B, Q]`` or ``[B]`` integer, or ``None``: every pool) bounds
-    each row; see the module doc."""
+    each row; see the module doc.
+
+    No gradient: the selection is discrete (integer pool ids). ``scores`` enters through
+    ``jax.lax.stop_gradient``, so under ``jax.grad`` / ``jax.jvp`` no tangent reaches a
+    kernel (a Pallas call has no derivative rule)."""
     implementation, mosaic, blocks = kernel_family(
         implementation, block_sizes, TopkPoolsBlockSizes, MosaicTopkPoolsBlockSizes)
+    scores = jax.lax.stop_gradient(scores)
     check_rank("scores", scores, 3, "[B, Q, P]")
     if scores.dtype != jnp.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")

@@ -96,7 +96,12 @@ def streaming_topk(
 
     Returns:
       ``[*rows, K]`` int32 pool ids, ascending, ``-1`` after the last.
+
+    No gradient: the selection is discrete. ``operands`` enter through
+    ``jax.lax.stop_gradient``, so under ``jax.grad`` / ``jax.jvp`` no tangent enters the loop
+    (a ``while_loop`` cannot be transposed, and the scores need none).
     """
+    operands = jax.tree.map(jax.lax.stop_gradient, tuple(operands))
     if not 1 <= tile <= n_pools:
         raise ValueError(f"tile must be in [1, P={n_pools}], got {tile}")
     if not 0 <= select_k <= n_pools:

@@ -192,7 +192,7 @@ def test_rope_model_cases_lower_for_cuda(cache):
             assert lowered.out_info.shape == (1, 1, 64, 512)
     assert names["sparse_mla"] == {"sparse_mla"}
     assert names["topk_pools"] == {"topk_pools_count", "topk_pools_compact"}  # 131072 tokens
-    assert len(names) == (5 if cache == "contiguous" else 3)
+    assert len(names) == (6 if cache == "contiguous" else 3)
 
 
 def test_toolchain_says_which_extra_is_missing(monkeypatch):
@@ -270,6 +270,20 @@ def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request, tmp_path_fa
     seen = {(r.target, r.case) for r in reports}
     assert seen == {(t, c.id) for t in ("sm_80", "sm_90") for c in cases}
     assert all(r.regs and r.blocks_per_sm >= 1 and r.smem is not None for r in reports)
+
+
+def test_index_scores_backward_compiles_for_sm80_and_sm90(toolchain):
+    """The scoring backward's two kernels (issue 24) at GLM-5.3-Flash's training shapes, a
+    prefill chunk's query tile over a 128K-token cache and a decode step: both launch, no
+    spill on either target (the full matrix is ``test_every_kernel_compiles...``)."""
+    cases = [gc.Case("index_scores_backward", gc.Step(kind, b, 131072))
+             for kind, b in (("prefill", 8), ("decode", 1))]
+    reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
+    assert all(r.ok for r in reports), "\n" + gc.failures(reports)
+    assert {(r.target, r.case, r.kernel) for r in reports} == {
+        (t, c.id, k) for t in ("sm_80", "sm_90") for c in cases
+        for k in ("index_scores_backward_dq", "index_scores_backward_dk")}
+    assert all(r.spill_stores == 0 and r.spill_loads == 0 for r in reports)
 
 
 def test_spills_and_shared_memory_over_the_limit_fail(toolchain):

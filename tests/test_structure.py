@@ -120,7 +120,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 #: package above it. Package ``__init__`` modules that re-export sit with their contents.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.model.config_json",),  # HF config.json spellings
-    ("glm5_dsa_jax.model.config", "glm5_dsa_jax.model.rope", "glm5_dsa_jax.quant", "glm5_dsa_jax.cpu_policy",
+    ("glm5_dsa_jax.model.config", "glm5_dsa_jax.model.rope", "glm5_dsa_jax.model.remat", "glm5_dsa_jax.quant",
+     "glm5_dsa_jax.cpu_policy",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),
     # the tensor table and the parameters it makes; input checks
@@ -297,8 +298,11 @@ def test_private_import_check_can_fail(tmp_path, monkeypatch):
 KERNEL_DISPATCH: dict[tuple[str, str], frozenset[str]] = {
     ("pallas_kernels.scoring", "pallas_kernels.mosaic_scoring"): frozenset(
         {"MosaicIndexScoresBlockSizes", "mosaic_index_scores", "mosaic_index_scores_paged"}),
+    ("pallas_kernels.scoring", "pallas_kernels.scoring_backward"): frozenset({"index_scores_backward"}),
     ("pallas_kernels.attention", "pallas_kernels.mosaic_attention"): frozenset(
         {"MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"}),
+    ("pallas_kernels.attention", "pallas_kernels.attention_backward"): frozenset(
+        {"sparse_mla_backward"}),  # the custom_vjp's backward
     ("pallas_kernels.selection", "pallas_kernels.mosaic_selection"): frozenset(
         {"MosaicTopkPoolsBlockSizes", "mosaic_topk_pools"}),
     ("pallas_kernels.selection", "pallas_kernels.radix_select"): frozenset(

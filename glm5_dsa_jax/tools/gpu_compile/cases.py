@@ -141,6 +141,19 @@ def _index_scores(cfg, s: Step, blocks: dict, implementation="pallas",
                 ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
 
 
+def _index_scores_backward(cfg, s: Step, blocks: dict):
+    # The training step's scoring backward (contiguous keys; a paged step gathers its pools
+    # and runs the same kernels): the inputs of ``_index_scores`` plus the scores' cotangent.
+    b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
+    h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+    bs = pk.IndexScoresBackwardBlockSizes(**blocks)
+    fn = lambda qi, w, pooled, pv, fk, qp, g: pk.index_scores_backward(  # noqa: E731
+        qi, w, pooled, pv, fk, qp, g, kpool=kp, implementation="pallas", block_sizes=bs)
+    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
+                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32),
+                ((b, q, p), jnp.float32)]
+
+
 def _topk_pools(cfg, s: Step, blocks: dict, implementation="pallas",
                 sizes=pk.TopkPoolsBlockSizes):
     p = max(1, s.context // cfg.index_kpool)
@@ -195,6 +208,7 @@ def _sparse_mla(cfg, s: Step, blocks: dict, implementation="pallas",
 KERNELS: dict[str, Callable] = {
     "kpool_compress": _kpool_compress,
     "index_scores": _index_scores,
+    "index_scores_backward": _index_scores_backward,
     "topk_pools": _topk_pools,
     "expand_selection": _expand_selection,
     "sparse_mla": _sparse_mla,
@@ -206,6 +220,7 @@ KERNELS: dict[str, Callable] = {
 KERNEL_MODULES: dict[str, str] = {
     "pooling": "kpool_compress",
     "scoring": "index_scores",  # index_scores_paged too, on paged steps
+    "scoring_backward": "index_scores_backward",  # its two kernels (dq / dw, dpooled)
     "radix_select": "topk_pools",
     "expansion": "expand_selection",
     "attention": "sparse_mla",
