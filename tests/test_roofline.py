@@ -379,3 +379,21 @@ def test_cli_train(capsys):
                        (["--indexer-loss"], "--indexer-loss needs --train")):
         assert main(["roofline", "--gpu", "h200", "--context", "4096", *argv]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_training_table_is_the_model():
+    """docs/benchmarks.md's training roofline table, recomputed: every cell (H200, batch 1)."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text()
+    section = text[text.index("## Training roofline"):]
+    section = section[:section.index("\n## ", 5)]
+    head = re.search(r"\| phase/row \|(.*)\|$", section, re.M).group(1)
+    contexts = [int(c.split(":")[0].replace(",", "")) for c in head.split("|")]
+    by = [{(r.phase, r.kernel): r for r in rl.train_rows(CFG, "h200", n)} for n in contexts]
+    rows = re.findall(r"^\| `([^/`]+)/([^`]+)` \|(.*)\|$", section, re.M)
+    assert len(rows) == 12 and contexts == [4096, 16384, 65536]
+    for phase, kernel, cells in rows:
+        got = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in cells.split("|")]
+        got = [(float(c[1].replace(",", "")), float(c[2].replace(",", "")), bool(c[3])) for c in got]
+        assert got == [_cell(b[phase, kernel]) for b in by], (phase, kernel)
