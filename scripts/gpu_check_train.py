@@ -13,7 +13,8 @@ selection comes from the forward pipeline (``kpool_compress``, ``index_scores``,
 
 * ``sparse_mla``: ``fwd_us`` the jitted forward, ``fwd_bwd_us`` the jitted ``jax.vjp`` of it
   w.r.t. ``q`` and ``latent`` applied to a random ``d_out``, ``bwd_us`` their difference;
-  the gradients checked against ``implementation="xla"``'s (``check``);
+  the gradients checked against ``implementation="xla"``'s (``check``; the ``"xla"`` row
+  runs in tiles of ``REFERENCE_TILE`` queries, as its gathered rows would not fit whole);
 * ``index_scores``: the same w.r.t. ``q``, ``w`` and ``pooled``, for a random ``d_scores``
   on the candidates (0 elsewhere, as an indexer loss gives);
 * ``layer``: ``glm5_dsa_jax.tools.bench_train`` (``glm5-dsa bench train``'s rows: the
@@ -56,6 +57,23 @@ BOUND_ROWS = {
                    "sparse_mla_bwd:dlatent"),
     "index_scores": ("index_scores", "index_scores_bwd:dq_dw", "index_scores_bwd:dpooled"),
 }
+
+
+#: Queries per tile of the ``"xla"`` ``sparse_mla`` reference rows: its backward gathers
+#: ``[queries, W, CR]`` float32 rows (17 GB for 4K queries at GLM-5.3-Flash), so the
+#: reference runs tile by tile (``lax.map``); the kernels run whole.
+REFERENCE_TILE = 1024
+
+
+def by_query_tiles(f, tile: int, q, lat, ids):
+    """``f(q, lat, ids)`` over tiles of ``tile`` queries (``lax.map``; one call when the
+    queries are fewer or do not divide): ``[B, Q, H, V]``."""
+    b, n = q.shape[:2]
+    if n <= tile or n % tile:
+        return f(q, lat, ids)
+    cut = lambda a: a.reshape(b, n // tile, tile, *a.shape[2:]).swapaxes(0, 1)  # noqa: E731
+    out = jax.lax.map(lambda t: f(t[0], lat, t[1]), (cut(q), cut(ids)))
+    return out.swapaxes(0, 1).reshape(b, n, *out.shape[3:])
 
 
 def log(msg: str) -> None:
@@ -168,9 +186,14 @@ class Runner:
         cfg, dt = self.cfg, jnp.dtype(self.args.dtype)
         log(f"S={s}: selection ({self.args.selection_impl})")
         inp = selection(cfg, s, dt, self.args.selection_impl)
-        self.kernel(s, "sparse_mla", lambda impl: (lambda q, lat: pk.sparse_mla(
-            q, lat, inp["ids"], scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank,
-            implementation=impl)), (inp["q"], inp["latent"]), inp["d_out"])
+        def mla(impl):
+            f = lambda q, lat, ids: pk.sparse_mla(q, lat, ids, scale=cfg.softmax_scale,  # noqa: E731
+                                                  value_width=cfg.kv_lora_rank, implementation=impl)
+            if impl != "xla":
+                return lambda q, lat: f(q, lat, inp["ids"])
+            return lambda q, lat: by_query_tiles(f, REFERENCE_TILE, q, lat, inp["ids"])
+
+        self.kernel(s, "sparse_mla", mla, (inp["q"], inp["latent"]), inp["d_out"])
         self.kernel(s, "index_scores", lambda impl: (lambda qi, w, pooled: pk.index_scores(
             qi, w, pooled, inp["pool_valid"], inp["first_key"], inp["q_pos"], kpool=cfg.index_kpool,
             implementation=impl)), (inp["qi"], inp["w"], inp["pooled"]), inp["d_scores"])
