@@ -13,6 +13,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.tools import roofline as rl
 from glm5_dsa_jax.cli import main
+import pallas_kernels as pk
 from pallas_kernels import IndexScoresBlockSizes, SparseMlaBlockSizes
 
 CFG = gd.DsaConfig.glm53_flash()
@@ -313,10 +314,11 @@ def test_train_phases_totals_and_indexer_rows():
     # pools it sees (causal: about half of S x P), every query re-read per dpooled tile.
     s, pools, hi, d = 4096, 4096 // CFG.index_kpool, CFG.index_n_heads, CFG.index_head_dim
     seen = sum((q + 1) // CFG.index_kpool for q in range(s))
-    assert rl.SCORES_BWD_BLOCK_Q == 1 and bwd["index_scores_bwd:dq_dw"].programs == 2 * s
+    sblk = pk.IndexScoresBackwardBlockSizes().resolve(s, pools)
+    assert sblk.dq_block_q == 1 and bwd["index_scores_bwd:dq_dw"].programs == 2 * s
     assert bwd["index_scores_bwd:dq_dw"].flops == 2 * seen * hi * (4 * d + 2)
     assert bwd["index_scores_bwd:dpooled"].flops == 2 * s * pools * hi * 4 * d
-    assert bwd["index_scores_bwd:dpooled"].programs == 2 * pools // rl.SCORES_BWD_BLOCK_P
+    assert bwd["index_scores_bwd:dpooled"].programs == 2 * pools // sblk.dk_block_p
     # The forward is the prefill of the whole sequence, plus the lse sparse_mla saves.
     fwd = _by(rows, "train_fwd")
     pre = _by(rl.rows(CFG, "h200", 4096, 2, chunk=4096, phases=("prefill",)), "prefill")
@@ -346,7 +348,7 @@ def test_train_dlatent_entries_reread_q_and_d_out():
     """The token-major pass re-reads a query's q and d_out once per row block it touches:
     while a query selects every pool (context <= index_topk), that is every visible block."""
     cfg = gd.DsaConfig.tiny()
-    s, br, h, cr, v = 16, rl.DLATENT_BLOCK_ROWS, cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
+    s, br, h, cr, v = 16, pk.SparseMlaBackwardBlockSizes().block_rows, cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
     assert s <= cfg.index_topk and br == 16
     # A query at position q sees q + 1 tokens, q // KP... complete pools: one 16-row block
     # holds them all once it has one complete pool (q >= 3).

@@ -69,6 +69,8 @@ with multiply-adds as 2, the bound at the datasheet's bandwidth and bf16 peak). 
     (``indexer_loss``): without one no cotangent reaches them (top-k is integers).
   - ``xla:lse_delta``: ``D = rowsum(d_out * out)`` per query and head: both read once,
     ``D`` written in float32.
+  - The tiling is the kernels' own (``SparseMlaBackwardBlockSizes``,
+    ``IndexScoresBackwardBlockSizes``: their defaults resolved for the shapes).
   - ``sparse_mla_bwd:dq``: query-major, one program per (query, ``block_h`` heads), as the
     forward: gathers the query's valid rows once per head block, reads its ``q``,
     ``d_out``, ``lse`` and ``D``, recomputes ``p`` (``2 CR`` per head and id), ``dp``
@@ -89,11 +91,11 @@ with multiply-adds as 2, the bound at the datasheet's bandwidth and bf16 peak). 
     clusters them, so fewer: an upper estimate), every visible block once the query
     selects every pool. The tail's block is not counted apart (at most one per query).
   - with an indexer loss (``indexer_loss``, the next issue's; off: these rows are
-    absent): ``index_scores_bwd:dq_dw`` (query-major, ``SCORES_BWD_BLOCK_Q`` queries a
+    absent): ``index_scores_bwd:dq_dw`` (query-major, ``dq_block_q`` queries a
     program, looping over the pools its queries can see: those pooled keys re-read per
     program, their ``d_scores`` read, ``zeta`` recomputed (``2 D`` per head and pool),
     ``dq`` (``2 D``) and ``dw`` (``2``) accumulated and written once) and
-    ``index_scores_bwd:dpooled`` (pool-major, ``SCORES_BWD_BLOCK_P`` pools a program: a
+    ``index_scores_bwd:dpooled`` (pool-major, ``dk_block_p`` pools a program: a
     tile some query sees loops over every query of the row, re-reading its ``qi`` and
     ``w`` once per tile, ``zeta`` recomputed and ``dpooled`` accumulated, ``4 D`` per
     query, head and pool; ``d_scores`` read once); and ``xla:kpool_compress bwd`` (XLA's
@@ -120,14 +122,13 @@ from glm5_dsa_jax.cache import check_cache_dtype
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache.fp8 import is_fp8
 from pallas_kernels import (
-    ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
-    SparseMlaBlockSizes, TopkPoolsBlockSizes,
+    ExpandSelectionBlockSizes, IndexScoresBackwardBlockSizes, IndexScoresBlockSizes,
+    KpoolCompressBlockSizes, SparseMlaBackwardBlockSizes, SparseMlaBlockSizes, TopkPoolsBlockSizes,
 )
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
            "weight_bytes", "Matmul", "matmuls", "matmul_weights", "step_read_bytes", "selected_ids",
-           "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES", "DLATENT_BLOCK_ROWS",
-           "BWD_BLOCK_H", "SCORES_BWD_BLOCK_Q", "SCORES_BWD_BLOCK_P"]
+           "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,15 +421,6 @@ def gpu_for_device_kind(kind: str) -> str | None:
 TRAIN_PHASES = ("train_fwd", "train_bwd", "dense_mask")
 #: Read + write passes of ``selection_transpose``'s sort (8-bit digits of a 32-bit key).
 SORT_PASSES = 4
-#: The sparse backward's tiling: latent rows per ``dlatent`` program and heads per ``dq``
-#: program (``SparseMlaBackwardBlockSizes``' defaults, ``pallas_kernels.attention_backward``).
-DLATENT_BLOCK_ROWS = 16
-BWD_BLOCK_H = 16
-#: The indexer backward's tiling: queries per ``dq``/``dw`` program, pools per ``dpooled``
-#: program (``IndexScoresBackwardBlockSizes``' ``dq_block_q`` and ``dk_block_p`` defaults,
-#: ``pallas_kernels.scoring_backward``).
-SCORES_BWD_BLOCK_Q = 1
-SCORES_BWD_BLOCK_P = 64
 
 
 def _expected_blocks(cfg: DsaConfig, visible: int, block_rows: int) -> float:
@@ -456,12 +448,13 @@ def _train_bwd_rows(cfg: DsaConfig, context: int, batch: int, eb: int, indexer_l
                     4 * t * m.weights, 0))
     out.append(("xla:lse_delta", t * nh * (2 * v * eb + 4), 2 * t * nh * v, 0))
     ids = b * sum(selected_ids(cfg, q + 1) for q in range(s))  # valid (query, id) pairs
-    n_hb = -(-nh // BWD_BLOCK_H)
+    blk = SparseMlaBackwardBlockSizes().resolve((b, s, nh, cr), width)
+    n_hb = -(-nh // blk.block_h)
     by = n_hb * ids * cr * eb + t * n_hb * width * 4 + t * nh * (2 * cr * eb + v * eb + 8)
     out.append(("sparse_mla_bwd:dq", by, nh * ids * (4 * cr + 2 * v + 5), t * n_hb))
     e = t * width
     out.append(("selection_transpose", e * 4 + SORT_PASSES * 2 * e * 8 + e * 8, 0, 0))
-    br = DLATENT_BLOCK_ROWS
+    br = blk.block_rows
     entries = b * sum(_expected_blocks(cfg, q + 1, br) for q in range(s))
     n_blocks = -(-t // br)
     by = n_blocks * (2 * br * cr * eb + 8) + entries * (nh * (cr + v) * eb + nh * 8 + 8)
@@ -469,7 +462,8 @@ def _train_bwd_rows(cfg: DsaConfig, context: int, batch: int, eb: int, indexer_l
     if indexer_loss:
         kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
         pools = max(1, s // kp)
-        bq, bp = SCORES_BWD_BLOCK_Q, SCORES_BWD_BLOCK_P
+        sblk = IndexScoresBackwardBlockSizes().resolve(s, pools)
+        bq, bp = sblk.dq_block_q, sblk.dk_block_p
         q_tiles, p_tiles = -(-s // bq), -(-pools // bp)
         # pools the queries of each dq program see (its last query's, the loop's bound)
         seen = sum(min(pools, min(s, (i + 1) * bq) // kp) for i in range(q_tiles))
