@@ -235,7 +235,9 @@ def main(argv=None) -> int:
                     help="the implementation checked against xla (default pallas; pallas_interpret "
                          "with --smoke)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per row (median; default 5, 1 with --smoke)")
-    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the kernel rows")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the kernel rows (default 300; none with --smoke, which "
+                         "checks every row however loaded the machine is)")
     ap.add_argument("--no-layer", action="store_true", help="leave out the layer rows")
     ap.add_argument("--roofline-gpu", choices=sorted(roofline.GPUS), default=None,
                     help="GPU of the bound column (default: from the device kind, else h100)")
@@ -246,6 +248,8 @@ def main(argv=None) -> int:
     args.tokens = [int(t) for t in (args.tokens or ("64" if args.smoke else "4096,16384")).split(",")]
     args.impl = args.impl or ("pallas_interpret" if args.smoke else "pallas")
     args.reps = args.reps or (1 if args.smoke else 5)
+    if args.budget is None:
+        args.budget = float("inf") if args.smoke else 300.0
     args.selection_impl = "xla" if args.smoke or args.impl == "xla" else "pallas"
     cfg = DsaConfig.preset(args.preset)
     try:
