@@ -8,6 +8,9 @@ or 0.11)::
     python scripts/gpu_check.py --json     # the same rows as one JSON object on stdout
     python scripts/gpu_check.py --smoke    # tiny shapes, implementation="pallas_interpret"
                                            # (runs on a CPU; what the tests run)
+    python scripts/gpu_check.py --train --json   # the backward kernels and a layer's
+                                           # training step at 4K / 16K tokens instead
+                                           # (scripts/gpu_check_train.py: its doc, its flags)
 
 Shapes: 64 heads, kv_lora_rank 512, indexer 32 heads x 128, index_topk 2048, index_kpool 4
 (out_width 2051), decode (Q = 1) at batch 1 and 8 over contexts of 8K and 128K tokens, batch
@@ -592,7 +595,15 @@ def _table(rows) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--train" in argv:  # the training rows: another script, its own flags
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_train
+        return gpu_check_train.main([a for a in argv if a != "--train"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--train", action="store_true",
+                    help="time and check the backward kernels and a layer's training step instead "
+                         "(scripts/gpu_check_train.py, with the flags that follow)")
     ap.add_argument("--smoke", action="store_true",
                     help='tiny shapes with implementation="pallas_interpret" (any device)')
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")

@@ -1,4 +1,4 @@
-"""The command line: the demo (default and from a checkpoint), the decode benchmark, and
+"""The command line: the demo (default and from a checkpoint), the decode and train benchmarks, and
 the probes of a CLI that explains itself (help, one-line usage errors, no CUDA traceback)."""
 
 import argparse
@@ -17,7 +17,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
-from glm5_dsa_jax.tools import bench
+from glm5_dsa_jax.tools import bench, bench_train
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.decode import make_step
 from helpers import f32_layer
@@ -77,6 +77,71 @@ def test_bench_decode_json(capsys):
         assert (r["cache"], r["capacity"]) == want, r
     dense = [r for r in rows if r["impl"] == "dense"]
     assert all(r["compiles"] == 1 for r in dense)
+
+
+def test_bench_train_json(capsys):
+    assert main(["bench", "train", "--preset", "tiny", "--tokens", "64,256", "--iters", "1",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["measures"]) == {"sparse", "dense_mask"} == set(bench_train.ROWS)
+    rows = {(r["impl"], r["tokens"]): r for r in res["rows"]}
+    assert set(rows) == {(i, s) for i in ("sparse", "dense_mask") for s in (64, 256)}
+    for r in rows.values():
+        assert r["batch"] == 1 and r["note"] == "" and r["median_ms"] > 0, r
+        assert r["temp_bytes"] > 0 and r["temp_bytes_per_token"] == r["temp_bytes"] / r["tokens"]
+    # The dense mask's scores [S, H, S] grow with the square of the context, per token too.
+    per_token = {k: r["temp_bytes_per_token"] for k, r in rows.items()}
+    assert per_token["dense_mask", 256] > 2 * per_token["dense_mask", 64]
+    assert rows["dense_mask", 256]["temp_bytes"] > rows["sparse", 256]["temp_bytes"]
+
+
+def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
+    assert main(["bench", "train", "--preset", "tiny", "--tokens", "32", "--iters", "1",
+                 "--max-gib", "0.0001"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse: jitted jax.value_and_grad" in out and "dense_mask: the same parameters" in out
+    assert out.count("not run: needs") == 4  # two rows, each logged and in the table
+
+
+def test_bench_train_dense_mask_is_the_same_function():
+    """The baseline computes the sparse layer's loss and gradients (same parameters, same
+    selection), float32 at tiny shapes: only the formulation differs."""
+    layer = bench_train.train_layer("tiny", dtype=jnp.float32)
+    cfg = layer.cfg
+    x = jax.random.normal(jax.random.key(0), (2, 40, cfg.hidden_size), jnp.float32)
+    g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+    sparse, params = bench_train.sparse_step(layer)
+    dense, _ = bench_train.dense_mask_step(layer)
+    _, topk = layer(x)
+    (ls, gs), (ld, gdn) = sparse(params, x, g), dense(params, x, g, topk)
+    np.testing.assert_allclose(ld, ls, rtol=1e-5)
+    for name in ("q_a_proj", "q_b_proj", "w_uk", "w_uv", "o_proj", "kv_a_proj"):
+        a, b = np.asarray(gs[name][...]), np.asarray(gdn[name][...])
+        assert np.abs(a).max() > 0, name
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5 * np.abs(a).max(), err_msg=name)
+
+
+def test_gpu_check_train_runs_on_cpu():
+    """The training rows of scripts/gpu_check.py (scripts/gpu_check_train.py) on tiny shapes
+    in interpret mode: selection, the kernels' vjp rows checked against xla, the layer's
+    bench rows and its gradients against xla's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
+    r = subprocess.run([sys.executable, script, "--train", "--smoke", "--tokens", "32", "--json"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["preset"] == "tiny" and res["tokens"] == [32] and res["impl"] == "pallas_interpret"
+    checks = {(row["kernel"], row["impl"]): row["check"] for row in res["rows"]}
+    for kernel in ("sparse_mla", "index_scores", "layer grads"):
+        assert checks[kernel, "pallas_interpret"].startswith("ok (max err"), (kernel, checks)
+    assert {("layer", "sparse"), ("layer", "dense_mask")} <= set(checks)
+    for row in res["rows"]:
+        if row["kernel"] in ("sparse_mla", "index_scores"):
+            assert row["fwd_us"] > 0 and row["fwd_bwd_us"] > 0 and row["bound_us"] > 0, row
+    r = subprocess.run([sys.executable, script, "--train", "--tokens", "5000", "--smoke"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "exceed max_position_embeddings=4,096" in r.stderr
 
 
 def test_bench_decode_capacity(capsys):
@@ -210,6 +275,9 @@ PROBES = {  # argv -> what the one line must say
     "bench decode --iters 0": "argument --iters: must be a positive integer",
     "bench decode --batch 1,0": "argument --batch: must be a positive integer",
     "bench decode --hf-max-context -1": "argument --hf-max-context: must be a non-negative integer",
+    "bench train --preset tiny --tokens 64,8192": "--tokens: tokens 8,192 exceed max_position_embeddings=4,096",
+    "bench train --iters 0": "argument --iters: must be a positive integer",
+    "bench train --max-gib 0": "argument --max-gib: must be a finite number > 0",
     "roofline --gpu h200 --context 4096 --batch -2": "argument --batch: must be a positive integer",
     "roofline --gpu h200 --context 4096 --chunk 0": "argument --chunk: must be a positive integer",
     "demo --steps -1": "argument --steps: must be a non-negative integer",
@@ -231,6 +299,7 @@ def test_bad_flags_are_one_line_and_exit_2_before_any_work(argv, capsys, tmp_pat
     monkeypatch.chdir(tmp_path)
     for name in ("run", "filled_cache"):  # no benchmark work starts
         monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("bench ran"))
+    monkeypatch.setattr(bench_train, "run", lambda *a, **k: pytest.fail("bench train ran"))
     monkeypatch.setattr(demo_tool, "build_layers", lambda *a, **k: pytest.fail("demo built layers"))
     monkeypatch.setattr(cli_gpu_compile, "toolchain", lambda: pytest.fail("toolchain read first"))
     assert main(argv.split()) == 2

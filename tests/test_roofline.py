@@ -1,6 +1,7 @@
 """The roofline model: its numbers are consistent with each other, with the layer and with
 the kernels' tiling, and ``glm5-dsa roofline`` prints and parses."""
 
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.tools import roofline as rl
 from glm5_dsa_jax.cli import main
+import pallas_kernels as pk
 from pallas_kernels import IndexScoresBlockSizes, SparseMlaBlockSizes
 
 CFG = gd.DsaConfig.glm53_flash()
@@ -290,3 +292,110 @@ def test_cli_rope_preset_and_fp8(capsys):
     assert main(["roofline", "--gpu", "h200", "--context", "8192", "--preset", "glm52"]) == 0
     out = capsys.readouterr().out
     assert "glm_moe_dsa" in out and "kpool_gate" not in out and "bfloat16 cache" in out
+
+
+# ---------------------------------------------------------------------------- training
+def test_train_phases_totals_and_indexer_rows():
+    for indexer_loss in (False, True):
+        rows = rl.train_rows(CFG, "h200", 4096, 2, indexer_loss=indexer_loss)
+        assert [r.phase for r in rows if r.kernel == "total"] == list(rl.TRAIN_PHASES)
+        for phase in rl.TRAIN_PHASES:
+            by = _by(rows, phase)
+            parts = [r for k, r in by.items() if k != "total"]
+            assert by["total"].bytes == sum(r.bytes for r in parts)
+            assert by["total"].flops == sum(r.flops for r in parts)
+            assert by["total"].bound_s == pytest.approx(sum(r.bound_s for r in parts))
+        bwd = _by(rows, "train_bwd")
+        indexer = {k for k in bwd if "index" in k or "kpool" in k}
+        assert bool(indexer) == indexer_loss, indexer
+        assert {"sparse_mla_bwd:dq", "sparse_mla_bwd:dlatent", "selection_transpose",
+                "xla:lse_delta", "xla:o_proj bwd"} <= set(bwd)
+    # The indexer's backward (with an indexer loss): one dq/dw program per query over the
+    # pools it sees (causal: about half of S x P), every query re-read per dpooled tile.
+    s, pools, hi, d = 4096, 4096 // CFG.index_kpool, CFG.index_n_heads, CFG.index_head_dim
+    seen = sum((q + 1) // CFG.index_kpool for q in range(s))
+    sblk = pk.IndexScoresBackwardBlockSizes().resolve(s, pools)
+    assert sblk.dq_block_q == 1 and bwd["index_scores_bwd:dq_dw"].programs == 2 * s
+    assert bwd["index_scores_bwd:dq_dw"].flops == 2 * seen * hi * (4 * d + 2)
+    assert bwd["index_scores_bwd:dpooled"].flops == 2 * s * pools * hi * 4 * d
+    assert bwd["index_scores_bwd:dpooled"].programs == 2 * pools // sblk.dk_block_p
+    # The forward is the prefill of the whole sequence, plus the lse sparse_mla saves.
+    fwd = _by(rows, "train_fwd")
+    pre = _by(rl.rows(CFG, "h200", 4096, 2, chunk=4096, phases=("prefill",)), "prefill")
+    assert fwd["sparse_mla"].bytes == pre["sparse_mla"].bytes + 2 * 4096 * CFG.num_attention_heads * 4
+    assert fwd["index_scores"] == dataclasses.replace(pre["index_scores"], phase="train_fwd")
+    assert "cache_write" not in fwd
+    # A projection's backward is dX and dW: twice its forward FLOPs.
+    for m in rl.matmuls(CFG):
+        assert bwd[f"xla:{m.name} bwd"].flops == 2 * fwd[f"xla:{m.name}"].flops
+
+
+def test_train_dense_mask_is_quadratic_and_sparse_attention_linear():
+    a, b = (rl.train_rows(CFG, "h100", s) for s in (16384, 32768))
+    for kernel in ("xla:masked_mla_fwd", "xla:masked_mla_bwd"):
+        ra, rb = _by(a, "dense_mask")[kernel], _by(b, "dense_mask")[kernel]
+        assert rb.flops / ra.flops == pytest.approx(4, rel=1e-3)
+        assert 3.9 < rb.bytes / ra.bytes <= 4
+    h, s, cr, v = CFG.num_attention_heads, 16384, CFG.kv_cache_dim, CFG.kv_lora_rank
+    assert _by(a, "dense_mask")["xla:masked_mla_fwd"].flops == 2 * h * s * s * (cr + v) + 5 * h * s * s
+    # dq: every query past index_topk tokens reads its 2,051 rows: linear in the context
+    # (the first index_topk queries read fewer: a little over 2x).
+    dq_a, dq_b = _by(a, "train_bwd")["sparse_mla_bwd:dq"], _by(b, "train_bwd")["sparse_mla_bwd:dq"]
+    assert 2 < dq_b.flops / dq_a.flops < 2.1
+
+
+def test_train_dlatent_entries_reread_q_and_d_out():
+    """The token-major pass re-reads a query's q and d_out once per row block it touches:
+    while a query selects every pool (context <= index_topk), that is every visible block."""
+    cfg = gd.DsaConfig.tiny()
+    s, br, h, cr, v = 16, pk.SparseMlaBackwardBlockSizes().block_rows, cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
+    assert s <= cfg.index_topk and br == 16
+    # A query at position q sees q + 1 tokens, q // KP... complete pools: one 16-row block
+    # holds them all once it has one complete pool (q >= 3).
+    entries = sum(1 if (q + 1) // cfg.index_kpool else 0 for q in range(s))
+    row = _by(rl.train_rows(cfg, "h200", s, elem_bytes=4), "train_bwd")["sparse_mla_bwd:dlatent"]
+    assert row.bytes == (2 * br * cr * 4 + 8) + entries * (h * (cr + v) * 4 + h * 8 + 8)
+    assert row.flops == entries * br * h * (4 * cr + 4 * v) and row.programs == 1
+    # Past index_topk the selection is spread: fewer blocks than visible, more than selected / (pools a block).
+    exp = rl._expected_blocks(CFG, 65536, br)
+    assert CFG.max_select_k / (br // CFG.index_kpool) < exp < 65536 / br
+
+
+def test_cli_train(capsys):
+    assert main(["roofline", "--gpu", "h200", "--context", "4096", "--train"]) == 0
+    out = capsys.readouterr().out
+    assert "train_bwd" in out and "sparse_mla_bwd:dlatent" in out and "dense_mask" in out
+    assert "attention forward + backward: sparse" in out and "no indexer loss" in out
+    assert main(["roofline", "--gpu", "h100", "--context", "2048", "--preset", "tiny", "--train",
+                 "--indexer-loss", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["train"] and res["indexer_loss"]
+    assert {r["phase"] for r in res["rows"]} == set(rl.TRAIN_PHASES)
+    assert any(r["kernel"] == "index_scores_bwd:dpooled" for r in res["rows"])
+    sparse = sum(r["bound_s"] for r in res["rows"] if r["kernel"] in
+                 ("sparse_mla", "xla:lse_delta", "sparse_mla_bwd:dq", "selection_transpose",
+                  "sparse_mla_bwd:dlatent"))
+    assert res["sparse_attention_s"] == pytest.approx(sparse)
+    for argv, says in ((["--train", "--chunk", "64"], "--chunk is a prefill flag"),
+                       (["--train", "--cache-dtype", "fp8"], "a training step keeps no cache"),
+                       (["--indexer-loss"], "--indexer-loss needs --train")):
+        assert main(["roofline", "--gpu", "h200", "--context", "4096", *argv]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_training_table_is_the_model():
+    """docs/benchmarks.md's training roofline table, recomputed: every cell (H200, batch 1)."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text()
+    section = text[text.index("## Training roofline"):]
+    section = section[:section.index("\n## ", 5)]
+    head = re.search(r"\| phase/row \|(.*)\|$", section, re.M).group(1)
+    contexts = [int(c.split(":")[0].replace(",", "")) for c in head.split("|")]
+    by = [{(r.phase, r.kernel): r for r in rl.train_rows(CFG, "h200", n)} for n in contexts]
+    rows = re.findall(r"^\| `([^/`]+)/([^`]+)` \|(.*)\|$", section, re.M)
+    assert len(rows) == 12 and contexts == [4096, 16384, 65536]
+    for phase, kernel, cells in rows:
+        got = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in cells.split("|")]
+        got = [(float(c[1].replace(",", "")), float(c[2].replace(",", "")), bool(c[3])) for c in got]
+        assert got == [_cell(b[phase, kernel]) for b in by], (phase, kernel)

@@ -1,8 +1,10 @@
-"""``glm5-dsa bench decode``: the decode benchmark's flags, its table and its JSON.
+"""``glm5-dsa bench decode`` and ``glm5-dsa bench train``: the benchmarks' flags, tables and JSON.
 
-What each row measures (and its weight-read floor) is documented with the measuring code in
-``glm5_dsa_jax.tools.bench``; this module only parses the flags, runs ``bench.run`` and prints.
-With ``--json`` the progress lines go to stderr so stdout is one JSON object.
+What each row measures is documented with the measuring code: ``glm5_dsa_jax.tools.bench``
+(decode, and its weight-read floor), ``glm5_dsa_jax.tools.bench_train`` (train: forward +
+backward time and peak memory). This module only parses the flags, runs ``bench.run`` /
+``bench_train.run`` and prints. With ``--json`` the progress lines go to stderr so stdout
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -11,15 +13,18 @@ import json
 import sys
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cli.args import UsageError, nonnegative_int, positive_int, positive_int_list
+from glm5_dsa_jax.cli.args import (UsageError, nonnegative_int, positive_float, positive_int,
+                                   positive_int_list)
 from glm5_dsa_jax.model.config import DsaConfig
-from glm5_dsa_jax.tools import bench
+from glm5_dsa_jax.tools import bench, bench_train
 
 
 def add_parser(sub) -> None:
-    """``glm5-dsa bench``: benchmarks of one DSA layer on this host's devices. One today,
-    ``decode``: ``glm5-dsa bench decode --help`` for its flags."""
-    p = sub.add_parser("bench", help="benchmarks (decode): glm5-dsa bench decode --help",
+    """``glm5-dsa bench``: benchmarks of one DSA layer on this host's devices: ``decode`` (a
+    decode step against dense MLA) and ``train`` (forward + backward against the dense-mask
+    formulation); ``glm5-dsa bench decode --help`` / ``glm5-dsa bench train --help`` for
+    their flags."""
+    p = sub.add_parser("bench", help="benchmarks (decode, train): glm5-dsa bench decode --help",
                        description=add_parser.__doc__)
     benchmarks = p.add_subparsers(dest="what", required=True, title="benchmarks", metavar="BENCHMARK")
     d = benchmarks.add_parser(
@@ -53,6 +58,35 @@ def add_parser(sub) -> None:
                         "rows keep bfloat16")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=main, prog=d.prog)
+    _add_train_parser(benchmarks)
+
+
+def _add_train_parser(benchmarks) -> None:
+    t = benchmarks.add_parser(
+        "train", help="forward + backward time and peak memory of one layer, sparse against a dense mask",
+        description="Compile jax.value_and_grad of a loss of one full DSA layer's output w.r.t. its "
+        "parameters (sparse: the layer's own call) and of the dense-mask formulation MaxText trains "
+        "with (same parameters and selection, attention over every key with the top-k as a dense "
+        "mask), per batch size and token count; print each compiled step's scratch memory (total "
+        "and per token) and, where the step fits --max-gib, its median time (what each row "
+        "measures: glm5_dsa_jax.tools.bench_train). Progress lines go to stdout, or to stderr "
+        "with --json.")
+    t.add_argument("--tokens", type=positive_int_list, default="4096,16384",
+                   help="comma-separated sequence lengths (tokens per sequence), at most the "
+                        "preset's max_position_embeddings")
+    t.add_argument("--batch", type=positive_int_list, default="1", help="comma-separated batch sizes")
+    t.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"],
+                   help="the layer's shapes (random weights)")
+    t.add_argument("--iters", type=positive_int, default=2, help="timed steps per row (median)")
+    t.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS),
+                   help="the kernels' implementation")
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="parameters and activations")
+    t.add_argument("--max-gib", type=positive_float, default=None,
+                   help="time a row only when its compiled step needs at most this many GiB "
+                        "(default: the device's memory limit, on a CPU half the available memory)")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.set_defaults(func=main_train, prog=t.prog)
 
 
 def check(args) -> None:
@@ -105,4 +139,41 @@ def main(args) -> int:
     for (impl, b, c), t in by.items():
         if impl == "hf":
             print(f"B=1: HF eager / sparse step at {c} = {t / by[('sparse', 1, c)]:.1f}x")
+    return 0
+
+
+def main_train(args) -> int:
+    """``glm5-dsa bench train``: ``bench_train.run`` with the flags, then its table."""
+    try:
+        bench_train.check_tokens(DsaConfig.preset(args.preset), args.tokens)
+    except ValueError as e:
+        raise UsageError(f"--tokens: {e}") from None
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (
+        lambda *a: print(*a, flush=True))
+    log(f"glm5-dsa bench train: preset {args.preset}, tokens {args.tokens}, batch {args.batch}, "
+        f"{args.iters} timed steps per row, {args.implementation}, {args.dtype}")
+    max_bytes = None if args.max_gib is None else int(args.max_gib * 2**30)
+    res = bench_train.run(args.preset, args.tokens, args.batch, args.iters, args.implementation,
+                          log=log, max_bytes=max_bytes, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print()
+    for impl, what in res["measures"].items():
+        print(f"{impl}: {what}")
+    print(f"(timed where the step needs at most {res['max_bytes'] / 2**30:.2f} GiB; "
+          f"{res['dtype']} on {res['device']})\n")
+    print(f"{'impl':<11} {'batch':>5} {'tokens':>7} {'temp MiB':>10} {'KiB/token':>10} "
+          f"{'compile s':>9} {'median ms':>10}  note")
+    for r in res["rows"]:
+        ms = f"{r['median_ms']:10.1f}" if r["median_ms"] is not None else f"{'-':>10}"
+        print(f"{r['impl']:<11} {r['batch']:>5} {r['tokens']:>7} {r['temp_bytes'] / 2**20:10.1f} "
+              f"{r['temp_bytes_per_token'] / 1024:10.2f} {r['compile_s']:9.1f} {ms}  {r['note']}")
+    by = {(r["impl"], r["batch"], r["tokens"]): r for r in res["rows"]}
+    s0, s1 = args.tokens[0], args.tokens[-1]
+    for b in args.batch:
+        sp0, sp1, dn1 = by[("sparse", b, s0)], by[("sparse", b, s1)], by[("dense_mask", b, s1)]
+        print(f"B={b}: sparse temp per token {s1} / {s0} = "
+              f"{sp1['temp_bytes_per_token'] / sp0['temp_bytes_per_token']:.2f}x; "
+              f"dense_mask / sparse temp at {s1} = {dn1['temp_bytes'] / sp1['temp_bytes']:.1f}x")
     return 0

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels as pk
-from glm5_dsa_jax.model import layout
+from glm5_dsa_jax.model import layout, remat
 from glm5_dsa_jax.cache import Chunk, DsaCache, LayerCache, PagedCache, init_cache, init_paged_cache
 from glm5_dsa_jax.cache.contiguous import live_pool_tiles
 from glm5_dsa_jax.cache.fp8 import check_cache_readable
@@ -183,6 +183,11 @@ class DsaAttention(nnx.Module):
       cpu_float32: let the compiled step (``decode.make_step``) multiply by cached float32
         copies of 16-bit parameters when every parameter lives on a CPU device (see the
         module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
+      remat_tiles: under autodiff, each query tile's selection and attention run under
+        ``jax.checkpoint`` keeping only the selected ids (``remat.TILE_POLICY``): the
+        backward pass recomputes the tile's attention forward instead of keeping its
+        residuals (with ``"xla"``, ``[W, CR]`` gathered rows per query). No effect on a
+        forward pass (module doc, "Training").
 
     Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
     ``out, topk, cache = layer(x, attention_mask=mask, cache=cache)`` with one (a
@@ -229,6 +234,7 @@ class DsaAttention(nnx.Module):
         tp_axis: str | None = "tp",
         block_q: int = 64,
         cpu_float32: bool = True,
+        remat_tiles: bool = True,
     ):
         cfg.validate()
         cfg.check_layer(layer_idx)
@@ -243,6 +249,7 @@ class DsaAttention(nnx.Module):
         self._tp_axis = tp_axis
         self.block_q = block_q
         self.cpu_float32 = bool(cpu_float32)
+        self.remat_tiles = bool(remat_tiles)
         #: Where the layer runs (``parallel.placement.Placement``: mesh, head axis, optional
         #: batch axis), set once by ``shard_layer``; ``None``: not placed.
         self.placement: Placement | None = None
@@ -384,22 +391,25 @@ class DsaAttention(nnx.Module):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
 
         if self.indexer is not None:
-            qi, w, ki, gate = self.indexer.project(x, q_resid, rope)
+            # The indexer feeds only the discrete selection: no gradient reaches it (its
+            # parameters get exactly zero, as HF's no_grad indexer), and nothing of it is a
+            # residual of the backward pass. An indexer loss would read its scores apart.
+            qi, w, ki, gate = jax.lax.stop_gradient(self.indexer.project(x, q_resid, rope))
             cache = self.compress_pools(cache, ki, gate, chunk)  # pooled before any query scores
             select_k = self.cfg.select_k(cache.max_pools)
 
             def tile(q_lat, q_pos, qi, w, n_vis):
                 pools = self.choose_pools(qi, w, cache, q_pos, select_k)
-                token_ids = self.expand_to_tokens(pools, cache, n_vis, q_pos)
+                token_ids = remat.name(self.expand_to_tokens(pools, cache, n_vis, q_pos), remat.TOKEN_IDS)
                 return token_ids, attend(q_lat, token_ids)
 
             topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                         (chunk.n_vis, 0))
+                                         (chunk.n_vis, 0), remat_tiles=self.remat_tiles)
         else:
-            topk = self.reused_token_ids(prev_topk, chunk.q_pos)
+            topk = remat.name(self.reused_token_ids(prev_topk, chunk.q_pos), remat.TOKEN_IDS)
             _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), self.block_q,
-                                      (q_lat, 0), (topk, -1))
-        out = self.output_projection(o_lat, mask, reduce_axis=reduce_axis)
+                                      (q_lat, 0), (topk, -1), remat_tiles=self.remat_tiles)
+        out = self.output_projection(remat.name(o_lat, remat.O_LAT), mask, reduce_axis=reduce_axis)
         return out, topk, cache.end_chunk(chunk)
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
@@ -445,7 +455,8 @@ class DsaAttention(nnx.Module):
                 q_lat = jnp.concatenate([q_lat, q_rot.astype(q_lat.dtype)], -1)
                 k_rot = apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, "interleaved")
                 latent = jnp.concatenate([latent, k_rot.astype(latent.dtype)], -1)
-        return q_resid, q_lat, latent
+        return (remat.name(q_resid, remat.Q_RESID), remat.name(q_lat, remat.Q_LAT),
+                remat.name(latent, remat.LATENT))
 
     def _dense(self, x, w, bias):
         y = dense(x, w[...])
@@ -584,13 +595,23 @@ def _scoring_step(scorer):
     return scores
 
 
-def by_query_tiles(fn, block_q: int, *arrays):
+def by_query_tiles(fn, block_q: int, *arrays, remat_tiles: bool = True):
     """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
     cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
     ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
     tensor is built. One tile (a decode step) is a plain call, several a ``lax.map`` (every
     call is traced: an eager call runs as one jitted program, ``parallel.execution``).
-    It lives beside ``forward``, the one pipeline that tiles its queries."""
+    It lives beside ``forward``, the one pipeline that tiles its queries.
+
+    ``remat_tiles``: ``fn`` runs under ``jax.checkpoint`` with ``remat.TILE_POLICY`` (the
+    named ids only), so a backward pass keeps per tile only its inputs and the ids and
+    recomputes the tile's attention forward from them (never its selection); without it,
+    the tile's residuals (what ``fn``'s kernels save) are stacked per tile. A forward pass
+    runs the same operations either way (``prevent_cse=False``: ``lax.map`` already keeps
+    the tiles apart). Loop-invariant residuals (the latent rows every tile reads) are
+    inputs of the map's body, never stacked per tile (``lax.scan`` hoists them)."""
+    if remat_tiles:
+        fn = jax.checkpoint(fn, policy=remat.TILE_POLICY, prevent_cse=False)
     b, s = arrays[0][0].shape[:2]
     bq = min(block_q, s)
     n_tiles = -(-s // bq)

@@ -50,6 +50,66 @@ Invariants and assumptions (why the numbers are what they are):
 
 ``weight_bytes`` and ``step_read_bytes`` are also the weight-read floor of
 ``glm5-dsa bench decode`` (the bytes a step must read at least): one home for those facts.
+
+Training (``train_rows``, ``glm5-dsa roofline --train``): one layer per training step of
+``batch`` sequences of ``context`` tokens (every token a query, no cache: the pools are
+the sequence's), forward then backward, against the dense-mask formulation MaxText trains
+DSA with. The same invariants as above (bytes as the kernels' tiling issues them, FLOPs
+with multiply-adds as 2, the bound at the datasheet's bandwidth and bf16 peak). Phases:
+
+* ``train_fwd``: the prefill rows above with ``chunk = context`` (projections,
+  ``kpool_compress``, ``index_scores``, ``topk_pools``, ``expand_selection``,
+  ``sparse_mla``), plus the ``lse [B, S, H]`` float32 ``sparse_mla`` saves for its
+  backward (``sparse_mla`` row). No cache write: a training step keeps no cache.
+* ``train_bwd``, the sparse backward (``pallas_kernels.attention_backward``'s kernels):
+
+  - ``xla:<matmul> bwd``, per projection: ``dX = dY W^T`` and ``dW = X^T dY``: twice the
+    forward's FLOPs; the weight read and its gradient written once, ``X`` and ``dY``
+    read twice, ``dX`` written once. The indexer's projections only with an indexer loss
+    (``indexer_loss``): without one no cotangent reaches them (top-k is integers).
+  - ``xla:lse_delta``: ``D = rowsum(d_out * out)`` per query and head: both read once,
+    ``D`` written in float32.
+  - The tiling is the kernels' own (``SparseMlaBackwardBlockSizes``,
+    ``IndexScoresBackwardBlockSizes``: their defaults resolved for the shapes).
+  - ``sparse_mla_bwd:dq``: query-major, one program per (query, ``block_h`` heads), as the
+    forward: gathers the query's valid rows once per head block, reads its ``q``,
+    ``d_out``, ``lse`` and ``D``, recomputes ``p`` (``2 CR`` per head and id), ``dp``
+    (``2 V``), accumulates ``dq`` (``2 CR``), writes ``dq``.
+  - ``selection_transpose``: the XLA sort of the ``N * W`` (row block, query) keys that
+    makes ``dlatent`` deterministic: the ids read, then ``SORT_PASSES`` read + write
+    passes over 8-byte (key, query) pairs (a radix sort of 32-bit keys in 8-bit digits),
+    the CSR offsets and entries written.
+  - ``sparse_mla_bwd:dlatent``: token-major, one program per block of ``block_rows``
+    latent rows, walking its entries (a query that selects at least one of its rows):
+    the rows read and their gradient written once per program; per entry the query's
+    ``q [H, CR]``, ``d_out [H, V]``, ``lse`` and ``D`` re-read (the price of no atomics:
+    a query is re-read once per row block it touches), and ``block_rows * H * (4 CR + 4
+    V)`` FLOPs (``p`` and ``dp`` recomputed, ``dkv`` accumulated over every row of the
+    block, the unselected ones masked). Entries per query: the expected number of
+    distinct row blocks its selection touches when its ``select_k`` pools are spread
+    uniformly at random over the visible ones (``_expected_blocks``; attention's locality
+    clusters them, so fewer: an upper estimate), every visible block once the query
+    selects every pool. The tail's block is not counted apart (at most one per query).
+  - with an indexer loss (``indexer_loss``, the next issue's; off: these rows are
+    absent): ``index_scores_bwd:dq_dw`` (query-major, ``dq_block_q`` queries a
+    program, looping over the pools its queries can see: those pooled keys re-read per
+    program, their ``d_scores`` read, ``zeta`` recomputed (``2 D`` per head and pool),
+    ``dq`` (``2 D``) and ``dw`` (``2``) accumulated and written once) and
+    ``index_scores_bwd:dpooled`` (pool-major, ``dk_block_p`` pools a program: a
+    tile some query sees loops over every query of the row, re-reading its ``qi`` and
+    ``w`` once per tile, ``zeta`` recomputed and ``dpooled`` accumulated, ``4 D`` per
+    query, head and pool; ``d_scores`` read once); and ``xla:kpool_compress bwd`` (XLA's
+    vjp of the pooling: keys and gate logits read, their gradients written).
+* ``dense_mask``, the attention part of MaxText's formulation on the same projections and
+  selection (its projections are the sparse ones, not repeated): ``xla:topk_to_mask``
+  (the ids read, the ``[B, S, S]`` bool mask written), ``xla:masked_mla_fwd`` (scores
+  ``[B, H, S, S]`` over ``CR`` and values over ``V`` for every key: ``2 B H S^2 (CR +
+  V)`` FLOPs; the probabilities written once and read once in float32, the mask read
+  per head) and ``xla:masked_mla_bwd`` (``dp``, ``dq``, ``dkv`` over every key: ``4 B H
+  S^2 (CR + V)`` FLOPs; the saved probabilities read, ``ds`` written and read back);
+  the queries and latent rows read once per pass. Every ``[B, H, S, S]`` tensor is
+  counted as XLA materialises it without flash fusion (it does, on a GPU, for this
+  formulation).
 """
 
 from __future__ import annotations
@@ -62,13 +122,13 @@ from glm5_dsa_jax.cache import check_cache_dtype
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache.fp8 import is_fp8
 from pallas_kernels import (
-    ExpandSelectionBlockSizes, IndexScoresBlockSizes, KpoolCompressBlockSizes,
-    SparseMlaBlockSizes, TopkPoolsBlockSizes,
+    ExpandSelectionBlockSizes, IndexScoresBackwardBlockSizes, IndexScoresBlockSizes,
+    KpoolCompressBlockSizes, SparseMlaBackwardBlockSizes, SparseMlaBlockSizes, TopkPoolsBlockSizes,
 )
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
            "weight_bytes", "Matmul", "matmuls", "matmul_weights", "step_read_bytes", "selected_ids",
-           "cache_row_bytes"]
+           "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,3 +414,107 @@ def gpu_for_device_kind(kind: str) -> str | None:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"h100"``; None for a device not in ``GPUS``."""
     k = kind.lower()
     return next((g for g in GPUS if g in k), None)
+
+
+# ---------------------------------------------------------------------------- training
+#: ``train_rows``' phases, in order.
+TRAIN_PHASES = ("train_fwd", "train_bwd", "dense_mask")
+#: Read + write passes of ``selection_transpose``'s sort (8-bit digits of a 32-bit key).
+SORT_PASSES = 4
+
+
+def _expected_blocks(cfg: DsaConfig, visible: int, block_rows: int) -> float:
+    """Distinct ``block_rows`` blocks of latent rows a query that sees ``visible`` tokens
+    selects rows in: every visible block when it selects every complete pool, else the
+    expectation for ``select_k`` of the ``P`` pools drawn uniformly (a block of ``block_rows
+    / KP`` pools is missed with probability ``(1 - k / P) ** (block_rows / KP)``)."""
+    kp = cfg.index_kpool
+    n_pools, blocks = visible // kp, -(-visible // block_rows)
+    k = min(cfg.max_select_k, n_pools)
+    if k >= n_pools:
+        return float(-(-(n_pools * kp) // block_rows))
+    return blocks * (1.0 - (1.0 - k / n_pools) ** max(1, block_rows // kp))
+
+
+def _train_bwd_rows(cfg: DsaConfig, context: int, batch: int, eb: int, indexer_loss: bool):
+    b, s = batch, context
+    t = b * s
+    nh, cr, v, width = cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank, cfg.out_width
+    out = []
+    for m in matmuls(cfg):
+        if m.path[0] == "indexer" and not indexer_loss:
+            continue
+        out.append((f"xla:{m.name} bwd", 2 * m.weights * eb + t * (2 * m.fin + 2 * m.fout) * eb + t * m.fin * eb,
+                    4 * t * m.weights, 0))
+    out.append(("xla:lse_delta", t * nh * (2 * v * eb + 4), 2 * t * nh * v, 0))
+    ids = b * sum(selected_ids(cfg, q + 1) for q in range(s))  # valid (query, id) pairs
+    blk = SparseMlaBackwardBlockSizes().resolve((b, s, nh, cr), width)
+    n_hb = -(-nh // blk.block_h)
+    by = n_hb * ids * cr * eb + t * n_hb * width * 4 + t * nh * (2 * cr * eb + v * eb + 8)
+    out.append(("sparse_mla_bwd:dq", by, nh * ids * (4 * cr + 2 * v + 5), t * n_hb))
+    e = t * width
+    out.append(("selection_transpose", e * 4 + SORT_PASSES * 2 * e * 8 + e * 8, 0, 0))
+    br = blk.block_rows
+    entries = b * sum(_expected_blocks(cfg, q + 1, br) for q in range(s))
+    n_blocks = -(-t // br)
+    by = n_blocks * (2 * br * cr * eb + 8) + entries * (nh * (cr + v) * eb + nh * 8 + 8)
+    out.append(("sparse_mla_bwd:dlatent", int(by), int(entries * br * nh * (4 * cr + 4 * v)), n_blocks))
+    if indexer_loss:
+        kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
+        pools = max(1, s // kp)
+        sblk = IndexScoresBackwardBlockSizes().resolve(s, pools)
+        bq, bp = sblk.dq_block_q, sblk.dk_block_p
+        q_tiles, p_tiles = -(-s // bq), -(-pools // bp)
+        # pools the queries of each dq program see (its last query's, the loop's bound)
+        seen = sum(min(pools, min(s, (i + 1) * bq) // kp) for i in range(q_tiles))
+        q_bytes = s * hi * (d * eb + 4)  # a sequence's queries and head weights
+        out.append(("index_scores_bwd:dq_dw", b * (seen * (d * eb + bq * 4) + 2 * q_bytes),
+                    b * seen * bq * hi * (4 * d + 2), b * q_tiles))
+        out.append(("index_scores_bwd:dpooled", b * (p_tiles * q_bytes + s * pools * 4 + 2 * pools * d * eb),
+                    b * s * pools * hi * 4 * d, b * p_tiles))
+        out.append(("xla:kpool_compress bwd", b * (2 * s * d * (eb + 4) + pools * d * eb),
+                    b * pools * kp * d * 8, 0))
+    return out
+
+
+def _dense_mask_rows(cfg: DsaConfig, context: int, batch: int, eb: int):
+    b, s = batch, context
+    nh, cr, v, width = cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank, cfg.out_width
+    sq = b * nh * s * s  # elements of one [B, H, S, S] tensor
+    qk = b * s * (nh * cr + cr) * eb  # queries and latent rows, read once
+    return [
+        ("xla:topk_to_mask", b * s * (width * 4 + s), b * s * width * s, 0),
+        ("xla:masked_mla_fwd", qk + b * s * nh * v * eb + nh * b * s * s + 2 * sq * 4,
+         2 * sq * (cr + v) + 5 * sq, 0),
+        ("xla:masked_mla_bwd", 2 * qk + 2 * b * s * nh * v * eb + 3 * sq * 4,
+         4 * sq * (cr + v) + 4 * sq, 0),
+    ]
+
+
+def train_rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
+               elem_bytes: int = 2, indexer_loss: bool = False) -> list[RooflineRow]:
+    """The training roofline of one layer (module doc, "Training"): per phase of
+    ``TRAIN_PHASES``, every row then ``"total"``. ``context``: tokens per sequence;
+    ``indexer_loss``: the indexer's backward too (an indexer loss gives it a cotangent)."""
+    spec = GPUS[gpu] if isinstance(gpu, str) else gpu
+    for name, val in (("context", context), ("batch", batch), ("elem_bytes", elem_bytes)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    fwd = _projection_rows(cfg, batch, context, elem_bytes) + _kernel_rows(cfg, context, batch, context, elem_bytes)
+    lse = batch * context * cfg.num_attention_heads * 4
+    fwd = [(k, by + lse if k == "sparse_mla" else by, fl, pr) for k, by, fl, pr in fwd]
+    phases = {"train_fwd": fwd,
+              "train_bwd": _train_bwd_rows(cfg, context, batch, elem_bytes, indexer_loss),
+              "dense_mask": _dense_mask_rows(cfg, context, batch, elem_bytes)}
+    result = []
+    for phase in TRAIN_PHASES:
+        tb = tf = 0
+        tt = 0.0
+        for kernel, by, fl, progs in phases[phase]:
+            tm, tc = by / spec.bandwidth, fl / spec.peak_flops
+            result.append(RooflineRow(phase, kernel, int(by), int(fl), int(progs), max(tm, tc),
+                                      "memory" if tm >= tc else "compute"))
+            tb, tf, tt = tb + int(by), tf + int(fl), tt + max(tm, tc)
+        result.append(RooflineRow(phase, "total", tb, tf, 0, tt,
+                                  "memory" if tb / spec.bandwidth >= tf / spec.peak_flops else "compute"))
+    return result
