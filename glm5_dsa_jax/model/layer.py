@@ -386,6 +386,9 @@ class DsaAttention(nnx.Module):
         cache = cache.write_latent(latent, chunk)  # before any query reads: a query sees its own token
         rows, row_scale = cache.attention_rows()
         row_slots = cache.row_slots
+        # The chunk's own rows reach the attention through the cache's buffer, which on a
+        # CPU holds a 16-bit cache's bits (no gradient): their gradient is routed apart.
+        rows = rows_with_chunk_gradient(rows, latent, row_slots(chunk.q_pos), chunk.fits, row_scale is not None)
 
         def attend(q_lat, token_ids):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
@@ -581,6 +584,49 @@ def _selection_scores(layer: DsaAttention, rows, cache, reduce_axis):
     cache = layer.compress_pools(fresh, ki, gate, chunk)
     return (layer.score_pools(qi, w, cache, chunk.q_pos), cache.pool_origin()), None
 
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def rows_with_chunk_gradient(rows, latent, slots, fits, fp8: bool):
+    """``rows`` (a cache's ``attention_rows`` after ``write_latent(latent, chunk)``), with
+    the gradient of the chunk's rows ``latent [B, S, CR]`` routed from the rows' slots
+    ``slots [B, S]`` (``row_slots(chunk.q_pos)``: ``-1`` for a padding token; nothing when
+    not ``fits``). The forward is the identity: no operation, outputs bit for bit.
+
+    Why: a cache's buffer may hold bits, not floats (``cpu_policy.store_dtype``: a 16-bit
+    cache on a CPU is ``uint16``), and an integer has no gradient, so ``write_latent`` then
+    ``attention_rows`` would silently cut the chunk's rows off the backward pass. The
+    backward takes ``d_rows`` at the chunk's slots as ``d_latent`` (a write and a read are
+    the identity on the rows; a 16-bit cache's rounding is a cast, whose derivative is
+    one), and passes ``d_rows`` on to the buffer with those slots zeroed (a float buffer's
+    own path would count them twice). An fp8 cache (``fp8``) is a serving format: its
+    backward raises ``ValueError``."""
+    del latent, slots, fits, fp8
+    return rows
+
+
+def _rows_fwd(rows, latent, slots, fits, fp8):
+    return rows, (slots, fits, jnp.zeros((0,), latent.dtype), latent.shape)
+
+
+def _rows_bwd(fp8, res, d_rows):
+    slots, fits, like, shape = res
+    if fp8:
+        raise ValueError("no gradient through an fp8 cache's rows (a serving format): differentiate "
+                         "DsaAttention with a bfloat16 or float32 cache (or none)")
+    written = (slots >= 0) & fits
+    src = jnp.zeros((), slots.dtype) if d_rows.shape[0] == 1 else jnp.arange(shape[0], dtype=slots.dtype)[:, None]
+    src = jnp.broadcast_to(src, slots.shape)
+    safe = jnp.where(written, slots, 0)
+    d_latent = jnp.where(written[..., None], d_rows[src, safe], jnp.zeros((), d_rows.dtype)).astype(like.dtype)
+    # Drop those slots from the buffer's cotangent (a float buffer would pass them on to
+    # the chunk's rows again through its write); out-of-range indices are dropped.
+    big = jnp.asarray(d_rows.shape[1], slots.dtype)
+    d_rows = d_rows.at[src, jnp.where(written, slots, big)].set(0, mode="drop")
+    return d_rows, d_latent, None, None
+
+
+rows_with_chunk_gradient.defvjp(_rows_fwd, _rows_bwd)
 
 
 @functools.lru_cache(maxsize=None)
