@@ -363,3 +363,48 @@ def test_activation_memory_per_token_is_flat_in_the_context():
         compiled = step.lower(state, x).compile()
         per_token[tokens] = compiled.memory_analysis().temp_size_in_bytes / tokens
     assert per_token[16384] <= MEMORY_GROWTH * per_token[4096], per_token
+
+
+# ---------------------------------------------------------------------------- remat
+def test_layer_names_its_residuals(data):
+    x, mask, _ = data
+    layer = make()
+    graphdef, state = nnx.split(layer)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, attention_mask=mask)[0])(state, x)
+    names = set()
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "name":
+                names.add(e.params["name"])
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else [p]):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    assert names == set(remat.RESIDUALS)
+
+
+def test_checkpoint_policies(data, reference):
+    """Each policy's gradient is the plain one (up to the order of the sums); the figures."""
+    x, mask, _ = data
+    graphdef, _, rest = nnx.split(reference["layer"], nnx.Param, ...)
+
+    def loss(params, x):
+        out, _ = nnx.merge(graphdef, params, rest)(x, attention_mask=mask)
+        return loss_of(out, reference["ct"])
+
+    step = jax.jit(jax.grad(jax.checkpoint(loss, policy=remat.policy("attention")), argnums=(0, 1)))
+    grads, dx = step(reference["params"], x)
+    assert_close_scaled(flat(grads), reference["grads"], F32_REORDER, "policy ")
+    assert_close_scaled({"x": dx}, {"x": reference["dx"]}, F32_REORDER, "policy ")
+    with pytest.raises(ValueError, match="checkpoint policy kind must be one of"):
+        remat.policy("everything")
+    with pytest.raises(ValueError, match="residual must be one of"):
+        remat.name(x, "q")
+    flash = gd.DsaConfig.glm53_flash()
+    assert remat.saved_bytes_per_token(flash) == 4 * flash.out_width == 8204
+    assert remat.saved_bytes_per_token(flash, "attention") == 8204 + 2 * (1536 + 64 * 512 + 512 + 64 * 512)

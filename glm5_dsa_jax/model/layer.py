@@ -43,6 +43,19 @@ Invariants:
   kernel for scoring, its rows and slots for attention, its tail), never its kind. The
   steps are plain single-device code: ``forward`` reads no placement of the layer and runs
   as is inside a ``shard_map`` body.
+* Training (``jax.grad`` / ``nnx.grad`` of a loss of ``out``; every implementation, jitted
+  or eager, placed or not, with or without a cache): the kernels carry their own VJPs
+  (``sparse_mla``, ``index_scores``, ``kpool_compress``); the integer steps (top-k,
+  expansion) have none. ``forward`` stops the gradient of the indexer's outputs: the
+  selection is discrete, so the indexer's parameters get exactly zero (as HF's ``no_grad``
+  indexer) and nothing of it is kept for the backward pass. The chunk's latent rows reach
+  the attention through the cache, whose buffer may hold bits (a 16-bit cache on a CPU):
+  ``rows_with_chunk_gradient`` routes their gradient around it (identity forward; an fp8
+  cache refuses a gradient). Memory: each query tile runs under ``jax.checkpoint`` keeping
+  only its ids (``remat_tiles``, ``remat.TILE_POLICY``), and the layer's residuals carry the
+  names of ``glm5_dsa_jax.model.remat``, whose policies a model's ``jax.checkpoint`` uses:
+  a training step's activation memory per token is flat in the context. Padding tokens get
+  exactly zero gradient (their hidden states are zeroed first, their outputs are zeros).
 * A call checks its inputs, then runs through ``glm5_dsa_jax.parallel.execution.run``:
   on a layer placed by ``shard_layer`` (``self.placement``: mesh, head axis, optional
   batch axis) one ``shard_map`` over the mesh whose body is ``forward``; eagerly, one
