@@ -51,8 +51,8 @@ Invariants:
   indexer) and nothing of it is kept for the backward pass. The chunk's latent rows reach
   the attention through the cache, whose buffer may hold bits (a 16-bit cache on a CPU):
   ``rows_with_chunk_gradient`` routes their gradient around it (identity forward; an fp8
-  cache refuses a gradient). Memory: each query tile runs under ``jax.checkpoint`` keeping
-  only its ids (``remat_tiles``, ``remat.TILE_POLICY``), and the layer's residuals carry the
+  cache refuses a gradient). Memory: each query tile's attention runs under
+  ``jax.checkpoint`` (``remat_tiles``, ``remat.TILE_POLICY``: a tile keeps its ids), and the layer's residuals carry the
   names of ``glm5_dsa_jax.model.remat``, whose policies a model's ``jax.checkpoint`` uses:
   a training step's activation memory per token is flat in the context. Padding tokens get
   exactly zero gradient (their hidden states are zeroed first, their outputs are zeros).
@@ -196,10 +196,11 @@ class DsaAttention(nnx.Module):
       cpu_float32: let the compiled step (``decode.make_step``) multiply by cached float32
         copies of 16-bit parameters when every parameter lives on a CPU device (see the
         module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
-      remat_tiles: under autodiff, each query tile's selection and attention run under
-        ``jax.checkpoint`` keeping only the selected ids (``remat.TILE_POLICY``): the
-        backward pass recomputes the tile's attention forward instead of keeping its
-        residuals (with ``"xla"``, ``[W, CR]`` gathered rows per query). No effect on a
+      remat_tiles: under autodiff, each query tile's sparse attention runs under
+        ``jax.checkpoint`` (``remat.TILE_POLICY``): a tile keeps its queries and ids, and the
+        backward pass recomputes the attention's forward instead of keeping its residuals
+        (with ``"xla"``, ``[W, CR]`` gathered rows per query; a kernel's output and
+        log-sum-exp). Not under ``"mosaic_interpret"`` (ordered callbacks). No effect on a
         forward pass (module doc, "Training").
 
     Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
@@ -406,6 +407,11 @@ class DsaAttention(nnx.Module):
         def attend(q_lat, token_ids):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
 
+        if self.remat_tiles and self.implementation != "mosaic_interpret":
+            # Mosaic's interpret mode runs ordered callbacks, which jax.checkpoint cannot
+            # differentiate: that debugging mode keeps the attention's residuals per tile.
+            attend = jax.checkpoint(attend, policy=remat.TILE_POLICY, prevent_cse=False)
+
         if self.indexer is not None:
             # The indexer feeds only the discrete selection: no gradient reaches it (its
             # parameters get exactly zero, as HF's no_grad indexer), and nothing of it is a
@@ -420,11 +426,11 @@ class DsaAttention(nnx.Module):
                 return token_ids, attend(q_lat, token_ids)
 
             topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                         (chunk.n_vis, 0), remat_tiles=self.remat_tiles)
+                                         (chunk.n_vis, 0))
         else:
             topk = remat.name(self.reused_token_ids(prev_topk, chunk.q_pos), remat.TOKEN_IDS)
             _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), self.block_q,
-                                      (q_lat, 0), (topk, -1), remat_tiles=self.remat_tiles)
+                                      (q_lat, 0), (topk, -1))
         out = self.output_projection(remat.name(o_lat, remat.O_LAT), mask, reduce_axis=reduce_axis)
         return out, topk, cache.end_chunk(chunk)
 
@@ -654,7 +660,7 @@ def _scoring_step(scorer):
     return scores
 
 
-def by_query_tiles(fn, block_q: int, *arrays, remat_tiles: bool = True):
+def by_query_tiles(fn, block_q: int, *arrays):
     """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
     cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
     ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
@@ -662,15 +668,10 @@ def by_query_tiles(fn, block_q: int, *arrays, remat_tiles: bool = True):
     call is traced: an eager call runs as one jitted program, ``parallel.execution``).
     It lives beside ``forward``, the one pipeline that tiles its queries.
 
-    ``remat_tiles``: ``fn`` runs under ``jax.checkpoint`` with ``remat.TILE_POLICY`` (the
-    named ids only), so a backward pass keeps per tile only its inputs and the ids and
-    recomputes the tile's attention forward from them (never its selection); without it,
-    the tile's residuals (what ``fn``'s kernels save) are stacked per tile. A forward pass
-    runs the same operations either way (``prevent_cse=False``: ``lax.map`` already keeps
-    the tiles apart). Loop-invariant residuals (the latent rows every tile reads) are
-    inputs of the map's body, never stacked per tile (``lax.scan`` hoists them)."""
-    if remat_tiles:
-        fn = jax.checkpoint(fn, policy=remat.TILE_POLICY, prevent_cse=False)
+    Under autodiff a tile's residuals are stacked per tile (``lax.map``), but loop-invariant
+    ones (the latent rows every tile reads) are inputs of the map's body, hoisted by
+    ``lax.scan``, never stacked; ``forward`` keeps the rest to the ids
+    (``DsaAttention(remat_tiles=True)``)."""
     b, s = arrays[0][0].shape[:2]
     bq = min(block_q, s)
     n_tiles = -(-s // bq)

@@ -67,12 +67,12 @@ POLICIES: dict[str, tuple[str, ...]] = {
 }
 
 
-#: The policy of one query tile (``DsaAttention(remat_tiles=True)``, ``layer.by_query_tiles``):
-#: the ids only. Inside a tile the residuals are the ids and the sparse attention's own
+#: The policy of one query tile's sparse attention (``DsaAttention(remat_tiles=True)``):
+#: nothing saved inside it. Its inputs (the tile's queries, its ids: ``4 * W`` bytes per
+#: query; the latent rows, shared by every tile) are what the tile keeps; its own residuals
 #: (``"xla"``: the gathered rows, ``[W, CR]`` per query; a custom VJP: its output and
-#: log-sum-exp), so saving the ids alone keeps ``4 * W`` bytes per query and recomputes the
-#: tile's attention forward in the backward pass, never its selection.
-TILE_POLICY = jax.checkpoint_policies.save_only_these_names(TOKEN_IDS)
+#: log-sum-exp) are recomputed in the backward pass, the selection never is (it is outside).
+TILE_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
 def policy(kind: str = "selection"):
