@@ -43,6 +43,19 @@ Invariants:
   kernel for scoring, its rows and slots for attention, its tail), never its kind. The
   steps are plain single-device code: ``forward`` reads no placement of the layer and runs
   as is inside a ``shard_map`` body.
+* Training (``jax.grad`` / ``nnx.grad`` of a loss of ``out``; every implementation, jitted
+  or eager, placed or not, with or without a cache): the kernels carry their own VJPs
+  (``sparse_mla``, ``index_scores``, ``kpool_compress``); the integer steps (top-k,
+  expansion) have none. ``forward`` stops the gradient of the indexer's outputs: the
+  selection is discrete, so the indexer's parameters get exactly zero (as HF's ``no_grad``
+  indexer) and nothing of it is kept for the backward pass. The chunk's latent rows reach
+  the attention through the cache, whose buffer may hold bits (a 16-bit cache on a CPU):
+  ``rows_with_chunk_gradient`` routes their gradient around it (identity forward; an fp8
+  cache refuses a gradient). Memory: each query tile's attention runs under
+  ``jax.checkpoint`` (``remat_tiles``, ``remat.TILE_POLICY``: a tile keeps its ids), and the layer's residuals carry the
+  names of ``glm5_dsa_jax.model.remat``, whose policies a model's ``jax.checkpoint`` uses:
+  a training step's activation memory per token is flat in the context. Padding tokens get
+  exactly zero gradient (their hidden states are zeroed first, their outputs are zeros).
 * A call checks its inputs, then runs through ``glm5_dsa_jax.parallel.execution.run``:
   on a layer placed by ``shard_layer`` (``self.placement``: mesh, head axis, optional
   batch axis) one ``shard_map`` over the mesh whose body is ``forward``; eagerly, one
@@ -183,10 +196,11 @@ class DsaAttention(nnx.Module):
       cpu_float32: let the compiled step (``decode.make_step``) multiply by cached float32
         copies of 16-bit parameters when every parameter lives on a CPU device (see the
         module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
-      remat_tiles: under autodiff, each query tile's selection and attention run under
-        ``jax.checkpoint`` keeping only the selected ids (``remat.TILE_POLICY``): the
-        backward pass recomputes the tile's attention forward instead of keeping its
-        residuals (with ``"xla"``, ``[W, CR]`` gathered rows per query). No effect on a
+      remat_tiles: under autodiff, each query tile's sparse attention runs under
+        ``jax.checkpoint`` (``remat.TILE_POLICY``): a tile keeps its queries and ids, and the
+        backward pass recomputes the attention's forward instead of keeping its residuals
+        (with ``"xla"``, ``[W, CR]`` gathered rows per query; a kernel's output and
+        log-sum-exp). Not under ``"mosaic_interpret"`` (ordered callbacks). No effect on a
         forward pass (module doc, "Training").
 
     Call: ``out, topk = layer(x, attention_mask=mask, prev_topk=None)`` without a cache;
@@ -386,9 +400,17 @@ class DsaAttention(nnx.Module):
         cache = cache.write_latent(latent, chunk)  # before any query reads: a query sees its own token
         rows, row_scale = cache.attention_rows()
         row_slots = cache.row_slots
+        # The chunk's own rows reach the attention through the cache's buffer, which on a
+        # CPU holds a 16-bit cache's bits (no gradient): their gradient is routed apart.
+        rows = rows_with_chunk_gradient(rows, latent, row_slots(chunk.q_pos), chunk.fits, row_scale is not None)
 
         def attend(q_lat, token_ids):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
+
+        if self.remat_tiles and self.implementation != "mosaic_interpret":
+            # Mosaic's interpret mode runs ordered callbacks, which jax.checkpoint cannot
+            # differentiate: that debugging mode keeps the attention's residuals per tile.
+            attend = jax.checkpoint(attend, policy=remat.TILE_POLICY, prevent_cse=False)
 
         if self.indexer is not None:
             # The indexer feeds only the discrete selection: no gradient reaches it (its
@@ -404,11 +426,11 @@ class DsaAttention(nnx.Module):
                 return token_ids, attend(q_lat, token_ids)
 
             topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                         (chunk.n_vis, 0), remat_tiles=self.remat_tiles)
+                                         (chunk.n_vis, 0))
         else:
             topk = remat.name(self.reused_token_ids(prev_topk, chunk.q_pos), remat.TOKEN_IDS)
             _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), self.block_q,
-                                      (q_lat, 0), (topk, -1), remat_tiles=self.remat_tiles)
+                                      (q_lat, 0), (topk, -1))
         out = self.output_projection(remat.name(o_lat, remat.O_LAT), mask, reduce_axis=reduce_axis)
         return out, topk, cache.end_chunk(chunk)
 
@@ -583,6 +605,49 @@ def _selection_scores(layer: DsaAttention, rows, cache, reduce_axis):
 
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def rows_with_chunk_gradient(rows, latent, slots, fits, fp8: bool):
+    """``rows`` (a cache's ``attention_rows`` after ``write_latent(latent, chunk)``), with
+    the gradient of the chunk's rows ``latent [B, S, CR]`` routed from the rows' slots
+    ``slots [B, S]`` (``row_slots(chunk.q_pos)``: ``-1`` for a padding token; nothing when
+    not ``fits``). The forward is the identity: no operation, outputs bit for bit.
+
+    Why: a cache's buffer may hold bits, not floats (``cpu_policy.store_dtype``: a 16-bit
+    cache on a CPU is ``uint16``), and an integer has no gradient, so ``write_latent`` then
+    ``attention_rows`` would silently cut the chunk's rows off the backward pass. The
+    backward takes ``d_rows`` at the chunk's slots as ``d_latent`` (a write and a read are
+    the identity on the rows; a 16-bit cache's rounding is a cast, whose derivative is
+    one), and passes ``d_rows`` on to the buffer with those slots zeroed (a float buffer's
+    own path would count them twice). An fp8 cache (``fp8``) is a serving format: its
+    backward raises ``ValueError``."""
+    del latent, slots, fits, fp8
+    return rows
+
+
+def _rows_fwd(rows, latent, slots, fits, fp8):
+    return rows, (slots, fits, jnp.zeros((0,), latent.dtype), latent.shape)
+
+
+def _rows_bwd(fp8, res, d_rows):
+    slots, fits, like, shape = res
+    if fp8:
+        raise ValueError("no gradient through an fp8 cache's rows (a serving format): differentiate "
+                         "DsaAttention with a bfloat16 or float32 cache (or none)")
+    written = (slots >= 0) & fits
+    src = jnp.zeros((), slots.dtype) if d_rows.shape[0] == 1 else jnp.arange(shape[0], dtype=slots.dtype)[:, None]
+    src = jnp.broadcast_to(src, slots.shape)
+    safe = jnp.where(written, slots, 0)
+    d_latent = jnp.where(written[..., None], d_rows[src, safe], jnp.zeros((), d_rows.dtype)).astype(like.dtype)
+    # Drop those slots from the buffer's cotangent (a float buffer would pass them on to
+    # the chunk's rows again through its write); out-of-range indices are dropped.
+    big = jnp.asarray(d_rows.shape[1], slots.dtype)
+    d_rows = d_rows.at[src, jnp.where(written, slots, big)].set(0, mode="drop")
+    return d_rows, d_latent, None, None
+
+
+rows_with_chunk_gradient.defvjp(_rows_fwd, _rows_bwd)
+
+
 @functools.lru_cache(maxsize=None)
 def _scoring_step(scorer):
     """``scorer`` (a tile scorer, ``tile_scorer``) under the ``"score_pools"`` scope; one
@@ -595,7 +660,7 @@ def _scoring_step(scorer):
     return scores
 
 
-def by_query_tiles(fn, block_q: int, *arrays, remat_tiles: bool = True):
+def by_query_tiles(fn, block_q: int, *arrays):
     """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
     cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
     ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
@@ -603,15 +668,10 @@ def by_query_tiles(fn, block_q: int, *arrays, remat_tiles: bool = True):
     call is traced: an eager call runs as one jitted program, ``parallel.execution``).
     It lives beside ``forward``, the one pipeline that tiles its queries.
 
-    ``remat_tiles``: ``fn`` runs under ``jax.checkpoint`` with ``remat.TILE_POLICY`` (the
-    named ids only), so a backward pass keeps per tile only its inputs and the ids and
-    recomputes the tile's attention forward from them (never its selection); without it,
-    the tile's residuals (what ``fn``'s kernels save) are stacked per tile. A forward pass
-    runs the same operations either way (``prevent_cse=False``: ``lax.map`` already keeps
-    the tiles apart). Loop-invariant residuals (the latent rows every tile reads) are
-    inputs of the map's body, never stacked per tile (``lax.scan`` hoists them)."""
-    if remat_tiles:
-        fn = jax.checkpoint(fn, policy=remat.TILE_POLICY, prevent_cse=False)
+    Under autodiff a tile's residuals are stacked per tile (``lax.map``), but loop-invariant
+    ones (the latent rows every tile reads) are inputs of the map's body, hoisted by
+    ``lax.scan``, never stacked; ``forward`` keeps the rest to the ids
+    (``DsaAttention(remat_tiles=True)``)."""
     b, s = arrays[0][0].shape[:2]
     bq = min(block_q, s)
     n_tiles = -(-s // bq)

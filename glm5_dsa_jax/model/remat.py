@@ -37,7 +37,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 __all__ = ["Q_RESID", "Q_LAT", "LATENT", "TOKEN_IDS", "O_LAT", "RESIDUALS", "residual_widths",
-           "POLICIES", "TILE_POLICY", "policy", "name", "saved_bytes_per_token"]
+           "POLICIES", "TILE_POLICY", "policy", "saved_by", "name", "saved_bytes_per_token"]
 
 #: ``[B, S, q_lora]`` the normalised query down-projection (``DsaAttention.project``).
 Q_RESID = "dsa_q_resid"
@@ -57,20 +57,22 @@ RESIDUALS = (Q_RESID, Q_LAT, LATENT, TOKEN_IDS, O_LAT)
 #: * ``"selection"`` (the default): the ids only. Least memory; the backward recomputes the
 #:   projections and the sparse attention's forward, never the indexer.
 #: * ``"attention"``: also the attention's inputs and output (``Q_RESID``, ``Q_LAT``, ``LATENT``,
-#:   ``O_LAT``): the projections are not recomputed (the attention's forward still is, for its
-#:   log-sum-exp); ``2 * H * C`` activations per token more.
+#:   ``O_LAT``): fewer projections recomputed (the down-projections and the per-head query
+#:   still are, for their own backward; the attention's forward too, for its log-sum-exp),
+#:   ``H * (CR + C) + q_lora + CR`` activations per token more (~135 KiB in bf16 at
+#:   GLM-5.3-Flash dims, against 8 KiB of ids).
 POLICIES: dict[str, tuple[str, ...]] = {
     "selection": (TOKEN_IDS,),
     "attention": (TOKEN_IDS, Q_RESID, Q_LAT, LATENT, O_LAT),
 }
 
 
-#: The policy of one query tile (``DsaAttention(remat_tiles=True)``, ``layer.by_query_tiles``):
-#: the ids only. Inside a tile the residuals are the ids and the sparse attention's own
+#: The policy of one query tile's sparse attention (``DsaAttention(remat_tiles=True)``):
+#: nothing saved inside it. Its inputs (the tile's queries, its ids: ``4 * W`` bytes per
+#: query; the latent rows, shared by every tile) are what the tile keeps; its own residuals
 #: (``"xla"``: the gathered rows, ``[W, CR]`` per query; a custom VJP: its output and
-#: log-sum-exp), so saving the ids alone keeps ``4 * W`` bytes per query and recomputes the
-#: tile's attention forward in the backward pass, never its selection.
-TILE_POLICY = jax.checkpoint_policies.save_only_these_names(TOKEN_IDS)
+#: log-sum-exp) are recomputed in the backward pass, the selection never is (it is outside).
+TILE_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
 def policy(kind: str = "selection"):
@@ -78,9 +80,15 @@ def policy(kind: str = "selection"):
     ``jax.checkpoint_policies.save_only_these_names`` of its residuals. Use as
     ``jax.checkpoint(loss, policy=policy("selection"))`` or ``nnx.remat(f, policy=...)``.
     ``ValueError`` names the known kinds for another ``kind``."""
+    return jax.checkpoint_policies.save_only_these_names(*saved_by(kind))
+
+
+def saved_by(kind: str) -> tuple[str, ...]:
+    """The residuals policy ``kind`` saves (``POLICIES[kind]``); ``ValueError`` naming the
+    known kinds for another ``kind``."""
     if kind not in POLICIES:
         raise ValueError(f"checkpoint policy kind must be one of {sorted(POLICIES)}, got {kind!r}")
-    return jax.checkpoint_policies.save_only_these_names(*POLICIES[kind])
+    return POLICIES[kind]
 
 
 def name(x: jax.Array, residual: str) -> jax.Array:
@@ -106,8 +114,6 @@ def saved_bytes_per_token(cfg, kind: str = "selection", dtype=jax.numpy.bfloat16
     """Bytes per token per layer that policy ``kind`` saves for the backward pass, activations
     in ``dtype`` (the ids are int32): the floor of a training step's activation memory under
     it (the compiled step adds the layer input and the transients of one query tile)."""
-    if kind not in POLICIES:
-        raise ValueError(f"checkpoint policy kind must be one of {sorted(POLICIES)}, got {kind!r}")
     widths = residual_widths(cfg)
     size = jax.numpy.dtype(dtype).itemsize
-    return sum(widths[r] * (4 if r == TOKEN_IDS else size) for r in POLICIES[kind])
+    return sum(widths[r] * (4 if r == TOKEN_IDS else size) for r in saved_by(kind))

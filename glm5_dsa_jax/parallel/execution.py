@@ -24,6 +24,20 @@ and *how often it is compiled*:
   un-jitted calls cheap. **Under a trace** (``jax.jit``, ``make_step``) the body is
   inlined.
 
+**Under autodiff** (``jax.grad`` / ``nnx.grad`` of a loss of the call's output) nothing here
+changes: an eager call differentiated with respect to the layer (traced parameters,
+concrete rows) runs its cached program under the differentiation (``jax.jit`` is
+differentiable), a traced call is inlined. The placed call's ``shard_map`` transposes
+with ``check_vma=False`` as JAX defines it: the cotangent of an output replicated over an
+axis (``out`` over the head axis) is split evenly over that axis's devices, the body's
+``psum`` transposes to a ``psum``, and the cotangent of a parameter replicated over an axis
+(every parameter over the batch axis; all but the head-split ones over the head axis,
+the ``o_proj`` bias added after the ``psum`` included) is ``psum``-ed over it. So the
+gradients equal the unplaced layer's up to the order of the sums (TP and data x tp are
+tested, ``tests/test_grad_layer.py``). On ``Explicit`` axes differentiate under
+``jax.set_mesh(mesh)`` (JAX's rule for any explicitly sharded value: without it the
+gradient's seed has no mesh); ``Auto`` axes need nothing.
+
 Invariants:
 
 * The layer's call never re-enters itself: the body calls the pipeline, not
