@@ -348,15 +348,18 @@ def test_train_dlatent_entries_reread_q_and_d_out():
     """The token-major pass re-reads a query's q and d_out once per row block it touches:
     while a query selects every pool (context <= index_topk), that is every visible block."""
     cfg = gd.DsaConfig.tiny()
-    s, br, h, cr, v = 16, pk.SparseMlaBackwardBlockSizes().block_rows, cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
-    assert s <= cfg.index_topk and br == 16
-    # A query at position q sees q + 1 tokens, q // KP... complete pools: one 16-row block
+    s, h, cr, v = 16, cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
+    br = pk.SparseMlaBackwardBlockSizes().resolve((1, s, h, cr), cfg.out_width).block_rows
+    assert s <= cfg.index_topk and br >= s
+    # A query at position q sees q + 1 tokens, q // KP... complete pools: one row block
     # holds them all once it has one complete pool (q >= 3).
     entries = sum(1 if (q + 1) // cfg.index_kpool else 0 for q in range(s))
     row = _by(rl.train_rows(cfg, "h200", s, elem_bytes=4), "train_bwd")["sparse_mla_bwd:dlatent"]
     assert row.bytes == (2 * br * cr * 4 + 8) + entries * (h * (cr + v) * 4 + h * 8 + 8)
     assert row.flops == entries * br * h * (4 * cr + 4 * v) and row.programs == 1
     # Past index_topk the selection is spread: fewer blocks than visible, more than selected / (pools a block).
+    br = pk.SparseMlaBackwardBlockSizes().resolve((1, 65536, CFG.num_attention_heads, CFG.kv_cache_dim),
+                                                  CFG.out_width).block_rows
     exp = rl._expected_blocks(CFG, 65536, br)
     assert CFG.max_select_k / (br // CFG.index_kpool) < exp < 65536 / br
 
