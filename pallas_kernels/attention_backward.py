@@ -341,7 +341,9 @@ def _dlatent_kernel(start_ref, query_ref, mask_ref, q_ref, do_ref, lse_ref, dd_r
         for c in range(1, n_v):
             dp += dot_nt(kvs[c], dos[c])
         p = jnp.where(sel[:, None], jnp.exp(s * scale - lse[None, :]), 0.0)
-        dz = (p * (dp - dd[None, :]) * scale).astype(q_ref.dtype)
+        # Masked by where, not by p = 0: a row the query does not select may hold anything
+        # (NaN included), and 0 * NaN would leak into that row's gradient.
+        dz = jnp.where(sel[:, None], p * (dp - dd[None, :]) * scale, 0.0).astype(q_ref.dtype)
         p = p.astype(do_ref.dtype)
         return tuple(
             acc + dot_nn(dz, qs[c]) + (dot_nn(p, dos[c]) if c < n_v else 0.0)

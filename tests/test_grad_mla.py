@@ -189,6 +189,29 @@ def test_pallas_gradients_equal_xla_f32(shared, num_splits):
     assert not np.asarray(dlat)[~selected].any()  # rows no query selects: exactly 0
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_nan_in_an_unselected_row_stays_there(implementation):
+    # A row no query selects may hold anything (a cache slot never written, a padding
+    # token's row): its NaN reaches no output and no gradient, not even its own (exactly
+    # 0), although it shares a row block with selected rows (the Triton dlatent kernel
+    # walks whole blocks of rows).
+    _, q, lat, ids = _problem(4)
+    v = 24
+    selected = np.zeros(lat.shape[:2], bool)
+    for bi, row in enumerate(np.asarray(ids)):
+        selected[bi, row[(row >= 0) & (row < lat.shape[1])]] = True
+    unselected = np.argwhere(~selected)
+    assert len(unselected), "the problem must leave some row unselected"
+    poisoned = np.asarray(lat).copy()
+    poisoned[~selected] = np.nan
+    out, dq, dlat = _grads(implementation, q, jnp.asarray(poisoned), ids, v)
+    want_out, want_dq, want_dlat = _grads(implementation, q, lat, ids, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(dq), np.asarray(want_dq))
+    np.testing.assert_array_equal(np.asarray(dlat), np.asarray(want_dlat))
+    assert not np.asarray(dlat)[~selected].any()
+
+
 def test_pallas_gradients_bf16():
     # bf16 operands, f32 accumulation: the kernels round p and dz to bf16 before the
     # tensor-core dots (as the forward rounds p), the reference keeps them in f32, and
