@@ -69,11 +69,16 @@ def _check(q, latent, q_slots, key_valid, latent_scale) -> None:
     check_key_scale("latent", latent, "latent_scale", latent_scale, "[B, L]")
 
 
-def causal_visible(q_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
-    """``[B, Q, L]`` bool: query ``t`` sees slot ``l`` (``l <= q_slots[b, t]`` and
-    ``key_valid[b, l]``); a padding query (``q_slots < 0``) sees nothing."""
-    slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
-    return key_valid[:, None, :] & (slots <= q_slots.astype(jnp.int32)[..., None])
+def causal_visible(q_slots: jax.Array, key_valid: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+    """``[B, Q, T]`` bool: query ``t`` sees key ``l`` (``slots[l] <= q_slots[b, t]`` and
+    ``key_valid[b, l]``); a padding query (``q_slots < 0``) sees nothing. ``key_valid [B,
+    T]`` says which of the keys at ``slots`` (``[T]`` or ``[B, T]`` int; default: slots
+    ``0 .. T - 1``, a whole row) hold a token. The one home of the dense attention's key
+    rule (``glm5_dsa_jax.model.attention_mass`` applies it tile by tile too)."""
+    if slots is None:
+        slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
+    slots = jnp.broadcast_to(slots, key_valid.shape)
+    return key_valid[:, None, :] & (slots[:, None, :] <= q_slots.astype(jnp.int32)[..., None])
 
 
 def causal_mla_reference(
@@ -177,7 +182,7 @@ def _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile):
     if latent_scale is not None:  # sparse_mla's order: (q . row8) * s_row * scale
         row_scale = jnp.where(used, lax.stop_gradient(latent_scale).astype(f)[:, safe], 0.0)[:, None, None, :]
         z = z * row_scale
-    vis = (used[:, None, :] & (slots <= q_slots[..., None]))[:, :, None, :]
+    vis = causal_visible(q_slots, used, slots)[:, :, None, :]
     return rows, row_scale, vis, jnp.where(vis, z * scale, -jnp.inf)
 
 
