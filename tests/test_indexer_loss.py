@@ -54,8 +54,12 @@ IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=pytes
 #: The float32 loss against the float64 oracle: float32 logs / exps of the scores and of
 #: the attention logits, ``F32_VS_F64``'s budget (measured up to 3e-8 on losses of 0.02-0.14).
 LOSS_TOL = F32_VS_F64
-#: Peak temporary bytes per token, 16K over 4K tokens (linear memory: flat per token).
-MEMORY_GROWTH = 1.25
+#: Peak temporary bytes per token, 16K over 4K tokens (linear memory: flat per token;
+#: measured 1.005). The per-token base is ~315 KB at GLM-5.3-Flash dims, so a quadratic
+#: term shows as a few percent: the tiles' stacked ``[B, S, P]`` float32 score residuals
+#: (the loss tiles not checkpointed) measured 1.09, a ``[B, S, S]`` float32 tensor would
+#: add 48 KB per token (1.14), a ``[B, H, S, S]`` one hundreds of times more.
+MEMORY_GROWTH = 1.05
 
 
 # ---------------------------------------------------------------------------- oracle
@@ -222,7 +226,7 @@ def test_no_loss_query_gives_zero():
 
 
 # ---------------------------------------------------------------------------- gradients
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("implementation", IMPLS)
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gradients_route_as_deepseek(mode, implementation):
     layer = make(implementation=implementation)
@@ -231,6 +235,11 @@ def test_gradients_route_as_deepseek(mode, implementation):
     (_, (loss, _, _)), (grads, dx) = f(params, x)
     grads = flat(grads)
     assert not np.asarray(dx).any()
+    if implementation != "xla":  # the kernels' backward (index_scores') gives "xla"'s gradients
+        fx, px = split_grad(make(), mode)
+        want = flat(fx(px, x)[1][0])
+        for k in want:
+            assert np.abs(grads[k] - want[k]).max() <= F32_REORDER * np.abs(want[k]).max(), k
     for k, g in grads.items():
         if k[0] == "indexer":
             assert np.abs(g).max() > 0, f"{k}: no gradient from the loss"
