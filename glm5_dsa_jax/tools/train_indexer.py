@@ -57,7 +57,7 @@ from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.model.layer import DsaAttention, DsaIndexer
 
 __all__ = ["TrainSettings", "SyntheticPrompts", "build_layer", "reinit_indexer", "captured_mass",
-           "train_indexer", "load_train_state", "STAGES", "STATE_DIR", "RUN_FILE", "LAYER_DIR",
+           "train_indexer", "load_train_state", "check_out", "STAGES", "STATE_DIR", "RUN_FILE", "LAYER_DIR",
            "SettingsMismatch"]
 
 #: The two stages, in order: (the layer's ``attention=``, its ``indexer_loss=``) of each.
@@ -293,7 +293,7 @@ def load_train_state(out, template):
     return int(step), jax.tree.unflatten(treedef, [restored[k] for k in sorted(restored)])
 
 
-def _check_out(out: Path | None, settings: TrainSettings, resume: bool) -> None:
+def check_out(out: Path | None, settings: TrainSettings, resume: bool) -> None:
     """Before any work: ``out`` is fresh (absent or empty) for a new run; for ``resume`` it
     holds a run with the same settings (``SettingsMismatch`` naming each difference)."""
     if out is None:
@@ -303,7 +303,7 @@ def _check_out(out: Path | None, settings: TrainSettings, resume: bool) -> None:
     run_file = out / RUN_FILE
     if not resume:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            what = "holds a run (pass resume to continue it)" if run_file.is_file() else "is not empty"
+            what = "holds a run (pass resume=True, --resume, to continue it)" if run_file.is_file() else "is not empty"
             raise ValueError(f"out {str(out)!r} {what}")
         return
     if not run_file.is_file():
@@ -351,7 +351,7 @@ def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, res
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     out = None if out is None else Path(out)
-    _check_out(out, settings, resume)
+    check_out(out, settings, resume)
     t0 = time.perf_counter()
     prompts = SyntheticPrompts(cfg, settings.seed, settings.vocab)
     held = prompts.held_out(eval_prompts, settings.tokens)
