@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from glm5_dsa_jax.checkpoint import load_for_demo, save_checkpoint
+from glm5_dsa_jax.model.attention_mass import dense_pool_mass
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.model.layer import DsaAttention, DsaIndexer
 
@@ -233,12 +235,15 @@ def _pool_mass(layer: DsaAttention, x, mask):
 
 
 # ---------------------------------------------------------------------------- training
-def _step_fn(graphdef, tx, stage: str):
+@functools.lru_cache(maxsize=16)
+def _step_fn(graphdef, lr: float, stage: str):
     """The jitted training step of ``stage``: ``(params, opt_state, rest, x, mask) ->
-    (params, opt_state, loss)``, one adam update of the indexer's parameters ``params``
-    from the layer's indexer loss (``rest``: the layer's other state, an argument so it is
-    not baked into the program)."""
+    (params, opt_state, loss)``, one ``optax.adam(lr)`` update of the indexer's parameters
+    ``params`` from the layer's indexer loss (``rest``: the layer's other state, an argument
+    so it is not baked into the program). Cached per layer structure (``graphdef``), so a
+    second run in a process (a resume, the notebook's) compiles nothing."""
     attention, indexer_loss = STAGES[stage]
+    tx = optax.adam(lr)
 
     def loss_fn(params, rest, x, mask):
         layer = nnx.merge(graphdef, params, rest)
@@ -364,7 +369,7 @@ def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, res
         start, (params, opt_state) = load_train_state(out, (params, opt_state))
     elif out is not None:
         _write_run_file(out, settings)
-    steps = {stage: _step_fn(graphdef, tx, stage) for stage in STAGES}
+    steps = {stage: _step_fn(graphdef, settings.lr, stage) for stage in STAGES}
     mask = jnp.ones((settings.batch, settings.tokens), bool)
     records = []
     mgr = _manager(out) if out is not None else None
@@ -399,23 +404,9 @@ def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, res
 
 
 # ---------------------------------------------------------------------------- TEMPORARY
-# Until loss-core and pool-mass land: stand-ins for INDEXER_PARAMS, dense_pool_mass and the
+# Until loss-core lands: stand-ins for INDEXER_PARAMS and the
 # layer's indexer loss, with their contracted signatures (removed at the merge).
 INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
-
-
-def dense_pool_mass(q, latent, q_slots, key_valid, first_key, latent_scale=None, *, kpool, n_pools, scale,
-                    key_tile=512, reduce_axis=None):
-    b, s = q_slots.shape
-    L = latent.shape[1]
-    sc = jnp.einsum("bqhc,bkc->bqhk", q.astype(jnp.float32), latent.astype(jnp.float32)) * scale
-    vis = (jnp.arange(L)[None, None] <= q_slots[..., None]) & key_valid[:, None, :]
-    a = jax.nn.softmax(jnp.where(vis[:, :, None], sc, -jnp.inf), -1).mean(2)
-    a = jnp.where((q_slots >= 0)[..., None], a, 0)
-    idx = jnp.arange(n_pools * kpool)[None] + first_key[:, None]
-    g = jnp.take_along_axis(a, jnp.broadcast_to(jnp.clip(idx, 0, L - 1)[:, None], (b, s, n_pools * kpool)), -1)
-    g = jnp.where((idx < L)[:, None], g, 0)
-    return jax.lax.stop_gradient(g.reshape(b, s, n_pools, kpool).sum(-1))
 
 
 def _indexer_loss(layer, x, mask, attention, indexer_loss):
