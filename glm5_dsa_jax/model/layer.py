@@ -56,6 +56,17 @@ Invariants:
   names of ``glm5_dsa_jax.model.remat``, whose policies a model's ``jax.checkpoint`` uses:
   a training step's activation memory per token is flat in the context. Padding tokens get
   exactly zero gradient (their hidden states are zeroed first, their outputs are zeros).
+* Training the indexer (``indexer_loss=``; definition: ``glm5_dsa_jax.model.indexer_loss``):
+  the loss reaches only the indexer's parameters (DeepSeek-V3.2's routing). Its path
+  projects ``stop_gradient(x)`` / ``stop_gradient(q_resid)``, pools the prompt's keys with
+  ``kpool_compress`` itself (never through the cache buffer, which may hold bits), scores
+  them with ``index_scores`` (its Pallas backward under Pallas); the mass ``p`` is a
+  constant. The selection reads that projection through ``stop_gradient``: ``out`` reaches
+  no indexer parameter. Per query tile (``"indexer_loss"``) under ``jax.checkpoint``
+  (nothing saved): the stacked residuals are the tiles' inputs, memory linear in the
+  context. The body returns per-row sums (no collective), ``__call__`` reduces them.
+* ``attention="dense"`` (the warm-up stage): every visible slot (``pk.causal_mla``, same
+  parameters); the indexer still selects. It reads the contiguous cache's ``key_valid``.
 * A call checks its inputs, then runs through ``glm5_dsa_jax.parallel.execution.run``:
   on a layer placed by ``shard_layer`` (``self.placement``: mesh, head axis, optional
   batch axis) one ``shard_map`` over the mesh whose body is ``forward``; eagerly, one
@@ -79,6 +90,7 @@ from glm5_dsa_jax.cache.fp8 import check_cache_readable
 from glm5_dsa_jax.cache.interface import tile_scorer
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
+from glm5_dsa_jax.model.indexer_loss import check_modes, dense_tile_kl, mean_loss, sparse_tile_kl
 from glm5_dsa_jax.model.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.model.layout import ParamFactory, hf_weight_shapes
 from glm5_dsa_jax.model.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
@@ -90,7 +102,8 @@ from glm5_dsa_jax.model.weights import hf_to_params, param_variable
 __all__ = ["DsaIndexer", "DsaAttention", "rms_norm", "layer_norm", "absorb_q", "absorb_o",
            "float32_params", "clear_float32_copies",
            "PROJECT", "INDEX_PROJECT", "COMPRESS_POOLS", "SCORE_POOLS", "SELECT_POOLS",
-           "EXPAND_TO_TOKENS", "SPARSE_ATTENTION", "OUTPUT_PROJECTION", "FULL_STEPS", "SHARED_STEPS"]
+           "EXPAND_TO_TOKENS", "SPARSE_ATTENTION", "OUTPUT_PROJECTION", "INDEXER_LOSS", "FULL_STEPS",
+           "SHARED_STEPS"]
 
 # ---------------------------------------------------------------------------- step names
 # The names of the layer's pipeline steps: the ``jax.named_scope`` each one runs under.
@@ -117,6 +130,8 @@ SELECT_POOLS = "select_pools"
 EXPAND_TO_TOKENS = "expand_to_tokens"
 SPARSE_ATTENTION = "sparse_attention"
 OUTPUT_PROJECTION = "output_projection"
+#: The indexer loss's step (a training call's only: in neither list below).
+INDEXER_LOSS = "indexer_loss"
 
 FULL_STEPS = (PROJECT, INDEX_PROJECT, COMPRESS_POOLS, SCORE_POOLS, SELECT_POOLS, EXPAND_TO_TOKENS,
               SPARSE_ATTENTION, OUTPUT_PROJECTION)
@@ -208,7 +223,11 @@ class DsaAttention(nnx.Module):
     ``DsaCache`` or a ``PagedCache``). ``x`` is ``[B, S, hidden]``, ``mask`` ``[B, S]`` bool
     (or 0/1 ints; None = all valid), ``out`` ``[B, S, hidden]`` in ``dtype`` and ``topk``
     ``[B, S, out_width]`` int32 token slots (positions within each sequence on a paged
-    cache). ``position_ids [B, S]`` override the RoPE positions.
+    cache). ``position_ids [B, S]`` override the RoPE positions. ``attention="dense"``
+    attends to every visible token (``ATTENTION_MODES``; not on a paged cache);
+    ``indexer_loss="dense" | "sparse"`` (a full layer, no cache) adds the indexer's loss:
+    ``out, topk, loss = layer(x, attention_mask=mask, indexer_loss="dense")`` (module doc,
+    ``glm5_dsa_jax.model.indexer_loss``).
 
     Pipeline of a call, one method per step, each under ``jax.named_scope`` of the
     method's name (the indexer's ``project``: ``"index_project"``; kernel in brackets; axis
@@ -371,7 +390,9 @@ class DsaAttention(nnx.Module):
 
     def __call__(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None, *,
                  cache: DsaCache | PagedCache | None = None, prev_topk: jax.Array | None = None,
-                 position_ids: jax.Array | None = None):
+                 position_ids: jax.Array | None = None, attention: str = "sparse",
+                 indexer_loss: str | None = None):
+        check_modes(attention, indexer_loss, self.has_indexer, self.layer_idx, cache)
         if position_ids is not None:
             position_ids = check_position_ids(position_ids, jnp.shape(hidden_states)[:2])
         if cache is not None:
@@ -380,9 +401,14 @@ class DsaAttention(nnx.Module):
         x, mask, prev_topk = self.check_inputs(hidden_states, attention_mask, prev_topk, start=start)
         if cache is not None:
             cache.check_chunk(self.cfg, self.has_indexer, x.shape[0], mask, prev_topk)
-        return run(self, x, mask, cache, prev_topk, position_ids)
+        res = run(self, x, mask, cache, prev_topk, position_ids, attention=attention, indexer_loss=indexer_loss)
+        if indexer_loss is None:
+            return res
+        out, topk, (kl_sum, n_loss) = res
+        return out, topk, mean_loss(kl_sum, n_loss)
 
-    def forward(self, x, mask, cache: LayerCache, prev_topk, position_ids=None, *, reduce_axis=None):
+    def forward(self, x, mask, cache: LayerCache, prev_topk, position_ids=None, *, reduce_axis=None,
+                attention: str = "sparse", indexer_loss: str | None = None):
         """``(out, topk, cache)`` of the layer on checked inputs ``x [B, S, hidden]``, ``mask
         [B, S]`` bool and a cache of either kind (never None): the one pipeline of a call
         (class doc), read top to bottom; every cache-specific part is an operation of the
@@ -390,7 +416,9 @@ class DsaAttention(nnx.Module):
         query tile (``by_query_tiles``), so no ``[S, P]`` or ``[S, S]`` tensor is built.
         RoPE positions (``position_ids``) default to the cache's (``Chunk.positions``).
         ``reduce_axis`` goes to ``output_projection``. Reads no placement of the layer:
-        runs as is on one device or inside a ``shard_map`` body."""
+        runs as is on one device or inside a ``shard_map`` body. ``attention`` and
+        ``indexer_loss`` as the call's (checked there; a loss needs a fresh cache sized to
+        the chunk): with a loss, ``(out, topk, cache, (kl_sum [B], n_loss_queries [B]))``."""
         cache, chunk = cache.begin_chunk(mask)  # room for the chunk; a row without it is masked out
         mask = chunk.mask
         # Padding tokens are zeroed first: whatever they hold (NaN included) is never read.
@@ -407,32 +435,63 @@ class DsaAttention(nnx.Module):
         def attend(q_lat, token_ids):
             return self.sparse_attention(q_lat, rows, row_slots(token_ids), row_scale)
 
-        if self.remat_tiles and self.implementation != "mosaic_interpret":
-            # Mosaic's interpret mode runs ordered callbacks, which jax.checkpoint cannot
-            # differentiate: that debugging mode keeps the attention's residuals per tile.
+        if attention == "dense":  # the warm-up stage: every visible slot (a contiguous cache's mask)
+            key_valid = cache.key_valid
+
+            def attend(q_lat, token_ids, q_pos):  # noqa: F811 (the same step over other ids)
+                del token_ids
+                return self.dense_attention(q_lat, rows, row_slots(q_pos), key_valid, row_scale)
+        else:
+            attend = _ignoring_positions(attend)
+
+        # Mosaic's interpret mode runs ordered callbacks, which jax.checkpoint cannot
+        # differentiate: that debugging mode keeps the residuals per tile.
+        remat_ok = self.implementation != "mosaic_interpret"
+        if self.remat_tiles and remat_ok:
             attend = jax.checkpoint(attend, policy=remat.TILE_POLICY, prevent_cse=False)
 
+        loss_rows = None
         if self.indexer is not None:
             # The indexer feeds only the discrete selection: no gradient reaches it (its
             # parameters get exactly zero, as HF's no_grad indexer), and nothing of it is a
-            # residual of the backward pass. An indexer loss would read its scores apart.
-            qi, w, ki, gate = jax.lax.stop_gradient(self.indexer.project(x, q_resid, rope))
+            # residual of the backward pass. The indexer loss reads its projection of
+            # constants apart (module doc, "Training the indexer").
+            if indexer_loss is None:
+                qi, w, ki, gate = jax.lax.stop_gradient(self.indexer.project(x, q_resid, rope))
+            else:
+                sg = jax.lax.stop_gradient
+                qi_l, w_l, ki_l, gate_l = self.indexer.project(sg(x), sg(q_resid), rope)
+                qi, w, ki, gate = sg((qi_l, w_l, ki_l, gate_l))
+                pooled = self._indexer_kernel(pk.kpool_compress, ki_l, gate_l, mask, self.indexer.pool_ape(ki_l.dtype))
+                loss_tile = functools.partial(self.indexer_loss_tile, indexer_loss, pooled, rows, row_scale, mask,
+                                              reduce_axis=reduce_axis)
+                if remat_ok:
+                    loss_tile = jax.checkpoint(loss_tile, policy=jax.checkpoint_policies.nothing_saveable,
+                                               prevent_cse=False)
             cache = self.compress_pools(cache, ki, gate, chunk)  # pooled before any query scores
             select_k = self.cfg.select_k(cache.max_pools)
 
-            def tile(q_lat, q_pos, qi, w, n_vis):
+            def tile(q_lat, q_pos, qi, w, n_vis, *loss_queries):
                 pools = self.choose_pools(qi, w, cache, q_pos, select_k)
                 token_ids = remat.name(self.expand_to_tokens(pools, cache, n_vis, q_pos), remat.TOKEN_IDS)
-                return token_ids, attend(q_lat, token_ids)
+                res = (token_ids, attend(q_lat, token_ids, q_pos))
+                if not loss_queries:
+                    return res
+                return res + (loss_tile(*loss_queries, q_pos, q_lat, pools, row_slots(token_ids)),)
 
-            topk, o_lat = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                         (chunk.n_vis, 0))
+            loss_q = () if indexer_loss is None else ((qi_l, 0), (w_l, 0))
+            topk, o_lat, *kl = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+                                              (chunk.n_vis, 0), *loss_q)
+            if kl:
+                loss_rows = jax.tree.map(lambda a: a.sum(1), kl[0])
         else:
             topk = remat.name(self.reused_token_ids(prev_topk, chunk.q_pos), remat.TOKEN_IDS)
-            _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), self.block_q,
-                                      (q_lat, 0), (topk, -1))
+            _, o_lat = by_query_tiles(lambda q_lat, ids, q_pos: (ids, attend(q_lat, ids, q_pos)), self.block_q,
+                                      (q_lat, 0), (topk, -1), (chunk.q_pos, -1))
         out = self.output_projection(remat.name(o_lat, remat.O_LAT), mask, reduce_axis=reduce_axis)
-        return out, topk, cache.end_chunk(chunk)
+        if loss_rows is None:
+            return out, topk, cache.end_chunk(chunk)
+        return out, topk, cache.end_chunk(chunk), loss_rows
 
     def selection_scores(self, hidden_states: jax.Array, attention_mask: jax.Array | None = None):
         """The indexer's view of a prompt, for inspection: ``scores [B, S, P]`` float32
@@ -569,6 +628,33 @@ class DsaAttention(nnx.Module):
             return pk.sparse_mla(q_lat, latent, token_ids, latent_scale, scale=self.cfg.softmax_scale,
                                  value_width=self.cfg.kv_lora_rank, implementation=self.implementation)
 
+    def dense_attention(self, q_lat, latent, q_slots, key_valid, latent_scale=None) -> jax.Array:
+        """Step 5 of ``attention="dense"`` (``causal_mla``): ``q_lat [B, Q, H, CR]`` over every
+        row of ``latent [B, L, CR]`` at or before its slot ``q_slots [B, Q]`` with ``key_valid
+        [B, L]`` -> ``o_lat [B, Q, H, C]``, the same parameters and scale as the sparse step
+        (under its scope name: the attention step, whichever tokens it reads)."""
+        with jax.named_scope(SPARSE_ATTENTION):
+            return pk.causal_mla(q_lat, latent, q_slots, key_valid, latent_scale, scale=self.cfg.softmax_scale,
+                                 value_width=self.cfg.kv_lora_rank, implementation=self.implementation)
+
+    def indexer_loss_tile(self, mode, pooled, rows, row_scale, key_valid, qi, w, q_pos, q_lat, pools, token_ids,
+                          *, reduce_axis=None):
+        """The indexer loss of one query tile (``"indexer_loss"``): ``(kl [B, Q],
+        is_loss_query [B, Q])`` (``indexer_loss.dense_tile_kl`` / ``sparse_tile_kl``) of the
+        scores of ``qi, w`` over the prompt's pools ``pooled`` (``kpool_compress``'s three
+        outputs; ``index_scores``, differentiable) against the attention mass of ``q_lat``
+        over ``rows`` (dense: every slot ``key_valid`` up to ``q_pos``; sparse: the selected
+        ``pools`` and their ``token_ids``). ``reduce_axis``: the head axis the mass is
+        summed over."""
+        kp = self.cfg.index_kpool
+        keys, first_key, pool_valid = pooled
+        with jax.named_scope(INDEXER_LOSS):
+            scores = self._indexer_kernel(pk.index_scores, qi, w, keys, pool_valid, first_key, q_pos, kpool=kp)
+            common = dict(kpool=kp, scale=self.cfg.softmax_scale, reduce_axis=reduce_axis)
+            if mode == "dense":
+                return dense_tile_kl(scores, q_lat, rows, q_pos, key_valid, first_key, row_scale, **common)
+            return sparse_tile_kl(scores, pools, q_lat, rows, token_ids, row_scale, **common)
+
     def output_projection(self, o_lat, mask=None, *, reduce_axis: str | None = None) -> jax.Array:
         """Step 6: ``o_lat [B, S, H, C]`` -> ``[B, S, hidden]`` through ``w_uv`` and the
         row-parallel ``o_proj`` (plus its bias; ``absorb_o``). With the call's ``mask [B,
@@ -646,6 +732,12 @@ def _rows_bwd(fp8, res, d_rows):
 
 
 rows_with_chunk_gradient.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _ignoring_positions(attend):
+    """``attend(q_lat, token_ids)`` as ``attend(q_lat, token_ids, q_pos)`` (the sparse
+    attention reads the ids only; ``forward``'s tiles pass both modes the same operands)."""
+    return lambda q_lat, token_ids, q_pos: attend(q_lat, token_ids)
 
 
 @functools.lru_cache(maxsize=None)

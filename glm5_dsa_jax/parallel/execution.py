@@ -50,6 +50,8 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -62,30 +64,42 @@ from glm5_dsa_jax.parallel.placement import cache_specs, check_batch
 __all__ = ["run", "run_fn"]
 
 
-def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis):
+def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis, modes=("sparse", None)):
     """The plain pipeline of one call on one device (``DsaAttention.forward``): ``(out,
     topk)`` without a cache (a fresh one sized to the input is used), ``(out, topk,
-    cache)`` with one."""
+    cache)`` with one. ``modes``: the call's ``(attention, indexer_loss)``; with a loss
+    (never with a cache) ``(out, topk, (kl_sum [B], n_loss_queries [B]))``."""
+    attention, indexer_loss = modes
+    kw = dict(reduce_axis=reduce_axis, attention=attention, indexer_loss=indexer_loss)
     if cache is None:
         b, s, _ = x.shape
         fresh = init_cache(layer.cfg, b, s, has_indexer=layer.has_indexer, dtype=layer.dtype,
                            stage_dtype=layer.dtype)
-        out, topk, _ = layer.forward(x, mask, fresh, prev_topk, position_ids, reduce_axis=reduce_axis)
-        return out, topk
-    return layer.forward(x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis)
+        out, topk, _, *loss_rows = layer.forward(x, mask, fresh, prev_topk, position_ids, **kw)
+        return (out, topk, *loss_rows)
+    return layer.forward(x, mask, cache, prev_topk, position_ids, **kw)
 
 
-def run(layer, x, mask, cache, prev_topk, position_ids):
+def run(layer, x, mask, cache, prev_topk, position_ids, *, attention="sparse", indexer_loss=None):
     """The call of ``layer`` on checked inputs (``DsaAttention.__call__`` has run its
-    checks): ``(out, topk)`` without a cache, ``(out, topk, cache)`` with one."""
-    (out, topk), cache_out = run_fn(layer, _call, (x, mask, prev_topk, position_ids), cache)
-    return (out, topk) if cache is None else (out, topk, cache_out)
+    checks): ``(out, topk)`` without a cache, ``(out, topk, cache)`` with one; with an
+    ``indexer_loss`` (no cache) ``(out, topk, (kl_sum [B], n_loss_queries [B]))``: per-row
+    sums, row outputs like ``out`` (split over a batch axis, no collective)."""
+    outs, cache_out = run_fn(layer, _call_of(attention, indexer_loss), (x, mask, prev_topk, position_ids), cache)
+    return outs if cache is None else (*outs, cache_out)
 
 
-def _call(module, rows, cache, reduce_axis):
-    x, mask, prev_topk, position_ids = rows
-    res = _pipeline(module, x, mask, cache, prev_topk, position_ids, reduce_axis)
-    return res[:2], (res[2] if cache is not None else None)
+@functools.lru_cache(maxsize=None)
+def _call_of(attention, indexer_loss):
+    """The body of a call in these modes, one function per pair (``run_fn`` keys its
+    programs by the function: a stable one keeps an eager call's program cached)."""
+
+    def call(module, rows, cache, reduce_axis):
+        x, mask, prev_topk, position_ids = rows
+        res = _pipeline(module, x, mask, cache, prev_topk, position_ids, reduce_axis, (attention, indexer_loss))
+        return (res if cache is None else res[:2]), (res[2] if cache is not None else None)
+
+    return call
 
 
 def run_fn(layer, fn, rows: tuple, cache=None):
