@@ -74,7 +74,9 @@ token-major ``selection_transpose`` its deterministic latent gradient walks;
 ``scoring_backward`` the backward of ``index_scores`` / ``index_scores_paged`` (their
 ``jax.custom_vjp``: no ``[Q, P, Hi]`` tensor, deterministic; Mosaic kernels in
 ``mosaic_scoring_backward``); ``radix_select`` holds the Pallas kernels behind
-``topk_pools``; ``dense_mla`` the dense
+``topk_pools``; ``causal_attention`` ``causal_mla``, the dense attention of every visible key
+(``attention="dense"``; ``sparse_mla`` over the visible slots under the Pallas
+implementations, a tiled online softmax under ``"xla"``); ``dense_mla`` the dense
 oracle of ``sparse_mla`` (``topk_to_mask``, ``mla_masked_attention``) and the softmax
 pieces both attention kernels share (``masked_softmax``, ``combine_splits``).
 
@@ -104,6 +106,7 @@ from pallas_kernels.attention import (
 from pallas_kernels.attention_backward import (
     SparseMlaBackwardBlockSizes, sparse_mla_backward, sparse_mla_backward_reference,
 )
+from pallas_kernels.causal_attention import causal_mla, causal_mla_reference, causal_visible
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
     ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference,
@@ -140,7 +143,7 @@ __all__ = [
     "MosaicSparseMlaBlockSizes", "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla",
     "sparse_mla_reference", "SparseMlaBackwardBlockSizes", "sparse_mla_backward",
     "sparse_mla_backward_reference", "SelectionTranspose", "selection_transpose",
-    "topk_to_mask",
+    "topk_to_mask", "causal_mla", "causal_mla_reference", "causal_visible",
     "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
     "streaming_topk",
 ]

@@ -307,6 +307,8 @@ KERNEL_DISPATCH: dict[tuple[str, str], frozenset[str]] = {
         {"MosaicSparseMlaBlockSizes", "mosaic_sparse_mla"}),
     ("pallas_kernels.attention", "pallas_kernels.attention_backward"): frozenset(
         {"sparse_mla_backward"}),  # the custom_vjp's backward
+    # the dense attention of every visible key runs the sparse kernels over the visible ids
+    ("pallas_kernels.causal_attention", "pallas_kernels.attention"): frozenset({"sparse_mla"}),
     ("pallas_kernels.attention_backward", "pallas_kernels.mosaic_attention_backward"): frozenset(
         {"TRANSPOSE_ROWS", "MosaicSparseMlaBackwardBlockSizes", "mosaic_sparse_mla_backward"}),
     ("pallas_kernels.selection", "pallas_kernels.mosaic_selection"): frozenset(
