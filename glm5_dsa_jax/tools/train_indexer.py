@@ -56,6 +56,7 @@ from tqdm import tqdm
 from glm5_dsa_jax.checkpoint import load_for_demo, save_checkpoint
 from glm5_dsa_jax.model.attention_mass import dense_pool_mass
 from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.indexer_loss import INDEXER_PARAMS
 from glm5_dsa_jax.model.layer import DsaAttention, DsaIndexer
 
 __all__ = ["TrainSettings", "SyntheticPrompts", "build_layer", "reinit_indexer", "captured_mass",
@@ -247,7 +248,8 @@ def _step_fn(graphdef, lr: float, stage: str):
 
     def loss_fn(params, rest, x, mask):
         layer = nnx.merge(graphdef, params, rest)
-        return _indexer_loss(layer, x, mask, attention, indexer_loss)
+        _, _, loss = layer(x, attention_mask=mask, attention=attention, indexer_loss=indexer_loss)
+        return loss
 
     @jax.jit
     def step(params, opt_state, rest, x, mask):
@@ -401,23 +403,3 @@ def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, res
     return {"settings": dataclasses.asdict(settings), "layer_idx": layer.layer_idx, "before": before,
             "after": after, "records": records, "start_step": start,
             "seconds": round(time.perf_counter() - t0, 2)}
-
-
-# ---------------------------------------------------------------------------- TEMPORARY
-# Until loss-core lands: stand-ins for INDEXER_PARAMS and the
-# layer's indexer loss, with their contracted signatures (removed at the merge).
-INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
-
-
-def _indexer_loss(layer, x, mask, attention, indexer_loss):
-    b, s, _ = x.shape
-    m = _pool_mass(layer, x, mask)
-    scores, _ = layer.selection_scores(x, mask)
-    m = m[..., :scores.shape[-1]]
-    cand = jnp.isfinite(scores)
-    p = jnp.where(cand, m, 0)
-    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
-    logq = jax.nn.log_softmax(jnp.where(cand, scores, -1e30), -1)
-    kl = jnp.where(cand, p * (jnp.log(jnp.maximum(p, 1e-30)) - logq), 0).sum(-1)
-    has = cand.any(-1)
-    return jnp.where(has, kl, 0).sum() / jnp.maximum(has.sum(), 1)
