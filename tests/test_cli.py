@@ -83,9 +83,10 @@ def test_bench_train_json(capsys):
     assert main(["bench", "train", "--preset", "tiny", "--tokens", "64,256", "--iters", "1",
                  "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert set(res["measures"]) == {"sparse", "dense_mask"} == set(bench_train.ROWS)
+    impls = ("sparse", "dense_mask", "indexer_loss_dense", "indexer_loss_sparse")
+    assert set(res["measures"]) == set(impls) == set(bench_train.ROWS)
     rows = {(r["impl"], r["tokens"]): r for r in res["rows"]}
-    assert set(rows) == {(i, s) for i in ("sparse", "dense_mask") for s in (64, 256)}
+    assert set(rows) == {(i, s) for i in impls for s in (64, 256)}
     for r in rows.values():
         assert r["batch"] == 1 and r["note"] == "" and r["median_ms"] > 0, r
         assert r["temp_bytes"] > 0 and r["temp_bytes_per_token"] == r["temp_bytes"] / r["tokens"]
@@ -93,6 +94,8 @@ def test_bench_train_json(capsys):
     per_token = {k: r["temp_bytes_per_token"] for k, r in rows.items()}
     assert per_token["dense_mask", 256] > 2 * per_token["dense_mask", 64]
     assert rows["dense_mask", 256]["temp_bytes"] > rows["sparse", 256]["temp_bytes"]
+    # The dense indexer loss is taken in query tiles: no [S, S] tensor, flat per token.
+    assert per_token["indexer_loss_dense", 256] < 1.2 * per_token["indexer_loss_dense", 64]
 
 
 def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
@@ -100,7 +103,8 @@ def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
                  "--max-gib", "0.0001"]) == 0
     out = capsys.readouterr().out
     assert "sparse: jitted jax.value_and_grad" in out and "dense_mask: the same parameters" in out
-    assert out.count("not run: needs") == 4  # two rows, each logged and in the table
+    assert "indexer_loss_dense: jitted jax.value_and_grad of the layer's dense indexer loss" in out
+    assert out.count("not run: needs") == 8  # four rows, each logged and in the table
 
 
 def test_bench_train_dense_mask_is_the_same_function():
