@@ -97,7 +97,8 @@ def _checked(fn):
 def main(args) -> int:
     check(args)
     source = (f"checkpoint {Path(args.checkpoint).resolve()}" if args.checkpoint else
-              f"preset {args.preset} seed {args.seed}") + f" layer {args.layer}"
+              f"preset {args.preset} seed {args.seed}") + (
+        f" layer {args.layer}" if args.layer is not None else " first full layer")
     settings = settings_of(args, source)
     if args.out:  # the directory before the layer is loaded
         _checked(lambda: ti.check_out(Path(args.out), settings, args.resume))

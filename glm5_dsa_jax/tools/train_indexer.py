@@ -201,7 +201,8 @@ def captured_mass(layer: DsaAttention, x, mask=None) -> dict:
     b, s, _ = x.shape
     mask = jnp.ones((b, s), bool) if mask is None else jnp.asarray(mask, bool)
     _, topk = layer(x, attention_mask=mask)
-    mass = np.asarray(_pool_mass(layer, x, mask), np.float64)  # [B, S, P]
+    graphdef, state = nnx.split(layer)
+    mass = np.asarray(_pool_mass_fn(graphdef)(state, x, mask), np.float64)  # [B, S, P]
     first_key = np.asarray(jnp.argmax(mask, axis=1))  # a fresh cache's pool grid: the first valid slot
     topk, valid = np.asarray(topk), np.asarray(mask)
     n_pools = mass.shape[-1]
@@ -220,6 +221,12 @@ def captured_mass(layer: DsaAttention, x, mask=None) -> dict:
         raise ValueError(f"no query of these prompts has a choice: need more than {k} complete pools")
     return {"captured": float((sel / np.where(counted, best, 1))[counted].mean()),
             "best": float(best[counted].mean()), "queries": n}
+
+
+@functools.lru_cache(maxsize=16)
+def _pool_mass_fn(graphdef):
+    """``_pool_mass`` jitted, once per layer structure: ``(state, x, mask) -> [B, S, P]``."""
+    return jax.jit(lambda state, x, mask: _pool_mass(nnx.merge(graphdef, state), x, mask))
 
 
 def _pool_mass(layer: DsaAttention, x, mask):
@@ -399,7 +406,7 @@ def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, res
     nnx.update(layer, params)
     after = captured_mass(layer, held)
     if out is not None:
-        save_checkpoint({layer.layer_idx: layer}, out / LAYER_DIR)
+        save_checkpoint({layer.layer_idx: layer}, out / LAYER_DIR, overwrite=True)  # ours: a resume rewrites it
     return {"settings": dataclasses.asdict(settings), "layer_idx": layer.layer_idx, "before": before,
             "after": after, "records": records, "start_step": start,
             "seconds": round(time.perf_counter() - t0, 2)}
