@@ -283,7 +283,7 @@ from glm5_dsa_jax.cli import gpu_compile as cli_gpu_compile  # noqa: E402
 from glm5_dsa_jax.cli import host  # noqa: E402
 from glm5_dsa_jax.model.config import MODEL_TYPES, PRESETS  # noqa: E402
 from glm5_dsa_jax.tools import demo as demo_tool  # noqa: E402
-from glm5_dsa_jax.tools import train_indexer as train_tool  # noqa: E402
+from glm5_dsa_jax.tools import indexer_training as train_tool  # noqa: E402
 from glm5_dsa_jax.tools.gpu_compile import ToolchainMissing  # noqa: E402
 
 PROBES = {  # argv -> what the one line must say

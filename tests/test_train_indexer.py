@@ -1,4 +1,4 @@
-"""``glm5_dsa_jax.tools.train_indexer``: a resumed run is the uninterrupted run, training raises
+"""``glm5_dsa_jax.tools.indexer_training``: a resumed run is the uninterrupted run, training raises
 the captured mass from the random indexer's, the metric against a float64 numpy computation of
 its definition, the indexer's re-initialisation, and bad settings refused before any work."""
 
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax.tools import train_indexer as ti
+from glm5_dsa_jax.tools import indexer_training as ti
 from glm5_dsa_jax.checkpoint import load_for_demo
 from helpers import assert_trees_equal, f32_layer, params_np
 

@@ -2,7 +2,7 @@
 
 Each subcommand module registers its parser and holds its ``main(args)``; the work itself
 lives in the library (``glm5_dsa_jax.tools``: ``demo``, ``bench``, ``roofline``,
-``memory_plan``, ``cache_accuracy``, ``gpu_compile``, ``train_indexer``; ``glm5_dsa_jax.plan``,
+``memory_plan``, ``cache_accuracy``, ``gpu_compile``, ``indexer_training``; ``glm5_dsa_jax.plan``,
 ``glm5_dsa_jax.checkpoint``). Invariants:
 
 * ``glm5-dsa CMD --help`` is the reference of every command: each flag's help ends with its

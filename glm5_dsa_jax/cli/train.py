@@ -1,6 +1,6 @@
 """``glm5-dsa train-indexer``: the flags, the checks before any work, and the report.
 
-The work is ``glm5_dsa_jax.tools.train_indexer.train_indexer`` (the module doc says what a run
+The work is ``glm5_dsa_jax.tools.indexer_training.train_indexer`` (the module doc says what a run
 does and why its prompts are synthetic words); this module builds the layer, runs it and prints
 the report (a table, or one JSON object with ``--json``; the progress bar is on stderr either
 way). Every setting the preset, the checkpoint or ``--out`` cannot run with (a shared layer, a
@@ -16,7 +16,7 @@ from pathlib import Path
 import pallas_kernels as pk
 from glm5_dsa_jax.cli.args import UsageError, nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
-from glm5_dsa_jax.tools import train_indexer as ti
+from glm5_dsa_jax.tools import indexer_training as ti
 
 
 def add_parser(sub) -> None:
