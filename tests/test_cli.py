@@ -137,7 +137,7 @@ def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
     # A new run into it, or a resume with other settings: one line, exit 2, nothing changed.
     listing = sorted(str(p) for p in out.rglob("*"))
     assert main(argv) == 2
-    _one_line_error(capsys.readouterr().err, "holds a run (pass resume=True, --resume, to continue it)")
+    _one_line_error(capsys.readouterr().err, "holds a run (pass --resume to continue it)")
     assert main(argv[:6] + ["40"] + argv[7:] + ["--resume"]) == 2
     _one_line_error(capsys.readouterr().err, "--resume: the run in")
     assert sorted(str(p) for p in out.rglob("*")) == listing

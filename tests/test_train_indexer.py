@@ -48,7 +48,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
     # A resume with other settings, or a new run into a used directory: refused, nothing touched.
     with pytest.raises(ti.SettingsMismatch, match=r"tokens 32 -> 40"):
         ti.train_indexer(f32_layer(CFG), settings(tokens=40), out=tmp_path / "b", resume=True, progress=False)
-    with pytest.raises(ValueError, match=r"holds a run \(pass resume=True"):
+    with pytest.raises(ValueError, match=r"holds a run \(pass resume=True to continue it\)"):
         ti.train_indexer(f32_layer(CFG), st, out=tmp_path / "b", progress=False)
     with pytest.raises(ValueError, match="holds no run"):
         ti.train_indexer(f32_layer(CFG), st, out=tmp_path / "c", resume=True, progress=False)

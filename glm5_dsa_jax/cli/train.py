@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
                    help="steps of sparse training (sparse attention, KL over the selected pools)")
     p.add_argument("--batch", type=positive_int, default=4, help="prompts per step")
     p.add_argument("--tokens", type=positive_int, default=256, help="tokens per prompt")
-    p.add_argument("--lr", type=positive_float, default=1e-2, help="adam's learning rate")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="adam's learning rate (DeepSeek-V3.2's warm-up)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="seed of the indexer's re-initialisation, the prompts and a preset's weights")
     p.add_argument("--vocab", type=positive_int, default=16, help="distinct words in the synthetic prompts")
@@ -86,7 +86,7 @@ def _checked(fn):
     try:
         return fn()
     except (ValueError, FileNotFoundError) as e:
-        msg = str(e)
+        msg = str(e).replace("resume=True", "--resume")
         for word, flag in flags.items():
             if msg.startswith(word + " ") or msg.startswith(word + ":"):
                 msg = flag + msg[len(word):]

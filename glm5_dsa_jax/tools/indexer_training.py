@@ -317,7 +317,7 @@ def check_out(out: Path | None, settings: TrainSettings, resume: bool) -> None:
     run_file = out / RUN_FILE
     if not resume:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            what = "holds a run (pass resume=True, --resume, to continue it)" if run_file.is_file() else "is not empty"
+            what = "holds a run (pass resume=True to continue it)" if run_file.is_file() else "is not empty"
             raise ValueError(f"out {str(out)!r} {what}")
         return
     if not run_file.is_file():
