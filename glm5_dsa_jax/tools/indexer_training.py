@@ -33,8 +33,8 @@ Invariants:
   content-based preferences (a query word attends to the key words it scores highest), so a
   query's attention is peaked on the pools of a few words, a random indexer misses most of
   them, and the best top-k is learnable from the prompt's content. Runs aligned with the pool
-  grid make each pool one word. Measured on the tiny preset (docs/training.md, "Training the
-  indexer"): see ``glm5-dsa train-indexer --help``.
+  grid make each pool one word. The measured rise from the random indexer's captured mass is
+  in docs/training.md, "Training the indexer".
 """
 
 from __future__ import annotations
