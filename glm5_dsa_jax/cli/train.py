@@ -46,16 +46,18 @@ def add_parser(sub) -> None:
                    help="steps of sparse training (sparse attention, KL over the selected pools)")
     p.add_argument("--batch", type=positive_int, default=4, help="prompts per step")
     p.add_argument("--tokens", type=positive_int, default=256, help="tokens per prompt")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="adam's learning rate (DeepSeek-V3.2's warm-up)")
+    p.add_argument("--lr", type=positive_float, default=ti.TrainSettings.lr,
+                   help="adam's learning rate (DeepSeek-V3.2's warm-up)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="seed of the indexer's re-initialisation, the prompts and a preset's weights")
-    p.add_argument("--vocab", type=positive_int, default=16, help="distinct words in the synthetic prompts")
+    p.add_argument("--vocab", type=positive_int, default=ti.TrainSettings.vocab,
+                   help="distinct words in the synthetic prompts")
     p.add_argument("--out", default=None,
                    help="directory of the train state, run.json and the trained layer (default: none: "
                         "nothing saved)")
-    p.add_argument("--save-every", type=positive_int, default=50, help="steps between saved train states")
+    p.add_argument("--save-every", type=positive_int, default=ti.SAVE_EVERY, help="steps between saved train states")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    p.add_argument("--eval-prompts", type=positive_int, default=4,
+    p.add_argument("--eval-prompts", type=positive_int, default=ti.EVAL_PROMPTS,
                    help="held-out prompts the captured mass is measured on")
     p.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS),
                    help="the kernels' implementation")

@@ -61,7 +61,7 @@ from glm5_dsa_jax.model.layer import DsaAttention, DsaIndexer
 
 __all__ = ["TrainSettings", "SyntheticPrompts", "build_layer", "reinit_indexer", "captured_mass",
            "train_indexer", "load_train_state", "check_out", "STAGES", "STATE_DIR", "RUN_FILE", "LAYER_DIR",
-           "SettingsMismatch"]
+           "SAVE_EVERY", "EVAL_PROMPTS", "SettingsMismatch"]
 
 #: The two stages, in order: (the layer's ``attention=``, its ``indexer_loss=``) of each.
 STAGES: dict[str, tuple[str, str]] = {"dense": ("dense", "dense"), "sparse": ("sparse", "sparse")}
@@ -71,6 +71,8 @@ STAGES: dict[str, tuple[str, str]] = {"dense": ("dense", "dense"), "sparse": ("s
 STATE_DIR, RUN_FILE, LAYER_DIR = "state", "run.json", "layer"
 #: Train states kept (the newest): the last complete one survives an interrupted save.
 KEEP_STATES = 2
+#: ``train_indexer``'s (and the CLI's) defaults: steps between saved states, held-out prompts.
+SAVE_EVERY, EVAL_PROMPTS = 50, 4
 
 
 class SettingsMismatch(ValueError):
@@ -136,7 +138,7 @@ class SyntheticPrompts:
 
     TRAIN, HELD_OUT = 0, 1
 
-    def __init__(self, cfg: DsaConfig, seed: int, vocab: int = 16, noise: float = 0.1):
+    def __init__(self, cfg: DsaConfig, seed: int, vocab: int = TrainSettings.vocab, noise: float = 0.1):
         self.cfg, self.seed, self.vocab, self.noise = cfg, seed, vocab, noise
         self.words = np.random.default_rng([seed, 7]).standard_normal((vocab, cfg.hidden_size)).astype(np.float32)
 
@@ -337,7 +339,7 @@ def _write_run_file(out: Path, settings: TrainSettings) -> None:
 
 
 def train_indexer(layer: DsaAttention, settings: TrainSettings, *, out=None, resume: bool = False,
-                  save_every: int = 50, eval_prompts: int = 4, eval_every: int | None = None,
+                  save_every: int = SAVE_EVERY, eval_prompts: int = EVAL_PROMPTS, eval_every: int | None = None,
                   callback: Callable[[dict], None] | None = None, progress: bool = True) -> dict:
     """Train ``layer``'s indexer in place (module doc) and return the report.
 
