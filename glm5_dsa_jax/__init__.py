@@ -11,6 +11,8 @@ Public API (see README.md)::
     out, topk, paged = layer(x, attention_mask=mask, cache=paged)
     fp8 = layer.init_cache(batch_size=8, max_length=32768, dtype="fp8")  # e4m3 rows, row scales
     gd.shard_layer(layer, jax.make_mesh((2, 4), ("data", "tp")), "tp", batch_axis="data")
+    out, topk, loss = layer(x, attention_mask=mask, indexer_loss="dense")  # the indexer's loss
+    nnx.Optimizer(layer, optax.adam(1e-3), wrt=gd.INDEXER_PARAMS)        # train the indexer alone
 """
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
@@ -28,6 +30,7 @@ from glm5_dsa_jax.model.layer import (
     DsaAttention, DsaIndexer, absorb_o, absorb_q, clear_float32_copies, float32_params,
 )
 from glm5_dsa_jax.model.weights import WeightError, hf_to_params, params_to_hf
+from glm5_dsa_jax.model.indexer_loss import ATTENTION_PARAMS, INDEXER_PARAMS, indexer_param_mask
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "read_hf_params", "restore_checkpoint", "save_checkpoint",
@@ -35,5 +38,6 @@ __all__ = [
     "make_step", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
     "hf_weight_shapes", "float32_params", "clear_float32_copies",
     "TpPlan", "MemoryPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",
+    "INDEXER_PARAMS", "ATTENTION_PARAMS", "indexer_param_mask",
 ]
 __version__ = "0.1.0"

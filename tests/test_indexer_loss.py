@@ -31,6 +31,7 @@ checked:
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,8 +54,12 @@ IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=pytes
 #: The float32 loss against the float64 oracle: float32 logs / exps of the scores and of
 #: the attention logits, ``F32_VS_F64``'s budget (measured up to 3e-8 on losses of 0.02-0.14).
 LOSS_TOL = F32_VS_F64
-#: Peak temporary bytes per token, 16K over 4K tokens (linear memory: flat per token).
-MEMORY_GROWTH = 1.25
+#: Peak temporary bytes per token, 16K over 4K tokens (linear memory: flat per token;
+#: measured 1.005). The per-token base is ~315 KB at GLM-5.3-Flash dims, so a quadratic
+#: term shows as a few percent: the tiles' stacked ``[B, S, P]`` float32 score residuals
+#: (the loss tiles not checkpointed) measured 1.09, a ``[B, S, S]`` float32 tensor would
+#: add 48 KB per token (1.14), a ``[B, H, S, S]`` one hundreds of times more.
+MEMORY_GROWTH = 1.05
 
 
 # ---------------------------------------------------------------------------- oracle
@@ -221,7 +226,7 @@ def test_no_loss_query_gives_zero():
 
 
 # ---------------------------------------------------------------------------- gradients
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("implementation", IMPLS)
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_gradients_route_as_deepseek(mode, implementation):
     layer = make(implementation=implementation)
@@ -230,6 +235,11 @@ def test_gradients_route_as_deepseek(mode, implementation):
     (_, (loss, _, _)), (grads, dx) = f(params, x)
     grads = flat(grads)
     assert not np.asarray(dx).any()
+    if implementation != "xla":  # the kernels' backward (index_scores') gives "xla"'s gradients
+        fx, px = split_grad(make(), mode)
+        want = flat(fx(px, x)[1][0])
+        for k in want:
+            assert np.abs(grads[k] - want[k]).max() <= F32_REORDER * np.abs(want[k]).max(), k
     for k, g in grads.items():
         if k[0] == "indexer":
             assert np.abs(g).max() > 0, f"{k}: no gradient from the loss"
@@ -248,38 +258,49 @@ def test_gradients_route_as_deepseek(mode, implementation):
     assert all(np.abs(g).max() > 0 for k, g in g_out.items() if k[0] != "indexer")
 
 
-def _transposed_scopes(hlo: str) -> set[str]:
-    """The step scopes that appear in a transposed (backward) op's name in ``hlo``."""
-    names = set()
-    for line in hlo.splitlines():
-        if "transpose(" in line:
-            for scope in ("indexer_loss", "index_project", "compress_pools"):
-                if scope in line:
-                    names.add(scope)
-    return names
+def _backward_work(step, state) -> set[str]:
+    """What of the indexer's backward the program of ``step(state)`` runs: the
+    ``index_scores`` backward kernels it launches (``pallas_call`` names, any depth) and
+    ``"index_project"`` when a transposed op runs under that scope (its einsums'
+    transposes, at the top level of the program)."""
+    found = set()
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                name = str(e.params.get("name_and_src_info", e.params.get("name"))).split(" ")[0]
+                if name.startswith("index_scores_backward"):
+                    found.add(name)
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(step)(state).jaxpr)
+    if "transpose(jvp(index_project))" in jax.jit(step).lower(state).as_text(debug_info=True):
+        found.add("index_project")
+    return found
 
 
 def test_frozen_indexer_runs_no_indexer_backward():
-    layer = make()
+    layer = make(implementation="pallas_interpret")  # the scores' backward is a kernel there
     x, mask = batch()
     ct = jnp.asarray(np.random.default_rng(5).standard_normal((B, S, layer.cfg.hidden_size)), jnp.float32)
+    graphdef, state = nnx.split(layer)
 
     def total(layer, x):
         out, _, loss = layer(x, attention_mask=mask, indexer_loss="dense")
         return jnp.sum(out * ct) + loss
 
-    def hlo(wrt):
-        graphdef, state = nnx.split(layer)
+    def step(wrt):
+        return lambda state: nnx.grad(total, argnums=nnx.DiffState(0, wrt))(nnx.merge(graphdef, state), x)
 
-        def step(state):
-            return nnx.grad(total, argnums=nnx.DiffState(0, wrt))(nnx.merge(graphdef, state), x)
-
-        return jax.jit(step).lower(state).as_text(debug_info=True)
-
-    assert _transposed_scopes(hlo(ATTENTION_PARAMS)) == set()
-    assert _transposed_scopes(hlo(INDEXER_PARAMS)) >= {"indexer_loss", "index_project"}  # the check can fail
-    frozen = nnx.grad(total, argnums=nnx.DiffState(0, ATTENTION_PARAMS))(layer, jnp.asarray(x))
-    assert not any(p[0] == "indexer" for p in flat(frozen))
+    assert _backward_work(step(ATTENTION_PARAMS), state) == set()
+    assert _backward_work(step(INDEXER_PARAMS), state) == {  # the check can fail
+        "index_scores_backward_dq", "index_scores_backward_dk", "index_project"}
+    frozen = step(ATTENTION_PARAMS)(state)
     assert set(flat(frozen)) == set(flat(nnx.state(layer, ATTENTION_PARAMS)))
 
 
@@ -294,8 +315,7 @@ def test_filters_split_the_parameters():
 
 
 # ---------------------------------------------------------------------------- placement
-@pytest.mark.parametrize("mode", ["dense", "sparse"])
-@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+@pytest.mark.parametrize("shape,mode", [((2,), "dense"), ((2, 2), "sparse"), ((2, 2), "dense")])
 def test_placed_loss_and_gradients_equal_unplaced(shape, mode):
     x, _ = batch()
     f, params = split_grad(make(), mode, INDEXER_PARAMS)
@@ -322,20 +342,23 @@ def test_placed_loss_and_gradients_equal_unplaced(shape, mode):
 # ---------------------------------------------------------------------------- memory
 def test_dense_loss_memory_is_linear_in_the_context():
     """GLM-5.3-Flash dims, bf16, one row: the compiled gradient (indexer parameters) of the
-    dense loss, peak temporary bytes per token at 16K tokens over 4K."""
+    dense loss in the warm-up stage (``attention="dense"``), peak temporary bytes per token
+    at 16K tokens over 4K."""
+    attention = "dense"
     cfg = gd.DsaConfig.glm53_flash()
     layer_idx = next(i for i, t in enumerate(cfg.layer_types) if t == "indexed_attention")
     abstract = nnx.eval_shape(lambda: gd.DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, INDEXER_PARAMS, ...)
 
-    def loss(params, x):
-        return nnx.merge(graphdef, params, rest)(x, indexer_loss="dense")[2]
+    def loss(params, rest, x):
+        return nnx.merge(graphdef, params, rest)(x, attention=attention, indexer_loss="dense")[2]
 
     step = jax.jit(jax.grad(jax.checkpoint(loss, policy=remat_policy("selection"))))
     per_token = {}
     for tokens in (4096, 16384):
         x = jax.ShapeDtypeStruct((1, tokens, cfg.hidden_size), jnp.bfloat16)
-        per_token[tokens] = step.lower(params, x).compile().memory_analysis().temp_size_in_bytes / tokens
+        per_token[tokens] = step.lower(params, rest, x).compile().memory_analysis().temp_size_in_bytes / tokens
+    print(attention, per_token)
     assert per_token[16384] <= MEMORY_GROWTH * per_token[4096], per_token
 
 
