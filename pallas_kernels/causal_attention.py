@@ -21,10 +21,11 @@ glossary. Invariants:
   a serving format, as in ``sparse_mla``).
 
 Implementations: ``"xla"`` is an online softmax over key tiles of ``key_tile`` slots
-(``lax.scan`` with a ``jax.checkpoint``-ed step, differentiated by autodiff): the forward
-holds ``[B, Q, H, key_tile]`` scores at a time, never ``[B, Q, H, L]``, and the backward
-recomputes a tile's scores from the carries. The Pallas ones (``"pallas"``,
-``"mosaic"``, their interpret modes; ``"auto"`` is resolved first) call ``sparse_mla`` with
+(``lax.scan``) with the matching tiled backward (a ``jax.custom_vjp``, see the comment
+above ``_tile``): the forward and the backward hold ``[B, Q, H, key_tile]`` scores at a
+time, never ``[B, Q, H, L]``, and the forward saves only the output and its log-sum-exp.
+The Pallas ones (``"pallas"``, ``"mosaic"``, their interpret modes; ``"auto"`` is
+resolved first) call ``sparse_mla`` with
 the visible slots as ids, ``[B, Q, L]`` int32 in slot order with ``-1`` at the others (both
 kernels read exactly the valid ids of any layout and stop after the row's last one, so a
 query's work follows its own slot), so the Pallas forward *and* backward kernels run; the
@@ -34,11 +35,15 @@ caller tiles the queries to bound the ids. ``causal_mla_reference`` is the plain
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import Implementation, check_positive_int, check_rank, resolve_implementation
+from pallas_kernels._common import (
+    Implementation, check_positive_int, check_rank, eager_jit, resolve_implementation,
+)
 from pallas_kernels._dtypes import check_key_scale
 from pallas_kernels._mla import accumulation_dtype
 from pallas_kernels.attention import sparse_mla
@@ -64,11 +69,16 @@ def _check(q, latent, q_slots, key_valid, latent_scale) -> None:
     check_key_scale("latent", latent, "latent_scale", latent_scale, "[B, L]")
 
 
-def causal_visible(q_slots: jax.Array, key_valid: jax.Array) -> jax.Array:
-    """``[B, Q, L]`` bool: query ``t`` sees slot ``l`` (``l <= q_slots[b, t]`` and
-    ``key_valid[b, l]``); a padding query (``q_slots < 0``) sees nothing."""
-    slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
-    return key_valid[:, None, :] & (slots <= q_slots.astype(jnp.int32)[..., None])
+def causal_visible(q_slots: jax.Array, key_valid: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+    """``[B, Q, T]`` bool: query ``t`` sees key ``l`` (``slots[l] <= q_slots[b, t]`` and
+    ``key_valid[b, l]``); a padding query (``q_slots < 0``) sees nothing. ``key_valid [B,
+    T]`` says which of the keys at ``slots`` (``[T]`` or ``[B, T]`` int; default: slots
+    ``0 .. T - 1``, a whole row) hold a token. The one home of the dense attention's key
+    rule (``glm5_dsa_jax.model.attention_mass`` applies it tile by tile too)."""
+    if slots is None:
+        slots = jnp.arange(key_valid.shape[1], dtype=jnp.int32)
+    slots = jnp.broadcast_to(slots, key_valid.shape)
+    return key_valid[:, None, :] & (slots[:, None, :] <= q_slots.astype(jnp.int32)[..., None])
 
 
 def causal_mla_reference(
@@ -134,50 +144,125 @@ def causal_mla(
         rows = jnp.where(vis.any(1)[..., None], latent, jnp.zeros((), latent.dtype))
         return sparse_mla(q, rows, ids, latent_scale, scale=scale, value_width=v,
                           implementation=implementation)
-    return _causal_scan(q, latent, q_slots.astype(jnp.int32), key_valid, latent_scale,
-                        scale=scale, value_width=v, key_tile=key_tile)
-
-
-def _causal_scan(q, latent, q_slots, key_valid, latent_scale, *, scale, value_width, key_tile):
-    """``"xla"``: an online softmax over tiles of ``min(key_tile, L)`` slots."""
     b, nq, h, _ = q.shape
-    length = latent.shape[1]
-    if b * nq * h == 0 or length == 0:
-        return jnp.zeros((b, nq, h, value_width), q.dtype)
-    f = accumulation_dtype(q, latent)
-    tile = min(key_tile, length)
-    qf = q.astype(f)
-    last_query = q_slots.max(1)  # [B]: a row past every query's slot is never read
-    offsets = jnp.arange(tile, dtype=jnp.int32)
-    scales = None if latent_scale is None else lax.stop_gradient(latent_scale).astype(f)
+    if b * nq * h == 0 or latent.shape[1] == 0:
+        return jnp.zeros((b, nq, h, v), q.dtype)
+    if isinstance(scale, jax.core.Tracer):  # a traced scale: autodiff of the reference
+        return causal_mla_reference(q, latent, q_slots, key_valid, latent_scale, scale=scale, value_width=v)
+    return _causal_xla_eager(q, latent, q_slots.astype(jnp.int32), key_valid, latent_scale, scale=float(scale),
+                             value_width=v, tile=min(key_tile, latent.shape[1]))
 
-    @jax.checkpoint  # the backward recomputes a tile's scores: no [B, Q, H, L] residual
+
+# ------------------------------------------------------------------------------ "xla"
+# A flash-attention pair over key tiles of ``tile`` slots (tile ``i``: slots ``i*tile ...
+# + tile - 1``, the last one cut at ``L``). The forward is an online softmax carrying the
+# running max, sum and value accumulator ``[B, Q, H, V]``; it saves ``q``, ``latent``, the
+# output and its log-sum-exp ``lse [B, Q, H]``, nothing per slot. The backward recomputes a
+# tile's probabilities ``p = exp(z - lse)`` and, with ``D = d_out . out``: ``dz = p (d_out .
+# v_row * s_row - D)``, ``dq += scale * dz * s_row @ row``, ``drow = scale * (dz * s_row)^T
+# q + (p * s_row)^T d_out`` (value columns), tile by tile, so both directions hold ``[B, Q,
+# H, tile]`` at most. ``s_row`` is an fp8 row's scale (1 for a float row). A jax.custom_vjp
+# rather than autodiff of the scan: autodiff would save ``[B, Q, H, V]`` (or the
+# probabilities) per tile, ``O(L)`` per query and head.
+
+
+def _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile):
+    """Tile ``start .. start + tile - 1``: ``(rows [B, T, CR], row_scale [B, 1, 1, T] or
+    None, vis [B, Q, 1, T], z [B, Q, H, T])``, rows no query sees zeroed, ``z`` the scaled
+    scores (``-inf`` where not visible), all in the accumulation dtype."""
+    length = latent.shape[1]
+    f = accumulation_dtype(q, latent)
+    slots = start + jnp.arange(tile, dtype=jnp.int32)
+    safe = jnp.minimum(slots, length - 1)
+    last_query = q_slots.max(1)  # [B]: a row past every query's slot is never read
+    used = (slots < length)[None, :] & key_valid[:, safe] & (slots[None, :] <= last_query[:, None])
+    rows = jnp.where(used[..., None], _float_rows(jnp.take(latent, safe, axis=1), f), 0.0)
+    z = jnp.einsum("bqhc,btc->bqht", q.astype(f), rows, precision=_HI)
+    row_scale = None
+    if latent_scale is not None:  # sparse_mla's order: (q . row8) * s_row * scale
+        row_scale = jnp.where(used, lax.stop_gradient(latent_scale).astype(f)[:, safe], 0.0)[:, None, None, :]
+        z = z * row_scale
+    vis = causal_visible(q_slots, used, slots)[:, :, None, :]
+    return rows, row_scale, vis, jnp.where(vis, z * scale, -jnp.inf)
+
+
+def _over_tiles(step, length, tile):
+    """``lax.scan`` of ``step(carry, start)`` over the tiles, the first one peeled to start
+    the carry (so the carry has the operands' type, varying over a ``shard_map``'s axes):
+    ``(carry, ys stacked [n_tiles, ...])``."""
+    carry, y0 = step(None, jnp.int32(0))
+    carry, ys = lax.scan(step, carry, jnp.arange(tile, length, tile, dtype=jnp.int32))
+    return carry, jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), y0, ys)
+
+
+def _forward(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile):
+    """``(out [B, Q, H, V] in q's dtype, lse [B, Q, H])``, ``lse = -inf`` where no key."""
+
     def step(carry, start):
-        slots = start + offsets
-        safe = jnp.minimum(slots, length - 1)
-        used = (slots < length)[None, :] & key_valid[:, safe] & (slots[None, :] <= last_query[:, None])
-        rows = jnp.where(used[..., None], _float_rows(jnp.take(latent, safe, axis=1), f), 0.0)
-        s = jnp.einsum("bqhc,btc->bqht", qf, rows, precision=_HI)
-        if scales is not None:  # sparse_mla's order: (q . row8) * s_row * scale
-            row_scale = jnp.where(used, scales[:, safe], 0.0)[:, None, None, :]
-            s = s * row_scale
-        vis = (used[:, None, :] & (slots <= q_slots[..., None]))[:, :, None, :]  # [B, Q, 1, T]
-        s = jnp.where(vis, s * scale, -jnp.inf)
-        # The running max only steadies the exponentials; the result does not depend on it.
-        m_tile = lax.stop_gradient(s.max(-1))
-        m_new = m_tile if carry is None else jnp.maximum(carry[0], m_tile)
+        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile)
+        m_new = z.max(-1) if carry is None else jnp.maximum(carry[0], z.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
-        pv = p if scales is None else p * row_scale
+        p = jnp.where(vis, jnp.exp(z - m_safe[..., None]), 0.0)
+        pv = p if row_scale is None else p * row_scale
         acc = jnp.einsum("bqht,btc->bqhc", pv, rows[..., :value_width], precision=_HI)
         l = p.sum(-1)
-        if carry is not None:  # rescale the previous tiles' sums to the new max
+        if carry is not None:  # the previous tiles' sums, rescaled to the new max
             alpha = jnp.exp(carry[0] - m_safe)
             l = l + carry[1] * alpha
             acc = acc + carry[2] * alpha[..., None]
         return (m_new, l, acc), None
 
-    # The first tile starts the carry (so it has q's type, varying over a shard_map's axes).
-    carry0, _ = step(None, jnp.int32(0))
-    (_, l, acc), _ = lax.scan(step, carry0, jnp.arange(tile, length, tile, dtype=jnp.int32))
-    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
+    (m, l, acc), _ = _over_tiles(step, latent.shape[1], tile)
+    safe = jnp.where(l > 0, l, 1.0)
+    return (acc / safe[..., None]).astype(q.dtype), jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _causal_xla(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile):
+    return _forward(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile)[0]
+
+
+def _causal_xla_fwd(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile):
+    out, lse = _forward(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile)
+    return out, (q, latent, q_slots, key_valid, latent_scale, out, lse)
+
+
+def _causal_xla_bwd(scale, value_width, tile, residuals, d_out):
+    q, latent, q_slots, key_valid, latent_scale, out, lse = residuals
+    f = accumulation_dtype(q, latent)
+    qf, d_out = q.astype(f), d_out.astype(f)
+    delta = jnp.sum(d_out * out.astype(f), -1)  # D [B, Q, H]
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # no key: every p below is masked to 0
+
+    def step(dq, start):
+        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile)
+        p = jnp.where(vis, jnp.exp(z - lse[..., None]), 0.0)
+        pv = p if row_scale is None else p * row_scale  # the weight of a row's value
+        dp = jnp.einsum("bqhc,btc->bqht", d_out, rows[..., :value_width], precision=_HI)
+        if row_scale is not None:
+            dp = dp * row_scale
+        dz = p * (dp - delta[..., None]) * scale
+        if row_scale is not None:
+            dz = dz * row_scale
+        dq_tile = jnp.einsum("bqht,btc->bqhc", dz, rows, precision=_HI)
+        drows = jnp.einsum("bqht,bqhc->btc", dz, qf, precision=_HI)
+        drows = drows.at[..., :value_width].add(jnp.einsum("bqht,bqhc->btc", pv, d_out, precision=_HI))
+        return (dq_tile if dq is None else dq + dq_tile), drows
+
+    length = latent.shape[1]
+    dq, drows = _over_tiles(step, length, tile)  # drows [n_tiles, B, T, CR]
+    if latent.dtype.itemsize == 1:  # an fp8 cache: no gradient (sparse_mla's rule)
+        dlatent = jnp.zeros_like(latent)
+    else:  # the tiles are consecutive from slot 0; rows no query sees were zeroed: 0
+        b, _, cr = latent.shape
+        dlatent = jnp.moveaxis(drows, 0, 1).reshape(b, -1, cr)[:, :length].astype(latent.dtype)
+    return dq.astype(q.dtype), dlatent, None, None, None
+
+
+_causal_xla.defvjp(_causal_xla_fwd, _causal_xla_bwd)
+
+
+@eager_jit("scale", "value_width", "tile")
+def _causal_xla_eager(q, latent, q_slots, key_valid, latent_scale, *, scale, value_width, tile):
+    """``_causal_xla`` as one compiled program when called eagerly (inlined when traced)."""
+    return _causal_xla(q, latent, q_slots, key_valid, latent_scale, scale, value_width, tile)

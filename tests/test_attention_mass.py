@@ -17,6 +17,7 @@ from glm5_dsa_jax.cache.fp8 import quantize_rows
 from glm5_dsa_jax.model import attention_mass as am
 from glm5_dsa_jax.model.attention_mass import dense_pool_mass, sparse_pool_mass
 from helpers import tp_mesh
+from test_causal_mla import _largest_intermediate
 
 SCALE = 0.37
 B, Q, H, CR, L = 2, 5, 4, 12, 13
@@ -212,3 +213,16 @@ def test_tp2_equals_unsharded():
 def test_bad_input_names_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call(_case(0))
+
+
+def test_dense_mass_memory_is_a_key_tile_per_head():
+    # Nothing as large as [B, Q, H, L] in the program (Q * H > CR, so the latent is smaller).
+    rng = np.random.default_rng(9)
+    length, nq, heads = 96, 6, 4
+    q = jnp.asarray(rng.normal(size=(B, nq, heads, CR)).astype(np.float32))
+    latent = jnp.asarray(rng.normal(size=(B, length, CR)).astype(np.float32))
+    q_slots = jnp.asarray(np.full((B, nq), length - 1, np.int32))
+    jaxpr = jax.make_jaxpr(lambda q, lat: dense_pool_mass(
+        q, lat, q_slots, jnp.ones((B, length), bool), jnp.zeros((B,), jnp.int32), kpool=4,
+        n_pools=length // 4, scale=SCALE, key_tile=8))(q, latent).jaxpr
+    assert 0 < _largest_intermediate(jaxpr) < B * nq * heads * length

@@ -6,7 +6,8 @@ computes that mass, a constant of the loss (everything is under ``stop_gradient`
 indexer learns from it, nothing learns through it), in plain JAX, for the two stages:
 
 * ``dense_pool_mass`` (the dense warm-up): the softmax over *every* key a query sees
-  (``slot <= q_slots[b, t]`` and ``key_valid[b, slot]``), summed over the ``KP`` slots of
+  (``slot <= q_slots[b, t]`` and ``key_valid[b, slot]``: ``pallas_kernels.causal_visible``,
+  the key set of ``causal_mla``, the dense attention itself), summed over the ``KP`` slots of
   pool ``j`` (slots ``first_key[b] + j*KP ... + KP - 1``, the contiguous cache's pool grid;
   a fresh cache's slots are the prompt's positions) -> ``[B, Q, P]``.
 * ``sparse_pool_mass`` (sparse training): the softmax ``sparse_mla`` itself uses, over the
@@ -48,6 +49,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+import pallas_kernels as pk
 
 __all__ = ["dense_pool_mass", "sparse_pool_mass", "ID_TILE"]
 
@@ -150,7 +153,7 @@ def dense_pool_mass(q, latent, q_slots, key_valid, first_key, latent_scale=None,
         if latent_scale is not None:  # sparse_mla's order: (q . row8) * s_row * scale
             s = s * _take_rows(lax.stop_gradient(latent_scale).astype(f32), safe)[:, None, None, :]
         seen = inside & _take_rows(key_valid, safe)  # [B, T]
-        vis = (seen[:, None, :] & (slots[:, None, :] <= q_slots[..., None]))[:, :, None, :]
+        vis = pk.causal_visible(q_slots, seen, slots)[:, :, None, :]
         return jnp.where(vis, s * scale, -jnp.inf), vis
 
     # Pass 1: the log-sum-exp of every head's scores over every slot, an online softmax.
