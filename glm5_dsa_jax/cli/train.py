@@ -31,8 +31,10 @@ def add_parser(sub) -> None:
     With --out the train state (indexer parameters, adam's state, step) is saved by orbax
     every --save-every steps and at the end, and the trained layer to OUT/layer (glm5-dsa demo
     --checkpoint OUT/layer runs it); --resume continues an interrupted run with exactly the
-    losses the uninterrupted run has. The tiny preset's default run takes about a minute on a
-    CPU: the captured mass rises from about 0.57 (the random indexer) to about 0.9."""
+    losses the uninterrupted run has. Measured on the tiny preset (docs/training.md): the
+    defaults (100 + 100 steps at lr 1e-3, under a minute on a CPU) raise the captured mass
+    from 0.570 (the random indexer) to 0.884; --warmup-steps 30 --sparse-steps 10 --lr 1e-2
+    to 0.906."""
     p = sub.add_parser("train-indexer", help="train a layer's indexer (dense warm-up, then sparse)",
                        description=add_parser.__doc__)
     p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="a model preset, random weights")
