@@ -83,9 +83,10 @@ def test_bench_train_json(capsys):
     assert main(["bench", "train", "--preset", "tiny", "--tokens", "64,256", "--iters", "1",
                  "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert set(res["measures"]) == {"sparse", "dense_mask"} == set(bench_train.ROWS)
+    impls = ("sparse", "dense_mask", "indexer_loss_dense", "indexer_loss_sparse")
+    assert set(res["measures"]) == set(impls) == set(bench_train.ROWS)
     rows = {(r["impl"], r["tokens"]): r for r in res["rows"]}
-    assert set(rows) == {(i, s) for i in ("sparse", "dense_mask") for s in (64, 256)}
+    assert set(rows) == {(i, s) for i in impls for s in (64, 256)}
     for r in rows.values():
         assert r["batch"] == 1 and r["note"] == "" and r["median_ms"] > 0, r
         assert r["temp_bytes"] > 0 and r["temp_bytes_per_token"] == r["temp_bytes"] / r["tokens"]
@@ -93,6 +94,8 @@ def test_bench_train_json(capsys):
     per_token = {k: r["temp_bytes_per_token"] for k, r in rows.items()}
     assert per_token["dense_mask", 256] > 2 * per_token["dense_mask", 64]
     assert rows["dense_mask", 256]["temp_bytes"] > rows["sparse", 256]["temp_bytes"]
+    # The dense indexer loss is taken in query tiles: no [S, S] tensor, flat per token.
+    assert per_token["indexer_loss_dense", 256] < 1.2 * per_token["indexer_loss_dense", 64]
 
 
 def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
@@ -100,7 +103,8 @@ def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
                  "--max-gib", "0.0001"]) == 0
     out = capsys.readouterr().out
     assert "sparse: jitted jax.value_and_grad" in out and "dense_mask: the same parameters" in out
-    assert out.count("not run: needs") == 4  # two rows, each logged and in the table
+    assert "indexer_loss_dense: jitted jax.value_and_grad of the layer's dense indexer loss" in out
+    assert out.count("not run: needs") == 8  # four rows, each logged and in the table
 
 
 def test_bench_train_dense_mask_is_the_same_function():
@@ -119,6 +123,28 @@ def test_bench_train_dense_mask_is_the_same_function():
         a, b = np.asarray(gs[name][...]), np.asarray(gdn[name][...])
         assert np.abs(a).max() > 0, name
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5 * np.abs(a).max(), err_msg=name)
+
+
+def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train-indexer", "--warmup-steps", "2", "--sparse-steps", "0", "--tokens", "32", "--batch", "1",
+            "--out", str(out)]
+    assert main(argv + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [r["stage"] for r in res["records"]] == ["dense", "dense"] and res["start_step"] == 0
+    assert 0 < res["before"]["captured"] <= 1 and res["after"]["queries"] == res["before"]["queries"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["layer", "run.json", "state"]
+    # A new run into it, or a resume with other settings: one line, exit 2, nothing changed.
+    listing = sorted(str(p) for p in out.rglob("*"))
+    assert main(argv) == 2
+    _one_line_error(capsys.readouterr().err, "holds a run (pass --resume to continue it)")
+    assert main(argv[:6] + ["40"] + argv[7:] + ["--resume"]) == 2
+    _one_line_error(capsys.readouterr().err, "--resume: the run in")
+    assert sorted(str(p) for p in out.rglob("*")) == listing
+    # Resuming the finished run: no step left, the same report (the table).
+    assert main(argv + ["--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "resumed at step 2" in text and f"after {res['after']['captured']:.3f}" in text
 
 
 def test_gpu_check_train_runs_on_cpu():
@@ -257,6 +283,7 @@ from glm5_dsa_jax.cli import gpu_compile as cli_gpu_compile  # noqa: E402
 from glm5_dsa_jax.cli import host  # noqa: E402
 from glm5_dsa_jax.model.config import MODEL_TYPES, PRESETS  # noqa: E402
 from glm5_dsa_jax.tools import demo as demo_tool  # noqa: E402
+from glm5_dsa_jax.tools import indexer_training as train_tool  # noqa: E402
 from glm5_dsa_jax.tools.gpu_compile import ToolchainMissing  # noqa: E402
 
 PROBES = {  # argv -> what the one line must say
@@ -285,6 +312,14 @@ PROBES = {  # argv -> what the one line must say
     "convert a b --tp 0": "argument --tp: must be a positive integer",
     "convert a b --layers 1,-3": "argument --layers: expected comma-separated layer indices >= 0",
     "plan --tp -8": "argument --tp: must be a positive integer",
+    "train-indexer --tokens 16": "--tokens 16 leave no query a choice: at least 20",
+    "train-indexer --tokens 8192": "--tokens 8,192 exceed max_position_embeddings=4,096",
+    "train-indexer --resume": "--resume needs --out",
+    "train-indexer --warmup-steps 0 --sparse-steps 0": "nothing to train",
+    "train-indexer --layer 2": "--layer 2 is no full-indexer DSA layer of preset tiny: expected one of [1]",
+    "train-indexer --lr 0": "argument --lr: must be a finite number > 0",
+    "train-indexer --batch 0": "argument --batch: must be a positive integer",
+    "train-indexer --sparse-steps -1": "argument --sparse-steps: must be a non-negative integer",
 }
 
 
@@ -300,6 +335,7 @@ def test_bad_flags_are_one_line_and_exit_2_before_any_work(argv, capsys, tmp_pat
     for name in ("run", "filled_cache"):  # no benchmark work starts
         monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("bench ran"))
     monkeypatch.setattr(bench_train, "run", lambda *a, **k: pytest.fail("bench train ran"))
+    monkeypatch.setattr(train_tool, "train_indexer", lambda *a, **k: pytest.fail("train-indexer ran"))
     monkeypatch.setattr(demo_tool, "build_layers", lambda *a, **k: pytest.fail("demo built layers"))
     monkeypatch.setattr(cli_gpu_compile, "toolchain", lambda: pytest.fail("toolchain read first"))
     assert main(argv.split()) == 2

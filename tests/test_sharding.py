@@ -452,5 +452,9 @@ def test_notebook_runs(tmp_path, monkeypatch):
     # 5. data parallelism, 6. the selection picture (bf16 and fp8 caches); public API only.
     assert "top-k equal to unsharded: True" in text and "data=2 x tp=4" in text
     assert text.count("image/png") >= 2 and "cells selected by bf16" in text
+    # 7. training the indexer: the loss and captured-mass plot, and the mass rising.
+    m = re.search(r"captured mass on held-out prompts: before ([0-9.]+), after ([0-9.]+)", text)
+    assert m and float(m.group(2)) > float(m.group(1)) + 0.15, m
+    assert text.count("image/png") >= 3
     code = "".join(c.source for c in nb.cells if c.cell_type == "code")
     assert not re.search(r"\._[a-z]", code), "the notebook reaches a private name"

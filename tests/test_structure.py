@@ -219,6 +219,8 @@ def test_public_names_finds_what_the_rule_would_catch():
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("glm5_dsa_jax.checkpoint.orbax_io", "orbax.checkpoint"):
         "1-2 s to import; every `import glm5_dsa_jax` would pay it (orbax_io._orbax)",
+    ("glm5_dsa_jax.tools.indexer_training", "orbax.checkpoint"):
+        "1-2 s to import; every `glm5-dsa` command would pay it (indexer_training._orbax)",
     ("glm5_dsa_jax.tools.gpu_compile.ptxas", "nvidia.cuda_nvcc"):
         "optional (the gpu-compile extra): its absence means ptxas from PATH",
     ("glm5_dsa_jax.tools.bench", "torch"): "the HF baseline: torch is a test extra, absent on Python 3.12",

@@ -2,7 +2,7 @@
 
 Each subcommand module registers its parser and holds its ``main(args)``; the work itself
 lives in the library (``glm5_dsa_jax.tools``: ``demo``, ``bench``, ``roofline``,
-``memory_plan``, ``cache_accuracy``, ``gpu_compile``; ``glm5_dsa_jax.plan``,
+``memory_plan``, ``cache_accuracy``, ``gpu_compile``, ``indexer_training``; ``glm5_dsa_jax.plan``,
 ``glm5_dsa_jax.checkpoint``). Invariants:
 
 * ``glm5-dsa CMD --help`` is the reference of every command: each flag's help ends with its
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm5_dsa_jax.cli import accuracy, bench, convert, demo, gpu_compile, host, plan, roofline
+from glm5_dsa_jax.cli import accuracy, bench, convert, demo, gpu_compile, host, plan, roofline, train
 from glm5_dsa_jax.cli.args import Parser, UsageError
 
 DESCRIPTION = """\
@@ -35,6 +35,7 @@ examples:
   glm5-dsa plan --tp 8 --context 131072         shard plan and memory per device
   glm5-dsa roofline --gpu h200 --context 131072 bytes, FLOPs and bound time per kernel
   glm5-dsa bench decode --preset tiny --contexts 256,1024
+  glm5-dsa train-indexer --out run1             train the tiny layer's indexer, about a minute
 
 environment: on a host without a GPU (no /dev/nvidia<N>, no nvidia-smi) the command pins
 jax to the CPU unless JAX_PLATFORMS is set, so an installed CUDA plugin prints no "Unable to
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``glm5-dsa`` parser with every subcommand."""
     parser = Parser(prog="glm5-dsa", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    for module in (demo, bench, plan, convert, roofline, accuracy, gpu_compile):
+    for module in (demo, bench, plan, convert, roofline, accuracy, gpu_compile, train):
         module.add_parser(sub)
     return parser
 

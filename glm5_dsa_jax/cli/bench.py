@@ -68,7 +68,9 @@ def _add_train_parser(benchmarks) -> None:
         "parameters (sparse: the layer's own call) and of the dense-mask formulation MaxText trains "
         "with (same parameters and selection, attention over every key with the top-k as a dense "
         "mask), per batch size and token count; print each compiled step's scratch memory (total "
-        "and per token) and, where the step fits --max-gib, its median time (what each row "
+        "and per token) and, where the step fits --max-gib, its median time; and the indexer loss's "
+        "step of glm5-dsa train-indexer's two stages, dense and sparse, w.r.t. the indexer's parameters "
+        "(what each row "
         "measures: glm5_dsa_jax.tools.bench_train). Progress lines go to stdout, or to stderr "
         "with --json.")
     t.add_argument("--tokens", type=positive_int_list, default="4096,16384",
@@ -163,11 +165,11 @@ def main_train(args) -> int:
         print(f"{impl}: {what}")
     print(f"(timed where the step needs at most {res['max_bytes'] / 2**30:.2f} GiB; "
           f"{res['dtype']} on {res['device']})\n")
-    print(f"{'impl':<11} {'batch':>5} {'tokens':>7} {'temp MiB':>10} {'KiB/token':>10} "
+    print(f"{'impl':<19} {'batch':>5} {'tokens':>7} {'temp MiB':>10} {'KiB/token':>10} "
           f"{'compile s':>9} {'median ms':>10}  note")
     for r in res["rows"]:
         ms = f"{r['median_ms']:10.1f}" if r["median_ms"] is not None else f"{'-':>10}"
-        print(f"{r['impl']:<11} {r['batch']:>5} {r['tokens']:>7} {r['temp_bytes'] / 2**20:10.1f} "
+        print(f"{r['impl']:<19} {r['batch']:>5} {r['tokens']:>7} {r['temp_bytes'] / 2**20:10.1f} "
               f"{r['temp_bytes_per_token'] / 1024:10.2f} {r['compile_s']:9.1f} {ms}  {r['note']}")
     by = {(r["impl"], r["batch"], r["tokens"]): r for r in res["rows"]}
     s0, s1 = args.tokens[0], args.tokens[-1]
@@ -176,4 +178,7 @@ def main_train(args) -> int:
         print(f"B={b}: sparse temp per token {s1} / {s0} = "
               f"{sp1['temp_bytes_per_token'] / sp0['temp_bytes_per_token']:.2f}x; "
               f"dense_mask / sparse temp at {s1} = {dn1['temp_bytes'] / sp1['temp_bytes']:.1f}x")
+        il0, il1 = by[("indexer_loss_dense", b, s0)], by[("indexer_loss_dense", b, s1)]
+        print(f"B={b}: dense indexer loss temp per token {s1} / {s0} = "
+              f"{il1['temp_bytes_per_token'] / il0['temp_bytes_per_token']:.2f}x")
     return 0

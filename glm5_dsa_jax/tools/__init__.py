@@ -2,8 +2,9 @@
 
 ``bench`` (the decode benchmark), ``roofline`` (bytes, FLOPs and bound time per kernel),
 ``cache_accuracy`` (fp8 cache against bf16 cache), ``demo`` (a padded batch, prefill then
-decode), ``memory_plan`` (per-device weights and caches on a mesh) and ``gpu_compile``
-(deviceless compile of every Pallas kernel for NVIDIA GPUs). Each imports the layer, its
+decode), ``memory_plan`` (per-device weights and caches on a mesh), ``gpu_compile``
+(deviceless compile of every Pallas kernel for NVIDIA GPUs) and ``indexer_training``
+(``train_indexer``: the lightning indexer's two training stages, ``glm5-dsa train-indexer``). Each imports the layer, its
 caches and kernels; nothing in the layer imports a tool, so the layer runs without them
 (``glm5_dsa_jax.MemoryPlan`` is the one tool name the package re-exports). ``glm5_dsa_jax.cli``
 parses the flags and prints; the work and its documentation live here.

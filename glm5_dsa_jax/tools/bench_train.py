@@ -18,6 +18,13 @@ cotangent ``g [B, S, hidden]``, and compiles, per row (``ROWS``, each row's ``me
   call's ``topk``, computed once outside the gradient: integers, no gradient either way),
   ``mla_masked_attention`` (scores ``[B, S, H, S]`` in float32), then ``output_projection``.
   The indexer's parameters get no gradient in either row (no indexer loss).
+* ``indexer_loss_dense`` / ``indexer_loss_sparse``: a step of ``glm5-dsa train-indexer``'s
+  two stages without the optimiser: ``jax.jit(jax.value_and_grad)`` of the layer's indexer
+  loss (``layer(x, attention="dense", indexer_loss="dense")``, the warm-up; ``"sparse"``
+  for both, sparse training) w.r.t. the indexer's parameters only (``INDEXER_PARAMS``; the
+  rest of the layer is an argument, not a constant of the program). The dense loss is taken
+  in query tiles with the attention's log-sum-exp, so its scratch memory per token should
+  stay flat in the context where the dense mask's grows.
 
 The loss is a fixed random projection of the output, so the output's gradient is dense
 and does not depend on the output (a squared loss would fold the forward into it).
@@ -50,10 +57,11 @@ from flax import nnx
 
 import pallas_kernels as pk
 from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.indexer_loss import INDEXER_PARAMS
 from glm5_dsa_jax.model.layer import DsaAttention
 
-__all__ = ["ROWS", "run", "train_layer", "sparse_step", "dense_mask_step", "default_max_bytes",
-           "check_tokens"]
+__all__ = ["ROWS", "run", "train_layer", "sparse_step", "dense_mask_step", "indexer_loss_step",
+           "default_max_bytes", "check_tokens"]
 
 #: Each row of the benchmark and what it measures (printed by the CLI, in the JSON).
 ROWS: dict[str, str] = {
@@ -62,6 +70,11 @@ ROWS: dict[str, str] = {
     "dense_mask": "the same parameters and selection, attention over every key with the top-k "
                   "as a dense [B, S, S] mask (scores [B, S, H, S], MaxText's formulation), "
                   "forward + backward",
+    "indexer_loss_dense": "jitted jax.value_and_grad of the layer's dense indexer loss (attention="
+                          "'dense', indexer_loss='dense': the warm-up stage) w.r.t. the indexer's "
+                          "parameters only",
+    "indexer_loss_sparse": "the same with attention='sparse', indexer_loss='sparse' (sparse training: "
+                           "the KL over the selected pools)",
 }
 
 
@@ -134,6 +147,19 @@ def dense_mask_step(layer: DsaAttention):
     return jax.jit(jax.value_and_grad(loss)), params
 
 
+def indexer_loss_step(layer: DsaAttention, mode: str):
+    """``(step, params, rest)``: ``step(params, rest, x) -> (loss, grads)``, jitted, of the
+    layer's indexer loss in ``mode`` (``"dense"`` or ``"sparse"``, the attention's and the
+    loss's) w.r.t. the indexer's parameters ``params`` (rows ``"indexer_loss_<mode>"``)."""
+    graphdef, params, rest = nnx.split(layer, INDEXER_PARAMS, ...)
+
+    def loss(params, rest, x):
+        _, _, value = nnx.merge(graphdef, params, rest)(x, attention=mode, indexer_loss=mode)
+        return value
+
+    return jax.jit(jax.value_and_grad(loss)), params, rest
+
+
 def _memory(compiled) -> dict:
     m = compiled.memory_analysis()
     if m is None:
@@ -155,8 +181,8 @@ def _median_ms(fn, args, iters: int) -> float:
 
 def run(preset: str, tokens: list[int], batches: list[int], iters: int, implementation: str = "xla",
         log=print, max_bytes: int | None = None, dtype: str = "bfloat16") -> dict:
-    """The benchmark's rows (see the module doc): per batch size and token count, ``sparse``
-    then ``dense_mask``, each ``dict(impl, batch, tokens, temp_bytes, temp_bytes_per_token,
+    """The benchmark's rows (see the module doc): per batch size and token count, ``sparse``,
+    ``dense_mask``, ``indexer_loss_dense`` then ``indexer_loss_sparse`` (``ROWS``), each ``dict(impl, batch, tokens, temp_bytes, temp_bytes_per_token,
     argument_bytes, output_bytes, compile_s, median_ms, note)``. ``max_bytes``: the most a
     timed step may need (None: ``default_max_bytes()``)."""
     cfg = DsaConfig.preset(preset)
@@ -166,6 +192,7 @@ def run(preset: str, tokens: list[int], batches: list[int], iters: int, implemen
     layer = train_layer(preset, implementation, jnp.dtype(dtype))
     sparse, params = sparse_step(layer)
     dense, _ = dense_mask_step(layer)
+    losses = {mode: indexer_loss_step(layer, mode) for mode in ("dense", "sparse")}
     rows = []
     for b in batches:
         for s in tokens:
@@ -173,8 +200,10 @@ def run(preset: str, tokens: list[int], batches: list[int], iters: int, implemen
             x = jax.random.normal(kx, (b, s, cfg.hidden_size), jnp.float32).astype(layer.dtype)
             g = jax.random.normal(kg, (b, s, cfg.hidden_size), jnp.float32)
             topk = jax.ShapeDtypeStruct((b, s, cfg.out_width), jnp.int32)
-            for impl, fn, args in (("sparse", sparse, (params, x, g)),
-                                   ("dense_mask", dense, (params, x, g, topk))):
+            steps = [("sparse", sparse, (params, x, g)), ("dense_mask", dense, (params, x, g, topk))]
+            steps += [(f"indexer_loss_{mode}", fn, (iparams, rest, x))
+                      for mode, (fn, iparams, rest) in losses.items()]
+            for impl, fn, args in steps:
                 t0 = time.perf_counter()
                 compiled = fn.lower(*args).compile()
                 row = dict(impl=impl, batch=b, tokens=s, **_memory(compiled),
@@ -191,7 +220,7 @@ def run(preset: str, tokens: list[int], batches: list[int], iters: int, implemen
                     del args
                 rows.append(row)
                 ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.1f} ms"
-                log(f"{impl:<10} B={b:<2} S={s:<7} temp {row['temp_bytes'] / 2**20:10.1f} MiB "
+                log(f"{impl:<19} B={b:<2} S={s:<7} temp {row['temp_bytes'] / 2**20:10.1f} MiB "
                     f"({row['temp_bytes_per_token'] / 1024:8.1f} KiB/token)  {ms:>12}  {row['note']}")
     return {"rows": rows, "measures": ROWS, "preset": preset, "implementation": implementation,
             "dtype": jnp.dtype(layer.dtype).name, "max_bytes": int(max_bytes),
