@@ -145,6 +145,14 @@ def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
     assert main(argv + ["--resume"]) == 0
     text = capsys.readouterr().out
     assert "resumed at step 2" in text and f"after {res['after']['captured']:.3f}" in text
+    # The trained layer is a checkpoint: a new run from it re-initialises the indexer (the
+    # same seed, so the same random indexer) over the checkpoint's attention, which is the
+    # seed-0 tiny layer's: the same 'before' figure, from the checkpoint's parameters.
+    again = tmp_path / "again"
+    assert main(argv[:-2] + ["--checkpoint", str(out / "layer"), "--out", str(again), "--json"]) == 0
+    res2 = json.loads(capsys.readouterr().out)
+    assert res2["settings"]["source"].startswith(f"checkpoint {out / 'layer'}")
+    assert res2["before"] == res["before"] and [r["loss"] for r in res2["records"]] == [r["loss"] for r in res["records"]]
 
 
 def test_gpu_check_train_runs_on_cpu():

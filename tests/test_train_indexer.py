@@ -156,3 +156,16 @@ def test_build_layer_refuses_a_shared_layer():
     assert ti.build_layer("tiny").layer_idx == 1
     with pytest.raises(ValueError, match="'shared' layer: it has no indexer"):
         ti.reinit_indexer(gd.DsaAttention(CFG, 2, rngs=nnx.Rngs(0)), 0)
+
+
+def test_build_layer_reads_the_checkpoint(tmp_path):
+    # The layer of a checkpoint is the saved one (not the preset's seed): every parameter,
+    # its indexer included (train_indexer re-initialises the indexer after, seeded).
+    saved = f32_layer(CFG, 1, seed=7)
+    gd.save_checkpoint({1: saved}, tmp_path / "ckpt")
+    layer = ti.build_layer("tiny", str(tmp_path / "ckpt"))
+    assert layer.layer_idx == 1
+    assert_trees_equal(params_np(layer), params_np(saved), "checkpoint layer")
+    assert not np.array_equal(params_np(layer)["w_uk"], params_np(ti.build_layer("tiny"))["w_uk"])
+    with pytest.raises(ValueError, match=r"layer 3 is no full-indexer DSA layer of checkpoint"):
+        ti.build_layer("tiny", str(tmp_path / "ckpt"), 3)
