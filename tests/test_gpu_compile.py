@@ -258,13 +258,21 @@ def _publish(request, tmp_path_factory, toolchain, reports, seconds):
         request.config.pluginmanager.register(_Summary(title, text))
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def matrix(toolchain):
+    """``(cases, reports, seconds)``: ``default_cases()`` compiled for sm_80 and sm_90, once
+    for the tests that read it (a worker process per target and ~2 minutes of CPU each)."""
     import time
 
     cases = gc.default_cases()
     t0 = time.time()
     reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
-    _publish(request, tmp_path_factory, toolchain, reports, time.time() - t0)
+    return cases, reports, time.time() - t0
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, matrix, request, tmp_path_factory):
+    cases, reports, seconds = matrix
+    _publish(request, tmp_path_factory, toolchain, reports, seconds)
     bad = [r for r in reports if not r.ok]
     assert not bad, "\n" + gc.failures(reports)
     # Every case of every kernel on both targets reported at least one Triton launch.
@@ -273,13 +281,16 @@ def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, request, tmp_path_fa
     assert all(r.regs and r.blocks_per_sm >= 1 and r.smem is not None for r in reports)
 
 
-def test_index_scores_backward_compiles_for_sm80_and_sm90(toolchain):
+def test_index_scores_backward_compiles_for_sm80_and_sm90(matrix):
     """The scoring backward's two kernels (issue 24) at GLM-5.3-Flash's training shapes, a
     prefill chunk's query tile over a 128K-token cache and a decode step: both launch, no
-    spill on either target (the full matrix is ``test_every_kernel_compiles...``)."""
+    spill on either target. Read from the matrix's reports (``matrix``: the same cases,
+    compiled once for both tests)."""
     cases = [gc.Case("index_scores_backward", gc.Step(kind, b, 131072))
              for kind, b in (("prefill", 8), ("decode", 1))]
-    reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
+    ids = {c.id for c in cases}
+    assert ids <= {c.id for c in matrix[0]}
+    reports = [r for r in matrix[1] if r.case in ids]
     assert all(r.ok for r in reports), "\n" + gc.failures(reports)
     assert {(r.target, r.case, r.kernel) for r in reports} == {
         (t, c.id, k) for t in ("sm_80", "sm_90") for c in cases
