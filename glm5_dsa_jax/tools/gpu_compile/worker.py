@@ -9,6 +9,10 @@ worker prints one JSON line per case (after a ``ready`` line). Invariants:
 * The kernel's wrapper is traced with the compile-only CUDA device as the default device
   (jax >= 0.11's Pallas reads the compute capability from it; 0.10 assumes 9.0, which only
   affects fp8 casts, unused here).
+* XLA compiles every case: jax's persistent compilation cache is off in the worker (a
+  ``JAX_COMPILATION_CACHE_DIR`` the caller set, e.g. the test run's, would otherwise load
+  an executable without compiling it, and the PTX and thunk dumps read here would be
+  missing).
 * Work is shared, never skipped: cases whose wrapper inputs are identical are traced once
   (``same_inputs_as``), cases whose Triton kernels (IR bytes, warps, stages) are identical
   are compiled once (``same_as``). A kernel's registers and shared memory depend only on
@@ -80,6 +84,7 @@ def run_worker(target_name: str, dump_root: str) -> int:
     if preset and config:
         raise ValueError(f"config: a preset ({preset!r}) takes no overrides, got {sorted(config)}")
     cfg = DsaConfig.preset(preset) if preset else DsaConfig.glm53_flash(**config)
+    jax.config.update("jax_enable_compilation_cache", False)  # see the module doc
     target = TARGETS[target_name]
     topo = topologies.get_topology_desc(
         f"glm5_dsa_{target.name}", "cuda", target_config=target.target_config(), topology="1x1x1")
