@@ -4,8 +4,13 @@ The Hugging Face oracle needs torch. Its CPU build exists on this machine kind f
 3.11 only, so on an interpreter without torch (the CI leg on Python 3.12 with the newest
 jax) the modules that import it are not collected, and the run says so in its header and
 summary: those modules then run on the Python 3.11 leg only.
+
+After each test module, jax's in-memory caches (traces, lowerings, compiled executables)
+are cleared: a worker runs dozens of modules, each compiling programs no other module
+reuses, and without the clear a worker's memory grows to several GiB by the end of the run.
 """
 
+import gc
 import importlib.util
 import os
 import time
@@ -22,6 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import their helper modul
 # same examples on every run and in CI (a bug caught once is caught every time, and a
 # failure reproduces locally). Tests that set ``max_examples`` themselves keep their count;
 # the rest draw 25. ``HYPOTHESIS_PROFILE=random`` explores new examples locally.
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -43,6 +49,14 @@ _LEFT_OUT = (
     f"torch is not installed for this Python: the HF-oracle modules {TORCH_MODULES} are not "
     "collected (they run on the Python 3.11 leg)"
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _clear_jax_caches_after_the_module():
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
 
 
 def pytest_report_header(config):

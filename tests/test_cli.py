@@ -36,6 +36,7 @@ def test_demo_default_runs_in_a_fresh_process():
     assert "tokens/s" in out
 
 
+@pytest.mark.e2e
 def test_demo_from_an_orbax_checkpoint(tmp_path, capsys):
     cfg = gd.DsaConfig.tiny()
     layers = {i: f32_layer(cfg, i, seed=i) for i in cfg.dsa_layers}
@@ -45,6 +46,7 @@ def test_demo_from_an_orbax_checkpoint(tmp_path, capsys):
     assert "layer 1 (full indexer) + layer 2 (shared)" in out
 
 
+@pytest.mark.e2e
 def test_bench_decode_json(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,256", "--batch", "1",
                  "--iters", "2", "--json"]) == 0
@@ -79,6 +81,7 @@ def test_bench_decode_json(capsys):
     assert all(r["compiles"] == 1 for r in dense)
 
 
+@pytest.mark.e2e
 def test_bench_train_json(capsys):
     assert main(["bench", "train", "--preset", "tiny", "--tokens", "64,256", "--iters", "1",
                  "--json"]) == 0
@@ -98,6 +101,7 @@ def test_bench_train_json(capsys):
     assert per_token["indexer_loss_dense", 256] < 1.2 * per_token["indexer_loss_dense", 64]
 
 
+@pytest.mark.e2e
 def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
     assert main(["bench", "train", "--preset", "tiny", "--tokens", "32", "--iters", "1",
                  "--max-gib", "0.0001"]) == 0
@@ -125,6 +129,7 @@ def test_bench_train_dense_mask_is_the_same_function():
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-5 * np.abs(a).max(), err_msg=name)
 
 
+@pytest.mark.e2e
 def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train-indexer", "--warmup-steps", "2", "--sparse-steps", "0", "--tokens", "32", "--batch", "1",
@@ -155,6 +160,7 @@ def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
     assert res2["before"] == res["before"] and [r["loss"] for r in res2["records"]] == [r["loss"] for r in res["records"]]
 
 
+@pytest.mark.e2e
 def test_gpu_check_train_runs_on_cpu():
     """The training rows of scripts/gpu_check.py (scripts/gpu_check_train.py) on tiny shapes
     in interpret mode: selection, the kernels' vjp rows checked against xla, the layer's
@@ -191,6 +197,7 @@ def test_bench_decode_capacity(capsys):
     assert "need at least 66 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_bench_decode_paged_json(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,130", "--batch", "2",
                  "--iters", "1", "--cache", "paged", "--hf-max-context", "0", "--json"]) == 0
@@ -217,6 +224,7 @@ def test_bench_decode_paged_json(capsys):
     assert "sparse       paged" in out and "paged bfloat16 cache bytes per token" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_bench_decode_fp8_cache_rows(capsys, kind):
     argv = ["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "2", "--iters", "1",
@@ -233,6 +241,7 @@ def test_bench_decode_fp8_cache_rows(capsys, kind):
     assert 0.5 < fp8["cache_bytes_per_token"] / bf16["cache_bytes_per_token"] < 0.7
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("context", [0, 2, 64, 130])
 def test_filled_paged_cache_is_consistent_and_steps(context):
     cfg = gd.DsaConfig.tiny()

@@ -163,12 +163,18 @@ def _run(args: list[str], tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("page", PAGES)
+#: The page both CI legs run (the newcomer's page); the others are ``e2e`` (the Python 3.11 leg).
+BOTH_LEGS = {"README.md"}
+
+
+@pytest.mark.parametrize("page", [p if p in BOTH_LEGS else pytest.param(p, marks=pytest.mark.e2e)
+                                  for p in PAGES])
 def test_page_runs(page, tmp_path):
     """Every python block and glm5-dsa command of the page, in order, in one fresh process."""
     _run([__file__, page], tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_runs(example, tmp_path):
     _run([str(ROOT / example)], tmp_path)
@@ -190,7 +196,9 @@ def test_readme_commands_are_the_ci_commands():
     text = (ROOT / "README.md").read_text()
     assert "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && glm5-dsa demo" in text
     assert 'pip install -e ".[test]" && python -m pytest -q' in text
-    assert '"$venv/bin/python" -m pytest -q' in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '"$venv/bin/python" -m pytest -q "$@"' in ci
+    assert ci.count("\nrun_leg ") == 2 and '\nrun_leg "python3.11 / jax 0.10" python3 .venv\n' in ci
 
 
 def test_parser_and_markers():

@@ -245,6 +245,7 @@ def test_lowers_for_cuda_at_real_shapes(b, nq, length):
     assert (blocks.num_splits > 1) == (b * nq * 4 < 256)
 
 
+@pytest.mark.e2e
 def test_gpu_check_smoke_runs_on_cpu():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(

@@ -408,6 +408,7 @@ def test_pallas_interpret_under_shard_map(mode, tp, reference):
         assert_replicated_identical(t, rt)
 
 
+@pytest.mark.e2e
 # ------------------------------------------------------------------------------- notebook
 def test_notebook_runs(tmp_path, monkeypatch):
     """notebooks/sharding.ipynb runs top to bottom in a fresh kernel of this interpreter."""
