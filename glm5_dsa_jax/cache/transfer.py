@@ -1,0 +1,317 @@
+"""Sequences that move: one paged sequence out of a cache as host arrays, and into a free row of
+another paged cache (disaggregated serving: prefill on one mesh, decode on another; or a
+paused sequence parked in host memory). ``PagedCache.export`` / ``PagedCache.load`` call
+these functions; ``PagedDecoder.export`` / ``load`` wrap those.
+
+Invariants:
+
+* **An export is the sequence, not its pages.** ``ExportedSequence`` holds, in timeline
+  order (position ``t`` is row ``t``): the latent rows ``[length, CR]`` and the pooled keys
+  of the complete pools ``[length // KP, D]`` exactly as the cache holds them (the cache
+  ``dtype``: an fp8 cache's e4m3 values and their float32 row scales, never dequantised; a
+  16-bit cache's floats, not a CPU's stored bits), and the stage of the incomplete pool
+  (keys and gate logits ``[KP, D]``, positions ``length - KP .. length - 1``). No page id,
+  block table or page size: they are the source cache's bookkeeping and mean nothing in
+  another cache, which re-pages the content at its own ``page_size``. The length is the
+  rows' count (``latent.shape[0]``) and every geometry fact is an array's shape or dtype, so
+  an export cannot contradict itself (``check_exported`` checks one built by hand).
+* **What a load compares** (``geometry``): the latent row width, the layer kind (indexer
+  state or not), ``KP`` and the index head dim, the cache dtype (fp8 included) and the
+  stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
+  past the target's ``max_length`` is refused.
+* **A load refuses before it writes** (``check_load``, eager): a traced cache, a row out of
+  range or in use, another geometry, too long, or too few free pages in the row's data
+  shard raise ``ValueError`` naming the row and the sizes, and the cache is left as it was.
+  Only then does the jitted write run: ``PageTable.reserve`` takes the row's pages from its
+  shard's free stack (the same all-or-nothing path as a step; under the write's own guard a
+  row that is not empty or does not get its pages writes nothing) and whole pages of
+  content are scattered onto them. So a load is exactly a prefill of the same tokens as far
+  as the page table is concerned, and ``PageTable.check`` holds after it.
+* **Bounded compilation.** The content is padded on the host to a power of two of the
+  target's pages (at most ``pages_per_seq``); the row and the length are traced. So a cache
+  geometry and placement compiles at most ``ceil(log2(pages_per_seq)) + 1`` write programs,
+  whatever the lengths and rows; an export likewise gathers a power of two of pages.
+* **Placement kept.** The write is compiled with the target cache's shardings as its output
+  shardings (replicated on a TP mesh, split by sequence and page over a data axis), so the
+  loaded cache is placed exactly as before; the export's host arrays carry no placement.
+* Only paged caches move: the contiguous cache (``DsaCache``) holds one timeline for the
+  whole batch, so one of its rows is not a sequence of its own to move.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from glm5_dsa_jax.cache.fp8 import is_fp8
+from glm5_dsa_jax.cache.pages import OK
+from glm5_dsa_jax.cpu_policy import from_store, to_store
+
+__all__ = ["ExportedSequence", "export_sequence", "load_sequence", "check_load", "check_exported",
+           "geometry"]
+
+
+@struct.dataclass
+class ExportedSequence:
+    """One paged sequence as host (numpy) arrays, in timeline order, without page ids (the
+    module doc); a pytree, frozen. ``CR`` is the latent row width, ``KP`` the pool size,
+    ``D`` the index head dim; the indexer fields are ``None`` for a shared-indexer layer
+    and the scales ``None`` for a float cache."""
+
+    latent: np.ndarray  # [length, CR], the cache dtype (e4m3 values for an fp8 cache)
+    latent_scale: np.ndarray | None = None  # [length] float32, fp8 only
+    pooled: np.ndarray | None = None  # [length // KP, D], the cache dtype: the complete pools
+    pooled_scale: np.ndarray | None = None  # [length // KP] float32, fp8 only
+    stage_keys: np.ndarray | None = None  # [KP, D], the stage dtype: positions length - KP ..
+    stage_gate: np.ndarray | None = None  # [KP, D] float32
+
+    @property
+    def length(self) -> int:
+        """Tokens the sequence holds (its next position)."""
+        return int(self.latent.shape[0])
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.stage_keys is not None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The cache dtype the rows are in (``float8_e4m3fn`` for fp8)."""
+        return np.dtype(self.latent.dtype)
+
+    def nbytes(self) -> int:
+        """Host bytes of the export."""
+        return sum(np.asarray(a).nbytes for a in jax.tree.leaves(self))
+
+
+def geometry(source) -> dict:
+    """What a load compares (the module doc), of a ``PagedCache`` or an ``ExportedSequence``:
+    ``{name: value}`` with ``latent_width``, ``has_indexer``, ``kpool``, ``index_head_dim``
+    (both None without an indexer), ``dtype``, ``stage_dtype`` (None without an indexer)."""
+    if isinstance(source, ExportedSequence):
+        width, stage = source.latent.shape[-1], source.stage_keys
+    else:
+        width, stage = source.latent_store.shape[-1], source.stage_keys
+    return dict(latent_width=int(width), has_indexer=stage is not None,
+                kpool=None if stage is None else int(stage.shape[-2]),
+                index_head_dim=None if stage is None else int(stage.shape[-1]),
+                dtype=jnp.dtype(source.dtype).name,
+                stage_dtype=None if stage is None else jnp.dtype(stage.dtype).name)
+
+
+def _check_eager(cache, what: str) -> None:
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(cache)):
+        raise ValueError(f"PagedCache.{what} is an eager (host) operation: call it outside jit, "
+                         "on a concrete cache")
+
+
+def _check_row(cache, row) -> int:
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < cache.max_seqs:
+        raise ValueError(f"row must be an int in [0, max_seqs={cache.max_seqs}), got {row!r}")
+    return int(row)
+
+
+def _pow2_pages(n: int, cap: int) -> int:
+    """``n`` pages padded to a power of two, at most ``cap`` (the module doc's compile bound)."""
+    return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+def _global_pages(cache, row: int, local):
+    """Row ``row``'s local page ids as ids into the pools (a data shard's pages lie at
+    ``shard * pages_per_shard``; ``pages``' module doc)."""
+    shard = row // (cache.max_seqs // cache.pages.shards)
+    return shard * cache.pages.pages_per_shard + local
+
+
+# ---------------------------------------------------------------------------- export
+def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, stage_gate, ids, row,
+            *, dtype):
+    """The pages ``ids`` of every pool (as the cache ``dtype``) and the stage of ``row``."""
+    take = (lambda a: None if a is None else jnp.take(a, ids, axis=0))
+    return (from_store(take(latent_store), dtype), take(latent_scale),
+            None if pooled_store is None else from_store(take(pooled_store), dtype), take(pooled_scale),
+            None if stage_keys is None else stage_keys[row], None if stage_gate is None else stage_gate[row])
+
+
+_GATHER = jax.jit(_gather, static_argnames="dtype")
+
+
+def export_sequence(cache, row: int) -> ExportedSequence:
+    """Sequence ``row`` of the paged ``cache`` as an ``ExportedSequence`` (the module doc).
+    Eager only; ``ValueError`` naming the row for a row out of range, an empty or released
+    row (length 0), or a broken page table (``PageTable.check``). The cache is not changed.
+    Reads only the row's pages (padded to a power of two of pages: bounded compilations)."""
+    _check_eager(cache, "export")
+    row = _check_row(cache, row)
+    cache.pages.check()
+    length = int(np.asarray(cache.lengths)[row])
+    if length == 0:
+        raise ValueError(f"row {row} holds no sequence (length 0: empty or released): nothing to export")
+    n = -(-length // cache.page_size)
+    local = np.zeros(_pow2_pages(n, cache.pages_per_seq), np.int32)
+    local[:n] = np.asarray(cache.block_table)[row, :n]
+    got = _GATHER(cache.latent_store, cache.latent_scale, cache.pooled_store, cache.pooled_scale,
+                  cache.stage_keys, cache.stage_gate, jnp.asarray(_global_pages(cache, row, local)),
+                  jnp.int32(row), dtype=cache.dtype)
+    lat, lat_scale, pooled, pooled_scale, stage_keys, stage_gate = (
+        None if a is None else np.asarray(a) for a in got)
+    width = lat.shape[-1]
+    out = dict(latent=lat.reshape(-1, width)[:length],
+               latent_scale=None if lat_scale is None else lat_scale.reshape(-1)[:length])
+    if cache.has_indexer:
+        n_pools = length // stage_keys.shape[0]
+        out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
+                   pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
+                   stage_keys=stage_keys, stage_gate=stage_gate)
+    return ExportedSequence(**out)
+
+
+# ---------------------------------------------------------------------------- load
+def check_exported(exported) -> None:
+    """``ValueError`` unless ``exported`` is an ``ExportedSequence`` whose arrays agree with
+    each other (one built by hand or read back from storage): the field and the shapes named."""
+    if not isinstance(exported, ExportedSequence):
+        raise ValueError(f"expected an ExportedSequence (PagedCache.export), got {type(exported).__name__}")
+    e = exported
+    lat = e.latent
+    if not isinstance(lat, np.ndarray) or lat.ndim != 2 or lat.shape[0] < 1:
+        raise ValueError(f"ExportedSequence.latent must be a numpy [length >= 1, CR] array, got "
+                         f"{type(lat).__name__} {np.shape(lat)}")
+    fp8, length = is_fp8(lat.dtype), lat.shape[0]
+    want = {"latent_scale": (length,) if fp8 else None}
+    if e.has_indexer:
+        kp, d = e.stage_keys.shape if e.stage_keys.ndim == 2 else (0, 0)
+        want.update(stage_keys=(kp, d), stage_gate=(kp, d), pooled=(length // max(kp, 1), d),
+                    pooled_scale=(length // max(kp, 1),) if fp8 else None)
+        if kp < 1:
+            raise ValueError(f"ExportedSequence.stage_keys must be [KP, D], got {e.stage_keys.shape}")
+    else:
+        want.update(stage_gate=None, pooled=None, pooled_scale=None)
+    dtypes = dict(latent_scale=np.float32, pooled_scale=np.float32, stage_gate=np.float32, pooled=lat.dtype)
+    for name, shape in want.items():
+        a = getattr(e, name)
+        if shape is None and a is not None:
+            raise ValueError(f"ExportedSequence.{name} must be None here ({'a float' if not fp8 else 'an fp8'} "
+                             f"cache{'' if e.has_indexer else ' without indexer state'}), got {np.shape(a)}")
+        if shape is not None and (a is None or tuple(np.shape(a)) != shape or np.asarray(a).dtype != dtypes.get(
+                name, np.asarray(a).dtype)):
+            got = None if a is None else f"{np.asarray(a).dtype} {tuple(np.shape(a))}"
+            raise ValueError(f"ExportedSequence.{name} must be {np.dtype(dtypes.get(name, e.stage_keys.dtype))} "
+                             f"{shape} for a sequence of {length} tokens, got {got}")
+
+
+def check_load(cache, row: int, exported: ExportedSequence) -> None:
+    """Every refusal of ``load_sequence``, before anything is written (the module doc):
+    ``ValueError`` naming the row, the field and the sizes. Needs a concrete cache."""
+    _check_eager(cache, "load")
+    row = _check_row(cache, row)
+    check_exported(exported)
+    have, want = geometry(cache), geometry(exported)
+    diff = [f"{k} {want[k]} (the cache's: {have[k]})" for k in have if have[k] != want[k]]
+    if not have["has_indexer"] == want["has_indexer"]:
+        diff.insert(0, f"layer kind: the sequence {'has' if want['has_indexer'] else 'lacks'} indexer state, "
+                       f"the cache {'has' if have['has_indexer'] else 'lacks'} it (full vs shared-indexer layer)")
+    if diff:
+        raise ValueError(f"cannot load the sequence into row {row}: it differs from the cache in "
+                         + "; ".join(diff) + "; nothing was written")
+    cache.pages.check()
+    lengths = np.asarray(cache.lengths)
+    if lengths[row]:
+        raise ValueError(f"cannot load into row {row}: it is in use (holds {int(lengths[row])} tokens); "
+                         "release it first or pick a free row; nothing was written")
+    if exported.length > cache.max_length:
+        raise ValueError(f"cannot load a sequence of {exported.length} tokens into row {row}: more than "
+                         f"pages_per_seq * page_size = {cache.max_length}; nothing was written")
+    need = -(-exported.length // cache.page_size)
+    m = cache.max_seqs // cache.pages.shards
+    free = int(np.asarray(cache.pages.n_free).reshape(-1)[row // m])
+    if need > free:
+        where = "" if cache.pages.shards == 1 else f" in data shard {row // m} (rows {row // m * m} .. {row // m * m + m - 1})"
+        raise ValueError(f"cannot load a sequence of {exported.length} tokens into row {row}: it needs {need} "
+                         f"pages of {cache.page_size} tokens but only {free} are free{where} (short by "
+                         f"{need - free}); nothing was written")
+
+
+def _paged(a, length: int, per_page: int, pages: int, fill):
+    """Timeline rows ``a [length, ...]`` re-paged as ``[pages, per_page, ...]`` (padded with ``fill``)."""
+    out = np.full((pages * per_page,) + a.shape[1:], fill, a.dtype)
+    out[:length] = a[:length]
+    return out.reshape((pages, per_page) + a.shape[1:])
+
+
+def _payload(cache, exported: ExportedSequence) -> dict:
+    """The export re-paged at the cache's page size, padded to a power of two of pages."""
+    ps, e = cache.page_size, exported
+    pages = _pow2_pages(-(-e.length // ps), cache.pages_per_seq)
+    out = dict(length=np.int32(e.length), latent=_paged(e.latent, e.length, ps, pages, 0),
+               latent_scale=None if e.latent_scale is None else _paged(e.latent_scale, e.length, ps, pages, 1))
+    if e.has_indexer:
+        kp = e.stage_keys.shape[0]
+        n, ppp = e.pooled.shape[0], ps // kp
+        out.update(pooled=_paged(e.pooled, n, ppp, pages, 0), stage_keys=e.stage_keys, stage_gate=e.stage_gate,
+                   pooled_scale=None if e.pooled_scale is None else _paged(e.pooled_scale, n, ppp, pages, 1))
+    return out
+
+
+def _write(cache, payload: dict, row):
+    """The jitted write of a load: reserve the row's pages, scatter whole pages of content."""
+    m = cache.max_seqs
+    is_row = jnp.arange(m, dtype=jnp.int32) == row
+    empty = jnp.sum(jnp.where(is_row, cache.lengths, 0)) == 0
+    pages, status = cache.pages.reserve(jnp.where(is_row & empty, payload["length"], 0))
+    ok = empty & (jnp.sum(jnp.where(is_row, status, 0)) == OK)
+    pages = jax.tree.map(lambda new, old: jnp.where(ok, new, old), pages, cache.pages)
+    n = payload["latent"].shape[0]
+    local = jnp.sum(jnp.where(is_row[:, None], pages.block_table[:, :n], 0), axis=0)
+    per_shard = m // cache.pages.shards
+    dest = jnp.where(ok & (local >= 0), row // per_shard * cache.pages.pages_per_shard + local, cache.num_pages)
+
+    def put(store, content, stored=True):
+        if store is None:
+            return None
+        content = to_store(content, cache.dtype, store.dtype) if stored else content
+        return store.at[dest].set(content.astype(store.dtype), mode="drop", out_sharding=_explicit_sharding(store))
+
+    upd = dict(pages=pages, status=jnp.where(is_row, status, cache.status),
+               latent_store=put(cache.latent_store, payload["latent"]),
+               latent_scale=put(cache.latent_scale, payload["latent_scale"], False))
+    if cache.has_indexer:
+        sel = (is_row & ok)[:, None, None]
+        upd.update(pooled_store=put(cache.pooled_store, payload["pooled"]),
+                   pooled_scale=put(cache.pooled_scale, payload["pooled_scale"], False),
+                   stage_keys=jnp.where(sel, payload["stage_keys"][None], cache.stage_keys),
+                   stage_gate=jnp.where(sel, payload["stage_gate"][None], cache.stage_gate))
+    return cache.replace(**upd)
+
+
+def _explicit_sharding(a):
+    """``a``'s sharding where its type carries one (``Explicit`` mesh axes: a scatter
+    there must be told its output's), else None (placed by the jit's output shardings)."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    explicit = sharding is not None and not sharding.mesh.empty and any(
+        t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    return sharding if explicit else None
+
+
+_WRITES: dict = {}
+
+
+def _write_program(cache, donate: bool):
+    """The jitted write for this cache's structure and placement (its shardings kept)."""
+    shardings = jax.tree.map(lambda a: a.sharding, cache)
+    key = (jax.tree.structure(cache), tuple(jax.tree.leaves(shardings)), donate)
+    if key not in _WRITES:
+        _WRITES[key] = jax.jit(_write, out_shardings=shardings, donate_argnums=(0,) if donate else ())
+    return _WRITES[key]
+
+
+def load_sequence(cache, row: int, exported: ExportedSequence, *, donate: bool = False):
+    """``cache`` with ``exported`` placed into its free row ``row`` (the module doc): the
+    sequence's pages reserved from the row's data shard and its content, stage and length
+    written; ``status[row]`` is ``OK``. Refusals (``check_load``) raise ``ValueError`` before
+    anything is written. ``donate=True`` donates ``cache``'s buffers to the write (in place;
+    ``PagedDecoder.load``), else the result is a new cache and ``cache`` stays valid."""
+    check_load(cache, row, exported)
+    return _write_program(cache, donate)(cache, _payload(cache, exported), np.int32(row))

@@ -1,0 +1,162 @@
+"""Sequences that move (issue 26, deliverable 3): ``PagedCache.export`` / ``load`` and the
+``PagedDecoder`` wrappers, against the sequence staying where it was prefilled.
+
+* Equivalence: sequences prefilled in ragged chunks on cache A (lengths ending mid-pool and
+  mid-page), one exported and loaded into cache B of another page count and page size, into
+  another row, beside a sequence B already serves; then the same decode steps on both: the
+  moved sequence's top-k bit-identical and outputs equal within float32 rounding, for
+  ``xla`` and ``pallas_interpret``, bf16 and fp8 caches, and B placed on a TP 2 mesh and on
+  a data x tp mesh of the virtual CPU devices (its shardings kept). ``PageTable.check`` is
+  clean after every load.
+* Bad input: every refusal (geometry, layer kind, dtype, stage dtype, pool size, row in use
+  or out of range, too long, too few free pages in the row's data shard, an empty or
+  released row to export, an export that contradicts itself, a traced cache) raises
+  ``ValueError`` naming the field, and every leaf of the cache is unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm5_dsa_jax as gd
+from glm5_dsa_jax.cache import ExportedSequence
+from glm5_dsa_jax.parallel import sharding as sh
+from helpers import F32_REORDER, dp_mesh, f32_layer, tiny8, tp_mesh
+
+ATOL = RTOL = F32_REORDER
+LENGTHS = (29, 18, 37)  # 29: mid-pool (KP 4) and mid-page (8); 18 mid-pool; 37 mid-page of 16
+DECODE = 3
+
+
+def cfg():
+    return tiny8(index_topk=4)  # 4 of up to 10 pools selected: a top-k that can be wrong
+
+
+def layer_of(implementation="xla", layer_idx=1):
+    return f32_layer(cfg(), layer_idx, seed=3, implementation=implementation, block_q=8)
+
+
+def prefill(dec, lengths, seed=0, chunk=8):
+    """Sequence ``i`` (``lengths[i]`` tokens) into row ``i`` of ``dec``, in chunks of ``chunk``
+    with ragged masks (each row sends a different count a step). Returns the tokens."""
+    rng = np.random.default_rng(seed)
+    seqs = [rng.standard_normal((n, cfg().hidden_size)).astype(np.float32) for n in lengths]
+    rows = dec.cache.max_seqs
+    sent = [0] * len(seqs)
+    while any(s < len(x) for s, x in zip(sent, seqs)):
+        x = rng.standard_normal((rows, chunk, cfg().hidden_size)).astype(np.float32) * 1e3
+        mask = np.zeros((rows, chunk), bool)
+        for i, seq in enumerate(seqs):
+            k = min(int(rng.integers(1, chunk + 1)), len(seq) - sent[i])
+            cols = np.sort(rng.choice(chunk, k, replace=False))
+            x[i, cols], mask[i, cols] = seq[sent[i]:sent[i] + k], True
+            sent[i] += k
+        dec(x, mask)
+    return seqs
+
+
+def decode(dec, rows_tokens, steps):
+    """``steps`` decode steps; ``rows_tokens[row] = [steps, hidden]`` for the rows that run.
+    Returns ``{row: (out [steps, hidden], topk [steps, W])}``."""
+    got = {r: ([], []) for r in rows_tokens}
+    for t in range(steps):
+        x = np.zeros((dec.cache.max_seqs, 1, cfg().hidden_size), np.float32)
+        mask = np.zeros((dec.cache.max_seqs, 1), bool)
+        for r, toks in rows_tokens.items():
+            x[r, 0], mask[r, 0] = toks[t], True
+        out, topk = dec(x, mask)
+        for r in rows_tokens:
+            got[r][0].append(np.asarray(out)[r, 0])
+            got[r][1].append(np.asarray(topk)[r, 0])
+    return {r: (np.stack(o), np.stack(k)) for r, (o, k) in got.items()}
+
+
+def assert_same_sequence(got, want, what):
+    np.testing.assert_array_equal(got[1], want[1], err_msg=f"{what}: top-k")
+    np.testing.assert_allclose(got[0], want[0], atol=ATOL, rtol=RTOL, err_msg=f"{what}: outputs")
+
+
+_REFERENCE = {}
+
+
+def reference(implementation, dtype):
+    """Sequences ``LENGTHS`` prefilled on A (3 rows, 16 pages of 8 tokens) in ragged chunks,
+    each exported, then ``DECODE`` steps on A: ``(exports, tokens, results)``, made once per
+    (implementation, dtype) and shared by the tests (A's programs compile once)."""
+    key = (implementation, dtype)
+    if key not in _REFERENCE:
+        a = gd.PagedDecoder(layer_of(implementation), 3, num_pages=16, page_size=8, cache_dtype=dtype)
+        prefill(a, LENGTHS)
+        exports = {i: a.export(i) for i in range(len(LENGTHS))}
+        toks = np.random.default_rng(7).standard_normal((3, DECODE, cfg().hidden_size)).astype(np.float32)
+        results = decode(a, {i: toks[i] for i in range(3)}, DECODE)
+        assert a.step.traces == 2
+        _REFERENCE[key] = exports, toks, results
+    return _REFERENCE[key]
+
+
+MOVED = {0: 3, 2: 1}  # row on A -> row on B
+
+
+def move_and_compare(layer_b, implementation, dtype, num_pages=9, page_size=16):
+    """B (4 rows, ``num_pages`` of ``page_size``) first serves a sequence of its own in row 0
+    (5 tokens, one a step), then takes sequences 0 and 2 of A into rows 3 and 1; every row
+    decodes: the moved sequences as on A. Returns B."""
+    exports, toks, on_a = reference(implementation, dtype)
+    b = gd.PagedDecoder(layer_b, 4, num_pages=num_pages, page_size=page_size, cache_dtype=dtype)
+    own = np.random.default_rng(9).standard_normal((5 + DECODE, cfg().hidden_size)).astype(np.float32)
+    decode(b, {0: own}, 5)
+    for src, dst in MOVED.items():
+        assert isinstance(exports[src], ExportedSequence) and exports[src].length == LENGTHS[src]
+        b.load(dst, exports[src])
+        b.cache.pages.check()
+    assert b.lengths.tolist() == [5, LENGTHS[2], 0, LENGTHS[0]]
+    on_b = decode(b, {0: own[5:]} | {dst: toks[src] for src, dst in MOVED.items()}, DECODE)
+    for src, dst in MOVED.items():
+        assert_same_sequence(on_b[dst], on_a[src], f"sequence {src} moved to row {dst}")
+    assert b.step.traces == 1  # B compiled its decode step only: a load is no step
+    return b
+
+
+@pytest.mark.parametrize("implementation,dtype", [("xla", "bfloat16"), ("pallas_interpret", "fp8")])
+def test_moved_sequence_decodes_as_where_it_was_prefilled(implementation, dtype):
+    move_and_compare(layer_of(implementation), implementation, dtype)
+
+
+def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
+    """fp8: the e4m3 values and their scales (not dequantised), the complete pools only, the
+    stage; after a load into pages of another size, the export is the same bit for bit; a
+    load compiles once per power of two of pages."""
+    exports, _, _ = reference("pallas_interpret", "fp8")
+    e = exports[2]
+    kp, d = cfg().index_kpool, cfg().index_head_dim
+    assert e.latent.dtype == jnp.float8_e4m3fn and e.latent.shape == (37, cfg().kv_cache_dim)
+    assert e.latent_scale.shape == (37,) and e.pooled.shape == (37 // kp, d)
+    assert e.pooled_scale.shape == (37 // kp,) and e.stage_keys.shape == (kp, d)
+    assert e.stage_keys.dtype == np.float32 and e.stage_gate.dtype == np.float32  # the layer's dtype
+    assert (e.latent_scale != 1).all() and (e.pooled_scale != 1).all()  # real rows, not padding
+    b = gd.init_paged_cache(cfg(), 3, num_pages=24, page_size=4, dtype="fp8", stage_dtype=jnp.float32)
+    for row, src in ((1, 2), (0, 1), (2, 0)):  # 10, 5 and 8 pages of 4: padded to 16, 8, 8
+        b = b.load(row, exports[src])
+        for x, y in zip(jax.tree.leaves(exports[src]), jax.tree.leaves(b.export(row))):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    b.pages.check()
+    assert int(b.pages.n_free) == 24 - 10 - 5 - 8
+
+
+@pytest.mark.parametrize("mesh_of,batch_axis", [
+    (lambda: tp_mesh(2), None), (lambda: dp_mesh((2, 2)), "data"), (lambda: dp_mesh((2, 4), "auto"), "data")],
+    ids=["tp2", "data2xtp2", "data2xtp4-auto"])
+def test_move_onto_a_mesh(mesh_of, batch_axis):
+    """B placed with TP (pools replicated) or data x tp (pools split by sequence and page):
+    the load keeps every field where it was, the moved sequences decode as on A."""
+    mesh = mesh_of()
+    layer_b = sh.shard_layer(layer_of(), mesh, "tp", batch_axis=batch_axis)
+    b = move_and_compare(layer_b, "xla", "bfloat16", num_pages=10)
+    for a, want in zip(jax.tree.leaves(b.cache), jax.tree.leaves(sh.cache_shardings(b.cache, mesh, batch_axis))):
+        assert a.sharding.is_equivalent_to(want, a.ndim)
+    if batch_axis:  # rows 0, 1 are data shard 0, rows 2, 3 shard 1: each took its own pages
+        assert np.asarray(b.cache.pages.n_free).tolist() == [5 - 1 - 3, 5 - 2]
