@@ -160,3 +160,92 @@ def test_move_onto_a_mesh(mesh_of, batch_axis):
         assert a.sharding.is_equivalent_to(want, a.ndim)
     if batch_axis:  # rows 0, 1 are data shard 0, rows 2, 3 shard 1: each took its own pages
         assert np.asarray(b.cache.pages.n_free).tolist() == [5 - 1 - 3, 5 - 2]
+
+
+# ---------------------------------------------------------------------------- bad input
+def snapshot(cache):
+    return [np.asarray(a).copy() for a in jax.tree.leaves(cache)]
+
+
+def assert_unchanged(before, cache):
+    leaves = jax.tree.leaves(cache)
+    assert len(leaves) == len(before)
+    for a, b in zip(before, leaves):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def assert_refused(call, cache, match):
+    """``call()`` raises ``ValueError`` matching ``match`` and every leaf of ``cache`` is as before."""
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert_unchanged(before, cache)
+
+
+def fields(e: ExportedSequence, **change) -> ExportedSequence:
+    """``e`` with some fields replaced (a hand-built export)."""
+    names = ("latent", "latent_scale", "pooled", "pooled_scale", "stage_keys", "stage_gate")
+    return ExportedSequence(**({n: getattr(e, n) for n in names} | change))
+
+
+def test_export_refusals():
+    exports, _, _ = reference("xla", "bfloat16")
+    cache = gd.init_paged_cache(cfg(), 2, num_pages=8, page_size=8, dtype="bfloat16")
+    assert_refused(lambda: cache.export(0), cache, r"row 0 holds no sequence \(length 0: empty or released\)")
+    cache = cache.load(1, exports[1])
+    released = cache.release(jnp.asarray([False, True]))
+    assert_refused(lambda: released.export(1), released, r"row 1 holds no sequence")
+    assert_refused(lambda: cache.export(2), cache, r"row must be an int in \[0, max_seqs=2\), got 2")
+    assert_refused(lambda: jax.jit(lambda c: c.export(1).latent)(cache), cache, "PagedCache.export is an eager")
+
+
+def test_load_refusals_name_the_field_and_change_nothing():
+    exports, _, _ = reference("xla", "bfloat16")
+    e = exports[0]  # 29 tokens: 4 pages of 8
+    cache = gd.init_paged_cache(cfg(), 3, num_pages=6, page_size=8, dtype="bfloat16").load(0, exports[1])
+    fp8 = gd.init_paged_cache(cfg(), 3, 8, 8, dtype="fp8", stage_dtype=jnp.float32)
+    e8 = fields(e, latent=e.latent.astype(jnp.float8_e4m3fn), pooled=e.pooled.astype(jnp.float8_e4m3fn),
+                latent_scale=np.ones(29, np.float32), pooled_scale=np.ones(7, np.float32))
+    cases = [  # (target, row, export, message)
+        (gd.init_paged_cache(tiny8(kv_lora_rank=24), 3, 8, 8, dtype="bfloat16"), 1, e,
+         r"row 1: it differs from the cache in latent_width 40 \(the cache's: 24\)"),
+        (gd.init_paged_cache(cfg(), 3, 8, 8, has_indexer=False, dtype="bfloat16"), 1, e,
+         r"row 1: .*layer kind: the sequence has indexer state, the cache lacks it"),
+        (cache, 1, fields(e, pooled=None, stage_keys=None, stage_gate=None),
+         r"layer kind: the sequence lacks indexer state, the cache has it"),
+        (gd.init_paged_cache(tiny8(index_kpool=8), 3, 8, 8, dtype="bfloat16"), 1, e, r"kpool 4 \(the cache's: 8\)"),
+        (fp8, 1, e, r"dtype bfloat16 \(the cache's: float8_e4m3fn\)"),
+        (fp8, 1, e8, r"stage_dtype bfloat16 \(the cache's: float32\)"),
+        (cache, 0, e, r"row 0: it is in use \(holds 18 tokens\)"),
+        (cache, 3, e, r"row must be an int in \[0, max_seqs=3\), got 3"),
+        (cache, -1, e, r"row must be an int in \[0, max_seqs=3\), got -1"),
+        (gd.init_paged_cache(cfg(), 3, 8, 8, pages_per_seq=3, dtype="bfloat16"), 1, e,
+         r"sequence of 29 tokens into row 1: more than pages_per_seq \* page_size = 24"),
+        (cache, 1, e, r"sequence of 29 tokens into row 1: it needs 4 pages of 8 tokens but only 3 are "
+                      r"free \(short by 1\)"),
+        (cache, 1, {"latent": e.latent}, "expected an ExportedSequence"),
+        (cache, 1, fields(e, pooled=e.pooled[:2]),
+         r"ExportedSequence.pooled must be bfloat16 \(7, 16\) for a sequence of 29 tokens, got bfloat16 \(2, 16\)"),
+        (cache, 1, fields(e, latent_scale=np.ones(29, np.float32)), r"ExportedSequence.latent_scale must be None"),
+        (fp8, 1, fields(e8, pooled_scale=None), r"ExportedSequence.pooled_scale must be float32 \(7,\)"),
+    ]
+    for target, row, exported, match in cases:
+        assert_refused(lambda: target.load(row, exported), target, match)
+    assert_refused(lambda: jax.jit(lambda c: c.load(1, exports[2]))(cache), cache, "PagedCache.load is an eager")
+    cache.load(1, exports[1]).pages.check()  # what fits still loads
+
+
+def test_too_few_free_pages_in_the_rows_data_shard():
+    """Two data shards of 4 pages each: a row is refused when its own shard lacks pages,
+    whatever the other shard has; the decoder refuses before it donates anything."""
+    exports, _, _ = reference("xla", "bfloat16")
+    mesh = dp_mesh((2, 1))
+    layer = sh.shard_layer(layer_of(), mesh, "tp", batch_axis="data")
+    dec = gd.PagedDecoder(layer, 4, num_pages=8, page_size=8, pages_per_seq=8, cache_dtype="bfloat16")
+    dec.load(0, exports[0])  # 4 pages: shard 0 is full
+    assert np.asarray(dec.cache.pages.n_free).tolist() == [0, 4]
+    assert_refused(lambda: dec.load(1, exports[1]), dec.cache,
+                   r"row 1: it needs 3 pages of 8 tokens but only 0 are free in data shard 0 \(rows 0 .. 1\)")
+    dec.load(3, exports[1])
+    dec.cache.pages.check()
+    assert np.asarray(dec.cache.pages.n_free).tolist() == [0, 1] and dec.lengths.tolist() == [29, 0, 0, 18]

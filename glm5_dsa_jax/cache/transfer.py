@@ -171,35 +171,33 @@ def export_sequence(cache, row: int) -> ExportedSequence:
 # ---------------------------------------------------------------------------- load
 def check_exported(exported) -> None:
     """``ValueError`` unless ``exported`` is an ``ExportedSequence`` whose arrays agree with
-    each other (one built by hand or read back from storage): the field and the shapes named."""
+    each other (one built by hand or read back from storage), naming the field, the shape
+    and dtype it must have and the ones it has."""
     if not isinstance(exported, ExportedSequence):
         raise ValueError(f"expected an ExportedSequence (PagedCache.export), got {type(exported).__name__}")
-    e = exported
-    lat = e.latent
+    e, lat = exported, exported.latent
     if not isinstance(lat, np.ndarray) or lat.ndim != 2 or lat.shape[0] < 1:
         raise ValueError(f"ExportedSequence.latent must be a numpy [length >= 1, CR] array, got "
                          f"{type(lat).__name__} {np.shape(lat)}")
-    fp8, length = is_fp8(lat.dtype), lat.shape[0]
-    want = {"latent_scale": (length,) if fp8 else None}
-    if e.has_indexer:
-        kp, d = e.stage_keys.shape if e.stage_keys.ndim == 2 else (0, 0)
-        want.update(stage_keys=(kp, d), stage_gate=(kp, d), pooled=(length // max(kp, 1), d),
-                    pooled_scale=(length // max(kp, 1),) if fp8 else None)
-        if kp < 1:
-            raise ValueError(f"ExportedSequence.stage_keys must be [KP, D], got {e.stage_keys.shape}")
+    length, fp8 = lat.shape[0], is_fp8(lat.dtype)
+    want = {"latent_scale": ((length,), np.float32) if fp8 else None}
+    if e.stage_keys is None:
+        want.update(pooled=None, pooled_scale=None, stage_gate=None)
     else:
-        want.update(stage_gate=None, pooled=None, pooled_scale=None)
-    dtypes = dict(latent_scale=np.float32, pooled_scale=np.float32, stage_gate=np.float32, pooled=lat.dtype)
-    for name, shape in want.items():
+        if np.ndim(e.stage_keys) != 2 or np.shape(e.stage_keys)[0] < 1:
+            raise ValueError(f"ExportedSequence.stage_keys must be [KP, D], got {np.shape(e.stage_keys)}")
+        kp, d = np.shape(e.stage_keys)
+        want.update(pooled=((length // kp, d), lat.dtype), stage_gate=((kp, d), np.float32),
+                    pooled_scale=((length // kp,), np.float32) if fp8 else None)
+    for name, spec in want.items():
         a = getattr(e, name)
-        if shape is None and a is not None:
-            raise ValueError(f"ExportedSequence.{name} must be None here ({'a float' if not fp8 else 'an fp8'} "
-                             f"cache{'' if e.has_indexer else ' without indexer state'}), got {np.shape(a)}")
-        if shape is not None and (a is None or tuple(np.shape(a)) != shape or np.asarray(a).dtype != dtypes.get(
-                name, np.asarray(a).dtype)):
-            got = None if a is None else f"{np.asarray(a).dtype} {tuple(np.shape(a))}"
-            raise ValueError(f"ExportedSequence.{name} must be {np.dtype(dtypes.get(name, e.stage_keys.dtype))} "
-                             f"{shape} for a sequence of {length} tokens, got {got}")
+        got = None if a is None else f"{np.asarray(a).dtype.name} {tuple(np.shape(a))}"
+        if spec is None and a is not None:
+            raise ValueError(f"ExportedSequence.{name} must be None (latent is {lat.dtype.name}, stage_keys "
+                             f"{'None' if e.stage_keys is None else 'set'}), got {got}")
+        if spec is not None and (a is None or got != f"{np.dtype(spec[1]).name} {spec[0]}"):
+            raise ValueError(f"ExportedSequence.{name} must be {np.dtype(spec[1]).name} {spec[0]} for a "
+                             f"sequence of {length} tokens, got {got}")
 
 
 def check_load(cache, row: int, exported: ExportedSequence) -> None:
@@ -209,10 +207,11 @@ def check_load(cache, row: int, exported: ExportedSequence) -> None:
     row = _check_row(cache, row)
     check_exported(exported)
     have, want = geometry(cache), geometry(exported)
-    diff = [f"{k} {want[k]} (the cache's: {have[k]})" for k in have if have[k] != want[k]]
-    if not have["has_indexer"] == want["has_indexer"]:
-        diff.insert(0, f"layer kind: the sequence {'has' if want['has_indexer'] else 'lacks'} indexer state, "
-                       f"the cache {'has' if have['has_indexer'] else 'lacks'} it (full vs shared-indexer layer)")
+    if have["has_indexer"] != want["has_indexer"]:
+        diff = [f"layer kind: the sequence {'has' if want['has_indexer'] else 'lacks'} indexer state, the "
+                f"cache {'has' if have['has_indexer'] else 'lacks'} it (a full vs a shared-indexer layer)"]
+    else:
+        diff = [f"{k} {want[k]} (the cache's: {have[k]})" for k in have if have[k] != want[k]]
     if diff:
         raise ValueError(f"cannot load the sequence into row {row}: it differs from the cache in "
                          + "; ".join(diff) + "; nothing was written")
