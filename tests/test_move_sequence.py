@@ -168,6 +168,12 @@ def test_move_onto_a_data_x_tp_mesh():
         assert a.sharding.is_equivalent_to(want, a.ndim)
     # rows 0, 1 are data shard 0 (5 pages: 1 + 3 taken), rows 2, 3 shard 1 (2 taken)
     assert np.asarray(b.cache.pages.n_free).tolist() == [5 - 1 - 3, 5 - 2]
+    exports = reference("xla", "bfloat16")[0]
+    for src, dst in MOVED.items():  # exported from the mesh: the moved tokens, then DECODE more
+        again, n = b.export(dst), LENGTHS[src]
+        assert again.length == n + DECODE
+        np.testing.assert_array_equal(again.latent[:n].view(np.uint16), exports[src].latent.view(np.uint16))
+        np.testing.assert_array_equal(again.pooled[:n // 4].view(np.uint16), exports[src].pooled.view(np.uint16))
 
 
 def test_move_onto_a_tp_mesh():

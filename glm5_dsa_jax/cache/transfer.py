@@ -40,10 +40,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax.cache.fp8 import is_fp8
 from glm5_dsa_jax.cache.pages import OK
@@ -113,6 +116,14 @@ def _check_row(cache, row) -> int:
     return int(row)
 
 
+def _mesh_of(cache):
+    """``jax.set_mesh`` of the mesh ``cache`` is placed on (a no-op context for an unplaced
+    one): a program over explicitly sharded values is traced under its mesh (newer jax
+    refuses a sharded value's ops without it)."""
+    sharding = cache.latent_store.sharding
+    return jax.set_mesh(sharding.mesh) if isinstance(sharding, NamedSharding) else contextlib.nullcontext()
+
+
 def _pow2_pages(n: int, cap: int) -> int:
     """``n`` pages padded to a power of two, at most ``cap`` (the module doc's compile bound)."""
     return min(1 << max(n - 1, 0).bit_length(), cap)
@@ -129,10 +140,15 @@ def _global_pages(cache, row: int, local):
 def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, stage_gate, ids, row,
             *, dtype):
     """The pages ``ids`` of every pool (as the cache ``dtype``) and the stage of ``row``."""
-    take = (lambda a: None if a is None else jnp.take(a, ids, axis=0))
-    return (from_store(take(latent_store), dtype), take(latent_scale),
-            None if pooled_store is None else from_store(take(pooled_store), dtype), take(pooled_scale),
-            None if stage_keys is None else stage_keys[row], None if stage_gate is None else stage_gate[row])
+    def take(a, at):
+        if a is None:
+            return None
+        sharding = _explicit_sharding(a)  # explicit axes: gathered onto every device
+        return a.at[at].get(out_sharding=None if sharding is None else NamedSharding(sharding.mesh, P()))
+
+    return (from_store(take(latent_store, ids), dtype), take(latent_scale, ids),
+            None if pooled_store is None else from_store(take(pooled_store, ids), dtype),
+            take(pooled_scale, ids), *(None if a is None else take(a, row[None])[0] for a in (stage_keys, stage_gate)))
 
 
 _GATHER = jax.jit(_gather, static_argnames="dtype")
@@ -152,9 +168,10 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     n = -(-length // cache.page_size)
     local = np.zeros(_pow2_pages(n, cache.pages_per_seq), np.int32)
     local[:n] = np.asarray(cache.block_table)[row, :n]
-    got = _GATHER(cache.latent_store, cache.latent_scale, cache.pooled_store, cache.pooled_scale,
-                  cache.stage_keys, cache.stage_gate, jnp.asarray(_global_pages(cache, row, local)),
-                  jnp.int32(row), dtype=cache.dtype)
+    with _mesh_of(cache):
+        got = _GATHER(cache.latent_store, cache.latent_scale, cache.pooled_store, cache.pooled_scale,
+                      cache.stage_keys, cache.stage_gate, _global_pages(cache, row, local), np.int32(row),
+                      dtype=cache.dtype)
     lat, lat_scale, pooled, pooled_scale, stage_keys, stage_gate = (
         None if a is None else np.asarray(a) for a in got)
     width = lat.shape[-1]
@@ -257,7 +274,7 @@ def _payload(cache, exported: ExportedSequence) -> dict:
 def _write(cache, payload: dict, row):
     """The jitted write of a load: reserve the row's pages, scatter whole pages of content."""
     m = cache.max_seqs
-    is_row = jnp.arange(m, dtype=jnp.int32) == row
+    is_row = _placed_like(jnp.arange(m, dtype=jnp.int32) == row, cache.lengths)
     empty = jnp.sum(jnp.where(is_row, cache.lengths, 0)) == 0
     pages, status = cache.pages.reserve(jnp.where(is_row & empty, payload["length"], 0))
     ok = empty & (jnp.sum(jnp.where(is_row, status, 0)) == OK)
@@ -294,6 +311,13 @@ def _explicit_sharding(a):
     return sharding if explicit else None
 
 
+def _placed_like(a, ref):
+    """``a`` resharded as ``ref`` where ``ref``'s type carries an ``Explicit`` sharding (an
+    elementwise op there wants its operands split alike), else ``a``."""
+    sharding = _explicit_sharding(ref)
+    return a if sharding is None else jax.sharding.reshard(a, sharding)
+
+
 _WRITES: dict = {}
 
 
@@ -313,4 +337,5 @@ def load_sequence(cache, row: int, exported: ExportedSequence, *, donate: bool =
     anything is written. ``donate=True`` donates ``cache``'s buffers to the write (in place;
     ``PagedDecoder.load``), else the result is a new cache and ``cache`` stays valid."""
     check_load(cache, row, exported)
-    return _write_program(cache, donate)(cache, _payload(cache, exported), np.int32(row))
+    with _mesh_of(cache):
+        return _write_program(cache, donate)(cache, _payload(cache, exported), np.int32(row))
