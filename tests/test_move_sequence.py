@@ -26,6 +26,7 @@ import glm5_dsa_jax as gd
 from glm5_dsa_jax.cache import ExportedSequence
 from glm5_dsa_jax.parallel import sharding as sh
 from helpers import F32_REORDER, dp_mesh, f32_layer, tiny8, tp_mesh
+from test_layer_steps import backend_compiles
 
 ATOL = RTOL = F32_REORDER
 LENGTHS = (29, 18, 37)  # 29: mid-pool (KP 4) and mid-page (8); 18 mid-pool; 37 mid-page of 16
@@ -123,7 +124,9 @@ def move_and_compare(layer_b, implementation, dtype, num_pages=9, page_size=16):
         b.load(dst, exports[src])
         b.cache.pages.check()
     assert b.lengths.tolist() == [5, LENGTHS[2], 0, LENGTHS[0]]
-    on_b = decode(b, {0: own[5:]} | {dst: toks[src] for src, dst in MOVED.items()}, DECODE)
+    with backend_compiles() as seen:  # the loaded cache is the step's to take as it is
+        on_b = decode(b, {0: own[5:]} | {dst: toks[src] for src, dst in MOVED.items()}, DECODE)
+    assert not seen, f"{len(seen)} compilations of B's warm decode after the loads"
     for src, dst in MOVED.items():
         assert_same_sequence(on_b[dst], on_a[src], f"sequence {src} moved to row {dst}")
     assert b.step.traces == 1  # B compiled its decode step only: a load is no step

@@ -322,11 +322,15 @@ _WRITES: dict = {}
 
 
 def _write_program(cache, donate: bool):
-    """The jitted write for this cache's structure and placement (its shardings kept)."""
-    shardings = jax.tree.map(lambda a: a.sharding, cache)
+    """The jitted write for this cache's structure and placement: a placed cache's shardings
+    are the output's; an unplaced cache stays where jax puts it (uncommitted, as a step's
+    output is: a committed one would make the next step compile again)."""
+    placed = isinstance(cache.latent_store.sharding, NamedSharding)
+    shardings = jax.tree.map(lambda a: a.sharding, cache) if placed else None
     key = (jax.tree.structure(cache), tuple(jax.tree.leaves(shardings)), donate)
     if key not in _WRITES:
-        _WRITES[key] = jax.jit(_write, out_shardings=shardings, donate_argnums=(0,) if donate else ())
+        kw = dict(out_shardings=shardings) if placed else {}
+        _WRITES[key] = jax.jit(_write, donate_argnums=(0,) if donate else (), **kw)
     return _WRITES[key]
 
 
