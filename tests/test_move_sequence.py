@@ -17,15 +17,18 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import glm5_dsa_jax as gd
-from glm5_dsa_jax.cache import ExportedSequence
+from glm5_dsa_jax.cache import ExportedSequence, transfer
 from glm5_dsa_jax.parallel import sharding as sh
 from helpers import F32_REORDER, dp_mesh, f32_layer, tiny8, tp_mesh
+from test_data_parallel import collectives
 from test_layer_steps import backend_compiles
 
 ATOL = RTOL = F32_REORDER
@@ -180,6 +183,12 @@ def test_move_onto_a_data_x_tp_mesh():
         assert again.length == n + DECODE
         np.testing.assert_array_equal(again.latent[:n].view(np.uint16), exports[src].latent.view(np.uint16))
         np.testing.assert_array_equal(again.pooled[:n // 4].view(np.uint16), exports[src].pooled.view(np.uint16))
+    # Each data shard writes its own pages: no pool is gathered; only int32 bookkeeping is reduced.
+    b.release(np.array([False, True, False, False]))
+    hlo = transfer.load_hlo(b.cache, 1, exports[2])
+    ops = collectives(hlo)
+    assert not any(ops[k] for k in ("all-gather", "collective-permute", "all-to-all", "reduce-scatter")), ops
+    assert all(re.search(r"= s32\[\d?\]\S* all-reduce", ln) for ln in ops["all-reduce"]), ops["all-reduce"]
 
 
 def test_move_onto_a_tp_mesh():

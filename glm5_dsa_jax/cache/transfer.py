@@ -53,7 +53,7 @@ from glm5_dsa_jax.cache.pages import OK
 from glm5_dsa_jax.cpu_policy import from_store, to_store
 
 __all__ = ["ExportedSequence", "export_sequence", "load_sequence", "check_load", "check_exported",
-           "geometry"]
+           "geometry", "load_hlo"]
 
 
 @struct.dataclass
@@ -343,3 +343,12 @@ def load_sequence(cache, row: int, exported: ExportedSequence, *, donate: bool =
     check_load(cache, row, exported)
     with _mesh_of(cache):
         return _write_program(cache, donate)(cache, _payload(cache, exported), np.int32(row))
+
+
+def load_hlo(cache, row: int, exported: ExportedSequence) -> str:
+    """The compiled program of ``load_sequence(cache, row, exported)``'s write as optimized
+    HLO text, not run: for inspecting it (on a data x tp mesh each shard writes its own
+    pages and only int32 bookkeeping is reduced, ``tests/test_move_sequence.py``)."""
+    check_load(cache, row, exported)
+    with _mesh_of(cache):
+        return _write_program(cache, False).lower(cache, _payload(cache, exported), np.int32(row)).compile().as_text()
