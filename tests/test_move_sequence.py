@@ -146,8 +146,8 @@ def test_moved_sequence_decodes_as_where_it_was_prefilled():
 
 def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
     """fp8: the e4m3 values and their scales (not dequantised), the complete pools only, the
-    stage; after a load into pages of another size, the export is the same bit for bit; a
-    load compiles once per power of two of pages."""
+    stage; after a load into pages of another size, the export is the same bit for bit (a
+    shared-indexer layer's too: latent rows only)."""
     exports, _, _, _ = reference("pallas_interpret", "fp8")
     e = exports[2]
     kp, d = cfg().index_kpool, cfg().index_head_dim
@@ -164,6 +164,13 @@ def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
             np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
     b.pages.check()
     assert int(b.pages.n_free) == 24 - 7 - 5 - 8
+    # A shared-indexer layer's sequence: latent rows only.
+    shared = fields(e, pooled=None, pooled_scale=None, stage_keys=None, stage_gate=None)
+    c = gd.init_paged_cache(cfg(), 2, num_pages=4, page_size=16, dtype="fp8", has_indexer=False).load(1, shared)
+    back = c.export(1)
+    assert back.pooled is None and back.stage_keys is None and not back.has_indexer
+    np.testing.assert_array_equal(back.latent.view(np.uint8), e.latent.view(np.uint8))
+    np.testing.assert_array_equal(back.latent_scale, e.latent_scale)
 
 
 def test_move_onto_a_data_x_tp_mesh():

@@ -129,11 +129,15 @@ def _pow2_pages(n: int, cap: int) -> int:
     return min(1 << max(n - 1, 0).bit_length(), cap)
 
 
-def _global_pages(cache, row: int, local):
+def _shard_of(cache, row):
+    """The data shard of row ``row`` (``pages``' module doc: rows ``k * m .. (k+1) * m - 1``)."""
+    return row // (cache.max_seqs // cache.pages.shards)
+
+
+def _global_pages(cache, row, local):
     """Row ``row``'s local page ids as ids into the pools (a data shard's pages lie at
-    ``shard * pages_per_shard``; ``pages``' module doc)."""
-    shard = row // (cache.max_seqs // cache.pages.shards)
-    return shard * cache.pages.pages_per_shard + local
+    ``shard * pages_per_shard``; ``pages``' module doc). ``row`` may be traced."""
+    return _shard_of(cache, row) * cache.pages.pages_per_shard + local
 
 
 # ---------------------------------------------------------------------------- export
@@ -148,7 +152,8 @@ def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, 
 
     return (from_store(take(latent_store, ids), dtype), take(latent_scale, ids),
             None if pooled_store is None else from_store(take(pooled_store, ids), dtype),
-            take(pooled_scale, ids), *(None if a is None else take(a, row[None])[0] for a in (stage_keys, stage_gate)))
+            take(pooled_scale, ids),
+            *(None if a is None else take(a, row[None])[0] for a in (stage_keys, stage_gate)))
 
 
 _GATHER = jax.jit(_gather, static_argnames="dtype")
@@ -165,7 +170,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     length = int(np.asarray(cache.lengths)[row])
     if length == 0:
         raise ValueError(f"row {row} holds no sequence (length 0: empty or released): nothing to export")
-    n = -(-length // cache.page_size)
+    n = int(cache.pages.pages_needed(length))
     local = np.zeros(_pow2_pages(n, cache.pages_per_seq), np.int32)
     local[:n] = np.asarray(cache.block_table)[row, :n]
     with _mesh_of(cache):
@@ -240,11 +245,11 @@ def check_load(cache, row: int, exported: ExportedSequence) -> None:
     if exported.length > cache.max_length:
         raise ValueError(f"cannot load a sequence of {exported.length} tokens into row {row}: more than "
                          f"pages_per_seq * page_size = {cache.max_length}; nothing was written")
-    need = -(-exported.length // cache.page_size)
+    need, shard = int(cache.pages.pages_needed(exported.length)), _shard_of(cache, row)
     m = cache.max_seqs // cache.pages.shards
-    free = int(np.asarray(cache.pages.n_free).reshape(-1)[row // m])
+    free = int(np.asarray(cache.pages.n_free).reshape(-1)[shard])
     if need > free:
-        where = "" if cache.pages.shards == 1 else f" in data shard {row // m} (rows {row // m * m} .. {row // m * m + m - 1})"
+        where = "" if cache.pages.shards == 1 else f" in data shard {shard} (rows {shard * m} .. {shard * m + m - 1})"
         raise ValueError(f"cannot load a sequence of {exported.length} tokens into row {row}: it needs {need} "
                          f"pages of {cache.page_size} tokens but only {free} are free{where} (short by "
                          f"{need - free}); nothing was written")
@@ -260,7 +265,7 @@ def _paged(a, length: int, per_page: int, pages: int, fill):
 def _payload(cache, exported: ExportedSequence) -> dict:
     """The export re-paged at the cache's page size, padded to a power of two of pages."""
     ps, e = cache.page_size, exported
-    pages = _pow2_pages(-(-e.length // ps), cache.pages_per_seq)
+    pages = _pow2_pages(int(cache.pages.pages_needed(e.length)), cache.pages_per_seq)
     out = dict(length=np.int32(e.length), latent=_paged(e.latent, e.length, ps, pages, 0),
                latent_scale=None if e.latent_scale is None else _paged(e.latent_scale, e.length, ps, pages, 1))
     if e.has_indexer:
@@ -272,17 +277,17 @@ def _payload(cache, exported: ExportedSequence) -> dict:
 
 
 def _write(cache, payload: dict, row):
-    """The jitted write of a load: reserve the row's pages, scatter whole pages of content."""
-    m = cache.max_seqs
-    is_row = _placed_like(jnp.arange(m, dtype=jnp.int32) == row, cache.lengths)
+    """The jitted write of a load: reserve the row's pages, scatter whole pages of content.
+    Guarded as a step is (``ok``): a row not empty, or refused its pages, writes nothing
+    (``check_load`` refuses both before this runs)."""
+    is_row = _placed_like(jnp.arange(cache.max_seqs, dtype=jnp.int32) == row, cache.lengths)
     empty = jnp.sum(jnp.where(is_row, cache.lengths, 0)) == 0
     pages, status = cache.pages.reserve(jnp.where(is_row & empty, payload["length"], 0))
     ok = empty & (jnp.sum(jnp.where(is_row, status, 0)) == OK)
     pages = jax.tree.map(lambda new, old: jnp.where(ok, new, old), pages, cache.pages)
     n = payload["latent"].shape[0]
     local = jnp.sum(jnp.where(is_row[:, None], pages.block_table[:, :n], 0), axis=0)
-    per_shard = m // cache.pages.shards
-    dest = jnp.where(ok & (local >= 0), row // per_shard * cache.pages.pages_per_shard + local, cache.num_pages)
+    dest = jnp.where(ok & (local >= 0), _global_pages(cache, row, local), cache.num_pages)
 
     def put(store, content, stored=True):
         if store is None:
