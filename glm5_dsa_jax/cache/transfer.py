@@ -29,11 +29,16 @@ Invariants:
   as the page table is concerned, and ``PageTable.check`` holds after it.
 * **Bounded compilation.** The content is padded on the host to a power of two of the
   target's pages (at most ``pages_per_seq``); the row and the length are traced. So a cache
-  geometry and placement compiles at most ``ceil(log2(pages_per_seq)) + 1`` write programs,
-  whatever the lengths and rows; an export likewise gathers a power of two of pages.
-* **Placement kept.** The write is compiled with the target cache's shardings as its output
-  shardings (replicated on a TP mesh, split by sequence and page over a data axis), so the
-  loaded cache is placed exactly as before; the export's host arrays carry no placement.
+  geometry and placement compiles at most ``ceil(log2(pages_per_seq)) + 1`` write programs
+  (each for ``PagedCache.load`` and for the donating ``PagedDecoder.load``), whatever the
+  lengths and rows; an export likewise gathers a power of two of pages.
+* **Placement kept.** A placed cache's write is compiled with its shardings as the output
+  shardings (replicated on a TP mesh, split by sequence and page over a data axis) and run
+  under ``jax.set_mesh`` of its mesh (``Explicit`` axes: its gathers and scatters are told
+  their output sharding). Over a data axis each shard scatters onto its own pages: the
+  program all-reduces only int32 bookkeeping, never a pool (``load_hlo``, tested). An
+  unplaced cache comes back uncommitted, as from a step, so the next step does not compile
+  again. The export's host arrays carry no placement.
 * Only paged caches move: the contiguous cache (``DsaCache``) holds one timeline for the
   whole batch, so one of its rows is not a sequence of its own to move.
 """
