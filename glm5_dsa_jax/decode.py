@@ -28,6 +28,8 @@ Invariants:
   ``ValueError`` naming the sequence; inside a step a row that does not fit writes nothing
   and ``cache.status`` says why. Sequences join (a row's next valid tokens start a new
   sequence after ``release``) and leave without recompiling: ``release`` is jitted once.
+  A sequence moves between decoders (``export`` / ``load``, ``glm5_dsa_jax.cache.transfer``):
+  the load is refused before its donated write when it cannot fit.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
+from glm5_dsa_jax.cache.transfer import ExportedSequence, load_sequence
 from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings
 
 __all__ = ["make_step", "DsaDecoder", "PagedDecoder"]
@@ -174,6 +177,18 @@ class PagedDecoder:
         self.cache.check_chunk(self.layer.cfg, self.layer.has_indexer, x.shape[0], mask, prev_topk)
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         return out, topk
+
+    def export(self, row: int) -> ExportedSequence:
+        """Sequence ``row`` as host arrays (``PagedCache.export``): to load into another
+        decoder's cache (another page count, page size or mesh) or to park it."""
+        return self.cache.export(row)
+
+    def load(self, row: int, exported: ExportedSequence) -> None:
+        """Place ``exported`` into the free row ``row`` (``PagedCache.load``: the same
+        refusals, before anything is written or donated); the write is compiled once per
+        power of two of pages and donates the cache. The row's next valid tokens then
+        extend the loaded sequence; its ``topk`` holds positions within that sequence."""
+        self.cache = load_sequence(self.cache, row, exported, donate=True)
 
     def release(self, rows) -> None:
         """End the sequences where ``rows`` (``[max_seqs]`` bool; ``PagedCache.release``:

@@ -3,6 +3,8 @@
 * ``contiguous``: ``DsaCache``, one timeline for the whole batch (HF's ``DynamicCache``);
 * ``paged``: ``PagedCache``, a sequence per row in pages shared by every sequence (vLLM's
   and SGLang's layout), its page bookkeeping in ``pages``;
+* ``transfer``: a paged sequence exported as host arrays (``ExportedSequence``) and loaded
+  into a free row of another paged cache (serving moves paged sequences only);
 * ``fp8``: e4m3 rows with a float32 scale per row, for either cache;
 * ``interface``: what the layer's pipeline asks of a cache, the one place that documents
   it (``LayerCache``: begin a chunk, write the latent rows, the pool window and store, the
@@ -18,6 +20,7 @@ How a cache stores its buffers on a CPU (bits of 16-bit and fp8 floats) is
 from glm5_dsa_jax.cache.contiguous import CACHE_DTYPES, DsaCache, check_cache_dtype, check_fits, init_cache
 from glm5_dsa_jax.cache.interface import Chunk, LayerCache, PoolWindow
 from glm5_dsa_jax.cache.paged import PagedCache, check_room, init_paged_cache
+from glm5_dsa_jax.cache.transfer import ExportedSequence
 
 __all__ = ["CACHE_DTYPES", "DsaCache", "PagedCache", "LayerCache", "Chunk", "PoolWindow",
-           "init_cache", "init_paged_cache", "check_cache_dtype", "check_fits", "check_room"]
+           "init_cache", "init_paged_cache", "ExportedSequence", "check_cache_dtype", "check_fits", "check_room"]

@@ -36,6 +36,12 @@ Invariants:
   input lets a row read or write a page it does not own.
 * Shapes never depend on lengths or on which sequences are live: one compiled step serves
   every step, join and release.
+* **A sequence moves as its content, not its pages** (``export`` / ``load``,
+  ``glm5_dsa_jax.cache.transfer``): an export holds a sequence's latent rows and complete
+  pools in timeline order, as stored (fp8: e4m3 values and scales), its stage and length,
+  and no page id, since page ids are this cache's bookkeeping; a load re-pages the content
+  into another cache (another page count, page size or mesh) through ``pages.reserve``, so
+  the target's page table stays valid and decoding there equals decoding here.
 
 Bytes per token of capacity (``N * page_size`` tokens) at GLM-5.3-Flash dims in bf16: 1,024
 latent + 64 pooled keys, plus the block tables (4 bytes per entry), the free stack and the
@@ -75,6 +81,7 @@ from glm5_dsa_jax.cache.contiguous import (
 from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
+from glm5_dsa_jax.cache.transfer import ExportedSequence, export_sequence, load_sequence
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 from glm5_dsa_jax.model.inputs import check_causal_topk
@@ -216,6 +223,22 @@ class PagedCache:
             upd.update(stage_keys=jnp.where(rows[:, None, None], 0, self.stage_keys).astype(self.stage_keys.dtype),
                        stage_gate=jnp.where(rows[:, None, None], 0.0, self.stage_gate))
         return self.replace(**upd)
+
+    def export(self, row: int) -> ExportedSequence:
+        """Sequence ``row`` as host arrays in timeline order, without page ids
+        (``glm5_dsa_jax.cache.transfer``): its latent rows and complete pools as stored (fp8:
+        e4m3 values and scales), its stage, its length. Eager; ``ValueError`` naming the row
+        when it is empty or released. The cache is not changed."""
+        return export_sequence(self, row)
+
+    def load(self, row: int, exported: ExportedSequence) -> "PagedCache":
+        """This cache with ``exported`` (``export`` of any paged cache of the same geometry,
+        whatever its page count, page size or mesh) placed into the free row ``row``, its
+        content re-paged onto pages of the row's data shard; the placement is kept. Eager;
+        ``ValueError`` naming the row and the sizes, nothing written, when the geometry,
+        layer kind or dtype differ, the row is in use, the sequence is longer than
+        ``max_length`` or the row's shard lacks free pages (``transfer.check_load``)."""
+        return load_sequence(self, row, exported)
 
     # ------------------------------------------------------------------ the cache interface
     #: ``"xla"`` streams every tile's selection through the block table (a row's pools are
