@@ -361,7 +361,7 @@ class DsaAttention(nnx.Module):
         return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
-                         pages_per_seq: int | None = None) -> PagedCache:
+                         pages_per_seq: int | None = None, max_rollback: int = 1) -> PagedCache:
         """An empty paged cache (``glm5_dsa_jax.cache.paged``): ``num_pages`` pages of
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
@@ -369,11 +369,13 @@ class DsaAttention(nnx.Module):
         split by sequence and page over a ``batch_axis``: one page table of ``max_seqs / dp``
         sequences and ``num_pages / dp`` pages per data shard (``pages``' module doc;
         ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
-        ``ValueError`` unless both divide by ``dp``)."""
+        ``ValueError`` unless both divide by ``dp``). ``max_rollback``: tokens a sequence can
+        always take back (``PagedCache.rollback``)."""
         p = self.placement
         cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
                                  has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
-                                 stage_dtype=self.dtype, shards=1 if p is None else p.data_shards)
+                                 stage_dtype=self.dtype, shards=1 if p is None else p.data_shards,
+                                 max_rollback=max_rollback)
         if p is not None:
             cache = place_cache(cache, p.mesh, p.batch_axis)
         check_cache_readable(cache, self.implementation)
