@@ -46,7 +46,9 @@ from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
-from glm5_dsa_jax.cache.rollback import check_rollback, counts as _counts
+from glm5_dsa_jax.cache.rollback import (
+    check_rollback, check_timeline_rollback, counts, rollback_timeline, timeline_count,
+)
 from glm5_dsa_jax.cache.transfer import ExportedSequence, load_sequence
 from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings
 
@@ -125,11 +127,13 @@ class DsaDecoder:
     the same chunk.
     """
 
-    def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None):
+    def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None,
+                 max_rollback: int = 1):
         self.layer = layer
         self.step, self.params = make_step(layer)
-        self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype)
+        self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype, max_rollback=max_rollback)
         self.length = 0  # host mirror of cache.length
+        self._rollback = jax.jit(rollback_timeline, donate_argnums=0)
 
     @property
     def max_length(self) -> int:
@@ -144,6 +148,15 @@ class DsaDecoder:
         out, topk, self.cache = self.step(self.params, x, mask, self.cache, prev_topk)
         self.length += s
         return out, topk
+
+    def rollback(self, n_tokens) -> None:
+        """Drop the last ``n_tokens`` slots of the batch (rejected drafts; ``DsaCache.rollback``:
+        one count for every row). Refused before the donated write (``ValueError`` naming
+        ``n_tokens`` and the sizes, nothing changed); compiled once, whatever the count."""
+        n = timeline_count(self.cache, n_tokens)
+        check_timeline_rollback(self.cache, int(n))
+        self.cache = self._rollback(self.cache, n)
+        self.length -= int(n)
 
 
 def _release(cache: PagedCache, rows):
@@ -213,11 +226,11 @@ class PagedDecoder:
         nothing changed); compiled once, whatever the rows and counts."""
         rows = release_mask(rows, self.cache.max_seqs, "rollback")
         n = np.asarray(n_tokens)
-        check_rollback(self.cache, rows, _counts(self.cache, n, False))
+        check_rollback(self.cache, rows, counts(self.cache, n, False))
         self.cache = self._rollback(self.cache, rows, jnp.asarray(n, jnp.int32))
 
     def truncate(self, rows, lengths) -> None:
         """Shorten each sequence where ``rows`` to ``lengths[b]`` tokens: ``rollback`` of
         ``lengths - self.lengths`` tokens (the same refusals)."""
-        lengths = _counts(self.cache, np.asarray(lengths), True)
+        lengths = counts(self.cache, np.asarray(lengths), True)
         self.rollback(rows, np.asarray(self.lengths) - np.asarray(lengths))

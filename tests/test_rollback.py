@@ -254,3 +254,97 @@ def test_stage_bytes_in_the_docs():
     assert cache.stage_keys.shape[1] == cache.stage_width == 11 and cache.max_rollback == 8
     with pytest.raises(ValueError, match="max_rollback must be an int >= 0"):
         gd.init_paged_cache(gd.DsaConfig.tiny(), 2, 4, 8, max_rollback=-1)
+
+
+# ---------------------------------------------------------------------------- the contiguous cache
+def _timeline_inputs(cfg, batch=4, seed=5):
+    """Row ``b`` left-padded by ``b`` slots (its pool grid starts at slot ``b``: every offset of
+    the pool boundary across the rows), ``K`` drafts with one hole, the continuation."""
+    rng = np.random.default_rng(seed)
+    h = cfg.hidden_size
+    prefix = rng.standard_normal((batch, 8, h)).astype(np.float32)
+    pmask = np.arange(8)[None] >= np.arange(batch)[:, None]
+    drafts = rng.standard_normal((batch, K, h)).astype(np.float32)
+    dmask = np.ones((batch, K), bool)
+    dmask[1, 1] = False  # padding inside the drafts
+    cont = rng.standard_normal((batch, CONT, h)).astype(np.float32)
+    return prefix, pmask, drafts, dmask, cont
+
+
+@pytest.mark.parametrize("implementation,rollbacks", [("xla", range(K + 1)), ("pallas_interpret", (2,))])
+def test_contiguous_drafts_rolled_back_equal_the_accepted_ones(cfg, implementation, rollbacks):
+    """One count for the batch; every row's pool boundary at another offset."""
+    layer = f32_layer(cfg, 1, seed=1, implementation=implementation, block_q=8)
+    call = _eager(layer)
+    prefix, pmask, drafts, dmask, cont = _timeline_inputs(cfg)
+    b = prefix.shape[0]
+    for r in rollbacks:
+        runs = []
+        for take_back in (True, False):
+            cache = layer.init_cache(b, 24, max_rollback=K)
+            _, _, cache = call(prefix, pmask, cache)
+            if take_back:
+                _, _, cache = call(drafts, dmask, cache)
+                cache = cache.rollback(r)
+                assert int(cache.length) == 8 + K - r
+            elif r < K:
+                _, _, cache = call(drafts[:, :K - r], dmask[:, :K - r], cache)
+            out1, top1, cache = call(cont, np.ones((b, CONT), bool), cache)
+            out2, top2, cache = call(cont[:, :1] * 0.5, np.ones((b, 1), bool), cache)
+            runs.append(((np.asarray(out1), np.asarray(out2)), (np.asarray(top1), np.asarray(top2)), cache))
+        _assert_same(runs[0][:2], runs[1][:2], [(f"row {i}", r) for i in range(b)])
+        for name in ("key_valid", "pool_valid", "first_key", "n_valid", "length"):
+            np.testing.assert_array_equal(np.asarray(getattr(runs[0][2], name)),
+                                          np.asarray(getattr(runs[1][2], name)), err_msg=f"{name}, r = {r}")
+
+
+def test_contiguous_bad_rollbacks_and_decoder(cfg):
+    layer = f32_layer(cfg, 1, seed=1)
+    cache = layer.init_cache(2, 16)  # max_rollback 1
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 10, cfg.hidden_size)), jnp.float32)
+    _, _, cache = layer(x, cache=cache)
+    before = jax.tree.map(np.asarray, cache)
+    with pytest.raises(ValueError, match=r"n_tokens = \[1, 2\] differs between rows"):
+        cache.rollback(np.array([1, 2]))
+    with pytest.raises(ValueError, match="n_tokens = 11 slots: the cache holds 10"):
+        cache.rollback(11)
+    with pytest.raises(ValueError, match=r"raw keys of slots 6 \.\. 9 only .*row 0 \(its incomplete pool would start at slot 4\)"):
+        cache.rollback(3)
+    got = jax.jit(lambda c, n: c.rollback(n))(cache, jnp.int32(3))  # under jit: unchanged
+    _assert_unchanged(got, before)
+    _assert_unchanged(cache, before)
+    assert int(cache.rollback(np.array([2, 2])).length) == 8  # a boundary: allowed
+
+    from glm5_dsa_jax.decode import DsaDecoder
+    dec = DsaDecoder(layer, 2, 16, max_rollback=3)
+    dec(x[:, :7])
+    dec.rollback(3)  # 7 -> 4: the stage now holds slots 1 .. 3
+    with pytest.raises(ValueError, match=r"\(4 -> 3\): the stage holds the raw keys of slots 1 \.\. 3"):
+        dec.rollback(1)
+    dec.rollback(np.array([4, 4]))
+    assert dec.length == 0 and int(dec.cache.length) == 0 and dec._rollback._cache_size() == 1
+    with pytest.raises(ValueError, match="the cache holds 0"):
+        dec.rollback(1)
+
+
+def test_a_rolled_back_sequence_moves_and_goes_on(cfg):
+    """Export after a rollback from a wide-stage cache, load into a cache of another
+    ``max_rollback`` and page size: the continuation equals the one where it was; the loaded
+    row's ``stage_from`` is ``length - KP`` (an export carries the last ``KP`` stage entries)."""
+    layer = f32_layer(cfg, 1, seed=1)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((1, 13, cfg.hidden_size)), jnp.float32)
+    src = layer.init_paged_cache(1, 4, 8, max_rollback=4)
+    _, _, src = layer(x, cache=src)
+    src = src.rollback(np.ones(1, bool), np.array([3], np.int32))  # 13 -> 10
+    dst = layer.init_paged_cache(2, 6, 4).load(1, src.export(0))
+    assert np.asarray(dst.lengths).tolist() == [0, 10] and np.asarray(dst.stage_from).tolist() == [0, 6]
+    nxt = jnp.asarray(rng.standard_normal((1, 3, cfg.hidden_size)), jnp.float32)
+    out_a, top_a, _ = layer(nxt, cache=src)
+    out_b, top_b, dst = layer(jnp.concatenate([nxt * 0, nxt]), attention_mask=jnp.asarray([[False] * 3, [True] * 3]),
+                              cache=dst)
+    np.testing.assert_array_equal(np.asarray(top_b)[1], np.asarray(top_a)[0])
+    np.testing.assert_allclose(np.asarray(out_b)[1], np.asarray(out_a)[0], atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="raw keys of positions 9 .. 12 only"):  # 13 -> 9 needs 8
+        dst.rollback(np.array([False, True]), np.array([0, 4], np.int32))
+    assert int(dst.rollback(np.array([False, True]), np.array([0, 1], np.int32)).lengths[1]) == 12

@@ -131,9 +131,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.parallel.placement", "glm5_dsa_jax.model.ops", "glm5_dsa_jax.cache.fp8",
      "glm5_dsa_jax.cache.interface"),
     ("glm5_dsa_jax.cache.pages",),  # page bookkeeping
+    ("glm5_dsa_jax.cache.rollback",),  # drafts taken back
     ("glm5_dsa_jax.cache.contiguous",),
     ("glm5_dsa_jax.cache.transfer",),  # a paged sequence out of one cache and into another
-    ("glm5_dsa_jax.cache.rollback",),  # drafts taken back
     ("glm5_dsa_jax.cache.paged",),
     ("glm5_dsa_jax.cache",),  # re-exports the caches
     # the attention mass per pool; the indexer loss (its definition, the parameter filters)

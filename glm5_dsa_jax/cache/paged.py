@@ -22,9 +22,14 @@ Invariants:
   page_size // KP``. A page therefore holds its tokens' latent rows *and* their pooled keys,
   and one reservation serves both pools.
 * **The incomplete pool** (the last ``lengths[b] % KP`` tokens) is staged per sequence:
-  ``stage_keys`` / ``stage_gate [max_seqs, KP, D]`` hold the keys and gate logits of
-  positions ``lengths[b] - KP .. lengths[b] - 1`` (right-aligned; negative positions are
-  empty). A pool is pooled once, when its last token arrives, like the contiguous cache.
+  ``stage_keys`` / ``stage_gate [max_seqs, H, D]`` hold the keys and gate logits of
+  positions ``lengths[b] - H .. lengths[b] - 1`` (right-aligned; negative positions are
+  empty; ``H = max(KP, KP - 1 + max_rollback)``, ``KP`` the static ``kpool``; the pipeline
+  reads the last ``KP``). A pool is pooled once, when its last token arrives, like the
+  contiguous cache.
+* **Drafts can be taken back** (``rollback`` / ``truncate``, ``glm5_dsa_jax.cache.rollback``):
+  a sequence's last tokens are dropped as if never appended; the wider stage and
+  ``stage_from`` are what that takes.
 * **A row that cannot get its pages writes nothing** (``status[b]`` says why: ``pages.OK``,
   ``NO_FREE_PAGES``, ``TOO_LONG``, ``BAD_TABLE``); its outputs are zeros and its top-k
   ``-1``. Rows take pages in row order, so a failure never takes or touches another
@@ -216,14 +221,13 @@ class PagedCache:
         if has_indexer:
             kp, d = cfg.index_kpool, cfg.index_head_dim
             want = (self.num_pages, self.page_size // kp, d)
-            h = self.stage_width
-            if (tuple(self.pooled_store.shape) != want or self.kpool != kp or h < kp
-                    or self.stage_keys.shape != (max_seqs, h, d)):
+            # The stage this layer's KP needs for the cache's max_rollback.
+            stage = (max_seqs, stage_width(kp, max(self.stage_width - self.kpool + 1, 0)), d)
+            if tuple(self.pooled_store.shape) != want or self.kpool != kp or self.stage_keys.shape != stage:
                 raise ValueError(
                     f"paged cache indexer state has pooled pages {tuple(self.pooled_store.shape)}, "
                     f"kpool {self.kpool} and stage {tuple(self.stage_keys.shape)}; this layer needs "
-                    f"pooled {want} (index_kpool={kp}, index_head_dim={d}) and stage "
-                    f"{(max_seqs, 'H >= ' + str(kp), d)}")
+                    f"pooled {want} (index_kpool={kp}, index_head_dim={d}) and stage {stage}")
         if not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(self.pages)):
             self.pages.check()  # the table handed in: every row's bookkeeping, the free stack
 

@@ -1,5 +1,6 @@
 """Drafts that can be taken back: dropping the last tokens of paged sequences
-(``PagedCache.rollback`` / ``truncate``), as speculative decoding drops rejected drafts.
+(``PagedCache.rollback`` / ``truncate``), or the last slots of a contiguous cache's timeline
+(``DsaCache.rollback``), as speculative decoding drops rejected drafts.
 
 Invariants:
 
@@ -32,6 +33,16 @@ Invariants:
   is left as it was and ``status[b]`` is ``BAD_ROLLBACK`` (a broken page table:
   ``BAD_TABLE``, as for ``reserve``).
 
+**The contiguous cache** (``DsaCache.rollback(n_tokens)``) holds one timeline for the
+batch (slots, padding included), so it takes one count for every row; per-row counts are
+refused (``ValueError``: the paged cache is the one for sequences of their own). The same
+rules per row with its pool grid from ``first_key``: ``key_valid`` past the new length and
+``pool_valid`` of every pool ending there cleared, ``n_valid`` recounted, ``first_key``
+reset where no valid slot is left, the stage shifted, one ``stage_from`` slot for the
+batch. Under jit an impossible count returns the cache unchanged (there is no status).
+The clears are ``where``s over ``[B, max_length]`` and ``[B, max_pools]`` bools: ``O(B * L)``
+byte writes, not ``O(R)``.
+
 Bytes of the per-sequence state a rollback needs, per layer with an indexer: ``H * D *
 (s + 4) + 4`` (``s`` bytes a stage key, 4 a float32 gate logit, 4 for ``stage_from``). At
 GLM-5.3-Flash dims (``D = 128``, ``KP = 4``, bf16 stage): ``max_rollback`` 1 (``H = 4``,
@@ -47,7 +58,8 @@ import numpy as np
 
 from glm5_dsa_jax.cache.pages import BAD_ROLLBACK, OK, release_mask
 
-__all__ = ["rollback_rows", "check_rollback", "restorable", "stage_bytes", "stage_width", "counts"]
+__all__ = ["rollback_rows", "check_rollback", "restorable", "stage_bytes", "stage_width", "counts",
+           "rollback_timeline", "check_timeline_rollback", "timeline_count"]
 
 
 def stage_width(kpool: int, max_rollback: int) -> int:
@@ -155,3 +167,105 @@ def rollback_rows(cache, rows, values, *, to_lengths: bool = False):
                    stage_from=jnp.where(done, jnp.maximum(cache.stage_from, lengths - cache.stage_width),
                                         cache.stage_from))
     return cache.replace(**upd)
+
+
+# ---------------------------------------------------------------------------- the contiguous cache
+def _timeline_restorable(cache, n):
+    """``([B] bool, [B] int32)``: whether each row's stage holds its new incomplete pool after
+    dropping ``n`` slots, and where that pool starts (a row's pool grid starts at its
+    ``first_key``; a row with no valid slot before the new length has no pool)."""
+    length, kp = cache.length, cache.kpool
+    new = length - n
+    fk = cache.first_key
+    start = fk + jnp.maximum(new - fk, 0) // kp * kp
+    held = jnp.maximum(cache.stage_from, length - cache.stage_width)
+    return (fk >= new) | (start == new) | (start >= held), start
+
+
+def check_timeline_rollback(cache, n: int) -> None:
+    """``ValueError`` naming ``n_tokens``, the rows and the sizes unless ``DsaCache.rollback(n)``
+    is possible (concrete values; nothing is changed)."""
+    length = int(cache.length)
+    if n < 0 or n > length:
+        raise ValueError(f"cannot roll back n_tokens = {n} slots: the cache holds {length} "
+                         f"(0 <= n_tokens <= {length}); nothing was changed")
+    if not cache.has_indexer:
+        return
+    ok, start = (np.asarray(a) for a in _timeline_restorable(cache, jnp.int32(n)))
+    if not ok.all():
+        held = max(int(cache.stage_from), length - cache.stage_width, 0)
+        rows = ", ".join(f"row {b} (its incomplete pool would start at slot {int(start[b])})"
+                         for b in np.nonzero(~ok)[0])
+        raise ValueError(
+            f"cannot roll back n_tokens = {n} slots ({length} -> {length - n}): the stage holds the "
+            f"raw keys of slots {held} .. {length - 1} only (max_rollback={cache.max_rollback}, "
+            f"index_kpool={cache.kpool}: make the cache with a larger max_rollback), too few for "
+            f"{rows}; nothing was changed")
+
+
+def timeline_count(cache, n_tokens):
+    """``n_tokens`` as one int32 count: a scalar, or a ``[B]`` array of one value (concrete;
+    ``ValueError`` naming ``n_tokens`` for per-row counts, which the contiguous cache cannot
+    take: one timeline for the batch)."""
+    if isinstance(n_tokens, jax.core.Tracer):
+        if jnp.ndim(n_tokens) != 0:
+            raise ValueError("n_tokens of a contiguous cache's rollback must be one count (a scalar) "
+                             "under jit: the batch shares one timeline")
+        return jnp.asarray(n_tokens, jnp.int32)
+    arr = np.asarray(n_tokens)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != cache.batch_size):
+        raise ValueError(f"n_tokens must be an int (or a [B={cache.batch_size}] integer array of one "
+                         f"value), got {arr.dtype} {tuple(arr.shape)}")
+    if arr.ndim == 1 and (arr != arr[0]).any():
+        raise ValueError(f"n_tokens = {arr.tolist()} differs between rows, but a contiguous cache holds one "
+                         "timeline for the whole batch (slots are shared, padding included): it rolls "
+                         "back one count for every row; per-sequence rollback is the paged cache's "
+                         "(PagedCache.rollback)")
+    return jnp.asarray(arr.reshape(-1)[0] if arr.ndim else arr, jnp.int32)
+
+
+def _drop_slots(cache, n):
+    """The rollback of ``n`` slots, assumed possible (``rollback_timeline``)."""
+    length = cache.length
+    new = length - n
+    slot = jnp.arange(cache.max_length, dtype=jnp.int32)[None]
+    key_valid = cache.key_valid & (slot < new)
+    upd = dict(key_valid=key_valid, length=new.astype(jnp.int32))
+    if cache.has_indexer:
+        kp, fk = cache.kpool, cache.first_key
+        p = jnp.arange(cache.max_pools, dtype=jnp.int32)[None]
+        done = jnp.ones(fk.shape, bool)
+        upd.update(
+            pool_valid=cache.pool_valid & (fk[:, None] + (p + 1) * kp - 1 < new),
+            n_valid=key_valid.sum(axis=1, dtype=jnp.int32),
+            first_key=jnp.where(fk >= new, cache.max_length, fk).astype(jnp.int32),
+            stage_keys=_shift(cache.stage_keys, jnp.broadcast_to(n, fk.shape), done),
+            stage_gate=_shift(cache.stage_gate, jnp.broadcast_to(n, fk.shape), done),
+            stage_valid=_shift(cache.stage_valid, jnp.broadcast_to(n, fk.shape), done),
+            stage_from=jnp.maximum(cache.stage_from, length - cache.stage_width).astype(jnp.int32))
+    return cache.replace(**upd)
+
+
+def _keep(cache, n):
+    return cache
+
+
+def _rollback_timeline(cache, n):
+    ok = (n >= 0) & (n <= cache.length)
+    if cache.has_indexer:
+        ok &= _timeline_restorable(cache, jnp.clip(n, 0, cache.length))[0].all()
+    return jax.lax.cond(ok, _drop_slots, _keep, cache, n)
+
+
+#: Compiled once per cache structure: an eager rollback is one program.
+_ROLLBACK_TIMELINE = jax.jit(_rollback_timeline)
+
+
+def rollback_timeline(cache, n_tokens):
+    """``DsaCache.rollback(n_tokens)`` (the module doc): drop the last ``n_tokens`` slots of
+    the batch's timeline. Eager calls are checked first (``check_timeline_rollback``)."""
+    n = timeline_count(cache, n_tokens)
+    if _concrete(cache, n):
+        check_timeline_rollback(cache, int(n))
+        return _ROLLBACK_TIMELINE(cache, n)
+    return _rollback_timeline(cache, n)

@@ -348,14 +348,16 @@ class DsaAttention(nnx.Module):
         return uses_float32(nnx.state(self, nnx.Param), self.cpu_float32)
 
     # ------------------------------------------------------------------ cache
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> DsaCache:
+    def init_cache(self, batch_size: int, max_length: int, dtype=None, *, max_rollback: int = 1) -> DsaCache:
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype;
         ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
         once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
         must divide by its size). ``ValueError`` for an fp8 cache this layer's kernels
-        cannot read (``fp8.check_readable``)."""
+        cannot read (``fp8.check_readable``). ``max_rollback``: slots the batch can always
+        take back (``DsaCache.rollback``)."""
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
-                           dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype)
+                           dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype,
+                           max_rollback=max_rollback)
         check_cache_readable(cache, self.implementation)
         p = self.placement
         return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
