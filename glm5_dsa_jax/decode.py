@@ -29,12 +29,16 @@ Invariants:
   and ``cache.status`` says why. Sequences join (a row's next valid tokens start a new
   sequence after ``release``) and leave without recompiling: ``release`` is jitted once.
   A sequence moves between decoders (``export`` / ``load``, ``glm5_dsa_jax.cache.transfer``):
-  the load is refused before its donated write when it cannot fit.
+  the load is refused before its donated write when it cannot fit. Rejected drafts are
+  taken back (``rollback`` / ``truncate``, ``glm5_dsa_jax.cache.rollback``), refused before
+  the donated write when the stage cannot restore them; jitted once.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache, check_fits
@@ -42,6 +46,9 @@ from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
+from glm5_dsa_jax.cache.rollback import (
+    check_rollback, check_timeline_rollback, counts, rollback_timeline, timeline_count,
+)
 from glm5_dsa_jax.cache.transfer import ExportedSequence, load_sequence
 from glm5_dsa_jax.parallel.sharding import batch_sharding, cache_shardings
 
@@ -120,11 +127,13 @@ class DsaDecoder:
     the same chunk.
     """
 
-    def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None):
+    def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None,
+                 max_rollback: int = 1):
         self.layer = layer
         self.step, self.params = make_step(layer)
-        self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype)
+        self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype, max_rollback=max_rollback)
         self.length = 0  # host mirror of cache.length
+        self._rollback = jax.jit(rollback_timeline, donate_argnums=0)
 
     @property
     def max_length(self) -> int:
@@ -140,9 +149,22 @@ class DsaDecoder:
         self.length += s
         return out, topk
 
+    def rollback(self, n_tokens) -> None:
+        """Drop the last ``n_tokens`` slots of the batch (rejected drafts; ``DsaCache.rollback``:
+        one count for every row). Refused before the donated write (``ValueError`` naming
+        ``n_tokens`` and the sizes, nothing changed); compiled once, whatever the count."""
+        n = timeline_count(self.cache, n_tokens)
+        check_timeline_rollback(self.cache, int(n))
+        self.cache = self._rollback(self.cache, n)
+        self.length -= int(n)
+
 
 def _release(cache: PagedCache, rows):
     return cache.release(rows)
+
+
+def _rollback(cache: PagedCache, rows, n_tokens):
+    return cache.rollback(rows, n_tokens)
 
 
 class PagedDecoder:
@@ -159,12 +181,13 @@ class PagedDecoder:
     """
 
     def __init__(self, layer: DsaAttention, max_seqs: int, num_pages: int, page_size: int = 64, *,
-                 cache_dtype=None, pages_per_seq: int | None = None):
+                 cache_dtype=None, pages_per_seq: int | None = None, max_rollback: int = 1):
         self.layer = layer
         self.step, self.params = make_step(layer)
         self.cache = layer.init_paged_cache(max_seqs, num_pages, page_size, cache_dtype,
-                                            pages_per_seq=pages_per_seq)
+                                            pages_per_seq=pages_per_seq, max_rollback=max_rollback)
         self._release = jax.jit(_release, donate_argnums=0)
+        self._rollback = jax.jit(_rollback, donate_argnums=0)
 
     @property
     def lengths(self):
@@ -195,3 +218,19 @@ class PagedDecoder:
         integer ids or masks are refused): their pages return to the pool and those rows
         start new sequences at position 0."""
         self.cache = self._release(self.cache, release_mask(rows, self.cache.max_seqs))
+
+    def rollback(self, rows, n_tokens) -> None:
+        """Drop the last ``n_tokens[b]`` tokens of each sequence where ``rows`` (``[max_seqs]``
+        bool, ``n_tokens`` ``[max_seqs]`` int): rejected drafts (``PagedCache.rollback``).
+        Refused before the donated write (``check_rollback``: ``ValueError`` naming the row,
+        nothing changed); compiled once, whatever the rows and counts."""
+        rows = release_mask(rows, self.cache.max_seqs, "rollback")
+        n = np.asarray(n_tokens)
+        check_rollback(self.cache, rows, counts(self.cache, n, False))
+        self.cache = self._rollback(self.cache, rows, jnp.asarray(n, jnp.int32))
+
+    def truncate(self, rows, lengths) -> None:
+        """Shorten each sequence where ``rows`` to ``lengths[b]`` tokens: ``rollback`` of
+        ``lengths - self.lengths`` tokens (the same refusals)."""
+        lengths = counts(self.cache, np.asarray(lengths), True)
+        self.rollback(rows, np.asarray(self.lengths) - np.asarray(lengths))

@@ -10,16 +10,19 @@ Invariants:
   ``k_rot`` (``DsaAttention.project``). It is the only per-token tensor attention reads;
   ``key_valid[b, i]`` is False for padding.
 * The indexer keeps *pooled* keys: ``pooled[b, p]`` is written once, when the last token
-  of pool ``p`` arrives, and never recomputed. Only the last ``index_kpool`` tokens' keys
-  and gate logits (``stage_*``, the tokens an incomplete pool may still need) are kept
-  per token. Per token that is ``kv_cache_dim`` row values, one validity byte and
-  ``index_head_dim / index_kpool`` pooled values: 1,089 bytes in bf16 at GLM-5.3-Flash
+  of pool ``p`` arrives, and never recomputed. Only the last ``H`` slots' keys and gate
+  logits (``stage_*``, the tokens an incomplete pool may still need; ``H = index_kpool``,
+  wider with ``max_rollback``, ``glm5_dsa_jax.cache.rollback``) are kept per token. Per
+  token that is ``kv_cache_dim`` row values, one validity byte and ``index_head_dim /
+  index_kpool`` pooled values: 1,089 bytes in bf16 at GLM-5.3-Flash
   dims and kpool 4 (HF keeps the latent and every raw indexer key, 1,538 bytes).
 * ``first_key[b]`` is the first valid slot, ``max_length`` until one arrives;
   ``n_valid[b]`` counts the valid slots written.
 * Shared-indexer layers hold no indexer state (those fields are ``None``).
 
 Shapes never depend on ``length``, so one compiled step serves every step of a decode.
+``rollback(n)`` drops the last ``n`` slots of the batch's timeline (one count for every
+row: ``glm5_dsa_jax.cache.rollback``).
 
 On a CPU a 16-bit float (or fp8) cache stores the latent rows and pooled keys as their bits
 (``latent_store`` / ``pooled_store``; ``glm5_dsa_jax.cpu_policy``'s bit storage says which
@@ -68,6 +71,7 @@ from glm5_dsa_jax.cache.fp8 import FP8, is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
+from glm5_dsa_jax.cache.rollback import rollback_timeline, stage_width
 from pallas_kernels import first_valid
 
 __all__ = [
@@ -110,14 +114,38 @@ class DsaCache:
     length: jax.Array  # [] int32, slots written
     pooled_store: jax.Array | None = None  # [B, max_pools, index_head_dim], stored
     pool_valid: jax.Array | None = None  # [B, max_pools] bool
-    stage_keys: jax.Array | None = None  # [B, KP, index_head_dim]: slots length-KP .. length-1
-    stage_gate: jax.Array | None = None  # [B, KP, index_head_dim] float32
-    stage_valid: jax.Array | None = None  # [B, KP] bool
+    stage_keys: jax.Array | None = None  # [B, H, index_head_dim]: slots length-H .. length-1
+    stage_gate: jax.Array | None = None  # [B, H, index_head_dim] float32
+    stage_valid: jax.Array | None = None  # [B, H] bool
     first_key: jax.Array | None = None  # [B] int32
     n_valid: jax.Array | None = None  # [B] int32
     latent_scale: jax.Array | None = None  # [B, max_length] float32, fp8 caches only
     pooled_scale: jax.Array | None = None  # [B, max_pools] float32, fp8 caches only
+    stage_from: jax.Array | None = None  # [] int32: first slot the stage may hold (rollback)
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
+    kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
+
+    @property
+    def stage_width(self) -> int:
+        """``H``: slots the stage keeps, ``max(KP, KP - 1 + max_rollback)`` (0 without an
+        indexer); the pipeline reads its last ``KP`` (``glm5_dsa_jax.cache.rollback``)."""
+        return 0 if self.stage_keys is None else self.stage_keys.shape[1]
+
+    @property
+    def max_rollback(self) -> int | None:
+        """Tokens the batch can always take back (``rollback``): ``H - KP + 1``; None (all)
+        without an indexer."""
+        return None if self.stage_keys is None else self.stage_width - self.kpool + 1
+
+    def rollback(self, n_tokens) -> "DsaCache":
+        """Drop the last ``n_tokens`` slots of the batch's one timeline (rejected drafts):
+        the cache is as if they had never been appended (``glm5_dsa_jax.cache.rollback``).
+        One count for every row: a ``[B]`` array of different counts raises ``ValueError``
+        (positions are slots shared by the batch; per-sequence rollback is the paged
+        cache's). More slots than written, or past what a row's stage can restore: in an
+        eager call ``ValueError`` naming ``n_tokens``, the row and the sizes, nothing
+        changed; under jit the cache is returned unchanged. Jit-safe."""
+        return rollback_timeline(self, n_tokens)
 
     @property
     def latent(self) -> jax.Array:
@@ -172,12 +200,14 @@ class DsaCache:
                 f"{what} layer: make the cache with this layer's init_cache"
             )
         if has_indexer:
-            want = (batch_size, cfg.index_kpool, cfg.index_head_dim)
-            if self.pooled_store.shape[2] != cfg.index_head_dim or self.stage_keys.shape != want:
+            h = self.stage_width
+            want = (batch_size, h, cfg.index_head_dim)
+            if (self.pooled_store.shape[2] != cfg.index_head_dim or self.stage_keys.shape != want
+                    or self.kpool != cfg.index_kpool or h < cfg.index_kpool):
                 raise ValueError(
-                    f"cache indexer state has pooled {tuple(self.pooled_store.shape)} and stage "
-                    f"{tuple(self.stage_keys.shape)}; this layer needs index_head_dim="
-                    f"{cfg.index_head_dim} and index_kpool={cfg.index_kpool}"
+                    f"cache indexer state has pooled {tuple(self.pooled_store.shape)}, kpool "
+                    f"{self.kpool} and stage {tuple(self.stage_keys.shape)}; this layer needs "
+                    f"index_head_dim={cfg.index_head_dim} and index_kpool={cfg.index_kpool}"
                 )
 
     # ------------------------------------------------------------------ the cache interface
@@ -228,7 +258,7 @@ class DsaCache:
         """The ``PoolWindow`` of a chunk's indexer keys ``[B, S, D]`` and gate logits: slots
         ``length - KP .. length + S - 1`` (the stage, then the chunk)."""
         mask = chunk.mask
-        kp = self.stage_keys.shape[1]
+        kp = self.kpool
         s = keys.shape[1]
         length, big = self.length, self.max_length
         win_start = length - kp
@@ -240,23 +270,24 @@ class DsaCache:
         rel = first_key - win_start
         first_pool = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
         return PoolWindow(
-            keys=jnp.concatenate([self.stage_keys, keys.astype(self.stage_keys.dtype)], axis=1),
-            gate=jnp.concatenate([self.stage_gate, gate], axis=1),
-            valid=jnp.concatenate([self.stage_valid, mask], axis=1),
+            keys=jnp.concatenate([self.stage_keys[:, -kp:], keys.astype(self.stage_keys.dtype)], axis=1),
+            gate=jnp.concatenate([self.stage_gate[:, -kp:], gate], axis=1),
+            valid=jnp.concatenate([self.stage_valid[:, -kp:], mask], axis=1),
             first_key=first_key,
             first_pool=first_pool.astype(jnp.int32),
         )
 
     def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
                     chunk: Chunk) -> "DsaCache":
-        """Write the pools of ``window`` that complete in this chunk, once, and keep the
-        window's last ``KP`` slots as the new stage (nothing when not ``chunk.fits``).
+        """Write the pools of ``window`` that complete in this chunk, once, and keep the last
+        ``H`` slots of the stage's first ``H - KP`` then the window as the new stage (nothing
+        when not ``chunk.fits``).
 
         ``pooled [B, n, D]`` / ``pooled_valid [B, n]`` are ``kpool_compress`` of the window
         from ``window.first_pool``; a pool is new when its last slot lies in the chunk.
         """
         fits = chunk.fits
-        kp = self.stage_keys.shape[1]
+        kp, h = self.kpool, self.stage_width
         s = window.keys.shape[1] - kp
         length = self.length
         win_start = length - kp
@@ -273,19 +304,23 @@ class DsaCache:
             rows.append(scale)
         rows[0] = to_store(rows[0], self.dtype, self.pooled_store.dtype)
         pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
+
+        def staged(old, win):  # slots length - H .. length + S - 1, then the last H
+            return jnp.where(fits, jnp.concatenate([old[:, :h - kp], win], 1)[:, s:], old)
+
         return self.replace(
             pooled_store=pooled_cache,
             pool_valid=pool_valid,
             pooled_scale=scale[0] if scale else None,
-            stage_keys=jnp.where(fits, window.keys[:, s:], self.stage_keys),
-            stage_gate=jnp.where(fits, window.gate[:, s:], self.stage_gate),
-            stage_valid=jnp.where(fits, window.valid[:, s:], self.stage_valid),
+            stage_keys=staged(self.stage_keys, window.keys),
+            stage_gate=staged(self.stage_gate, window.gate),
+            stage_valid=staged(self.stage_valid, window.valid),
             first_key=jnp.where(fits, first_key, self.first_key),
         )
 
     def live_pools(self, q_pos: jax.Array) -> jax.Array:
         """``[B, Q]`` the pools complete at each query (``visible_pools`` from ``first_key``)."""
-        return visible_pools(q_pos, self.first_key[:, None], self.stage_keys.shape[1], self.max_pools)
+        return visible_pools(q_pos, self.first_key[:, None], self.kpool, self.max_pools)
 
     def pool_keys(self) -> "ContiguousPoolKeys":
         """The pooled keys, ``pool_valid`` and ``first_key``: ``index_scores``' key source."""
@@ -363,13 +398,16 @@ def init_cache(
     has_indexer: bool = True,
     dtype=jnp.bfloat16,
     stage_dtype=None,
+    max_rollback: int = 1,
 ) -> DsaCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
 
     ``dtype`` (of the latent and pooled keys) must be one of ``CACHE_DTYPES`` or ``"fp8"``;
     anything else raises ``ValueError`` naming ``dtype``. ``stage_dtype``: the compute dtype
     an fp8 cache stages the incomplete pool's keys in (default bfloat16; the layer passes
-    its own); a float cache stages in its ``dtype`` and ignores it.
+    its own); a float cache stages in its ``dtype`` and ignores it. ``max_rollback`` (static,
+    an int >= 0): slots the batch can always take back (``DsaCache.rollback``); the stage
+    keeps ``max(KP, KP - 1 + max_rollback)`` slots.
     """
     dtype = check_cache_dtype(dtype)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
@@ -384,12 +422,14 @@ def init_cache(
         )
     b = batch_size
     st = store_dtype(dtype)
+    h = stage_width(cfg.index_kpool, max_rollback)
     base = dict(
         latent_store=jnp.zeros((b, max_length, cfg.kv_cache_dim), st),
         key_valid=jnp.zeros((b, max_length), bool),
         length=jnp.zeros((), jnp.int32),
         latent_scale=jnp.ones((b, max_length), jnp.float32) if is_fp8(dtype) else None,
         dtype=dtype,
+        kpool=cfg.index_kpool,
     )
     if not has_indexer:
         return DsaCache(**base)
@@ -400,11 +440,12 @@ def init_cache(
         pooled_store=jnp.zeros((b, max_pools, d), st),
         pooled_scale=jnp.ones((b, max_pools), jnp.float32) if is_fp8(dtype) else None,
         pool_valid=jnp.zeros((b, max_pools), bool),
-        stage_keys=jnp.zeros((b, kp, d), stage_dtype),
-        stage_gate=jnp.zeros((b, kp, d), jnp.float32),
-        stage_valid=jnp.zeros((b, kp), bool),
+        stage_keys=jnp.zeros((b, h, d), stage_dtype),
+        stage_gate=jnp.zeros((b, h, d), jnp.float32),
+        stage_valid=jnp.zeros((b, h), bool),
         first_key=jnp.full((b,), max_length, jnp.int32),
         n_valid=jnp.zeros((b,), jnp.int32),
+        stage_from=jnp.zeros((), jnp.int32),
     )
 
 

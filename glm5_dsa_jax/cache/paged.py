@@ -22,9 +22,14 @@ Invariants:
   page_size // KP``. A page therefore holds its tokens' latent rows *and* their pooled keys,
   and one reservation serves both pools.
 * **The incomplete pool** (the last ``lengths[b] % KP`` tokens) is staged per sequence:
-  ``stage_keys`` / ``stage_gate [max_seqs, KP, D]`` hold the keys and gate logits of
-  positions ``lengths[b] - KP .. lengths[b] - 1`` (right-aligned; negative positions are
-  empty). A pool is pooled once, when its last token arrives, like the contiguous cache.
+  ``stage_keys`` / ``stage_gate [max_seqs, H, D]`` hold the keys and gate logits of
+  positions ``lengths[b] - H .. lengths[b] - 1`` (right-aligned; negative positions are
+  empty; ``H = max(KP, KP - 1 + max_rollback)``, ``KP`` the static ``kpool``; the pipeline
+  reads the last ``KP``). A pool is pooled once, when its last token arrives, like the
+  contiguous cache.
+* **Drafts can be taken back** (``rollback`` / ``truncate``, ``glm5_dsa_jax.cache.rollback``):
+  a sequence's last tokens are dropped as if never appended; the wider stage and
+  ``stage_from`` are what that takes.
 * **A row that cannot get its pages writes nothing** (``status[b]`` says why: ``pages.OK``,
   ``NO_FREE_PAGES``, ``TOO_LONG``, ``BAD_TABLE``); its outputs are zeros and its top-k
   ``-1``. Rows take pages in row order, so a failure never takes or touches another
@@ -80,7 +85,10 @@ from glm5_dsa_jax.cache.contiguous import (
 )
 from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
-from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table
+from glm5_dsa_jax.cache.pages import (
+    BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table, release_mask,
+)
+from glm5_dsa_jax.cache.rollback import rollback_rows, stage_width
 from glm5_dsa_jax.cache.transfer import ExportedSequence, export_sequence, load_sequence
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
@@ -99,11 +107,13 @@ class PagedCache:
     latent_store: jax.Array  # [N, page_size, kv_lora_rank], stored
     status: jax.Array  # [max_seqs] int32, of the last step (pages.OK / NO_FREE_PAGES / TOO_LONG / BAD_TABLE)
     pooled_store: jax.Array | None = None  # [N, PPP, index_head_dim], stored
-    stage_keys: jax.Array | None = None  # [max_seqs, KP, index_head_dim], cache dtype
-    stage_gate: jax.Array | None = None  # [max_seqs, KP, index_head_dim] float32
+    stage_keys: jax.Array | None = None  # [max_seqs, H, index_head_dim], cache dtype (H: stage_width)
+    stage_gate: jax.Array | None = None  # [max_seqs, H, index_head_dim] float32
     latent_scale: jax.Array | None = None  # [N, page_size] float32, fp8 caches only
     pooled_scale: jax.Array | None = None  # [N, PPP] float32, fp8 caches only
+    stage_from: jax.Array | None = None  # [max_seqs] int32: first position the stage may hold
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
+    kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -165,6 +175,18 @@ class PagedCache:
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
+    @property
+    def stage_width(self) -> int:
+        """``H``: raw entries the stage keeps per sequence, ``max(KP, KP - 1 + max_rollback)``
+        (0 without an indexer); the pipeline reads its last ``KP``."""
+        return 0 if self.stage_keys is None else self.stage_keys.shape[1]
+
+    @property
+    def max_rollback(self) -> int | None:
+        """Tokens a sequence can always take back (``rollback``): ``H - KP + 1``; None (as
+        many as it holds) without an indexer, which has no stage to restore."""
+        return None if self.stage_keys is None else self.stage_width - self.kpool + 1
+
     def nbytes(self) -> int:
         """Bytes held on devices by this cache (pools, block tables, free stack, stage)."""
         return sum(x.nbytes for x in jax.tree.leaves(self))
@@ -199,11 +221,13 @@ class PagedCache:
         if has_indexer:
             kp, d = cfg.index_kpool, cfg.index_head_dim
             want = (self.num_pages, self.page_size // kp, d)
-            if tuple(self.pooled_store.shape) != want or self.stage_keys.shape != (max_seqs, kp, d):
+            # The stage this layer's KP needs for the cache's max_rollback.
+            stage = (max_seqs, stage_width(kp, max(self.stage_width - self.kpool + 1, 0)), d)
+            if tuple(self.pooled_store.shape) != want or self.kpool != kp or self.stage_keys.shape != stage:
                 raise ValueError(
-                    f"paged cache indexer state has pooled pages {tuple(self.pooled_store.shape)} "
-                    f"and stage {tuple(self.stage_keys.shape)}; this layer needs pooled "
-                    f"{want} (index_kpool={kp}, index_head_dim={d}) and stage {(max_seqs, kp, d)}")
+                    f"paged cache indexer state has pooled pages {tuple(self.pooled_store.shape)}, "
+                    f"kpool {self.kpool} and stage {tuple(self.stage_keys.shape)}; this layer needs "
+                    f"pooled {want} (index_kpool={kp}, index_head_dim={d}) and stage {stage}")
         if not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(self.pages)):
             self.pages.check()  # the table handed in: every row's bookkeeping, the free stack
 
@@ -221,8 +245,28 @@ class PagedCache:
         upd = dict(pages=self.pages.release(rows), status=jnp.where(rows, OK, self.status))
         if self.has_indexer:
             upd.update(stage_keys=jnp.where(rows[:, None, None], 0, self.stage_keys).astype(self.stage_keys.dtype),
-                       stage_gate=jnp.where(rows[:, None, None], 0.0, self.stage_gate))
+                       stage_gate=jnp.where(rows[:, None, None], 0.0, self.stage_gate),
+                       stage_from=jnp.where(rows, 0, self.stage_from))
         return self.replace(**upd)
+
+    def rollback(self, rows, n_tokens) -> "PagedCache":
+        """Drop the last ``n_tokens[b]`` tokens of every sequence where ``rows`` (``[max_seqs]``
+        bool; ``n_tokens`` ``[max_seqs]`` int): rejected draft tokens. Each such row is as if
+        those tokens had never been appended (``glm5_dsa_jax.cache.rollback``' module doc): its
+        length, its pages (``PageTable.truncate``: freed in reverse order of taking), its
+        stage and its visible pools. Jit-safe, no shape depends on ``n_tokens``.
+
+        A row asked to drop more than it holds, or more than its stage can restore (the new
+        incomplete pool's raw keys: at least ``max_rollback`` tokens, see ``rollback``' doc),
+        raises ``ValueError`` naming the row, ``n_tokens`` and the sizes in an eager call,
+        nothing changed; under jit it is left untouched and ``status[b]`` is
+        ``BAD_ROLLBACK`` (``BAD_TABLE`` for a broken page table, as ``reserve``)."""
+        return rollback_rows(self, rows, n_tokens)
+
+    def truncate(self, rows, lengths) -> "PagedCache":
+        """``rollback(rows, self.lengths - lengths)``: shorten each sequence where ``rows`` to
+        ``lengths[b]`` tokens (``[max_seqs]`` int; the same refusals)."""
+        return rollback_rows(self, rows, lengths, to_lengths=True)
 
     def export(self, row: int) -> ExportedSequence:
         """Sequence ``row`` as host arrays in timeline order, without page ids
@@ -300,11 +344,12 @@ class PagedCache:
         mask = chunk.mask
         n_new = mask.sum(axis=1, dtype=jnp.int32)
         old_lengths = self.pages.lengths - n_new
-        kp = self.stage_keys.shape[1]
+        kp = self.kpool
         order = jnp.argsort(~mask, axis=1, stable=True)  # valid entries first, in chunk order
         s = mask.shape[1]
-        win_keys = jnp.concatenate([self.stage_keys, _compact(keys, order).astype(self.stage_keys.dtype)], 1)
-        win_gate = jnp.concatenate([self.stage_gate, _compact(gate, order).astype(jnp.float32)], 1)
+        stage_keys, stage_gate = self.stage_keys[:, -kp:], self.stage_gate[:, -kp:]
+        win_keys = jnp.concatenate([stage_keys, _compact(keys, order).astype(stage_keys.dtype)], 1)
+        win_gate = jnp.concatenate([stage_gate, _compact(gate, order).astype(jnp.float32)], 1)
         i = jnp.arange(kp + s, dtype=jnp.int32)[None]
         valid = jnp.where(i < kp, old_lengths[:, None] - kp + i >= 0, i - kp < n_new[:, None])
         first_pool = (kp - old_lengths % kp).astype(jnp.int32)
@@ -314,13 +359,14 @@ class PagedCache:
                     chunk: Chunk) -> "PagedCache":
         """Write the pools of the window that complete in this chunk (their last token is at
         a position below the new length) into their pages, once, and keep each row's last
-        ``KP`` window entries (positions ``new - KP .. new - 1``) as its new stage.
+        ``H`` entries (positions ``new - H .. new - 1``) of the stage's first ``H - KP``
+        then the window as its new stage.
 
         ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
         ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``."""
         n_new = chunk.mask.sum(axis=1, dtype=jnp.int32)
         old_lengths = self.pages.lengths - n_new
-        kp = self.stage_keys.shape[1]
+        kp = self.kpool
         ppp = self.pools_per_page
         new_len = old_lengths + n_new
         pool_id = old_lengths[:, None] // kp + jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
@@ -333,23 +379,27 @@ class PagedCache:
             pooled, scale = quantize_rows(pooled)
             upd["pooled_scale"] = _scatter_rows(self.pooled_scale[..., None], scale[..., None], slots)[..., 0]
         rows = to_store(pooled, self.dtype, self.pooled_store.dtype)
-        take = n_new[:, None] + jnp.arange(kp, dtype=jnp.int32)[None]
+        h = self.stage_width
+        take = n_new[:, None] + jnp.arange(h, dtype=jnp.int32)[None]
+        # Positions old - H .. new - 1: the stage's entries before the window's, then the window.
+        keys = jnp.concatenate([self.stage_keys[:, :h - kp], window.keys], 1)
+        gate = jnp.concatenate([self.stage_gate[:, :h - kp], window.gate], 1)
         return self.replace(
             **upd,
             pooled_store=_scatter_rows(self.pooled_store, rows, slots),
-            stage_keys=_compact(window.keys, take),
-            stage_gate=_compact(window.gate, take),
+            stage_keys=_compact(keys, take),
+            stage_gate=_compact(gate, take),
         )
 
     def live_pools(self, q_pos: jax.Array) -> jax.Array:
         """``[B, Q]`` the pools complete at each query (``visible_pools`` from position 0, up
         to the row's pool count)."""
-        kp = self.stage_keys.shape[1]
+        kp = self.kpool
         return visible_pools(q_pos, 0, kp, (self.pages.lengths // kp)[:, None])
 
     def pool_keys(self) -> "PagedPoolKeys":
         """The pooled-key pages, block table and pool counts: ``index_scores_paged``' key source."""
-        kp = self.stage_keys.shape[1]
+        kp = self.kpool
         return PagedPoolKeys(self.pooled_store, self.pages.block_table, self.pages.lengths // kp,
                              self.pooled_scale, dtype=self.dtype)
 
@@ -385,24 +435,6 @@ def _replace(self, **updates) -> PagedCache:
 PagedCache.replace = _replace
 
 
-def release_mask(rows, max_seqs: int) -> jax.Array:
-    """``rows`` as a ``[max_seqs]`` bool jax array, or ``ValueError`` naming ``rows``: a
-    bool array (or list of bools) of that shape only; integer row ids or a 0/1 integer
-    mask are refused (see ``PagedCache.release``). Checks dtype and shape only, so it
-    runs under jit too."""
-    arr = rows if isinstance(rows, jax.Array) else np.asarray(rows)
-    if arr.dtype != np.bool_:
-        raise ValueError(
-            f"release rows must be a [max_seqs={max_seqs}] bool mask (True = release that "
-            f"sequence), got dtype {arr.dtype} {np.shape(arr)}: row ids such as [2, 0, 1] or a "
-            "0/1 integer mask are refused, as the two cannot be told apart (pass rows == 1, or "
-            "a bool mask built from the ids)")
-    if arr.shape != (max_seqs,):
-        raise ValueError(f"release rows must be a [max_seqs={max_seqs}] bool mask, "
-                         f"got shape {tuple(arr.shape)}")
-    return jnp.asarray(arr)
-
-
 def init_paged_cache(
     cfg: DsaConfig,
     max_seqs: int,
@@ -414,6 +446,7 @@ def init_paged_cache(
     dtype=jnp.bfloat16,
     stage_dtype=None,
     shards: int = 1,
+    max_rollback: int = 1,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
@@ -423,12 +456,15 @@ def init_paged_cache(
 
     ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
     ``dtype`` one of ``cache.CACHE_DTYPES`` or ``"fp8"``; anything else raises
-    ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s.
+    ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s. ``max_rollback`` (static, an
+    int >= 0): tokens a sequence can always take back (``PagedCache.rollback``); the stage
+    keeps ``max(KP, KP - 1 + max_rollback)`` raw positions (``glm5_dsa_jax.cache.rollback``).
     """
     dtype = check_cache_dtype(dtype)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
     fp8 = is_fp8(dtype)
     kp = cfg.index_kpool
+    h = stage_width(kp, max_rollback)
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size % kp:
         raise ValueError(f"page_size must be a positive multiple of index_kpool={kp} (a page "
                          f"holds whole pools), got {page_size!r}")
@@ -445,6 +481,7 @@ def init_paged_cache(
         status=jnp.zeros((max_seqs,), jnp.int32),
         latent_scale=jnp.ones((num_pages, page_size), jnp.float32) if fp8 else None,
         dtype=dtype,
+        kpool=kp,
     )
     if not has_indexer:
         return PagedCache(**base)
@@ -453,8 +490,9 @@ def init_paged_cache(
         **base,
         pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
         pooled_scale=jnp.ones((num_pages, page_size // kp), jnp.float32) if fp8 else None,
-        stage_keys=jnp.zeros((max_seqs, kp, d), stage_dtype),
-        stage_gate=jnp.zeros((max_seqs, kp, d), jnp.float32),
+        stage_keys=jnp.zeros((max_seqs, h, d), stage_dtype),
+        stage_gate=jnp.zeros((max_seqs, h, d), jnp.float32),
+        stage_from=jnp.zeros((max_seqs,), jnp.int32),
     )
 
 

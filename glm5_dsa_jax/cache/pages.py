@@ -13,7 +13,7 @@ Invariants (each function keeps them; ``check`` verifies them on concrete values
 * Every page is either owned by exactly one (row, slot) of the block table or on the free
   stack ``free[:n_free]``, never both, never twice. ``free[n_free:]`` is unspecified.
 * ``owner[p]`` is the row that owns page ``p`` (``-1``: free): the record of who took it,
-  written only by ``reserve`` and ``release``. A row's pages are exactly the pages whose
+  written only by ``reserve``, ``release`` and ``truncate``. A row's pages are exactly the pages whose
   owner it is, and the free stack exactly the pages no row owns.
 * ``lengths[b]`` is the number of tokens sequence ``b`` holds (its next position).
 
@@ -41,7 +41,7 @@ num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack
 ``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard). Page
 ids in the block table and on a stack are *local* to the shard (``0 .. n - 1``), so a
 shard's rows never name another shard's page and a step run per shard reads only its own
-pools. ``reserve`` / ``release`` / ``check`` run per shard (rows take pages in row order
+pools. ``reserve`` / ``release`` / ``truncate`` / ``check`` run per shard (rows take pages in row order
 within their shard); the invariants above hold per shard.
 
 Why a stack: taking ``n`` pages is a slice of its top and returning them a write of the
@@ -61,14 +61,17 @@ from flax import struct
 from glm5_dsa_jax.parallel.placement import put
 
 __all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "BAD_TABLE",
-           "STATUS_NAMES", "ROW_FAULTS", "STACK_FAULTS"]
+           "BAD_ROLLBACK", "STATUS_NAMES", "release_mask", "ROW_FAULTS", "STACK_FAULTS"]
 
 #: ``status`` values of ``PageTable.reserve``, one per row. ``BAD_TABLE``: the row's own
 #: bookkeeping or its shard's free stack is broken (``PageTable.faults``); the row took,
-#: wrote and read nothing.
-OK, NO_FREE_PAGES, TOO_LONG, BAD_TABLE = 0, 1, 2, 3
+#: wrote and read nothing. ``BAD_ROLLBACK`` (of ``truncate`` and ``PagedCache.rollback``): the
+#: row was asked to drop more tokens than it holds, or more than its stage can restore; it
+#: was left untouched.
+OK, NO_FREE_PAGES, TOO_LONG, BAD_TABLE, BAD_ROLLBACK = 0, 1, 2, 3, 4
 STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size",
-                BAD_TABLE: "inconsistent page table (PageTable.check names the fault)"}
+                BAD_TABLE: "inconsistent page table (PageTable.check names the fault)",
+                BAD_ROLLBACK: "rollback past the sequence's length or past what its stage can restore"}
 
 #: Per-row faults of ``PageTable.faults`` (code -> rule), the first broken one reported.
 ROW_LENGTH, ROW_PAGE_ID, ROW_NOT_OWNED, ROW_TWICE, ROW_OWNED_COUNT = 1, 2, 3, 4, 5
@@ -274,6 +277,41 @@ class PageTable:
             owner=jnp.where(back | rest, -1, self.owner),
         )
 
+    def truncate(self, rows: jax.Array, lengths: jax.Array) -> tuple["PageTable", jax.Array]:
+        """Shorten every row where ``rows`` (``[max_seqs]`` bool) to ``lengths[b]`` tokens:
+        ``(table, status)``. The row's pages past ``pages_needed(lengths[b])`` go back to the
+        free stack *in reverse order of taking* (the rows' last pages deepest, the first
+        freed page of the first row on top), so the next ``reserve`` of the same tokens
+        takes the same page ids: the table is as if the dropped tokens had never been
+        appended. Usable inside jit.
+
+        Validated as ``reserve`` is: a row whose bookkeeping is broken, and every row of a
+        shard whose free stack is broken, gets ``BAD_TABLE``; a row asked for a length
+        outside ``[0, lengths[b]]`` gets ``BAD_ROLLBACK``; both are left untouched. Other
+        rows get ``OK`` (``status`` is ``OK`` for rows not in ``rows``)."""
+        rows = jnp.asarray(rows, bool)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if self.shards > 1:
+            return self._per_shard(PageTable.truncate, rows, lengths)
+        row_fault, _, stack_fault, _ = self._faults()
+        bad = rows & ((row_fault != 0) | (stack_fault != 0))
+        out_of_range = rows & ~bad & ((lengths < 0) | (lengths > self.lengths))
+        ok = rows & ~bad & ~out_of_range
+        new_len = jnp.where(ok, lengths, self.lengths)
+        j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
+        freed = ok[:, None] & (j >= self.pages_needed(new_len)[:, None]) & \
+            (j < self.pages_needed(self.lengths)[:, None])
+        flat = freed.reshape(-1)
+        total = flat.sum(dtype=jnp.int32)
+        # Reverse order of taking: the last (row, slot) deepest, the first on top.
+        pos = jnp.where(flat, self.n_free + total - jnp.cumsum(flat, dtype=jnp.int32), self.num_pages)
+        table = self.block_table
+        free = self.free.at[pos].set(table.reshape(-1), mode="drop")
+        owner = self.owner.at[jnp.where(flat, table.reshape(-1), self.num_pages)].set(-1, mode="drop")
+        status = jnp.where(bad, BAD_TABLE, jnp.where(out_of_range, BAD_ROLLBACK, OK)).astype(jnp.int32)
+        return (self.replace(block_table=jnp.where(freed, -1, table), lengths=new_len, free=free,
+                             n_free=self.n_free + total, owner=owner), status)
+
     def token_slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(page, offset)`` of each position of ``positions [max_seqs, ...]`` (``-1`` ->
         page ``-1``)."""
@@ -416,6 +454,25 @@ def _stack_problem(t: PageTable, code: int, i: int) -> str:
     unowned = int((np.asarray(t.owner) == -1).sum())
     return (f"n_free = {n_free} but {unowned} pages are owned by no row: the free stack must "
             "hold exactly the pages no row owns")
+
+
+def release_mask(rows, max_seqs: int, what: str = "release") -> jax.Array:
+    """``rows`` as a ``[max_seqs]`` bool jax array, or ``ValueError`` naming ``rows``: a
+    bool array (or list of bools) of that shape only; integer row ids or a 0/1 integer
+    mask are refused (see ``PagedCache.release``). Checks dtype and shape only, so it
+    runs under jit too. ``what``: the operation the message names (``release``,
+    ``rollback``)."""
+    arr = rows if isinstance(rows, jax.Array) else np.asarray(rows)
+    if arr.dtype != np.bool_:
+        raise ValueError(
+            f"{what} rows must be a [max_seqs={max_seqs}] bool mask (True = {what} that "
+            f"sequence), got dtype {arr.dtype} {np.shape(arr)}: row ids such as [2, 0, 1] or a "
+            "0/1 integer mask are refused, as the two cannot be told apart (pass rows == 1, or "
+            "a bool mask built from the ids)")
+    if arr.shape != (max_seqs,):
+        raise ValueError(f"{what} rows must be a [max_seqs={max_seqs}] bool mask, "
+                         f"got shape {tuple(arr.shape)}")
+    return jnp.asarray(arr)
 
 
 def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,

@@ -10,7 +10,10 @@ Invariants:
   of the complete pools ``[length // KP, D]`` exactly as the cache holds them (the cache
   ``dtype``: an fp8 cache's e4m3 values and their float32 row scales, never dequantised; a
   16-bit cache's floats, not a CPU's stored bits), and the stage of the incomplete pool
-  (keys and gate logits ``[KP, D]``, positions ``length - KP .. length - 1``). No page id,
+  (keys and gate logits ``[KP, D]``, positions ``length - KP .. length - 1``: the last
+  ``KP`` of a stage kept wider for rollback, ``glm5_dsa_jax.cache.rollback``; a loaded
+  sequence's ``stage_from`` is ``length - KP``, so it can take back what ends in its
+  incomplete pool or on a pool boundary). No page id,
   block table or page size: they are the source cache's bookkeeping and mean nothing in
   another cache, which re-pages the content at its own ``page_size``. The length is the
   rows' count (``latent.shape[0]``) and every geometry fact is an array's shape or dtype, so
@@ -100,10 +103,11 @@ def geometry(source) -> dict:
     (both None without an indexer), ``dtype``, ``stage_dtype`` (None without an indexer)."""
     if isinstance(source, ExportedSequence):
         width, stage = source.latent.shape[-1], source.stage_keys
+        kp = None if stage is None else int(stage.shape[-2])
     else:
-        width, stage = source.latent_store.shape[-1], source.stage_keys
+        width, stage, kp = source.latent_store.shape[-1], source.stage_keys, source.kpool
     return dict(latent_width=int(width), has_indexer=stage is not None,
-                kpool=None if stage is None else int(stage.shape[-2]),
+                kpool=None if stage is None else kp,
                 index_head_dim=None if stage is None else int(stage.shape[-1]),
                 dtype=jnp.dtype(source.dtype).name,
                 stage_dtype=None if stage is None else jnp.dtype(stage.dtype).name)
@@ -188,10 +192,12 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     out = dict(latent=lat.reshape(-1, width)[:length],
                latent_scale=None if lat_scale is None else lat_scale.reshape(-1)[:length])
     if cache.has_indexer:
-        n_pools = length // stage_keys.shape[0]
+        kp = cache.kpool
+        n_pools = length // kp
+        # The last KP stage entries (positions length - KP ..): all the sequence needs to go on.
         out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
                    pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
-                   stage_keys=stage_keys, stage_gate=stage_gate)
+                   stage_keys=stage_keys[-kp:], stage_gate=stage_gate[-kp:])
     return ExportedSequence(**out)
 
 
@@ -305,10 +311,17 @@ def _write(cache, payload: dict, row):
                latent_scale=put(cache.latent_scale, payload["latent_scale"], False))
     if cache.has_indexer:
         sel = (is_row & ok)[:, None, None]
+        kp, h = cache.kpool, cache.stage_width
+
+        def staged(a):  # the export's KP entries right-aligned in the H-wide stage
+            return jnp.concatenate([jnp.zeros((h - kp,) + a.shape[1:], a.dtype), a], 0)[None]
+
         upd.update(pooled_store=put(cache.pooled_store, payload["pooled"]),
                    pooled_scale=put(cache.pooled_scale, payload["pooled_scale"], False),
-                   stage_keys=jnp.where(sel, payload["stage_keys"][None], cache.stage_keys),
-                   stage_gate=jnp.where(sel, payload["stage_gate"][None], cache.stage_gate))
+                   stage_keys=jnp.where(sel, staged(payload["stage_keys"]), cache.stage_keys),
+                   stage_gate=jnp.where(sel, staged(payload["stage_gate"]), cache.stage_gate),
+                   stage_from=jnp.where(is_row & ok, jnp.maximum(payload["length"] - kp, 0),
+                                        cache.stage_from))
     return cache.replace(**upd)
 
 

@@ -95,10 +95,9 @@ def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int,
     n_pools = context // cfg.index_kpool
     pooled = jax.random.normal(k2, (batch, cache.max_pools, cfg.index_head_dim), jnp.float32).astype(dt)
     pool_valid = jnp.broadcast_to(jnp.arange(cache.max_pools)[None] < n_pools, cache.pool_valid.shape)
-    # The stage holds slots context-KP .. context-1: valid wherever they exist.
-    stage_valid = jnp.broadcast_to(
-        context - cfg.index_kpool + jnp.arange(cfg.index_kpool) >= 0, cache.stage_valid.shape
-    )
+    # The stage holds slots context-H .. context-1: valid wherever they exist.
+    h = cache.stage_width
+    stage_valid = jnp.broadcast_to(context - h + jnp.arange(h) >= 0, cache.stage_valid.shape)
     return cache.replace(
         latent=jnp.where(valid[..., None], latent, 0).astype(dt),
         key_valid=jnp.broadcast_to(valid, cache.key_valid.shape),
@@ -152,9 +151,9 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     upd = dict(pages=pages, latent=jax.random.normal(k1, (n, page_size, cfg.kv_cache_dim), dt))
     if cache.has_indexer:
-        kp = cache.stage_keys.shape[1]
-        # The stage is right-aligned: entry i holds position context - KP + i (none if < 0).
-        held = (context - kp + jnp.arange(kp) >= 0)[None, :, None]
+        kp, h = cache.kpool, cache.stage_width
+        # The stage is right-aligned: entry i holds position context - H + i (none if < 0).
+        held = (context - h + jnp.arange(h) >= 0)[None, :, None]
         sdt = cache.stage_keys.dtype
         upd.update(
             pooled=jax.random.normal(k2, (n, page_size // kp, cfg.index_head_dim), dt),
