@@ -402,3 +402,41 @@ def test_training_table_is_the_model():
         got = [re.match(r"\s*([\d,.]+) / ([\d,.]+)( c)?\s*$", c) for c in cells.split("|")]
         got = [(float(c[1].replace(",", "")), float(c[2].replace(",", "")), bool(c[3])) for c in got]
         assert got == [_cell(b[phase, kernel]) for b in by], (phase, kernel)
+
+
+@pytest.mark.parametrize("preset", ["glm53-flash", "glm5"])
+def test_step_flops_is_the_decode_rows_work_without_their_elementwise_terms(preset):
+    """``step_flops`` (the compute half of the bench's floor) against the decode rows: the
+    projections are theirs; the attention is ``sparse_mla``'s products (its ``+ 5`` per
+    token and head is the softmax's element-wise work); the index scores are
+    ``index_scores``' products and head weights (its ``+ 3``: ReLU and the mask) where the
+    selection matters, and nothing where every visible pool is selected."""
+    cfg = gd.DsaConfig.preset(preset)
+    kp, hi, d = cfg.index_kpool, cfg.index_n_heads, cfg.index_head_dim
+    h, cr, v = cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
+    short = cfg.max_select_k * kp  # the longest context whose pools are all selected
+    for context, batch in ((short, 1), (short + kp, 3), (131072, 2)):
+        dec = _by(rl.rows(cfg, "h200", context, batch, phases=("decode",)), "decode")
+        f = rl.step_flops(cfg, context, batch)
+        assert f["projections"] == sum(r.flops for k, r in dec.items() if k.startswith("xla:"))
+        ids = rl.selected_ids(cfg, context)
+        assert f["attention"] * (2 * cr + 2 * v + 5) == dec["sparse_mla"].flops * (2 * cr + 2 * v)
+        assert f["index"] * (2 * d + 3) == (0 if context <= short else dec["index_scores"].flops * (2 * d + 2))
+        assert f["total"] == f["projections"] + f["index"] + f["attention"]
+        dense = rl.step_flops(cfg, context, batch, dense=True)
+        assert dense["index"] == 0 and dense["attention"] == batch * h * context * (2 * cr + 2 * v)
+        assert dense["projections"] == 2 * batch * sum(m.weights for m in rl.matmuls(cfg, has_indexer=False))
+        assert ids <= context and f["attention"] == batch * h * ids * (2 * cr + 2 * v)
+
+
+def test_rows_carry_their_memory_and_compute_parts():
+    rs = rl.rows(CFG, "h200", 131072, 8)
+    spec = rl.GPUS["h200"]
+    for r in rs:
+        assert (r.memory_s, r.compute_s) == (pytest.approx(r.bytes / spec.bandwidth), pytest.approx(r.flops / spec.peak_flops))
+        assert r.limit == ("memory" if r.memory_s >= r.compute_s else "compute")
+        if r.kernel != "total":
+            assert r.bound_s == max(r.memory_s, r.compute_s)
+    for phase in ("decode", "prefill"):
+        kernels = [r for r in rs if r.phase == phase]
+        assert kernels[-1].bound_s == pytest.approx(sum(r.bound_s for r in kernels[:-1]))

@@ -1,7 +1,7 @@
 """``glm5-dsa bench decode`` and ``glm5-dsa bench train``: the benchmarks' flags, tables and JSON.
 
 What each row measures is documented with the measuring code: ``glm5_dsa_jax.tools.bench``
-(decode, and its weight-read floor), ``glm5_dsa_jax.tools.bench_train`` (train: forward +
+(decode, and its floor of bytes and FLOPs), ``glm5_dsa_jax.tools.bench_train`` (train: forward +
 backward time and peak memory). This module only parses the flags, runs ``bench.run`` /
 ``bench_train.run`` and prints. With ``--json`` the progress lines go to stderr so stdout
 is one JSON object.
@@ -31,8 +31,9 @@ def add_parser(sub) -> None:
         "decode", help="decode-step time of sparse DSA against dense MLA, per batch and context",
         description="Time one full DSA layer's jitted decode step (sparse) against the same step "
         "with dense attention over every cached token, on a cache already holding each context, "
-        "per batch size; print the median step time against a weight-read floor (what each row "
-        "measures: glm5_dsa_jax.tools.bench). Progress lines go to stdout, or to stderr with "
+        "per batch size; print the median step time against its floor, the larger of the bytes it "
+        "must read over the measured read bandwidth and the FLOPs it must do over the measured "
+        "matmul rate (what each row measures: glm5_dsa_jax.tools.bench). Progress lines go to stdout, or to stderr with "
         "--json.")
     d.add_argument("--contexts", type=positive_int_list, default="4096,16384,65536,131072",
                    help="comma-separated cache lengths in tokens; the largest plus the timed steps "
@@ -120,12 +121,14 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; weights read per step "
+    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; matmul {res['matmul_gflop_s']:.1f} GFLOP/s "
+          f"({res['matmul_dtype']}); weights read per step "
           f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
     print(f"{'impl':<12} {'cache':<10} {'dtype':<13} {'batch':>5} {'context':>8} {'capacity':>9} "
-          f"{'median ms':>10} {'floor ms':>9} {'x floor':>8}")
+          f"{'median ms':>10} {'read ms':>8} {'flop ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in res["rows"]:
-        fl = f"{r['floor_ms']:9.2f} {r['x_floor']:8.2f}" if "floor_ms" in r else f"{'':>9} {'':>8}"
+        fl = (f"{r['floor_read_ms']:8.2f} {r['floor_compute_ms']:8.2f} {r['floor_ms']:9.2f} {r['x_floor']:8.2f}"
+              if "floor_ms" in r else f"{'':>8} {'':>8} {'':>9} {'':>8}")
         print(f"{r['impl']:<12} {r['cache']:<10} {r.get('cache_dtype', 'bfloat16'):<13} {r['batch']:>5} "
               f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}")
     print(f"\n{res['cache']} {res['cache_dtype']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")

@@ -34,13 +34,15 @@ def _fmt_bytes(n: int) -> str:
 
 def format_table(rs: list[RooflineRow], measured: dict | None = None) -> str:
     """A text table of ``rows``; ``measured`` ``{(phase, kernel): seconds}`` adds a column."""
-    head = f"{'phase':<8} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'bound us':>10} {'limit':<7}"
+    head = (f"{'phase':<8} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'memory us':>10} "
+            f"{'compute us':>10} {'bound us':>10} {'limit':<7}")
     if measured is not None:
         head += f" {'measured us':>12} {'x bound':>8}"
     lines = [head, "-" * len(head)]
     for r in rs:
         line = (f"{r.phase:<8} {r.kernel:<26} {_fmt_bytes(r.bytes):>11} {r.flops / 1e9:10.3f} "
-                f"{r.programs if r.programs else '':>9} {r.bound_s * 1e6:10.2f} {r.limit:<7}")
+                f"{r.programs if r.programs else '':>9} {r.memory_s * 1e6:10.2f} {r.compute_s * 1e6:10.2f} "
+                f"{r.bound_s * 1e6:10.2f} {r.limit:<7}")
         if measured is not None:
             m = measured.get((r.phase, r.kernel))
             line += f" {m * 1e6:12.2f} {m / r.bound_s:8.2f}" if m else f" {'':>12} {'':>8}"

@@ -43,14 +43,21 @@ names its cache dtype (``cache_dtype``): ``run``'s ``cache_dtype`` (``--cache-dt
 applies to the sparse rows (and ``sparse_attn``); the dense rows stay bf16, the baseline
 an fp8 cache is measured against.
 
-The weight-read floor: ``floor_bytes`` is what the row must read at least
+The floor counts bytes and FLOPs: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
 float32 copies on a CPU; the pooled keys of the visible pools and the selected latent
-rows; dense rows: the non-indexer weights and every cached latent row), ``floor_ms`` that
-over ``read_gb_s``, a read bandwidth measured in the same run (a jitted sum over a
-``_BW_BYTES`` float32 array, the best of several), and ``x_floor`` the ratio of the row's
-time to it. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj``
-every step; its floor is not the same fact).
+rows; dense rows: the non-indexer weights and every cached latent row) and ``floor_flops``
+what it must compute at least (``roofline.step_flops``: every projection, the index scores
+where the selection matters, the attention over the selected tokens; dense rows: the
+non-indexer projections and attention over every cached token; the attention-part rows
+without the projections). Both are timed against rates measured in the same run:
+``read_gb_s``, a jitted sum over a ``_BW_BYTES`` float32 array, and ``matmul_gflop_s``, a
+jitted ``_MATMUL_N``-square matmul in the dtype the step computes in (float32 on a CPU),
+each the best of several, what the machine can do rather than its noise. ``floor_read_ms``
+and ``floor_compute_ms`` are the two parts, ``floor_ms`` the larger (``floor_limit`` says
+which), and ``x_floor`` the row's time over it: as ``glm5-dsa roofline`` bounds a kernel on
+a GPU. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj`` every
+step; its floor is not the same fact).
 """
 
 from __future__ import annotations
@@ -69,9 +76,10 @@ from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import float32_products_context
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.model.layer import DsaAttention, float32_params
-from glm5_dsa_jax.tools.roofline import step_read_bytes, weight_bytes
+from glm5_dsa_jax.tools.roofline import step_flops, step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
+_MATMUL_N = 1024  # a 2.1-GFLOP product: large enough to reach a CPU's matmul rate, 4 MiB operands
 #: Tokens per page of a paged run (vLLM's and SGLang's page size).
 PAGE_SIZE = 64
 #: ``run``'s cache kinds.
@@ -209,6 +217,20 @@ def read_bandwidth(n_bytes: int = _BW_BYTES, iters: int = 5) -> float:
     return n_bytes / best
 
 
+def matmul_rate(dtype=jnp.float32, n: int = _MATMUL_N, iters: int = 5) -> float:
+    """FLOP per second of a jitted ``[n, n] @ [n, n]`` in ``dtype`` (``2 n^3`` FLOPs; the best
+    of ``iters``, as ``read_bandwidth``)."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
 def _dense_layer_step(layer: DsaAttention, wide: bool = False):
     """The decode step with dense absorbed MLA over all cached tokens (no indexer);
     ``wide``: float32 products on float32 copies, like ``make_step`` on a CPU."""
@@ -325,21 +347,31 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     # Floors count the rows' own bytes (an fp8 row's 4-byte scale, < 1 %, is not counted).
     cache_eb, dense_eb = cache_dtype.itemsize, jnp.dtype(layer.dtype).itemsize
     bw = read_bandwidth()
-    log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); step weights "
+    compute_dtype = jnp.dtype(jnp.float32 if step.float32 else layer.dtype)
+    rate = matmul_rate(compute_dtype)
+    log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); matmul "
+        f"{rate / 1e9:.1f} GFLOP/s ({compute_dtype.name}, {_MATMUL_N}-square); step weights "
         f"{weight_bytes(cfg, w_eb) / 1e6:.1f} MB ({'float32 copies' if step.float32 else layer.param_dtype})")
 
     def floor(impl, b, ctx):
         if impl == "sparse":
             n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
+            f = step_flops(cfg, ctx, b)["total"]
         elif impl in ("dense", "dense_fit"):
             n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_cache_dim * dense_eb
+            f = step_flops(cfg, ctx, b, dense=True)["total"]
         elif impl == "sparse_attn":
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
+            fl = step_flops(cfg, ctx, b)
+            f = fl["index"] + fl["attention"]
         elif impl == "dense_attn":
             n = b * ctx * cfg.kv_cache_dim * dense_eb
+            f = step_flops(cfg, ctx, b, dense=True)["attention"]
         else:
             return {}
-        return dict(floor_bytes=int(n), floor_ms=n / bw * 1e3)
+        read_ms, compute_ms = n / bw * 1e3, f / rate * 1e3
+        return dict(floor_bytes=int(n), floor_flops=int(f), floor_read_ms=read_ms, floor_compute_ms=compute_ms,
+                    floor_ms=max(read_ms, compute_ms), floor_limit="memory" if read_ms >= compute_ms else "compute")
 
     rows = []
     key = jax.random.key(1)
@@ -400,7 +432,8 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
             "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
-            "read_gb_s": bw / 1e9, "float32_compute": bool(step.float32),
+            "read_gb_s": bw / 1e9, "matmul_gflop_s": rate / 1e9, "matmul_dtype": compute_dtype.name,
+            "float32_compute": bool(step.float32),
             "weight_bytes_step": weight_bytes(cfg, w_eb),
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 

@@ -48,8 +48,9 @@ Invariants and assumptions (why the numbers are what they are):
   output activations once. Element-wise work around them (RoPE, the norms, joining
   ``[q_lat, q_rot]`` and ``[c, k_rot]``) is fused by XLA and not counted.
 
-``weight_bytes`` and ``step_read_bytes`` are also the weight-read floor of
-``glm5-dsa bench decode`` (the bytes a step must read at least): one home for those facts.
+``weight_bytes`` and ``step_read_bytes`` (the bytes a step must read at least) and
+``step_flops`` (the FLOPs it must do) are also the floor of ``glm5-dsa bench decode``: one
+home for those facts.
 
 Training (``train_rows``, ``glm5-dsa roofline --train``): one layer per training step of
 ``batch`` sequences of ``context`` tokens (every token a query, no cache: the pools are
@@ -155,11 +156,22 @@ class RooflineRow:
     bytes: int
     flops: int
     programs: int  # grid size (0 for XLA ops)
-    bound_s: float  # max(bytes / bandwidth, flops / peak)
-    limit: str  # "memory" | "compute"
+    bound_s: float  # max(memory_s, compute_s); a total row: the sum of its kernels' bounds
+    limit: str  # "memory" | "compute": the larger of the two parts
+    memory_s: float  # bytes / bandwidth
+    compute_s: float  # flops / peak
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _bounded(spec: "GpuSpec", phase: str, kernel: str, by: int, fl: int, progs: int,
+             bound_s: float | None = None) -> RooflineRow:
+    """A row with its two parts, ``bytes / bandwidth`` and ``flops / peak``; its bound the
+    larger (``bound_s``: a total row's sum of its kernels' bounds)."""
+    tm, tc = by / spec.bandwidth, fl / spec.peak_flops
+    return RooflineRow(phase, kernel, int(by), int(fl), int(progs), max(tm, tc) if bound_s is None else bound_s,
+                       "memory" if tm >= tc else "compute", tm, tc)
 
 
 # ---------------------------------------------------------------------------- shared facts
@@ -266,6 +278,24 @@ def step_read_bytes(cfg: DsaConfig, context: int, batch: int, *, weight_elem_byt
     w = weight_bytes(cfg, weight_elem_bytes)
     cache = batch * (pooled + latent)
     return {"weights": w, "cache": cache, "total": w + cache}
+
+
+def step_flops(cfg: DsaConfig, context: int, batch: int, *, dense: bool = False) -> dict[str, int]:
+    """The FLOPs a decode step must do at least (multiply-adds as 2), the compute half of
+    ``glm5-dsa bench decode``'s floor beside ``step_read_bytes``: every projection once per
+    sequence (``matmuls``), the indexer's scores over the visible pools (``2 D + 2`` per pool
+    and index head: the product and the head weight) only where the selection matters, i.e.
+    more visible complete pools than ``max_select_k`` (below, every pool is selected and no
+    score is needed), and the attention over the selected tokens (``2 CR + 2 V`` per token
+    and head: scores over the ``kv_cache_dim``-wide rows, values over ``kv_lora_rank``).
+    ``dense``: the dense step's (no indexer; attention over every cached token).
+    ``{"projections", "index", "attention", "total"}``."""
+    proj = 2 * batch * sum(m.weights for m in matmuls(cfg, has_indexer=not dense))
+    pools = context // cfg.index_kpool
+    index = 0 if dense or pools <= cfg.max_select_k else batch * pools * cfg.index_n_heads * (2 * cfg.index_head_dim + 2)
+    tokens = context if dense else selected_ids(cfg, context)
+    attn = batch * cfg.num_attention_heads * tokens * (2 * cfg.kv_cache_dim + 2 * cfg.kv_lora_rank)
+    return {"projections": proj, "index": index, "attention": attn, "total": proj + index + attn}
 
 
 # ---------------------------------------------------------------------------- kernel tiling
@@ -384,16 +414,16 @@ def rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, *,
         items = (_projection_rows(cfg, batch, s, elem_bytes)
                  + _kernel_rows(cfg, context, batch, s, elem_bytes, cache_dtype)
                  + [_cache_write_row(cfg, batch, s, elem_bytes, cache_dtype)])
-        tb = tf = 0
-        tt = 0.0
-        for kernel, by, fl, progs in items:
-            tm, tc = by / spec.bandwidth, fl / spec.peak_flops
-            result.append(RooflineRow(phase, kernel, int(by), int(fl), int(progs), max(tm, tc),
-                                      "memory" if tm >= tc else "compute"))
-            tb, tf, tt = tb + by, tf + fl, tt + max(tm, tc)
-        result.append(RooflineRow(phase, "total", int(tb), int(tf), 0, tt,
-                                  "memory" if tb / spec.bandwidth >= tf / spec.peak_flops else "compute"))
+        result += _with_total(spec, phase, items)
     return result
+
+
+def _with_total(spec: "GpuSpec", phase: str, items) -> list[RooflineRow]:
+    """Each ``(kernel, bytes, flops, programs)`` as a row, then the phase's ``"total"``: the
+    sums, bound by the sum of the kernels' bounds (they run one after another)."""
+    out = [_bounded(spec, phase, kernel, by, fl, progs) for kernel, by, fl, progs in items]
+    return out + [_bounded(spec, phase, "total", sum(r.bytes for r in out), sum(r.flops for r in out), 0,
+                           bound_s=sum(r.bound_s for r in out))]
 
 
 def kernel_bounds(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int, queries: int, *,
@@ -404,9 +434,7 @@ def kernel_bounds(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int, 
     spec = GPUS[gpu] if isinstance(gpu, str) else gpu
     out = {}
     for kernel, by, fl, progs in _kernel_rows(cfg, context, batch, queries, elem_bytes, cache_dtype):
-        tm, tc = by / spec.bandwidth, fl / spec.peak_flops
-        out[kernel] = RooflineRow(f"q{queries}", kernel, int(by), int(fl), int(progs), max(tm, tc),
-                                  "memory" if tm >= tc else "compute")
+        out[kernel] = _bounded(spec, f"q{queries}", kernel, by, fl, progs)
     return out
 
 
@@ -506,15 +534,4 @@ def train_rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1,
     phases = {"train_fwd": fwd,
               "train_bwd": _train_bwd_rows(cfg, context, batch, elem_bytes, indexer_loss),
               "dense_mask": _dense_mask_rows(cfg, context, batch, elem_bytes)}
-    result = []
-    for phase in TRAIN_PHASES:
-        tb = tf = 0
-        tt = 0.0
-        for kernel, by, fl, progs in phases[phase]:
-            tm, tc = by / spec.bandwidth, fl / spec.peak_flops
-            result.append(RooflineRow(phase, kernel, int(by), int(fl), int(progs), max(tm, tc),
-                                      "memory" if tm >= tc else "compute"))
-            tb, tf, tt = tb + int(by), tf + int(fl), tt + max(tm, tc)
-        result.append(RooflineRow(phase, "total", tb, tf, 0, tt,
-                                  "memory" if tb / spec.bandwidth >= tf / spec.peak_flops else "compute"))
-    return result
+    return [r for phase in TRAIN_PHASES for r in _with_total(spec, phase, phases[phase])]
