@@ -124,7 +124,7 @@ from pallas_kernels.scoring_backward import (
     IndexScoresBackwardBlockSizes, index_scores_backward, index_scores_backward_reference,
 )
 from pallas_kernels.selection import (
-    MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference,
+    MosaicTopkPoolsBlockSizes, TopkPoolsBlockSizes, topk_pools, topk_pools_reference, visible_pool_ids,
 )
 from pallas_kernels.streaming_selection import streaming_topk
 from pallas_kernels.transpose import SelectionTranspose, selection_transpose
@@ -145,5 +145,5 @@ __all__ = [
     "sparse_mla_backward_reference", "SelectionTranspose", "selection_transpose",
     "topk_to_mask", "causal_mla", "causal_mla_reference", "causal_visible",
     "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",
-    "streaming_topk",
+    "visible_pool_ids", "streaming_topk",
 ]

@@ -39,6 +39,13 @@ on the same two paths with the same bit-identical result, ``n_live`` included; i
 own block sizes,
 ``MosaicTopkPoolsBlockSizes`` (``block_sizes`` must then be one, or ``None``).
 
+``visible_pool_ids`` is the selection without scores, for a row whose candidates all fit
+(at most ``select_k``): every candidate is then selected whatever its finite score, and the
+row above lists them ascending, so the ids follow from the candidate rule alone
+(``index_scores``': valid and complete at the query). The layer's short-context path
+(``DsaAttention.choose_pools``) takes it for such rows: no scoring, no top-k. (A NaN score,
+which only non-finite inputs make, drops its pool from ``topk_pools`` but not from here.)
+
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
 
@@ -56,6 +63,7 @@ from pallas_kernels._common import (
     next_power_of_two,
 )
 from pallas_kernels._order_key import NEG_INF_KEY, canonical_scores, order_key
+from pallas_kernels._scores import candidates
 from pallas_kernels.mosaic_selection import MosaicTopkPoolsBlockSizes, mosaic_topk_pools
 from pallas_kernels.radix_select import MAX_COMPARE, one_program_select, segmented_select
 
@@ -218,6 +226,20 @@ def topk_pools(
         scores, select_k, n_live, interpret=implementation == "pallas_interpret",
         block_sizes=blocks,
     )
+
+
+def visible_pool_ids(pool_valid: jax.Array, first_key: jax.Array, q_pos: jax.Array, *, select_k: int,
+                     kpool: int) -> jax.Array:
+    """``[B, Q, select_k]`` int32: the candidate pools among the first ``select_k`` (valid and
+    complete at the query, ``index_scores``' rule), ascending, then ``-1``. Equal to
+    ``topk_pools(index_scores(...), select_k)`` bit for bit wherever a query has no
+    candidate at or past ``select_k`` (its visible pools, ``visible_pools``, at most
+    ``select_k``) and its scores are not NaN (module doc). ``pool_valid [B, P >= select_k]``:
+    only its first ``select_k`` columns are read; ``first_key [B]``; ``q_pos [B, Q]``."""
+    cand = candidates(pool_valid[:, :select_k], first_key, q_pos, kpool)
+    ids = jnp.arange(select_k, dtype=jnp.int32)
+    first = jnp.sort(jnp.where(cand, ids, select_k), axis=-1)  # candidates first, ascending
+    return jnp.where(first < select_k, first, -1)
 
 
 def topk_pools_lax_baseline(scores: jax.Array, select_k: int) -> jax.Array:

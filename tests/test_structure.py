@@ -121,6 +121,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("glm5_dsa_jax.model.config_json",),  # HF config.json spellings
     ("glm5_dsa_jax.model.config", "glm5_dsa_jax.model.rope", "glm5_dsa_jax.model.remat", "glm5_dsa_jax.quant",
+     "glm5_dsa_jax.model.chunk_rows",
      "glm5_dsa_jax.cpu_policy",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
      "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),

@@ -50,7 +50,7 @@ Invariants:
   selection is discrete, so the indexer's parameters get exactly zero (as HF's ``no_grad``
   indexer) and nothing of it is kept for the backward pass. The chunk's latent rows reach
   the attention through the cache, whose buffer may hold bits (a 16-bit cache on a CPU):
-  ``rows_with_chunk_gradient`` routes their gradient around it (identity forward; an fp8
+  ``chunk_rows.rows_with_chunk_gradient`` routes their gradient around it (identity forward; an fp8
   cache refuses a gradient). Memory: each query tile's attention runs under
   ``jax.checkpoint`` (``remat_tiles``, ``remat.TILE_POLICY``: a tile keeps its ids), and the layer's residuals carry the
   names of ``glm5_dsa_jax.model.remat``, whose policies a model's ``jax.checkpoint`` uses:
@@ -88,6 +88,7 @@ from glm5_dsa_jax.cache import Chunk, DsaCache, LayerCache, PagedCache, init_cac
 from glm5_dsa_jax.cache.contiguous import live_pool_tiles
 from glm5_dsa_jax.cache.fp8 import check_cache_readable
 from glm5_dsa_jax.cache.interface import tile_scorer
+from glm5_dsa_jax.model.chunk_rows import rows_with_chunk_gradient
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_float32
 from glm5_dsa_jax.model.indexer_loss import check_modes, dense_tile_kl, mean_loss, sparse_tile_kl
@@ -242,7 +243,9 @@ class DsaAttention(nnx.Module):
     2. ``score_pools`` (``index_scores``, paged: ``index_scores_paged``): ``[B, Q, P]``.
     3. ``select_pools`` (``topk_pools``): ``[B, Q, select_k]`` pool ids. ``choose_pools``
        runs 2-3; with ``"xla"`` on a decode step or a paged cache fused
-       (``score_and_select``): scored tile by tile up to the live pools only, same ids.
+       (``score_and_select``): scored tile by tile up to the live pools only, same ids. A
+       tile whose queries see at most ``select_k`` pools skips both (``all_pools``:
+       every pool is selected, the same ids without a score).
     4. ``expand_to_tokens`` (``expand_selection``): those pools' tokens and the visible
        tail as ``token_ids [B, Q, W]`` (returned as ``topk``).
     5. ``sparse_attention`` (``sparse_mla``): ``o_lat [B, Q, H, C]`` over the latent rows
@@ -579,13 +582,36 @@ class DsaAttention(nnx.Module):
             return self._indexer_kernel(pk.topk_pools, scores, select_k, n_live=n_live)
 
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
-        """Steps 2-3 of a query tile: ``score_and_select`` where ``"xla"`` reads the live
-        pools only (a decode step; every tile where the cache says so,
+        """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
+        (``live_pools <= select_k``: a short context) needs no score: its ids are every
+        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids). When every
+        query of the tile is such, the scoring and the top-k are skipped (a ``lax.cond``:
+        one program, whichever side rows are on); otherwise the tile is scored and the
+        short queries still take those ids. Scoring is ``score_and_select`` where ``"xla"``
+        reads the live pools only (a decode step; every tile where the cache says so,
         ``STREAM_PREFILL``), else ``select_pools`` of ``score_pools`` bounded by the cache's
         ``live_pools``."""
-        if self.implementation == "xla" and (cache.STREAM_PREFILL or q_pos.shape[1] == 1):
-            return self.score_and_select(qi, w, cache, q_pos, select_k)
-        return self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, cache.live_pools(q_pos))
+        n_live = cache.live_pools(q_pos)
+        short = n_live <= select_k
+        every = self.all_pools(cache, q_pos, select_k)
+
+        def scored():
+            if self.implementation == "xla" and (cache.STREAM_PREFILL or q_pos.shape[1] == 1):
+                pools = self.score_and_select(qi, w, cache, q_pos, select_k)
+            else:
+                pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
+            return jnp.where(short[..., None], every, pools)
+
+        return jax.lax.cond(short.all(), lambda: every, scored)
+
+    def all_pools(self, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
+        """Steps 2-3 of a short query: ``[B, Q, select_k]`` every candidate among the first
+        ``select_k`` pools, ascending, then ``-1`` (``pk.visible_pool_ids`` on the cache's
+        candidate rule, ``PooledKeys.tile``; no key is read)."""
+        kp = self.cfg.index_kpool
+        with jax.named_scope(SELECT_POOLS):
+            _, valid, first_key, _ = cache.pool_keys().tile(0, select_k, kp)
+            return pk.visible_pool_ids(valid, first_key, q_pos, select_k=select_k, kpool=kp)
 
     def score_and_select(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 fused, as ``implementation="xla"`` runs them (``choose_pools``): ``[B,
@@ -692,50 +718,6 @@ def _selection_scores(layer: DsaAttention, rows, cache, reduce_axis):
     fresh, chunk = init_cache(layer.cfg, b, s, dtype=layer.dtype).begin_chunk(mask)
     cache = layer.compress_pools(fresh, ki, gate, chunk)
     return (layer.score_pools(qi, w, cache, chunk.q_pos), cache.pool_origin()), None
-
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def rows_with_chunk_gradient(rows, latent, slots, fits, fp8: bool):
-    """``rows`` (a cache's ``attention_rows`` after ``write_latent(latent, chunk)``), with
-    the gradient of the chunk's rows ``latent [B, S, CR]`` routed from the rows' slots
-    ``slots [B, S]`` (``row_slots(chunk.q_pos)``: ``-1`` for a padding token; nothing when
-    not ``fits``). The forward is the identity: no operation, outputs bit for bit.
-
-    Why: a cache's buffer may hold bits, not floats (``cpu_policy.store_dtype``: a 16-bit
-    cache on a CPU is ``uint16``), and an integer has no gradient, so ``write_latent`` then
-    ``attention_rows`` would silently cut the chunk's rows off the backward pass. The
-    backward takes ``d_rows`` at the chunk's slots as ``d_latent`` (a write and a read are
-    the identity on the rows; a 16-bit cache's rounding is a cast, whose derivative is
-    one), and passes ``d_rows`` on to the buffer with those slots zeroed (a float buffer's
-    own path would count them twice). An fp8 cache (``fp8``) is a serving format: its
-    backward raises ``ValueError``."""
-    del latent, slots, fits, fp8
-    return rows
-
-
-def _rows_fwd(rows, latent, slots, fits, fp8):
-    return rows, (slots, fits, jnp.zeros((0,), latent.dtype), latent.shape)
-
-
-def _rows_bwd(fp8, res, d_rows):
-    slots, fits, like, shape = res
-    if fp8:
-        raise ValueError("no gradient through an fp8 cache's rows (a serving format): differentiate "
-                         "DsaAttention with a bfloat16 or float32 cache (or none)")
-    written = (slots >= 0) & fits
-    src = jnp.zeros((), slots.dtype) if d_rows.shape[0] == 1 else jnp.arange(shape[0], dtype=slots.dtype)[:, None]
-    src = jnp.broadcast_to(src, slots.shape)
-    safe = jnp.where(written, slots, 0)
-    d_latent = jnp.where(written[..., None], d_rows[src, safe], jnp.zeros((), d_rows.dtype)).astype(like.dtype)
-    # Drop those slots from the buffer's cotangent (a float buffer would pass them on to
-    # the chunk's rows again through its write); out-of-range indices are dropped.
-    big = jnp.asarray(d_rows.shape[1], slots.dtype)
-    d_rows = d_rows.at[src, jnp.where(written, slots, big)].set(0, mode="drop")
-    return d_rows, d_latent, None, None
-
-
-rows_with_chunk_gradient.defvjp(_rows_fwd, _rows_bwd)
 
 
 def _ignoring_positions(attend):
