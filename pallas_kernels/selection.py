@@ -94,7 +94,11 @@ class TopkPoolsBlockSizes:
     block_p: int | None = None
     radix_bits: int = 4
     split_p: int = 2048
-    num_warps: int = 4
+    # 8 warps: a 1,024-pool tile is 4 keys a thread. At 4 warps (8 keys a thread) the
+    # one-program path spilled on sm_80 for rows of 2,048 to 8,191 pools (64 registers, 4 B
+    # spilled, an 8-byte stack; ``glm5-dsa gpu-compile``, tests/test_gpu_compile.py's
+    # switch points); and a batch-1 decode runs one program, so more threads help it.
+    num_warps: int = 8
     num_stages: int = 2
 
     MIN_SEGMENTS: ClassVar[int] = 4  # rows of >= this many split_p segments: multi-program

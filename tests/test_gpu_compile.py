@@ -17,6 +17,8 @@ import re
 
 import pytest
 
+import glm5_dsa_jax as gd
+import pallas_kernels as pk
 from glm5_dsa_jax.tools import gpu_compile as gc
 from glm5_dsa_jax.tools.gpu_compile import ptxas
 
@@ -116,6 +118,22 @@ def test_default_cases_cover_decode_prefill_1m_and_batches():
     step = gc.Step("decode", 1, 1 << 20)
     assert (step.chunk, step.queries) == (1, 1)
     assert (gc.Step("prefill", 8, 4096).queries, gc.Step("prompt", 1, 1 << 20).chunk) == (64, 1 << 20)
+
+
+def test_switch_point_cases_sit_on_every_path_switch():
+    """``SWITCH_CONTEXTS`` straddle the switches they name (GLM-5.3-Flash: 4-token pools, a
+    512-pool budget): so a change of a block size or a path threshold that moves a switch
+    fails here, not silently outside the compile check."""
+    cfg = gd.DsaConfig.glm53_flash()
+    pools = [n // cfg.index_kpool for n in gc.cases.SWITCH_CONTEXTS]
+    assert pools == [16, cfg.max_select_k, 2048, 8191, 8192]
+    tk = pk.TopkPoolsBlockSizes()
+    assert not tk.multi_program(8191) and tk.multi_program(8192)
+    assert tk.resolve(2048).block_p < 2048  # the one-program row over more than one tile
+    assert pk.IndexScoresBlockSizes().resolve(1, 16).block_p == 16  # the smallest pool tile
+    assert {c.step.context for c in gc.switch_point_cases()} == set(gc.cases.SWITCH_CONTEXTS)
+    assert {c.kernel for c in gc.switch_point_cases()} == {
+        "kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla"}
 
 
 @pytest.mark.parametrize(
@@ -260,11 +278,13 @@ def _publish(request, tmp_path_factory, toolchain, reports, seconds):
 
 @pytest.fixture(scope="module")
 def matrix(toolchain):
-    """``(cases, reports, seconds)``: ``default_cases()`` compiled for sm_80 and sm_90, once
-    for the tests that read it (a worker process per target and ~2 minutes of CPU each)."""
+    """``(cases, reports, seconds)``: ``default_cases()`` and ``switch_point_cases()`` (every
+    row-length class of every forward kernel) compiled for sm_80 and sm_90, once for the
+    tests that read it (a worker process per target and ~2 minutes of CPU each)."""
     import time
 
     cases = gc.default_cases()
+    cases += [c for c in gc.switch_point_cases() if c.id not in {d.id for d in cases}]
     t0 = time.time()
     reports = gc.compile_cases(cases, ("sm_80", "sm_90"))
     return cases, reports, time.time() - t0

@@ -106,7 +106,7 @@ def test_defaults_resolve_to_the_kernels_former_tiling():
     # topk_pools: block_p 1024 (256 at radix_bits 8), split_p 2048, four segments or more
     # take the multi-program path.
     tk = pk.TopkPoolsBlockSizes()
-    assert (tk.radix_bits, tk.split_p, tk.num_warps, tk.num_stages) == (4, 2048, 4, 2)
+    assert (tk.radix_bits, tk.split_p, tk.num_warps, tk.num_stages) == (4, 2048, 8, 2)  # 8 warps: no spill
     assert tk.resolve(262144).block_p == 1024 and tk.resolve(40).block_p == 64
     assert pk.TopkPoolsBlockSizes(radix_bits=8).resolve(262144).block_p == 256
     assert not tk.multi_program(8191) and tk.multi_program(8192)

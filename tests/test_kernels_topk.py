@@ -240,7 +240,7 @@ def _launches(shape, select_k=512, **block_sizes):
     return [(c["name"], c["grid"], c["num_warps"], c["num_stages"]) for c in triton_calls(lowered)]
 
 
-def _split_launches(rows, n_seg, radix_bits=4, warps=4, stages=2):
+def _split_launches(rows, n_seg, radix_bits=4, warps=8, stages=2):
     count = ("topk_pools_count", (rows, n_seg, 1), warps, stages)
     return [count] * (32 // radix_bits) + [("topk_pools_compact", (rows, n_seg, 1), warps, stages)]
 
@@ -249,9 +249,9 @@ def _split_launches(rows, n_seg, radix_bits=4, warps=4, stages=2):
 # prefill tiles; rows of >= 4 * split_p (default 2,048) pools take the multi-program path:
 # 8 counting launches (radix_bits 4) and one compaction, each of rows x P / 2,048 programs.
 @pytest.mark.parametrize("shape, want", [
-    ((1, 1, 2048), [("topk_pools", (1, 1, 1), 4, 2)]),
-    ((1, 64, 2048), [("topk_pools", (64, 1, 1), 4, 2)]),
-    ((1, 1, 8191), [("topk_pools", (1, 1, 1), 4, 2)]),
+    ((1, 1, 2048), [("topk_pools", (1, 1, 1), 8, 2)]),
+    ((1, 64, 2048), [("topk_pools", (64, 1, 1), 8, 2)]),
+    ((1, 1, 8191), [("topk_pools", (1, 1, 1), 8, 2)]),
     ((1, 1, 8192), _split_launches(1, 4)),
     ((1, 1, 32768), _split_launches(1, 16)),
     ((1, 1, 262144), _split_launches(1, 128)),
@@ -272,12 +272,12 @@ def test_one_long_row_spreads_over_at_least_32_programs():
 def test_lowers_for_cuda_odd_width_and_all_radixes():
     for radix_bits, block_p in [(1, 2048), (2, 2048), (8, 256)]:
         assert _launches((2, 3, 1000), 300, radix_bits=radix_bits, block_p=block_p) == [
-            ("topk_pools", (6, 1, 1), 4, 2)], (radix_bits, block_p)
+            ("topk_pools", (6, 1, 1), 8, 2)], (radix_bits, block_p)
         # the same rows on the multi-program path: 1000 pools in 8 segments of 128
         assert _launches(
             (2, 3, 1000), 300, radix_bits=radix_bits, block_p=block_p, split_p=128,
-            num_warps=8, num_stages=1,
-        ) == _split_launches(6, 8, radix_bits, 8, 1), (radix_bits, block_p)
+            num_warps=4, num_stages=1,
+        ) == _split_launches(6, 8, radix_bits, 4, 1), (radix_bits, block_p)
 
 
 def test_default_block_sizes_are_powers_of_two():

@@ -67,7 +67,7 @@ from typing import Iterable
 
 from glm5_dsa_jax.tools.gpu_compile.cases import (
     KERNEL_MODULES, KERNELS, MOSAIC_KERNELS, MOSAIC_THREADS, Case, Step, default_cases, mosaic_cases,
-    mosaic_on_target,
+    mosaic_on_target, switch_point_cases,
 )
 from glm5_dsa_jax.tools.gpu_compile.ptxas import (
     ToolchainMissing, find_ptxas, parse_ptxas, ptxas_stats, toolchain,
@@ -79,7 +79,7 @@ from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS, GpuTarget
 
 __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
-    "MOSAIC_KERNELS", "mosaic_cases", "mosaic_on_target",
+    "switch_point_cases", "MOSAIC_KERNELS", "mosaic_cases", "mosaic_on_target",
     "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
     "parse_ptxas", "parse_thunks", "find_ptxas",
 ]

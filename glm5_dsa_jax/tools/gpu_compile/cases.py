@@ -63,13 +63,23 @@ from pallas_kernels.mosaic_scoring_backward import (
 from pallas_kernels.mosaic_scoring_backward import launch_grids as mosaic_index_scores_backward_grids
 from pallas_kernels.transpose import selection_transpose
 
-__all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
-           "PREFILL_CHUNK", "CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
+__all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases", "switch_point_cases",
+           "PREFILL_CHUNK", "CONTEXTS", "SWITCH_CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
            "PAGED_KERNELS", "BACKWARD_KERNELS", "TRAIN_STEPS", "MOSAIC_KERNELS",
            "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES", "MOSAIC_THREADS", "MOSAIC_HOPPER_ONLY", "mosaic_cases", "mosaic_on_target"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
 CONTEXTS = (4096, 131072, 1 << 20)  # cache capacity in tokens; 1M = max_position_embeddings
+#: Contexts (GLM-5.3-Flash, 4-token pools) where a kernel's code path or tiling changes, so
+#: that each class of row length is compiled at least once (``switch_point_cases``):
+#: 64 tokens, 16 pools: ``index_scores``' smallest pool tile, a ``select_k`` of 16
+#: (``topk_pools``' ``block_k``, ``expand_selection``'s ``block_w`` follow it); 2,048
+#: tokens, 512 pools: the whole selection budget (``max_select_k``), ``topk_pools``' tile
+#: cut to the row; 8,192 tokens, 2,048 pools: the one-program ``topk_pools`` over two
+#: tiles (it spilled on sm_80 at 4 warps); 32,764 and 32,768 tokens, 8,191 and 8,192
+#: pools: the last one-program row and the first multi-program one. ``CONTEXTS`` hold the
+#: other classes (a one-tile row, long multi-program rows).
+SWITCH_CONTEXTS = (64, 2048, 8192, 32764, 32768)
 BATCHES = (1, 8)
 STEPS = ("decode", "prefill", "prompt")
 DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other compute dtype
@@ -439,6 +449,13 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
             for k in kernels if c == "contiguous" or k in paged
             for dt in dtypes for n in contexts for kind in steps
             if k not in BACKWARD_KERNELS or kind in TRAIN_STEPS for b in batches]
+
+
+def switch_point_cases(contexts=SWITCH_CONTEXTS) -> list[Case]:
+    """The forward Triton kernels at a decode step (batch 1) of every ``SWITCH_CONTEXTS``
+    row length: the path switch points ``default_cases`` (4K, 128K, 1M) step over."""
+    forward = [k for k in KERNELS if k not in BACKWARD_KERNELS and k != "index_scores_backward"]
+    return default_cases(forward, contexts=contexts, batches=(1,), steps=("decode",), caches=("contiguous",))
 
 
 def mosaic_cases(**kwargs) -> list[Case]:
