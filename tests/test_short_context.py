@@ -59,12 +59,18 @@ def test_visible_pool_ids_are_the_top_k_of_every_short_query():
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
 def test_rows_crossing_the_threshold_equal_the_scored_path(implementation, monkeypatch):
-    """Tiny: 4 pools of 4 tokens are selected, so a row is short up to 19 tokens. Rows of 30,
-    9, 41 and 17 tokens join and leave two rows one token a step: steps where both rows are
+    """Tiny: 4 pools of 4 tokens are selected, so a row is short up to 19 tokens. Rows of 22,
+    24 and 9 tokens join and leave two rows one token a step: steps where both rows are
     short, one is, none is."""
     cfg = gd.DsaConfig.tiny()
     layer = f32_layer(cfg, 1, seed=1, implementation=implementation)
-    steps, _, _ = make_schedule(cfg, (30, 9, 41, 17), max_seqs=2, seed=3, chunk_sizes=(1,))
+    steps, _, where = make_schedule(cfg, (22, 24, 9), max_seqs=2, seed=3, chunk_sizes=(1,))
+    # The schedule holds steps of every kind: (rows short, rows long) in {(2, 0), (1, 1), (0, 2)}.
+    kinds = {}
+    for seq in where:
+        for n, (row, step, _) in enumerate(seq, 1):
+            kinds.setdefault(step, []).append(n // cfg.index_kpool <= cfg.max_select_k)
+    assert {(sum(k), len(k) - sum(k)) for k in kinds.values() if len(k) == 2} >= {(2, 0), (1, 1), (0, 2)}
 
     def run():
         dec = PagedDecoder(layer, 2, num_pages=8, page_size=16)
