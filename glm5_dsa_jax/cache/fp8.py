@@ -22,6 +22,25 @@ Invariants:
   would break the 560-byte per-token budget of an fp8 cache (``tests/test_fp8_cache.py``
   checks it; ``glm5_dsa_jax.cache.contiguous`` cites this argument). The latent is ``kv_a_layernorm``'s output,
   whose channels share one scale by construction, so a row scale loses little.
+* **Latent layouts** (issue 26, deliverable 4; ``LatentFormat``). ``"row"`` is the layout
+  above: one scale for the whole ``[c, k_rot]`` row. On a RoPE model ``k_rot`` then sets the
+  scale: hidden states x1e6 round 99 % of the ``c`` entries to zero. ``"group"`` gives the
+  latent ``c`` one scale per ``group`` columns (128, vLLM's group) and ``k_rot`` a scale of
+  its own: ``n_groups = value_width / group + (rot_width > 0)`` float32 scales a row, shaped
+  ``[..., G]``. A NoPE model (GLM-5.3-Flash) gets ``group = value_width``: G = 1, bit for
+  bit the ``"row"`` layout (four groups would cost 12 bytes a token and break its 560-byte
+  budget, see below). Every group obeys the row's error bound with its own amax.
+  Bytes a latent row (``LatentFormat.bytes_per_token``): DeepSeek-V3.2 / GLM-5 (C 512,
+  R 64) ``"row"`` 580, ``"group"`` 596 (vLLM's ``fp8_ds_mla``, with ``k_rot`` in bf16: 656);
+  GLM-5.3-Flash (C 512, R 0) 516 in both layouts.
+* **Hadamard rotation of the indexer** (``hadamard``). ``x @ H / sqrt(D)`` with ``H`` the
+  Sylvester-Hadamard matrix is a rotation (``H H^T = D I``), so ``(q R) . (k R) = q . k``
+  in exact arithmetic (float32 reorders: ``max|s_rot - s| / max|s|`` below ``1e-6``,
+  ``tests/test_fp8_groups.py``); it spreads a channel's outliers over all ``D`` before the
+  pooled key's one scale is taken (DeepSeek's ``rotate_activation``; its effect on recall
+  is a measurement, not a theorem). It mixes channels, and the gate's softmax
+  is per channel, so it applies *after* pooling (to the pooled key and to the query), not
+  to the stage.
 * **Quantise once.** Only the caches' writes (``write_latent`` and ``store_pools`` of
   either cache, and ``replace(latent=, pooled=)``) call ``quantize_rows``;
   the stage of the incomplete pool stays in the compute dtype (it is pooled later).
@@ -41,16 +60,25 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "check_readable",
-           "check_cache_readable"]
+__all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
+           "LatentFormat", "latent_format", "quantize_latent", "dequantize_latent", "hadamard",
+           "check_readable", "check_cache_readable"]
 
 #: The fp8 cache dtype.
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 #: e4m3fn's largest finite value: a row's ``amax`` maps to it.
 E4M3_MAX = 448.0
+#: The latent row layouts (``LatentFormat.layout``): one scale a row, or one a group.
+LATENT_LAYOUTS = ("row", "group")
+#: Columns per scale of the ``"group"`` layout on a RoPE model (vLLM's fp8 MLA group).
+LATENT_GROUP = 128
 #: Compute capability from which Triton converts e4m3 (sm_89: Ada; Hopper is 9.0).
 MIN_CAPABILITY = (8, 9)
 
@@ -73,6 +101,115 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``q [..., width]`` (e4m3) times its row's ``scale [...]``, in float32."""
     return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentFormat:
+    """How an fp8 latent row ``[c (value_width), k_rot (rot_width)]`` is scaled (module doc).
+
+    ``layout="row"``: one scale for the whole row (``group`` is ignored and ``n_groups`` is
+    1). ``layout="group"``: one scale per ``group`` columns of ``c`` (``value_width %
+    group == 0``) and, when ``rot_width > 0``, one for ``k_rot``. Static (hashable)."""
+
+    value_width: int
+    rot_width: int = 0
+    layout: str = "group"
+    group: int = LATENT_GROUP
+
+    def __post_init__(self):
+        if self.layout not in LATENT_LAYOUTS:
+            raise ValueError(f"LatentFormat.layout must be one of {LATENT_LAYOUTS}, got {self.layout!r}")
+        if self.value_width < 1 or self.rot_width < 0:
+            raise ValueError(f"LatentFormat needs value_width >= 1 and rot_width >= 0, got value_width "
+                             f"{self.value_width}, rot_width {self.rot_width}")
+        if self.layout == "group" and (self.group < 1 or self.value_width % self.group):
+            raise ValueError(f"LatentFormat.group must divide value_width {self.value_width} (layout "
+                             f"'group'), got group {self.group}")
+
+    @property
+    def width(self) -> int:
+        """Columns of a row: ``value_width + rot_width``."""
+        return self.value_width + self.rot_width
+
+    @property
+    def n_groups(self) -> int:
+        """Scales a row (the last axis of ``latent_scale``)."""
+        if self.layout == "row":
+            return 1
+        return self.value_width // self.group + (self.rot_width > 0)
+
+    @property
+    def group_widths(self) -> tuple[int, ...]:
+        """Columns of each group, in row order (they sum to ``width``)."""
+        if self.layout == "row":
+            return (self.width,)
+        return (self.group,) * (self.value_width // self.group) + ((self.rot_width,) if self.rot_width else ())
+
+    def column_groups(self) -> np.ndarray:
+        """``[width]`` int32: the group of each column."""
+        return np.repeat(np.arange(self.n_groups, dtype=np.int32), self.group_widths)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one fp8 latent row with its scales: ``width + 4 * n_groups``."""
+        return self.width + 4 * self.n_groups
+
+
+def latent_format(value_width: int, rot_width: int = 0, layout: str = "group") -> LatentFormat:
+    """The fp8 latent format of a model: ``"group"`` gives 128-column groups plus a ``k_rot``
+    group on a RoPE model (``rot_width > 0``) and one group of ``value_width`` on a NoPE
+    model (G = 1, the ``"row"`` layout's bits; module doc); ``"row"``: one scale a row. A
+    ``value_width`` that 128 does not divide (the tiny test presets) is one latent group."""
+    if layout == "group" and (rot_width == 0 or value_width % LATENT_GROUP):
+        return LatentFormat(value_width, rot_width, "group", value_width)
+    return LatentFormat(value_width, rot_width, layout)
+
+
+def _check_width(x, fmt: LatentFormat) -> None:
+    if x.shape[-1] != fmt.width:
+        raise ValueError(f"latent rows must be {fmt.width} wide (value_width {fmt.value_width} + rot_width "
+                         f"{fmt.rot_width}), got {x.shape[-1]}")
+
+
+def quantize_latent(x: jax.Array, fmt: LatentFormat) -> tuple[jax.Array, jax.Array]:
+    """``x [..., width]`` -> ``(q [..., width] e4m3, scale [..., n_groups] float32)``: each group
+    of ``fmt`` quantised as ``quantize_rows`` quantises a row (G = 1: ``quantize_rows``'s bits)."""
+    _check_width(x, fmt)
+    if fmt.n_groups == 1:
+        q, scale = quantize_rows(x)
+        return q, scale[..., None]
+    parts = [quantize_rows(part) for part in jnp.split(x, np.cumsum(fmt.group_widths)[:-1].tolist(), axis=-1)]
+    return (jnp.concatenate([q for q, _ in parts], axis=-1),
+            jnp.stack([s for _, s in parts], axis=-1))
+
+
+def dequantize_latent(q: jax.Array, scale: jax.Array, fmt: LatentFormat) -> jax.Array:
+    """``q [..., width]`` (e4m3) times its groups' ``scale [..., n_groups]``, in float32."""
+    _check_width(q, fmt)
+    if scale.shape[-1] != fmt.n_groups:
+        raise ValueError(f"latent_scale must end in n_groups = {fmt.n_groups} ({fmt.layout!r} layout), got "
+                         f"shape {tuple(scale.shape)}")
+    cols = jnp.asarray(fmt.column_groups())
+    return q.astype(jnp.float32) * jnp.take(scale.astype(jnp.float32), cols, axis=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(d: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(d))
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` rotated by the normalised Sylvester-Hadamard matrix ``H / sqrt(D)`` (an
+    orthogonal, symmetric matrix), computed in float32 and returned in float32; ``D`` must be a
+    power of two (else ``ValueError``). Module doc: why, and where it applies."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard needs a power-of-two last axis (index_head_dim), got {d}")
+    return jnp.matmul(x.astype(jnp.float32), jnp.asarray(_hadamard_matrix(d)),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def _capability(device) -> tuple[int, int] | None:
