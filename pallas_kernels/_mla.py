@@ -12,6 +12,11 @@ Invariants:
 * The id row a kernel sees is ``padded_width`` wide, padded with ``-1`` (never a token), so
   every load of it is whole and in bounds (jax >= 0.12 bounds-checks static Ref slices
   even when masked); ``row_end`` then scans it in unmasked tiles.
+* fp8 group scales (``latent_scale [B or 1, L, G]``, ``glm5_dsa_jax.cache.fp8``'s
+  ``"group"`` layout): the first ``V = value_width`` columns form ``G - (CR > V)`` equal
+  groups and the columns past ``V`` (``k_rot``) the last one (``group_columns``); ``G = 1``
+  is the row scale ``[B or 1, L]`` (``one_scale_a_row``), read by every implementation.
+  ``G > 1`` is read by the ``"xla"`` references only so far (``check_group_scales``).
 * ``dot_nt`` / ``dot_nn`` accumulate in float32 at ``HIGHEST`` precision (bf16 tensor
   cores for bf16 operands, IEEE float32 for float32 ones).
 """
@@ -20,13 +25,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_rank, next_power_of_two
 from pallas_kernels._dtypes import check_key_scale
 
-__all__ = ["accumulation_dtype", "check_operands", "gather_rows", "padded_width", "pad_ids", "row_end",
+__all__ = ["accumulation_dtype", "check_operands", "one_scale_a_row", "group_columns", "check_group_scales",
+           "column_scales", "gather_rows", "padded_width", "pad_ids", "row_end",
            "default_block_c", "dot_nt", "dot_nn"]
 
 HI = jax.lax.Precision.HIGHEST
@@ -76,7 +83,54 @@ def check_operands(q, latent, token_ids, latent_scale) -> None:
         raise ValueError(f"token_ids must be [B={b}, Q={nq}, W], got {tuple(token_ids.shape)}")
     if not jnp.issubdtype(token_ids.dtype, jnp.integer):
         raise ValueError(f"token_ids must be integer, got {token_ids.dtype}")
-    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
+    if latent_scale is not None and latent_scale.ndim == 3:  # group scales [B or 1, L, G]
+        check_key_scale("latent", latent, "latent_scale", latent_scale[..., 0], "[B or 1, L, G]")
+        if latent_scale.shape[2] < 1:
+            raise ValueError(f"latent_scale [B or 1, L, G] needs G >= 1, got {tuple(latent_scale.shape)}")
+    else:
+        check_key_scale("latent", latent, "latent_scale", latent_scale, "[B or 1, L]")
+
+
+def one_scale_a_row(latent_scale):
+    """``latent_scale [.., L, 1]`` -> ``[.., L]`` (one group is a row scale); any other scale
+    (or None) unchanged."""
+    if latent_scale is not None and latent_scale.ndim == 3 and latent_scale.shape[2] == 1:
+        return latent_scale[..., 0]
+    return latent_scale
+
+
+def group_columns(width: int, value_width: int, n_groups: int) -> np.ndarray:
+    """``[width]`` int32: the scale group of each column of a latent row (module doc); a
+    ``ValueError`` naming ``latent_scale`` when ``n_groups`` does not split the row so. One
+    group is the whole row."""
+    if n_groups == 1:
+        return np.zeros(width, np.int32)
+    rot = int(width > value_width)
+    latent_groups = n_groups - rot
+    if latent_groups < 1 or value_width % latent_groups:
+        raise ValueError(
+            f"latent_scale has {n_groups} groups a row: the {value_width} value columns must split in "
+            f"{latent_groups} equal groups{' (plus one for the ' + str(width - value_width) + ' k_rot columns)' if rot else ''}")
+    g = value_width // latent_groups
+    return np.minimum(np.arange(width) // g, n_groups - 1).astype(np.int32)
+
+
+def check_group_scales(latent_scale, width: int, value_width: int, implementation: str):
+    """``latent_scale`` after ``one_scale_a_row``; group scales (``G > 1``) checked against the
+    row (``group_columns``) and refused, naming the implementation, outside ``"xla"``."""
+    latent_scale = one_scale_a_row(latent_scale)
+    if latent_scale is not None and latent_scale.ndim == 3:
+        group_columns(width, value_width, latent_scale.shape[2])
+        if implementation != "xla":
+            raise ValueError(
+                f"latent_scale with {latent_scale.shape[2]} groups a row is read by implementation='xla' "
+                f"only so far, got implementation={implementation!r} (a row scale [B or 1, L] runs everywhere)")
+    return latent_scale
+
+
+def column_scales(latent_scale, width: int, value_width: int):
+    """Group scales ``[B or 1, L, G]`` -> one scale a column ``[B or 1, L, width]``."""
+    return jnp.take(latent_scale, jnp.asarray(group_columns(width, value_width, latent_scale.shape[2])), axis=2)
 
 
 def scan_block(width: int) -> int:

@@ -32,7 +32,10 @@ row, ``V``: its leading value columns). Invariants:
   a row's score is ``(q . row8) * s_id * scale`` and its softmax weight is multiplied by
   ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
   e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same
-  products in the same order (in float32).
+  products in the same order (in float32). Group scales ``latent_scale [B or 1, L, G]``
+  (``"group"`` layout; columns to groups: ``pallas_kernels._mla``'s module doc): the
+  ``"xla"`` reference and its backward dequantise the gathered rows column by column; the
+  kernels take ``G = 1`` (the row scale) and refuse ``G > 1`` naming the implementation.
 * Differentiable w.r.t. ``q`` and ``latent`` under every implementation (a
   ``jax.custom_vjp``; see the comment above ``_attend``): the forward saves the output and
   its log-sum-exp, never the gathered ``[Q, W, CR]`` rows; the backward
@@ -78,6 +81,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels._dtypes import key_dot_dtype
 from pallas_kernels._mla import (
+    check_group_scales, column_scales, one_scale_a_row,
     accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end,
 )
 from pallas_kernels._mosaic import mosaic_takes
@@ -125,6 +129,10 @@ def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value
     safe = jnp.clip(token_ids, 0, length - 1)
     kv = gather_rows(latent, safe).astype(f)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
+    latent_scale = one_scale_a_row(latent_scale)
+    if latent_scale is not None and latent_scale.ndim == 3:  # group scales: dequantise the rows
+        kv = kv * gather_rows(column_scales(latent_scale.astype(f), latent.shape[2], v), safe)
+        latent_scale = None
     kv = jnp.where(valid[..., None], kv, 0.0)
     s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(f), kv, precision=_HI)
     if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
@@ -157,6 +165,7 @@ def sparse_mla(
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes)
     check_operands(q, latent, token_ids, latent_scale)
     v = check_value_width(value_width, q.shape[3])
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation)
     if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: see the module doc
         implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
     if implementation == "xla":

@@ -59,6 +59,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels._dtypes import key_dot_dtype
 from pallas_kernels._mla import (
+    check_group_scales, column_scales, one_scale_a_row,
     HI, accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids,
     row_end,
 )
@@ -149,14 +150,17 @@ class SparseMlaBackwardBlockSizes:
                                    dlatent_num_warps=warps)
 
 
-def _selected_rows(latent, latent_scale, token_ids, dtype):
-    """The selected rows ``[B, Q, W, CR]`` in ``dtype`` (fp8: times their scales), 0 at
-    invalid slots, and the valid mask ``[B, Q, W]``."""
+def _selected_rows(latent, latent_scale, token_ids, dtype, value_width):
+    """The selected rows ``[B, Q, W, CR]`` in ``dtype`` (fp8: times their row or group
+    scales), 0 at invalid slots, and the valid mask ``[B, Q, W]``."""
     length = latent.shape[1]
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
     kv = gather_rows(latent, safe).astype(dtype)
-    if latent_scale is not None:
+    latent_scale = one_scale_a_row(latent_scale)
+    if latent_scale is not None and latent_scale.ndim == 3:
+        kv = kv * gather_rows(column_scales(latent_scale.astype(dtype), latent.shape[2], value_width), safe)
+    elif latent_scale is not None:
         kv = kv * gather_rows(latent_scale.astype(dtype)[..., None], safe)
     return jnp.where(valid[..., None], kv, 0.0), valid
 
@@ -181,7 +185,7 @@ def sparse_mla_backward_reference(
     """
     v = check_value_width(value_width, latent.shape[2])
     f = accumulation_dtype(q, latent)
-    kv, valid = _selected_rows(latent, latent_scale, token_ids, f)  # [B, Q, W, CR]
+    kv, valid = _selected_rows(latent, latent_scale, token_ids, f, v)  # [B, Q, W, CR]
     qf, do = q.astype(f), d_out.astype(f)
     dd = jnp.sum(do * out.astype(f), axis=-1)  # [B, Q, H]
     z = jnp.einsum("bqhc,bqwc->bqhw", qf, kv, precision=HI) * scale
@@ -218,6 +222,7 @@ def sparse_mla_backward(
     check_operands(q, latent, token_ids, latent_scale)
     b, nq, h, cr = q.shape
     v = check_value_width(value_width, cr)
+    latent_scale = check_group_scales(latent_scale, cr, v, implementation)
     for name, x, shape in (("out", out, (b, nq, h, v)), ("d_out", d_out, (b, nq, h, v)),
                            ("lse", lse, (b, nq, h))):
         if tuple(x.shape) != shape:

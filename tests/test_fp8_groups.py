@@ -105,3 +105,58 @@ def test_hadamard_rotation_keeps_scores():
     s = q @ k.T
     s_rot = np.asarray(hadamard(jnp.asarray(q))) @ np.asarray(hadamard(jnp.asarray(k))).T
     assert np.abs(s_rot - s).max() / np.abs(s).max() < 1e-6
+
+
+# ----------------------------------------------------------------------------- sparse_mla
+def _mla_operands(fmt, seed=0, b=2, nq=3, h=4, length=10, w=6, rot_scale=10.0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, nq, h, fmt.width)), jnp.float32)
+    rows = rng.standard_normal((b, length, fmt.width)).astype(np.float32)
+    rows[..., fmt.value_width:] *= rot_scale  # k_rot larger than c: the groups differ
+    latent, scale = quantize_latent(jnp.asarray(rows), fmt)
+    ids = jnp.asarray(rng.integers(-1, length, (b, nq, w)), jnp.int32)
+    return q, latent, scale, ids
+
+
+@pytest.mark.parametrize("layout", ["row", "group"])
+def test_sparse_mla_reads_group_scales_as_the_dequantised_rows(layout):
+    """``"xla"``: the output and ``dq`` equal those of the float rows ``dequantize_latent``
+    gives (float32 rounding); ``group_columns`` is ``LatentFormat.column_groups``."""
+    import jax
+    import pallas_kernels as pk
+    from pallas_kernels._mla import group_columns
+    fmt = LatentFormat(24, 8, layout, 8)
+    np.testing.assert_array_equal(group_columns(32, 24, fmt.n_groups), fmt.column_groups())
+    q, latent, scale, ids = _mla_operands(fmt)
+    deq = dequantize_latent(latent, scale, fmt)
+    kw = dict(scale=0.2, value_width=24)
+    got = pk.sparse_mla(q, latent, ids, scale, **kw)
+    want = pk.sparse_mla(q, deq, ids, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+    dq = jax.grad(lambda x: pk.sparse_mla(x, latent, ids, scale, **kw).sum())(q)
+    dq_want = jax.grad(lambda x: pk.sparse_mla(x, deq, ids, **kw).sum())(q)
+    np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_want), rtol=2e-5,
+                               atol=2e-5 * float(jnp.abs(dq_want).max()))
+
+
+def test_one_group_runs_the_row_kernels_bit_for_bit():
+    import pallas_kernels as pk
+    fmt = latent_format(24, 8, "row")
+    q, latent, scale, ids = _mla_operands(fmt)
+    assert scale.shape[-1] == 1
+    for impl in ("xla", "pallas_interpret"):
+        a = pk.sparse_mla(q, latent, ids, scale, scale=0.2, value_width=24, implementation=impl)
+        b = pk.sparse_mla(q, latent, ids, scale[..., 0], scale=0.2, value_width=24, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_group_scales_refused_where_not_read():
+    import pallas_kernels as pk
+    fmt = LatentFormat(24, 8, "group", 8)
+    q, latent, scale, ids = _mla_operands(fmt)
+    with pytest.raises(ValueError, match="implementation='xla' only"):
+        pk.sparse_mla(q, latent, ids, scale, scale=0.2, value_width=24, implementation="pallas_interpret")
+    with pytest.raises(ValueError, match="must split in 5 equal groups"):  # 6 groups: 5 + k_rot
+        pk.sparse_mla(q, latent, ids, jnp.ones(scale.shape[:2] + (6,)), scale=0.2, value_width=24)
+    with pytest.raises(ValueError, match=r"latent_scale must be \[B or 1, L, G\]"):
+        pk.sparse_mla(q, latent, ids, scale[:, :4], scale=0.2, value_width=24)
