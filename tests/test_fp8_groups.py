@@ -160,3 +160,29 @@ def test_group_scales_refused_where_not_read():
         pk.sparse_mla(q, latent, ids, jnp.ones(scale.shape[:2] + (6,)), scale=0.2, value_width=24)
     with pytest.raises(ValueError, match=r"latent_scale must be \[B or 1, L, G\]"):
         pk.sparse_mla(q, latent, ids, scale[:, :4], scale=0.2, value_width=24)
+
+
+@pytest.mark.parametrize("layout", ["row", "group"])
+def test_causal_mla_reads_group_scales_as_the_dequantised_rows(layout):
+    """The dense prefill reader: ``"xla"`` (tiled, and its reference) on group scales equals
+    the float rows, output and ``dq``."""
+    import jax
+    import pallas_kernels as pk
+    fmt = LatentFormat(24, 8, layout, 8)
+    q, latent, scale, _ = _mla_operands(fmt)
+    deq = dequantize_latent(latent, scale, fmt)
+    q_slots = jnp.asarray([[2, 5, 9], [0, 3, -1]], jnp.int32)
+    key_valid = jnp.arange(10)[None, :] < jnp.asarray([[10], [7]])
+    kw = dict(scale=0.2, value_width=24)
+    want = pk.causal_mla(q, deq, q_slots, key_valid, **kw)
+    tol = dict(rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
+    for got in (pk.causal_mla(q, latent, q_slots, key_valid, scale, key_tile=4, **kw),
+                pk.causal_mla_reference(q, latent, q_slots, key_valid, scale, **kw)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol)
+    dq = jax.grad(lambda x: pk.causal_mla(x, latent, q_slots, key_valid, scale, key_tile=4, **kw).sum())(q)
+    dq_want = jax.grad(lambda x: pk.causal_mla(x, deq, q_slots, key_valid, key_tile=4, **kw).sum())(q)
+    np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_want), rtol=2e-5,
+                               atol=2e-5 * float(jnp.abs(dq_want).max()))
+    if layout == "group":
+        with pytest.raises(ValueError, match="implementation='xla' only"):
+            pk.causal_mla(q, latent, q_slots, key_valid, scale, implementation="pallas_interpret", **kw)
