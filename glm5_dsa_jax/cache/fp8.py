@@ -68,7 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
-           "LatentFormat", "latent_format", "quantize_latent", "dequantize_latent", "hadamard",
+           "LatentFormat", "latent_format", "check_latent_layout", "quantize_latent", "quantize_latent_rows",
+           "dequantize_latent", "hadamard",
            "check_readable", "check_cache_readable"]
 
 #: The fp8 cache dtype.
@@ -145,6 +146,12 @@ class LatentFormat:
             return (self.width,)
         return (self.group,) * (self.value_width // self.group) + ((self.rot_width,) if self.rot_width else ())
 
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The trailing shape of a cache's ``latent_scale`` (``quantize_latent_rows``): ``()``
+        for one scale a row, ``(n_groups,)`` for more."""
+        return () if self.n_groups == 1 else (self.n_groups,)
+
     def column_groups(self) -> np.ndarray:
         """``[width]`` int32: the group of each column."""
         return np.repeat(np.arange(self.n_groups, dtype=np.int32), self.group_widths)
@@ -165,6 +172,14 @@ def latent_format(value_width: int, rot_width: int = 0, layout: str = "group") -
     return LatentFormat(value_width, rot_width, layout)
 
 
+def check_latent_layout(layout) -> str:
+    """``layout`` if it is one of ``LATENT_LAYOUTS``, else ``ValueError`` naming
+    ``latent_layout`` (the caches' static option)."""
+    if layout not in LATENT_LAYOUTS:
+        raise ValueError(f"latent_layout must be one of {LATENT_LAYOUTS}, got {layout!r}")
+    return layout
+
+
 def _check_width(x, fmt: LatentFormat) -> None:
     if x.shape[-1] != fmt.width:
         raise ValueError(f"latent rows must be {fmt.width} wide (value_width {fmt.value_width} + rot_width "
@@ -181,6 +196,14 @@ def quantize_latent(x: jax.Array, fmt: LatentFormat) -> tuple[jax.Array, jax.Arr
     parts = [quantize_rows(part) for part in jnp.split(x, np.cumsum(fmt.group_widths)[:-1].tolist(), axis=-1)]
     return (jnp.concatenate([q for q, _ in parts], axis=-1),
             jnp.stack([s for _, s in parts], axis=-1))
+
+
+def quantize_latent_rows(x: jax.Array, fmt: LatentFormat) -> tuple[jax.Array, jax.Array]:
+    """The caches' quantising write of latent rows ``x [..., width]``: ``quantize_latent``,
+    with one group's scale as the row scale ``[...]`` (the shape, and the bits, of an fp8
+    cache before group scales: ``quantize_rows``) and ``G > 1`` groups' as ``[..., G]``."""
+    q, scale = quantize_latent(x, fmt)
+    return q, scale[..., 0] if fmt.n_groups == 1 else scale
 
 
 def dequantize_latent(q: jax.Array, scale: jax.Array, fmt: LatentFormat) -> jax.Array:
