@@ -150,12 +150,50 @@ def test_one_group_runs_the_row_kernels_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("fmt, block_c", [
+    (LatentFormat(32, 16, "group", 16), 16),  # every chunk in one group (DS-V3.2's case)
+    (LatentFormat(32, 16, "group", 16), None),  # default block_c 64: one chunk, 3 groups
+    (LatentFormat(24, 8, "group", 24), None),  # rope_tiny's format, one chunk of 32
+])
+def test_triton_sparse_mla_reads_group_scales(fmt, block_c):
+    """``"pallas_interpret"`` (the Triton kernels) on group scales: the output and ``dq``
+    equal ``"xla"``'s to float32 rounding, whether a column chunk holds one group or
+    several (``_mla.chunk_groups``); with ``num_splits`` 2 too."""
+    import jax
+    import pallas_kernels as pk
+    q, latent, scale, ids = _mla_operands(fmt, length=40, w=24, h=3)
+    kw = dict(scale=0.2, value_width=fmt.value_width)
+    want = pk.sparse_mla(q, latent, ids, scale, **kw)
+    dq_want = jax.grad(lambda x: pk.sparse_mla(x, latent, ids, scale, **kw).sum())(q)
+    tol = lambda x: dict(rtol=2e-5, atol=2e-5 * float(jnp.abs(x).max()))
+    for splits in (1, 2):
+        blocks = pk.SparseMlaBlockSizes(block_c=block_c, block_w=16, num_splits=splits)
+        got = pk.sparse_mla(q, latent, ids, scale, implementation="pallas_interpret", block_sizes=blocks, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol(want))
+    bwd = pk.SparseMlaBackwardBlockSizes(block_c=block_c)
+    dq, dlat = pk.sparse_mla_backward(q, latent, ids, *_out_lse(q, latent, ids, scale, fmt, kw),
+                                      jnp.ones_like(want), scale, implementation="pallas_interpret",
+                                      block_sizes=bwd, **kw)
+    np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_want), **tol(dq_want))
+    assert not np.asarray(dlat.astype(jnp.float32)).any()  # no gradient into fp8 rows
+
+
+def _out_lse(q, latent, ids, scale, fmt, kw):
+    """The forward's residuals for a direct backward call: ``(out, lse)`` over the
+    dequantised rows (``lse``: the log-sum-exp of each query's valid scores)."""
+    import jax
+    import pallas_kernels as pk
+    deq = dequantize_latent(latent, scale, fmt)
+    kv = jax.vmap(lambda rows, i: rows[jnp.clip(i, 0, rows.shape[0] - 1)])(deq, ids)  # [B, Q, W, CR]
+    s = jnp.einsum("bqhc,bqwc->bqhw", q, kv) * kw["scale"]
+    s = jnp.where((ids >= 0)[:, :, None, :], s, -jnp.inf)
+    return pk.sparse_mla(q, latent, ids, scale, **kw), jax.nn.logsumexp(s, axis=-1)
+
+
 def test_group_scales_refused_where_not_read():
     import pallas_kernels as pk
     fmt = LatentFormat(24, 8, "group", 8)
     q, latent, scale, ids = _mla_operands(fmt)
-    with pytest.raises(ValueError, match="implementation='xla' only"):
-        pk.sparse_mla(q, latent, ids, scale, scale=0.2, value_width=24, implementation="pallas_interpret")
     with pytest.raises(ValueError, match="must split in 5 equal groups"):  # 6 groups: 5 + k_rot
         pk.sparse_mla(q, latent, ids, jnp.ones(scale.shape[:2] + (6,)), scale=0.2, value_width=24)
     with pytest.raises(ValueError, match=r"latent_scale must be \[B or 1, L, G\]"):
@@ -255,3 +293,4 @@ def test_export_load_carries_group_scales():
         a, b = getattr(back, name), getattr(exported, name)
         assert a.shape == b.shape and a.dtype == b.dtype, name
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+
