@@ -17,8 +17,9 @@ Invariants:
   groups and the columns past ``V`` (``k_rot``) the last one (``group_columns``); ``G = 1``
   is the row scale ``[B or 1, L]`` (``one_scale_a_row``), read by every implementation.
   ``G > 1`` is read by the ``"xla"`` references and by the Triton ``sparse_mla`` (forward
-  and ``dq``), whose callers say so (``check_group_scales(..., kernels_read=True)``); every
-  other kernel refuses it naming the implementation. A Triton kernel splits each column
+  and ``dq``; ``causal_mla``'s Pallas path is that kernel), whose callers say so
+  (``check_group_scales(..., kernels_read=True)``); every other caller refuses it naming
+  the implementation. A Triton kernel splits each column
   chunk into the groups it holds (``chunk_groups``, static): one dot per (chunk, group),
   the group's scale on the score and on the softmax weight, as a row scale is; a chunk in
   one group (every chunk at DS-V3.2 dims: ``block_c`` 64, groups of 128 and ``k_rot`` 64)

@@ -137,7 +137,7 @@ def causal_mla(
       q_slots: ``[B, Q]`` int: each query's own slot (``-1``: a padding query, zeros).
       key_valid: ``[B, L]`` bool: slots holding a token.
       latent_scale: ``[B, L]`` float32 row scales of an fp8 ``latent`` (or group scales
-        ``[B, L, G]``, read by ``"xla"`` only so far: ``sparse_mla``'s module doc), else None.
+        ``[B, L, G]``, read as ``sparse_mla`` reads them), else None.
       scale: the softmax scale (``sparse_mla``'s).
       value_width: ``V``, the leading value columns of a row (``None``: all ``CR``).
       implementation: ``"xla"`` (tiled online softmax) or a Pallas one (``sparse_mla``
@@ -151,7 +151,8 @@ def causal_mla(
     v = check_value_width(value_width, q.shape[3])
     check_positive_int("key_tile", key_tile)
     implementation = resolve_implementation(implementation)
-    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation)
+    # The Pallas path is sparse_mla's kernels, which read group scales.
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
     if implementation != "xla":
         vis = causal_visible(q_slots, key_valid)
         ids = jnp.where(vis, jnp.arange(latent.shape[1], dtype=jnp.int32), -1)

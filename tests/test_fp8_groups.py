@@ -190,10 +190,16 @@ def _out_lse(q, latent, ids, scale, fmt, kw):
     return pk.sparse_mla(q, latent, ids, scale, **kw), jax.nn.logsumexp(s, axis=-1)
 
 
-def test_group_scales_refused_where_not_read():
+def test_bad_group_scales_refused_and_where_not_read():
+    """Scales that do not split the row, or of the wrong shape, name ``latent_scale``; the
+    attention mass (the indexer loss's target: training, never on an fp8 cache) reads one
+    scale a row and refuses group scales naming ``latent_scale``."""
     import pallas_kernels as pk
+    from glm5_dsa_jax.model.attention_mass import sparse_pool_mass
     fmt = LatentFormat(24, 8, "group", 8)
     q, latent, scale, ids = _mla_operands(fmt)
+    with pytest.raises(ValueError, match=r"latent_scale must be \[B, L\]"):
+        sparse_pool_mass(q, latent, ids, scale, kpool=1, select_k=6, scale=0.2)
     with pytest.raises(ValueError, match="must split in 5 equal groups"):  # 6 groups: 5 + k_rot
         pk.sparse_mla(q, latent, ids, jnp.ones(scale.shape[:2] + (6,)), scale=0.2, value_width=24)
     with pytest.raises(ValueError, match=r"latent_scale must be \[B or 1, L, G\]"):
@@ -203,7 +209,7 @@ def test_group_scales_refused_where_not_read():
 @pytest.mark.parametrize("layout", ["row", "group"])
 def test_causal_mla_reads_group_scales_as_the_dequantised_rows(layout):
     """The dense prefill reader: ``"xla"`` (tiled, and its reference) on group scales equals
-    the float rows, output and ``dq``."""
+    the float rows, output and ``dq``; so does the Pallas path (``"pallas_interpret"``)."""
     import jax
     import pallas_kernels as pk
     fmt = LatentFormat(24, 8, layout, 8)
@@ -221,9 +227,9 @@ def test_causal_mla_reads_group_scales_as_the_dequantised_rows(layout):
     dq_want = jax.grad(lambda x: pk.causal_mla(x, deq, q_slots, key_valid, key_tile=4, **kw).sum())(q)
     np.testing.assert_allclose(np.asarray(dq), np.asarray(dq_want), rtol=2e-5,
                                atol=2e-5 * float(jnp.abs(dq_want).max()))
-    if layout == "group":
-        with pytest.raises(ValueError, match="implementation='xla' only"):
-            pk.causal_mla(q, latent, q_slots, key_valid, scale, implementation="pallas_interpret", **kw)
+    if layout == "group":  # the Pallas path: sparse_mla's Triton kernels over the visible slots
+        got = pk.causal_mla(q, latent, q_slots, key_valid, scale, implementation="pallas_interpret", **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **tol)
 
 
 # ----------------------------------------------------------------------------- the caches
@@ -294,3 +300,53 @@ def test_export_load_carries_group_scales():
         assert a.shape == b.shape and a.dtype == b.dtype, name
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
 
+
+# ----------------------------------------------------------------------------- the rotation
+def test_rotate_index_off_by_default_and_refusals():
+    """Off unless asked (it did not raise the fp8 indexer's recall: ``docs/fp8.md``); asked,
+    it needs a power-of-two ``index_head_dim`` and a bool."""
+    import glm5_dsa_jax as gd
+    from helpers import rope_tiny
+    tiny = gd.DsaConfig.tiny()  # index_head_dim 16
+    assert not gd.init_cache(tiny, 2, 16, dtype="fp8").rotate_index
+    assert not gd.init_paged_cache(tiny, 2, 4, 8, dtype="fp8").rotate_index
+    assert gd.init_cache(tiny, 2, 16, dtype="fp8", rotate_index=True).rotate_index
+    assert gd.init_paged_cache(tiny, 2, 4, 8, rotate_index=True).rotate_index  # a float cache too
+    with pytest.raises(ValueError, match="rotate_index=True needs a power-of-two index_head_dim"):
+        gd.init_paged_cache(rope_tiny(), 2, 4, 8, dtype="fp8", rotate_index=True)  # index_head_dim 12
+    with pytest.raises(ValueError, match="rotate_index must be a bool"):
+        gd.init_cache(tiny, 2, 16, rotate_index=None)
+
+
+def test_rotated_index_keeps_scores_and_selection():
+    """A float32 cache storing rotated pooled keys, the layer rotating its queries: the
+    scores of every pool equal the unrotated ones to float32 rounding (measured ``max|s_rot
+    - s| / max|s|`` 4.1e-8, the float32 difference of a rotation), the same top-k and
+    outputs; the stored keys are the rotated ones. A moved sequence keeps its rotation: a
+    cache of the other kind refuses it, naming ``rotate_index``."""
+    import glm5_dsa_jax as gd
+    from helpers import f32_layer, hidden_states
+    cfg = gd.DsaConfig.tiny()
+    layer = f32_layer(cfg, 1, seed=4, block_q=8)
+    x = jnp.asarray(hidden_states(cfg, 2, 24, seed=1))
+    runs = {rot: layer(x, cache=layer.init_cache(2, 32, dtype=jnp.float32, rotate_index=rot)) for rot in (False, True)}
+    (o0, t0, c0), (o1, t1, c1) = runs[False], runs[True]
+    np.testing.assert_array_equal(np.asarray(t0), np.asarray(t1))
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), rtol=1e-5, atol=1e-5 * float(jnp.abs(o0).max()))
+    np.testing.assert_allclose(np.asarray(c1.pooled), np.asarray(hadamard(c0.pooled)), rtol=1e-6, atol=1e-6)
+    q_resid, _, _ = layer.project(x)
+    qi, w, _, _ = layer.indexer.project(x, q_resid)
+    q_pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32)[None], (2, 24))
+    s0 = np.asarray(layer.score_pools(qi, w, c0, q_pos))
+    s1 = np.asarray(layer.score_pools(hadamard(qi), w, c1, q_pos))
+    live = np.isfinite(s0)
+    np.testing.assert_array_equal(live, np.isfinite(s1))
+    assert live.sum() > 100
+    rel = np.abs(s1[live] - s0[live]).max() / np.abs(s0[live]).max()
+    assert 0 < rel < 1e-6, rel
+    paged = layer.init_paged_cache(2, 8, 8, dtype="fp8", rotate_index=True)
+    _, _, paged = layer(x, cache=paged)
+    exported = paged.export(0)
+    assert exported.rotate_index
+    with pytest.raises(ValueError, match=r"rotate_index True \(the cache's: False\)"):
+        layer.init_paged_cache(2, 8, 8, dtype="fp8").load(1, exported)

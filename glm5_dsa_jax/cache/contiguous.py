@@ -70,7 +70,8 @@ from flax import struct
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import (
-    FP8, LatentFormat, check_latent_layout, is_fp8, latent_format, quantize_latent_rows, quantize_rows,
+    FP8, LatentFormat, check_latent_layout, check_rotate_index, is_fp8, latent_format, quantize_latent_rows,
+    quantize_rows, rotate_index_rows,
 )
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.model.config import DsaConfig
@@ -130,6 +131,8 @@ class DsaCache:
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
     #: fp8 caches: how a latent row is scaled (``fp8.LatentFormat``; None for a float cache)
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
+    #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def stage_width(self) -> int:
@@ -303,6 +306,7 @@ class DsaCache:
         pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
         new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
         new &= pool_ids < self.max_pools
+        pooled = rotate_index_rows(pooled, self.rotate_index)
         bufs, rows = [self.pooled_store, self.pool_valid], [pooled, pooled_valid]
         if self.is_fp8:  # quantised once, here
             rows[0], scale = quantize_rows(pooled)
@@ -407,6 +411,7 @@ def init_cache(
     stage_dtype=None,
     max_rollback: int = 1,
     latent_layout: str = "group",
+    rotate_index: bool = False,
 ) -> DsaCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
 
@@ -417,6 +422,9 @@ def init_cache(
     an int >= 0): slots the batch can always take back (``DsaCache.rollback``); the stage
     keeps ``max(KP, KP - 1 + max_rollback)`` slots. ``latent_layout`` (static, fp8 only):
     ``"group"`` (default) or ``"row"``, how an fp8 latent row is scaled (``latent_fp8_format``).
+    ``rotate_index`` (static, default off): store Hadamard-rotated pooled keys, the layer
+    rotating its indexer queries (``glm5_dsa_jax.cache.fp8``; needs a power-of-two
+    ``index_head_dim``).
     """
     dtype = check_cache_dtype(dtype)
     fmt = latent_fp8_format(cfg, dtype, latent_layout)
@@ -448,6 +456,7 @@ def init_cache(
     max_pools = max(1, max_length // kp)
     return DsaCache(
         **base,
+        rotate_index=check_rotate_index(d, rotate_index),
         pooled_store=jnp.zeros((b, max_pools, d), st),
         pooled_scale=jnp.ones((b, max_pools), jnp.float32) if is_fp8(dtype) else None,
         pool_valid=jnp.zeros((b, max_pools), bool),

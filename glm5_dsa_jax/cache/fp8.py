@@ -40,7 +40,11 @@ Invariants:
   pooled key's one scale is taken (DeepSeek's ``rotate_activation``; its effect on recall
   is a measurement, not a theorem). It mixes channels, and the gate's softmax
   is per channel, so it applies *after* pooling (to the pooled key and to the query), not
-  to the stage.
+  to the stage. A cache's static ``rotate_index`` says that its ``store_pools`` stores
+  rotated pooled keys (``rotate_index_rows``; ``cache.pooled`` then holds them rotated) and
+  that the layer rotates its indexer queries once after ``DsaIndexer.project``. Off by
+  default: measured with ``glm5-dsa accuracy`` it does not raise the fp8 indexer's recall
+  (GLM-5.3-Flash, 32K: 0.958 rotated against 0.969; ``docs/fp8.md``).
 * **Quantise once.** Only the caches' writes (``write_latent`` and ``store_pools`` of
   either cache, and ``replace(latent=, pooled=)``) call ``quantize_rows``;
   the stage of the incomplete pool stays in the compute dtype (it is pooled later).
@@ -69,7 +73,7 @@ import numpy as np
 
 __all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
            "LatentFormat", "latent_format", "check_latent_layout", "quantize_latent", "quantize_latent_rows",
-           "dequantize_latent", "hadamard",
+           "dequantize_latent", "hadamard", "rotate_index_rows", "check_rotate_index",
            "check_readable", "check_cache_readable"]
 
 #: The fp8 cache dtype.
@@ -233,6 +237,26 @@ def hadamard(x: jax.Array) -> jax.Array:
         raise ValueError(f"hadamard needs a power-of-two last axis (index_head_dim), got {d}")
     return jnp.matmul(x.astype(jnp.float32), jnp.asarray(_hadamard_matrix(d)),
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def rotate_index_rows(x: jax.Array, rotate: bool) -> jax.Array:
+    """``x [..., D]`` (pooled indexer keys, or indexer queries) ``hadamard``-rotated and cast
+    back to ``x``'s dtype when ``rotate`` (a cache's static ``rotate_index``), else ``x``
+    itself: the caches' ``store_pools`` rotate the pooled keys they store, the layer its
+    indexer queries, so every score is the unrotated one up to rounding (module doc)."""
+    return hadamard(x).astype(x.dtype) if rotate else x
+
+
+def check_rotate_index(index_head_dim: int, rotate_index) -> bool:
+    """A cache's ``rotate_index`` (off by default, module doc): a bool; True needs a
+    power-of-two ``index_head_dim``, else ``ValueError`` naming both."""
+    pow2 = index_head_dim >= 1 and not index_head_dim & (index_head_dim - 1)
+    if not isinstance(rotate_index, bool):
+        raise ValueError(f"rotate_index must be a bool or None, got {rotate_index!r}")
+    if rotate_index and not pow2:
+        raise ValueError(f"rotate_index=True needs a power-of-two index_head_dim (a Hadamard "
+                         f"rotation), got index_head_dim={index_head_dim}")
+    return rotate_index
 
 
 def _capability(device) -> tuple[int, int] | None:

@@ -85,7 +85,9 @@ import pallas_kernels as pk
 from glm5_dsa_jax.cache.contiguous import (
     check_cache_dtype, default_stage_dtype, latent_fp8_format, store_rows, visible_pools,
 )
-from glm5_dsa_jax.cache.fp8 import LatentFormat, is_fp8, quantize_latent_rows, quantize_rows
+from glm5_dsa_jax.cache.fp8 import (
+    LatentFormat, check_rotate_index, is_fp8, quantize_latent_rows, quantize_rows, rotate_index_rows,
+)
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import (
     BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table, release_mask,
@@ -118,6 +120,8 @@ class PagedCache:
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
     #: fp8 caches: how a latent row is scaled (``fp8.LatentFormat``; None for a float cache)
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
+    #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -380,6 +384,7 @@ class PagedCache:
         page = jnp.take_along_axis(self.pages.block_table, j, axis=1)
         slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
         upd = {}
+        pooled = rotate_index_rows(pooled, self.rotate_index)
         if self.is_fp8:  # quantised once, here
             pooled, scale = quantize_rows(pooled)
             upd["pooled_scale"] = _scatter_scales(self.pooled_scale, scale, slots)
@@ -453,6 +458,7 @@ def init_paged_cache(
     shards: int = 1,
     max_rollback: int = 1,
     latent_layout: str = "group",
+    rotate_index: bool = False,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
@@ -465,7 +471,7 @@ def init_paged_cache(
     ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s. ``max_rollback`` (static, an
     int >= 0): tokens a sequence can always take back (``PagedCache.rollback``); the stage
     keeps ``max(KP, KP - 1 + max_rollback)`` raw positions (``glm5_dsa_jax.cache.rollback``).
-    ``latent_layout``: as ``cache.init_cache``'s (``"group"`` or ``"row"``, fp8 only).
+    ``latent_layout``, ``rotate_index``: as ``cache.init_cache``'s.
     """
     dtype = check_cache_dtype(dtype)
     fmt = latent_fp8_format(cfg, dtype, latent_layout)
@@ -497,6 +503,7 @@ def init_paged_cache(
     d = cfg.index_head_dim
     return PagedCache(
         **base,
+        rotate_index=check_rotate_index(d, rotate_index),
         pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
         pooled_scale=jnp.ones((num_pages, page_size // kp), jnp.float32) if fp8 else None,
         stage_keys=jnp.zeros((max_seqs, h, d), stage_dtype),

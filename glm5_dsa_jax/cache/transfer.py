@@ -22,7 +22,7 @@ Invariants:
 * **What a load compares** (``geometry``): the latent row width, the layer kind (indexer
   state or not), ``KP`` and the index head dim, the cache dtype (fp8 included), an fp8
   cache's scales a latent row (``latent_scale_groups``: 1, or ``G`` of the ``"group"``
-  layout) and the stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
+  layout), whether the pooled keys are rotated (``rotate_index``) and the stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
   past the target's ``max_length`` is refused.
 * **A load refuses before it writes** (``check_load``, eager): a traced cache, a row out of
   range or in use, another geometry, too long, or too few free pages in the row's data
@@ -79,6 +79,8 @@ class ExportedSequence:
     pooled_scale: np.ndarray | None = None  # [length // KP] float32, fp8 only
     stage_keys: np.ndarray | None = None  # [KP, D], the stage dtype: positions length - KP ..
     stage_gate: np.ndarray | None = None  # [KP, D] float32
+    #: the pooled keys are stored Hadamard-rotated (the source cache's ``rotate_index``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def length(self) -> int:
@@ -103,8 +105,8 @@ def geometry(source) -> dict:
     """What a load compares (the module doc), of a ``PagedCache`` or an ``ExportedSequence``:
     ``{name: value}`` with ``latent_width``, ``has_indexer``, ``kpool``, ``index_head_dim``
     (both None without an indexer), ``dtype``, ``latent_scale_groups`` (scales a latent
-    row: 1 or the ``"group"`` layout's ``G``; None for a float cache), ``stage_dtype``
-    (None without an indexer)."""
+    row: 1 or the ``"group"`` layout's ``G``; None for a float cache), ``rotate_index``
+    (rotated pooled keys), ``stage_dtype`` (None without an indexer)."""
     if isinstance(source, ExportedSequence):
         width, stage = source.latent.shape[-1], source.stage_keys
         kp = None if stage is None else int(stage.shape[-2])
@@ -115,6 +117,7 @@ def geometry(source) -> dict:
     sc = source.latent_scale
     groups = None if sc is None else int(np.prod(np.shape(sc)[row_axes:], dtype=int))
     return dict(latent_width=int(width), has_indexer=stage is not None, latent_scale_groups=groups,
+                rotate_index=bool(source.rotate_index),
                 kpool=None if stage is None else kp,
                 index_head_dim=None if stage is None else int(stage.shape[-1]),
                 dtype=jnp.dtype(source.dtype).name,
@@ -206,7 +209,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
         out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
                    pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
                    stage_keys=stage_keys[-kp:], stage_gate=stage_gate[-kp:])
-    return ExportedSequence(**out)
+    return ExportedSequence(**out, rotate_index=cache.rotate_index)
 
 
 # ---------------------------------------------------------------------------- load
