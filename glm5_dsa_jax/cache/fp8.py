@@ -1,6 +1,7 @@
-"""fp8 caches: latent rows and pooled indexer keys in e4m3 (``float8_e4m3fn``), one float32
-scale per row, quantised once where a row is written and dequantised inside the kernels
-that read it.
+"""fp8 caches: latent rows and pooled indexer keys in e4m3 (``float8_e4m3fn``) with float32
+scales (one per row; a RoPE latent row's default ``"group"`` layout: one per 128 columns of
+``c`` and one for ``k_rot``), quantised once where a row is written and dequantised inside
+the kernels that read it.
 
 Invariants:
 
@@ -16,7 +17,7 @@ Invariants:
   for the normal range (3 mantissa bits), and ``<= 2**-10 * scale = 2**-10 * amax / 448``
   where ``x / scale`` is subnormal (``< 2**-6``). So every element is within ``2**-4`` of the
   row's ``amax``. ``tests/test_fp8_cache.py`` checks the exact half-ulp bound.
-* **Why one scale per row, not per 128-wide group.** A row of 512 latent values with one
+* **Why one scale per NoPE row, not per 128-wide group.** A row of 512 latent values with one
   scale costs 516 bytes; four 128-groups would cost 528, and with the 33 bytes a token of
   pooled keys costs (32 + 4 / 4 scale) and the validity byte the per-token total (562)
   would break the 560-byte per-token budget of an fp8 cache (``tests/test_fp8_cache.py``
