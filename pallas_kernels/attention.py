@@ -32,7 +32,11 @@ row, ``V``: its leading value columns). Invariants:
   a row's score is ``(q . row8) * s_id * scale`` and its softmax weight is multiplied by
   ``s_id`` before the value sum (``sum_id p_id * s_id * row8``), so the kernel's dots keep
   e4m3 rows converted exactly to the query's 16-bit dtype. The reference does the same
-  products in the same order (in float32).
+  products in the same order (in float32). Group scales ``latent_scale [B or 1, L, G]``
+  (``"group"`` layout; columns to groups: ``pallas_kernels._mla``'s module doc): the
+  ``"xla"`` reference and its backward dequantise the gathered rows column by column; the
+  Triton kernel (and its ``dq``) applies each group's scale to its columns' score and
+  weight (``pallas_kernels._mla``'s module doc); the Mosaic kernels read no fp8 rows.
 * Differentiable w.r.t. ``q`` and ``latent`` under every implementation (a
   ``jax.custom_vjp``; see the comment above ``_attend``): the forward saves the output and
   its log-sum-exp, never the gathered ``[Q, W, CR]`` rows; the backward
@@ -78,6 +82,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels._dtypes import key_dot_dtype
 from pallas_kernels._mla import (
+    check_group_scales, chunk_groups, column_scales, one_scale_a_row, part_columns,
     accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids, row_end,
 )
 from pallas_kernels._mosaic import mosaic_takes
@@ -125,6 +130,10 @@ def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value
     safe = jnp.clip(token_ids, 0, length - 1)
     kv = gather_rows(latent, safe).astype(f)  # [B,Q,W,CR]
     # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
+    latent_scale = one_scale_a_row(latent_scale)
+    if latent_scale is not None and latent_scale.ndim == 3:  # group scales: dequantise the rows
+        kv = kv * gather_rows(column_scales(latent_scale.astype(f), latent.shape[2], v), safe)
+        latent_scale = None
     kv = jnp.where(valid[..., None], kv, 0.0)
     s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(f), kv, precision=_HI)
     if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
@@ -157,6 +166,7 @@ def sparse_mla(
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes)
     check_operands(q, latent, token_ids, latent_scale)
     v = check_value_width(value_width, q.shape[3])
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
     if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: see the module doc
         implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
     if implementation == "xla":
@@ -266,9 +276,11 @@ def _auto_num_splits(rows: int, n_wblocks: int) -> int:
 def _sparse_mla_kernel(
     ids_ref, q_ref, lat_ref, *refs,
     scale, length, width, n_c, n_v, block_h, block_w, block_c, num_splits, latent_c, fp8,
+    groups=None, n_groups=1,
 ):
     # ids_ref [W] int32, q_ref [block_h, n_c*block_c], lat_ref [L, CR] (this row's batch, or
-    # the shared pool), with fp8 rows then scale_ref [L]; outputs n_v*block_c columns wide.
+    # the shared pool), with fp8 rows then scale_ref [L] (or, with group scales, [L * G]:
+    # ``groups`` is ``_mla.chunk_groups``); outputs n_v*block_c columns wide.
     scale_ref, out_refs = (refs[0], refs[1:]) if fp8 else (None, refs)
     split = pl.program_id(1)
     f32 = jnp.float32
@@ -297,14 +309,23 @@ def _sparse_mla_kernel(
         rows = jnp.where(ok, ids, 0)  # a safe index even where the load is masked
         kvs = []
         s = jnp.zeros((block_h, block_w), f32)
+        if groups is not None:  # each group's scales of the block's rows (0 where masked)
+            gs = {g: plgpu.load(scale_ref.at[rows * n_groups + g], mask=ok, other=0.0)
+                  for g in sorted({part[0] for chunk in groups for part in chunk})}
         for c in range(n_c):
             kv = plgpu.load(
                 lat_ref.at[rows[:, None], cols[c][None, :]],
                 mask=ok[:, None] & col_ok[c][None, :], other=0.0 if fp8 else 0,  # Triton: no i32 -> e4m3
             ).astype(kv_dtype)
             kvs.append(kv)
-            s += dot_nt(qs[c], kv)
-        if fp8:  # each row's scale on its score (0 where masked: never read)
+            if groups is None:
+                s += dot_nt(qs[c], kv)
+                continue
+            for g, lo, hi in groups[c]:  # a group's columns: its scale on their score
+                part = part_columns(c, block_c, latent_c, lo, hi)
+                qg = qs[c] if part is None else jnp.where(part[None, :], qs[c], jnp.zeros((), qs[c].dtype))
+                s += dot_nt(qg, kv) * gs[g][None, :]
+        if fp8 and groups is None:  # each row's scale on its score (0 where masked: never read)
             row_scale = plgpu.load(scale_ref.at[rows], mask=ok, other=0.0)
             s = s * row_scale[None, :]
         s = jnp.where(ok[None, :], s * scale, -jnp.inf)
@@ -313,6 +334,11 @@ def _sparse_mla_kernel(
         alpha = jnp.exp(m_prev - m_safe)  # 0 while m_prev is -inf
         p = jnp.exp(s - m_safe[:, None])  # 0 at masked slots
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        if groups is not None:  # per group: p times the group's scale, on the group's columns
+            pvs = {g: (p * sc[None, :]).astype(kv_dtype) for g, sc in gs.items()}
+            accs = tuple(alpha[:, None] * acc + _group_values(pvs, kvs[c], groups[c], c, block_c, latent_c)
+                         for c, acc in enumerate(accs))
+            return m_next, l_next, accs
         pv = (p * row_scale[None, :] if fp8 else p).astype(kv_dtype)
         accs = tuple(  # the value chunks only: zip stops at the n_v accumulators
             alpha[:, None] * acc + dot_nn(pv, kv) for acc, kv in zip(accs, kvs)
@@ -339,6 +365,18 @@ def _sparse_mla_kernel(
             plgpu.store(acc_ref.at[:, pl.ds(c * block_c, block_c)], acc)
         plgpu.store(m_ref.at[:], m_i)
         plgpu.store(l_ref.at[:], l_i)
+
+
+def _group_values(pvs, kv, parts, c, block_c, width):
+    """``sum_g (p * s_g) @ kv`` of chunk ``c`` on each group ``g``'s columns (``parts``: its
+    ``_mla.chunk_groups`` entry; ``pvs``: ``p`` times each group's scales, cast for the dot)."""
+    out = None
+    for g, lo, hi in parts:
+        part = part_columns(c, block_c, width, lo, hi)
+        d = dot_nn(pvs[g], kv)
+        d = d if part is None else jnp.where(part[None, :], d, 0.0)
+        out = d if out is None else out + d
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,10 +474,13 @@ def _sparse_mla_pallas(
         raise ValueError(
             f"scale must be a static Python float for the Pallas kernel, got {scale!r}"
         ) from e
+    grouped = latent_scale is not None and latent_scale.ndim == 3  # [B|1, L, G]: group scales
+    n_groups = latent_scale.shape[2] if grouped else 1
     kernel = functools.partial(
         _sparse_mla_kernel, scale=scale, length=length, width=width, n_c=n_c, n_v=n_v,
         block_h=block_h, block_w=block_w, block_c=block_c, num_splits=num_splits, latent_c=c,
-        fp8=latent_scale is not None,
+        fp8=latent_scale is not None, n_groups=n_groups,
+        groups=chunk_groups(c, v, n_groups, block_c) if grouped else None,
     )
     shared = latent.shape[0] == 1  # one pool for every batch row: always block 0
     in_specs = [
@@ -451,10 +492,10 @@ def _sparse_mla_pallas(
         ),
     ]
     operands = [ids, q, latent]
-    if latent_scale is not None:  # the rows' scales, blocked as the rows
+    if latent_scale is not None:  # the rows' scales, blocked as the rows (groups: [L * G])
         in_specs.append(pl.BlockSpec(
-            (None, length), (lambda i, s: (0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0))))
-        operands.append(latent_scale.astype(jnp.float32))
+            (None, length * n_groups), (lambda i, s: (0, 0)) if shared else (lambda i, s: (i // n_h // nq, 0))))
+        operands.append(latent_scale.astype(jnp.float32).reshape(latent_scale.shape[0], length * n_groups))
     if num_splits == 1:
         out_shape = (jax.ShapeDtypeStruct((rows, h_pad, v_pad), q_dtype),
                      jax.ShapeDtypeStruct((rows, h_pad), jnp.float32))

@@ -59,6 +59,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels._dtypes import key_dot_dtype
 from pallas_kernels._mla import (
+    check_group_scales, chunk_groups, column_scales, one_scale_a_row, part_columns,
     HI, accumulation_dtype, check_operands, default_block_c, dot_nn, dot_nt, gather_rows, pad_ids,
     row_end,
 )
@@ -149,14 +150,17 @@ class SparseMlaBackwardBlockSizes:
                                    dlatent_num_warps=warps)
 
 
-def _selected_rows(latent, latent_scale, token_ids, dtype):
-    """The selected rows ``[B, Q, W, CR]`` in ``dtype`` (fp8: times their scales), 0 at
-    invalid slots, and the valid mask ``[B, Q, W]``."""
+def _selected_rows(latent, latent_scale, token_ids, dtype, value_width):
+    """The selected rows ``[B, Q, W, CR]`` in ``dtype`` (fp8: times their row or group
+    scales), 0 at invalid slots, and the valid mask ``[B, Q, W]``."""
     length = latent.shape[1]
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
     kv = gather_rows(latent, safe).astype(dtype)
-    if latent_scale is not None:
+    latent_scale = one_scale_a_row(latent_scale)
+    if latent_scale is not None and latent_scale.ndim == 3:
+        kv = kv * gather_rows(column_scales(latent_scale.astype(dtype), latent.shape[2], value_width), safe)
+    elif latent_scale is not None:
         kv = kv * gather_rows(latent_scale.astype(dtype)[..., None], safe)
     return jnp.where(valid[..., None], kv, 0.0), valid
 
@@ -181,7 +185,7 @@ def sparse_mla_backward_reference(
     """
     v = check_value_width(value_width, latent.shape[2])
     f = accumulation_dtype(q, latent)
-    kv, valid = _selected_rows(latent, latent_scale, token_ids, f)  # [B, Q, W, CR]
+    kv, valid = _selected_rows(latent, latent_scale, token_ids, f, v)  # [B, Q, W, CR]
     qf, do = q.astype(f), d_out.astype(f)
     dd = jnp.sum(do * out.astype(f), axis=-1)  # [B, Q, H]
     z = jnp.einsum("bqhc,bqwc->bqhw", qf, kv, precision=HI) * scale
@@ -218,6 +222,7 @@ def sparse_mla_backward(
     check_operands(q, latent, token_ids, latent_scale)
     b, nq, h, cr = q.shape
     v = check_value_width(value_width, cr)
+    latent_scale = check_group_scales(latent_scale, cr, v, implementation, kernels_read=True)
     for name, x, shape in (("out", out, (b, nq, h, v)), ("d_out", d_out, (b, nq, h, v)),
                            ("lse", lse, (b, nq, h))):
         if tuple(x.shape) != shape:
@@ -269,7 +274,9 @@ _sparse_mla_backward_mosaic = eager_jit("scale", "value_width", "interpret", "bl
 
 
 def _dq_kernel(ids_ref, q_ref, do_ref, lse_ref, dd_ref, lat_ref, *refs,
-               scale, length, width, n_c, n_v, block_w, block_c, latent_c, fp8):
+               scale, length, width, n_c, n_v, block_w, block_c, latent_c, fp8, groups=None, n_groups=1):
+    # With group scales (``groups``: ``_mla.chunk_groups``) scale_ref is [L * G] and each
+    # (chunk, group) dot takes its group's scales, as the forward's.
     scale_ref, (dq_ref,) = (refs[0], refs[1:]) if fp8 else (None, refs)
     n_end = row_end(ids_ref, width, length)
     n_blocks = (n_end + block_w - 1) // block_w
@@ -288,6 +295,10 @@ def _dq_kernel(ids_ref, q_ref, do_ref, lse_ref, dd_ref, lat_ref, *refs,
         kvs = [plgpu.load(lat_ref.at[rows[:, None], cols[c][None, :]],
                           mask=ok[:, None] & col_ok[c][None, :], other=0.0 if fp8 else 0
                           ).astype(kv_dtype) for c in range(n_c)]
+        if groups is not None:
+            return _dq_groups(accs, qs, dos, kvs, rows, ok, lse, dd, scale_ref, scale=scale, n_v=n_v,
+                              block_c=block_c, latent_c=latent_c, groups=groups, n_groups=n_groups,
+                              kv_dtype=kv_dtype)
         s = dot_nt(qs[0], kvs[0])
         for c in range(1, n_c):
             s += dot_nt(qs[c], kvs[c])
@@ -308,6 +319,33 @@ def _dq_kernel(ids_ref, q_ref, do_ref, lse_ref, dd_ref, lat_ref, *refs,
     accs = lax.fori_loop(0, n_blocks, body, acc0)
     for c, acc in enumerate(accs):
         plgpu.store(dq_ref.at[:, pl.ds(c * block_c, block_c)], (acc * scale).astype(dq_ref.dtype))
+
+
+def _dq_groups(accs, qs, dos, kvs, rows, ok, lse, dd, scale_ref, *, scale, n_v, block_c, latent_c,
+               groups, n_groups, kv_dtype):
+    """One id block of ``_dq_kernel`` on group scales: ``s`` and ``dp`` sum one dot per
+    (chunk, group) times the group's scales; ``acc_c`` adds ``(dz * s_g) @ kv_c`` on each
+    group's columns."""
+    gs = {g: plgpu.load(scale_ref.at[rows * n_groups + g], mask=ok, other=0.0)[None, :]
+          for g in sorted({part[0] for chunk in groups for part in chunk})}
+
+    def grouped(x, c):  # the chunk's (group, x restricted to the group's columns) pairs
+        for g, lo, hi in groups[c]:
+            part = part_columns(c, block_c, latent_c, lo, hi)
+            yield g, part, (x if part is None else jnp.where(part[None, :], x, jnp.zeros((), x.dtype)))
+
+    s = sum(dot_nt(qg, kvs[c]) * gs[g] for c in range(len(kvs)) for g, _, qg in grouped(qs[c], c))
+    dp = sum(dot_nt(dg, kvs[c]) * gs[g] for c in range(n_v) for g, _, dg in grouped(dos[c], c))
+    p = jnp.where(ok[None, :], jnp.exp(s * scale - lse[:, None]), 0.0)
+    dz = p * (dp - dd[:, None])
+    dzs = {g: (dz * sc).astype(kv_dtype) for g, sc in gs.items()}
+    out = []
+    for c, (acc, kv) in enumerate(zip(accs, kvs)):
+        for g, part, _ in grouped(kv, c):
+            d = dot_nn(dzs[g], kv)
+            acc = acc + (d if part is None else jnp.where(part[None, :], d, 0.0))
+        out.append(acc)
+    return tuple(out)
 
 
 def _dlatent_kernel(start_ref, query_ref, mask_ref, q_ref, do_ref, lse_ref, dd_ref, lat_ref,
@@ -403,14 +441,17 @@ def _sparse_mla_backward_pallas(
         pl.BlockSpec((None, length, c), lat_map),
     ]
     operands = [ids, qp, dop, lsep, ddp, latent]
+    grouped = fp8 and latent_scale.ndim == 3  # [B|1, L, G]: group scales, read as [L * G]
+    n_groups = latent_scale.shape[2] if grouped else 1
     if fp8:
         in_specs.append(pl.BlockSpec(
-            (None, length), (lambda i: (0, 0)) if shared else (lambda i: (i // n_h // nq, 0))))
-        operands.append(latent_scale.astype(jnp.float32))
+            (None, length * n_groups), (lambda i: (0, 0)) if shared else (lambda i: (i // n_h // nq, 0))))
+        operands.append(latent_scale.astype(jnp.float32).reshape(latent_scale.shape[0], length * n_groups))
     dq = pl.pallas_call(
         functools.partial(
             _dq_kernel, scale=scale, length=length, width=ids.shape[1], n_c=n_c, n_v=n_v,
-            block_w=bs.block_w, block_c=block_c, latent_c=c, fp8=fp8),
+            block_w=bs.block_w, block_c=block_c, latent_c=c, fp8=fp8, n_groups=n_groups,
+            groups=chunk_groups(c, v, n_groups, block_c) if grouped else None),
         grid=(rows * n_h,),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, bs.block_h, c_pad), lambda i: (*head_block(i), 0)),

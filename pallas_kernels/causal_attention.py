@@ -45,7 +45,7 @@ from pallas_kernels._common import (
     Implementation, check_positive_int, check_rank, eager_jit, resolve_implementation,
 )
 from pallas_kernels._dtypes import check_key_scale
-from pallas_kernels._mla import accumulation_dtype
+from pallas_kernels._mla import accumulation_dtype, check_group_scales, column_scales, one_scale_a_row
 from pallas_kernels.attention import sparse_mla
 from pallas_kernels.dense_mla import check_value_width, masked_softmax
 
@@ -66,7 +66,20 @@ def _check(q, latent, q_slots, key_valid, latent_scale) -> None:
     if tuple(key_valid.shape) != (b, latent.shape[1]) or key_valid.dtype != jnp.bool_:
         raise ValueError(f"key_valid must be bool [B, L] = {(b, latent.shape[1])}, "
                          f"got {key_valid.dtype}{tuple(key_valid.shape)}")
-    check_key_scale("latent", latent, "latent_scale", latent_scale, "[B, L]")
+    if latent_scale is not None and latent_scale.ndim == 3:  # group scales [B, L, G]
+        check_key_scale("latent", latent, "latent_scale", latent_scale[..., 0], "[B, L, G]")
+    else:
+        check_key_scale("latent", latent, "latent_scale", latent_scale, "[B, L]")
+
+
+def _group_dequantised(rows, latent_scale, used, value_width, f):
+    """``(rows, latent_scale)`` with group scales (``[B, L, G]``, ``G > 1``) folded into
+    ``rows [B, T, CR]`` (those of slots ``used [B, T]``, already taken) and ``None`` for the
+    scale; a row scale (or None) passes through."""
+    if latent_scale is None or latent_scale.ndim == 2:
+        return rows, latent_scale
+    cols = column_scales(lax.stop_gradient(latent_scale).astype(f), rows.shape[2], value_width)
+    return rows * jnp.where(used[..., None], cols, 0.0), None
 
 
 def causal_visible(q_slots: jax.Array, key_valid: jax.Array, slots: jax.Array | None = None) -> jax.Array:
@@ -93,6 +106,7 @@ def causal_mla_reference(
     vis = causal_visible(q_slots, key_valid)
     used = vis.any(1)  # [B, L]: rows some query sees; the others are zeroed, never read
     rows = jnp.where(used[..., None], _float_rows(latent, f), 0.0)
+    rows, latent_scale = _group_dequantised(rows, one_scale_a_row(latent_scale), used, v, f)
     s = jnp.einsum("bqhc,blc->bqhl", q.astype(f), rows, precision=_HI)
     if latent_scale is not None:
         row_scale = jnp.where(used, lax.stop_gradient(latent_scale).astype(f), 0.0)[:, None, None, :]
@@ -122,7 +136,8 @@ def causal_mla(
       latent: ``[B, L, CR]`` cache rows (e4m3 with ``latent_scale`` for an fp8 cache).
       q_slots: ``[B, Q]`` int: each query's own slot (``-1``: a padding query, zeros).
       key_valid: ``[B, L]`` bool: slots holding a token.
-      latent_scale: ``[B, L]`` float32 row scales of an fp8 ``latent``, else None.
+      latent_scale: ``[B, L]`` float32 row scales of an fp8 ``latent`` (or group scales
+        ``[B, L, G]``, read as ``sparse_mla`` reads them), else None.
       scale: the softmax scale (``sparse_mla``'s).
       value_width: ``V``, the leading value columns of a row (``None``: all ``CR``).
       implementation: ``"xla"`` (tiled online softmax) or a Pallas one (``sparse_mla``
@@ -136,6 +151,8 @@ def causal_mla(
     v = check_value_width(value_width, q.shape[3])
     check_positive_int("key_tile", key_tile)
     implementation = resolve_implementation(implementation)
+    # The Pallas path is sparse_mla's kernels, which read group scales.
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
     if implementation != "xla":
         vis = causal_visible(q_slots, key_valid)
         ids = jnp.where(vis, jnp.arange(latent.shape[1], dtype=jnp.int32), -1)
@@ -166,7 +183,7 @@ def causal_mla(
 # probabilities) per tile, ``O(L)`` per query and head.
 
 
-def _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile):
+def _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile, value_width):
     """Tile ``start .. start + tile - 1``: ``(rows [B, T, CR], row_scale [B, 1, 1, T] or
     None, vis [B, Q, 1, T], z [B, Q, H, T])``, rows no query sees zeroed, ``z`` the scaled
     scores (``-inf`` where not visible), all in the accumulation dtype."""
@@ -177,6 +194,9 @@ def _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile):
     last_query = q_slots.max(1)  # [B]: a row past every query's slot is never read
     used = (slots < length)[None, :] & key_valid[:, safe] & (slots[None, :] <= last_query[:, None])
     rows = jnp.where(used[..., None], _float_rows(jnp.take(latent, safe, axis=1), f), 0.0)
+    if latent_scale is not None and latent_scale.ndim == 3:  # group scales: dequantised rows
+        rows, latent_scale = _group_dequantised(rows, jnp.take(latent_scale, safe, axis=1), used,
+                                                value_width, f)
     z = jnp.einsum("bqhc,btc->bqht", q.astype(f), rows, precision=_HI)
     row_scale = None
     if latent_scale is not None:  # sparse_mla's order: (q . row8) * s_row * scale
@@ -199,7 +219,7 @@ def _forward(q, latent, q_slots, key_valid, latent_scale, scale, value_width, ti
     """``(out [B, Q, H, V] in q's dtype, lse [B, Q, H])``, ``lse = -inf`` where no key."""
 
     def step(carry, start):
-        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile)
+        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile, value_width)
         m_new = z.max(-1) if carry is None else jnp.maximum(carry[0], z.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(vis, jnp.exp(z - m_safe[..., None]), 0.0)
@@ -235,7 +255,7 @@ def _causal_xla_bwd(scale, value_width, tile, residuals, d_out):
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # no key: every p below is masked to 0
 
     def step(dq, start):
-        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile)
+        rows, row_scale, vis, z = _tile(q, latent, q_slots, key_valid, latent_scale, scale, start, tile, value_width)
         p = jnp.where(vis, jnp.exp(z - lse[..., None]), 0.0)
         pv = p if row_scale is None else p * row_scale  # the weight of a row's value
         dp = jnp.einsum("bqhc,btc->bqht", d_out, rows[..., :value_width], precision=_HI)

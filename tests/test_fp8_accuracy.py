@@ -25,3 +25,33 @@ def test_fp8_cache_accuracy_at_4k_tokens():
     assert r.rel_l2_same_selection <= 0.018, r
     assert r.changed > 0  # fp8 does change some picks: the harness sees a difference at all
     assert r.gap_max <= 0.3, r  # only pools that nearly tie with the cutoff change
+
+
+def test_formats_at_hidden_state_scales_on_a_rope_model():
+    """The x1e6 collapse of one scale a RoPE row, and the group layout keeping the output:
+    ``measure_formats`` on a small RoPE model (64 tokens; trained-like weights, whose 10x
+    outlier channels cost a 24-wide group precision). Measured rel L2 at x1e6 (the same
+    selection as bf16 in both: the indexer's keys are not the latent rows): row 0.98 (``c``
+    rounded away), group 0.19."""
+    from helpers import rope_tiny
+    from glm5_dsa_jax.tools.cache_accuracy import measure_formats
+    row, group = measure_formats(rope_tiny(), 64, ("row", "group"), queries=8, x_scale=1e6)
+    assert (row.format, group.format, row.x_scale) == ("row", "group", 1e6)
+    assert row.rel_l2_same_selection > 0.9 and group.rel_l2_same_selection < 0.25, (row, group)
+
+
+def test_accuracy_cli_rows_per_context_scale_and_format(capsys):
+    """``glm5-dsa accuracy --formats --scales --json`` at the tiny preset: one row per
+    (context, scale, format), in that order; a bad format or scale is a usage error."""
+    import json
+    from glm5_dsa_jax.cli import main
+    assert main(["accuracy", "--preset", "tiny", "--contexts", "48", "--queries", "8", "--scales", "1,1e4",
+                 "--formats", "row,group+hadamard", "--json", "--no-progress"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["context"], r["x_scale"], r["format"]) for r in rows] == [
+        (48, 1.0, "row"), (48, 1.0, "group+hadamard"), (48, 1e4, "row"), (48, 1e4, "group+hadamard")]
+    assert all(0 <= r["recall"] <= 1 and r["rel_l2"] >= 0 for r in rows)
+    for bad, says in ((["--formats", "row,block"], "--formats: expected comma-separated formats of row, group"),
+                      (["--scales", "1,0"], "--scales: must be a finite number > 0, got 0")):
+        assert main(["accuracy", "--preset", "tiny", "--contexts", "48", *bad]) == 2
+        assert says in capsys.readouterr().err

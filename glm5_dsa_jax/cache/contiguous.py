@@ -48,14 +48,16 @@ The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an 
 or bool cache would silently round the activations it holds (``int8`` gave outputs off by
 4), and ``float64`` would promote the attention to double.
 
-**fp8 caches** (``glm5_dsa_jax.cache.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with one
-float32 scale per row, ``latent_scale [B, L]`` and ``pooled_scale [B, P]`` (``None`` for a
-float cache: nothing else changes for those). Rows are quantised once, in ``append_rows``
+**fp8 caches** (``glm5_dsa_jax.cache.fp8``): ``latent`` rows and ``pooled`` keys are e4m3 with
+float32 scales, ``latent_scale [B, L]`` (one a row) or ``[B, L, G]`` (the static
+``latent_format``'s ``G > 1`` groups: a RoPE model's default ``"group"`` layout) and
+``pooled_scale [B, P]`` (``None`` for a float cache: nothing else changes for those). Rows are quantised once, in ``append_rows``
 and ``store_pools``; the stage of the incomplete pool stays in the compute dtype
 (``stage_dtype``), and the kernels dequantise (``index_scores``' and ``sparse_mla``'s scale
 arguments). Per slot of capacity at GLM-5.3-Flash dims, kpool 4: 512 latent + 4 scale + 1
 validity + (128 + 4) / 4 pooled = 550 bytes (+ the per-batch stage; ``<= 560`` is tested).
-Why a scale per row and not per 128-wide group: ``glm5_dsa_jax.cache.fp8``'s module doc. On a
+Why a NoPE model keeps one scale a row and a RoPE model's ``k_rot`` gets its own:
+``glm5_dsa_jax.cache.fp8``'s module doc. On a
 CPU the e4m3 buffers hold their bits as ``uint8``, for the reason 16-bit ones hold
 ``uint16`` (an e4m3 buffer went through f16 around each one-row write, jax 0.10).
 """
@@ -67,7 +69,10 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cache.fp8 import FP8, is_fp8, quantize_rows
+from glm5_dsa_jax.cache.fp8 import (
+    FP8, LatentFormat, check_latent_layout, check_rotate_index, is_fp8, latent_format, quantize_latent_rows,
+    quantize_rows, rotate_index_rows,
+)
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
@@ -77,7 +82,7 @@ from pallas_kernels import first_valid
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
-    "default_stage_dtype", "store_rows",
+    "default_stage_dtype", "latent_fp8_format", "store_rows",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -119,11 +124,15 @@ class DsaCache:
     stage_valid: jax.Array | None = None  # [B, H] bool
     first_key: jax.Array | None = None  # [B] int32
     n_valid: jax.Array | None = None  # [B] int32
-    latent_scale: jax.Array | None = None  # [B, max_length] float32, fp8 caches only
+    latent_scale: jax.Array | None = None  # [B, max_length(, G)] float32, fp8 caches only
     pooled_scale: jax.Array | None = None  # [B, max_pools] float32, fp8 caches only
     stage_from: jax.Array | None = None  # [] int32: first slot the stage may hold (rollback)
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
+    #: fp8 caches: how a latent row is scaled (``fp8.LatentFormat``; None for a float cache)
+    latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
+    #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def stage_width(self) -> int:
@@ -247,7 +256,7 @@ class DsaCache:
         return append_rows(self, latent, chunk.mask, chunk.fits)
 
     def attention_rows(self) -> tuple[jax.Array, jax.Array | None]:
-        """``(latent [B, max_length, CR], latent_scale [B, max_length] | None)``."""
+        """``(latent [B, max_length, CR], latent_scale [B, max_length(, G)] | None)``."""
         return self.latent, self.latent_scale
 
     def row_slots(self, token_ids: jax.Array) -> jax.Array:
@@ -297,6 +306,7 @@ class DsaCache:
         pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
         new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
         new &= pool_ids < self.max_pools
+        pooled = rotate_index_rows(pooled, self.rotate_index)
         bufs, rows = [self.pooled_store, self.pool_valid], [pooled, pooled_valid]
         if self.is_fp8:  # quantised once, here
             rows[0], scale = quantize_rows(pooled)
@@ -364,7 +374,8 @@ def store_rows(cache, updates: dict) -> dict:
             store = getattr(cache, name + "_store").dtype
             rows = updates.pop(name)
             if cache.is_fp8:
-                rows, updates[name + "_scale"] = quantize_rows(rows)
+                rows, updates[name + "_scale"] = (quantize_rows(rows) if name == "pooled"
+                                                  else quantize_latent_rows(rows, cache.latent_format))
             updates[name + "_store"] = to_store(rows, cache.dtype, store)
     return updates
 
@@ -399,6 +410,8 @@ def init_cache(
     dtype=jnp.bfloat16,
     stage_dtype=None,
     max_rollback: int = 1,
+    latent_layout: str = "group",
+    rotate_index: bool = False,
 ) -> DsaCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
 
@@ -407,9 +420,14 @@ def init_cache(
     an fp8 cache stages the incomplete pool's keys in (default bfloat16; the layer passes
     its own); a float cache stages in its ``dtype`` and ignores it. ``max_rollback`` (static,
     an int >= 0): slots the batch can always take back (``DsaCache.rollback``); the stage
-    keeps ``max(KP, KP - 1 + max_rollback)`` slots.
+    keeps ``max(KP, KP - 1 + max_rollback)`` slots. ``latent_layout`` (static, fp8 only):
+    ``"group"`` (default) or ``"row"``, how an fp8 latent row is scaled (``latent_fp8_format``).
+    ``rotate_index`` (static, default off): store Hadamard-rotated pooled keys, the layer
+    rotating its indexer queries (``glm5_dsa_jax.cache.fp8``; needs a power-of-two
+    ``index_head_dim``).
     """
     dtype = check_cache_dtype(dtype)
+    fmt = latent_fp8_format(cfg, dtype, latent_layout)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -427,9 +445,10 @@ def init_cache(
         latent_store=jnp.zeros((b, max_length, cfg.kv_cache_dim), st),
         key_valid=jnp.zeros((b, max_length), bool),
         length=jnp.zeros((), jnp.int32),
-        latent_scale=jnp.ones((b, max_length), jnp.float32) if is_fp8(dtype) else None,
+        latent_scale=None if fmt is None else jnp.ones((b, max_length, *fmt.scale_shape), jnp.float32),
         dtype=dtype,
         kpool=cfg.index_kpool,
+        latent_format=fmt,
     )
     if not has_indexer:
         return DsaCache(**base)
@@ -437,6 +456,7 @@ def init_cache(
     max_pools = max(1, max_length // kp)
     return DsaCache(
         **base,
+        rotate_index=check_rotate_index(d, rotate_index),
         pooled_store=jnp.zeros((b, max_pools, d), st),
         pooled_scale=jnp.ones((b, max_pools), jnp.float32) if is_fp8(dtype) else None,
         pool_valid=jnp.zeros((b, max_pools), bool),
@@ -447,6 +467,18 @@ def init_cache(
         n_valid=jnp.zeros((b,), jnp.int32),
         stage_from=jnp.zeros((), jnp.int32),
     )
+
+
+def latent_fp8_format(cfg: DsaConfig, dtype, latent_layout: str = "group") -> LatentFormat | None:
+    """The ``fp8.LatentFormat`` of a cache of ``dtype`` for ``cfg`` (None for a float cache):
+    ``latent_layout="group"`` scales each 128 latent columns and ``k_rot`` apart on a RoPE
+    model and keeps one scale a row on a NoPE one (``fp8.latent_format``); ``"row"`` keeps
+    one scale for the whole ``[c, k_rot]`` row (the layout before group scales, for
+    before/after figures). Any other ``latent_layout`` raises ``ValueError`` naming it."""
+    check_latent_layout(latent_layout)
+    if not is_fp8(dtype):
+        return None
+    return latent_format(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_layout)
 
 
 def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:
@@ -522,7 +554,7 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
     fp8 cache quantises the rows here, once, and writes their scales."""
     upd = {}
     if cache.is_fp8:
-        latent, scale = quantize_rows(latent)
+        latent, scale = quantize_latent_rows(latent, cache.latent_format)
         upd["latent_scale"] = write_rows(cache.latent_scale, scale, cache.length, fits)
     return cache.replace(
         latent_store=write_rows(

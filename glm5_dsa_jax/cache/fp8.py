@@ -1,6 +1,7 @@
-"""fp8 caches: latent rows and pooled indexer keys in e4m3 (``float8_e4m3fn``), one float32
-scale per row, quantised once where a row is written and dequantised inside the kernels
-that read it.
+"""fp8 caches: latent rows and pooled indexer keys in e4m3 (``float8_e4m3fn``) with float32
+scales (one per row; a RoPE latent row's default ``"group"`` layout: one per 128 columns of
+``c`` and one for ``k_rot``), quantised once where a row is written and dequantised inside
+the kernels that read it.
 
 Invariants:
 
@@ -16,12 +17,35 @@ Invariants:
   for the normal range (3 mantissa bits), and ``<= 2**-10 * scale = 2**-10 * amax / 448``
   where ``x / scale`` is subnormal (``< 2**-6``). So every element is within ``2**-4`` of the
   row's ``amax``. ``tests/test_fp8_cache.py`` checks the exact half-ulp bound.
-* **Why one scale per row, not per 128-wide group.** A row of 512 latent values with one
+* **Why one scale per NoPE row, not per 128-wide group.** A row of 512 latent values with one
   scale costs 516 bytes; four 128-groups would cost 528, and with the 33 bytes a token of
   pooled keys costs (32 + 4 / 4 scale) and the validity byte the per-token total (562)
   would break the 560-byte per-token budget of an fp8 cache (``tests/test_fp8_cache.py``
   checks it; ``glm5_dsa_jax.cache.contiguous`` cites this argument). The latent is ``kv_a_layernorm``'s output,
   whose channels share one scale by construction, so a row scale loses little.
+* **Latent layouts** (issue 26, deliverable 4; ``LatentFormat``). ``"row"`` is the layout
+  above: one scale for the whole ``[c, k_rot]`` row. On a RoPE model ``k_rot`` then sets the
+  scale: hidden states x1e6 round 99 % of the ``c`` entries to zero. ``"group"`` gives the
+  latent ``c`` one scale per ``group`` columns (128, vLLM's group) and ``k_rot`` a scale of
+  its own: ``n_groups = value_width / group + (rot_width > 0)`` float32 scales a row, shaped
+  ``[..., G]``. A NoPE model (GLM-5.3-Flash) gets ``group = value_width``: G = 1, bit for
+  bit the ``"row"`` layout (four groups would cost 12 bytes a token and break its 560-byte
+  budget, see below). Every group obeys the row's error bound with its own amax.
+  Bytes a latent row (``LatentFormat.bytes_per_token``): DeepSeek-V3.2 / GLM-5 (C 512,
+  R 64) ``"row"`` 580, ``"group"`` 596 (vLLM's ``fp8_ds_mla``, with ``k_rot`` in bf16: 656);
+  GLM-5.3-Flash (C 512, R 0) 516 in both layouts.
+* **Hadamard rotation of the indexer** (``hadamard``). ``x @ H / sqrt(D)`` with ``H`` the
+  Sylvester-Hadamard matrix is a rotation (``H H^T = D I``), so ``(q R) . (k R) = q . k``
+  in exact arithmetic (float32 reorders: ``max|s_rot - s| / max|s|`` below ``1e-6``,
+  ``tests/test_fp8_groups.py``); it spreads a channel's outliers over all ``D`` before the
+  pooled key's one scale is taken (DeepSeek's ``rotate_activation``; its effect on recall
+  is a measurement, not a theorem). It mixes channels, and the gate's softmax
+  is per channel, so it applies *after* pooling (to the pooled key and to the query), not
+  to the stage. A cache's static ``rotate_index`` says that its ``store_pools`` stores
+  rotated pooled keys (``rotate_index_rows``; ``cache.pooled`` then holds them rotated) and
+  that the layer rotates its indexer queries once after ``DsaIndexer.project``. Off by
+  default: measured with ``glm5-dsa accuracy`` it does not raise the fp8 indexer's recall
+  (GLM-5.3-Flash, 32K: 0.958 rotated against 0.969; ``docs/fp8.md``).
 * **Quantise once.** Only the caches' writes (``write_latent`` and ``store_pools`` of
   either cache, and ``replace(latent=, pooled=)``) call ``quantize_rows``;
   the stage of the incomplete pool stays in the compute dtype (it is pooled later).
@@ -41,16 +65,26 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "check_readable",
-           "check_cache_readable"]
+__all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
+           "LatentFormat", "latent_format", "check_latent_layout", "quantize_latent", "quantize_latent_rows",
+           "dequantize_latent", "hadamard", "rotate_index_rows", "check_rotate_index",
+           "check_readable", "check_cache_readable"]
 
 #: The fp8 cache dtype.
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
 #: e4m3fn's largest finite value: a row's ``amax`` maps to it.
 E4M3_MAX = 448.0
+#: The latent row layouts (``LatentFormat.layout``): one scale a row, or one a group.
+LATENT_LAYOUTS = ("row", "group")
+#: Columns per scale of the ``"group"`` layout on a RoPE model (vLLM's fp8 MLA group).
+LATENT_GROUP = 128
 #: Compute capability from which Triton converts e4m3 (sm_89: Ada; Hopper is 9.0).
 MIN_CAPABILITY = (8, 9)
 
@@ -73,6 +107,157 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize_rows(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``q [..., width]`` (e4m3) times its row's ``scale [...]``, in float32."""
     return q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentFormat:
+    """How an fp8 latent row ``[c (value_width), k_rot (rot_width)]`` is scaled (module doc).
+
+    ``layout="row"``: one scale for the whole row (``group`` is ignored and ``n_groups`` is
+    1). ``layout="group"``: one scale per ``group`` columns of ``c`` (``value_width %
+    group == 0``) and, when ``rot_width > 0``, one for ``k_rot``. Static (hashable)."""
+
+    value_width: int
+    rot_width: int = 0
+    layout: str = "group"
+    group: int = LATENT_GROUP
+
+    def __post_init__(self):
+        if self.layout not in LATENT_LAYOUTS:
+            raise ValueError(f"LatentFormat.layout must be one of {LATENT_LAYOUTS}, got {self.layout!r}")
+        if self.value_width < 1 or self.rot_width < 0:
+            raise ValueError(f"LatentFormat needs value_width >= 1 and rot_width >= 0, got value_width "
+                             f"{self.value_width}, rot_width {self.rot_width}")
+        if self.layout == "group" and (self.group < 1 or self.value_width % self.group):
+            raise ValueError(f"LatentFormat.group must divide value_width {self.value_width} (layout "
+                             f"'group'), got group {self.group}")
+
+    @property
+    def width(self) -> int:
+        """Columns of a row: ``value_width + rot_width``."""
+        return self.value_width + self.rot_width
+
+    @property
+    def n_groups(self) -> int:
+        """Scales a row (the last axis of ``latent_scale``)."""
+        if self.layout == "row":
+            return 1
+        return self.value_width // self.group + (self.rot_width > 0)
+
+    @property
+    def group_widths(self) -> tuple[int, ...]:
+        """Columns of each group, in row order (they sum to ``width``)."""
+        if self.layout == "row":
+            return (self.width,)
+        return (self.group,) * (self.value_width // self.group) + ((self.rot_width,) if self.rot_width else ())
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The trailing shape of a cache's ``latent_scale`` (``quantize_latent_rows``): ``()``
+        for one scale a row, ``(n_groups,)`` for more."""
+        return () if self.n_groups == 1 else (self.n_groups,)
+
+    def column_groups(self) -> np.ndarray:
+        """``[width]`` int32: the group of each column."""
+        return np.repeat(np.arange(self.n_groups, dtype=np.int32), self.group_widths)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one fp8 latent row with its scales: ``width + 4 * n_groups``."""
+        return self.width + 4 * self.n_groups
+
+
+def latent_format(value_width: int, rot_width: int = 0, layout: str = "group") -> LatentFormat:
+    """The fp8 latent format of a model: ``"group"`` gives 128-column groups plus a ``k_rot``
+    group on a RoPE model (``rot_width > 0``) and one group of ``value_width`` on a NoPE
+    model (G = 1, the ``"row"`` layout's bits; module doc); ``"row"``: one scale a row. A
+    ``value_width`` that 128 does not divide (the tiny test presets) is one latent group."""
+    if layout == "group" and (rot_width == 0 or value_width % LATENT_GROUP):
+        return LatentFormat(value_width, rot_width, "group", value_width)
+    return LatentFormat(value_width, rot_width, layout)
+
+
+def check_latent_layout(layout) -> str:
+    """``layout`` if it is one of ``LATENT_LAYOUTS``, else ``ValueError`` naming
+    ``latent_layout`` (the caches' static option)."""
+    if layout not in LATENT_LAYOUTS:
+        raise ValueError(f"latent_layout must be one of {LATENT_LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _check_width(x, fmt: LatentFormat) -> None:
+    if x.shape[-1] != fmt.width:
+        raise ValueError(f"latent rows must be {fmt.width} wide (value_width {fmt.value_width} + rot_width "
+                         f"{fmt.rot_width}), got {x.shape[-1]}")
+
+
+def quantize_latent(x: jax.Array, fmt: LatentFormat) -> tuple[jax.Array, jax.Array]:
+    """``x [..., width]`` -> ``(q [..., width] e4m3, scale [..., n_groups] float32)``: each group
+    of ``fmt`` quantised as ``quantize_rows`` quantises a row (G = 1: ``quantize_rows``'s bits)."""
+    _check_width(x, fmt)
+    if fmt.n_groups == 1:
+        q, scale = quantize_rows(x)
+        return q, scale[..., None]
+    parts = [quantize_rows(part) for part in jnp.split(x, np.cumsum(fmt.group_widths)[:-1].tolist(), axis=-1)]
+    return (jnp.concatenate([q for q, _ in parts], axis=-1),
+            jnp.stack([s for _, s in parts], axis=-1))
+
+
+def quantize_latent_rows(x: jax.Array, fmt: LatentFormat) -> tuple[jax.Array, jax.Array]:
+    """The caches' quantising write of latent rows ``x [..., width]``: ``quantize_latent``,
+    with one group's scale as the row scale ``[...]`` (the shape, and the bits, of an fp8
+    cache before group scales: ``quantize_rows``) and ``G > 1`` groups' as ``[..., G]``."""
+    q, scale = quantize_latent(x, fmt)
+    return q, scale[..., 0] if fmt.n_groups == 1 else scale
+
+
+def dequantize_latent(q: jax.Array, scale: jax.Array, fmt: LatentFormat) -> jax.Array:
+    """``q [..., width]`` (e4m3) times its groups' ``scale [..., n_groups]``, in float32."""
+    _check_width(q, fmt)
+    if scale.shape[-1] != fmt.n_groups:
+        raise ValueError(f"latent_scale must end in n_groups = {fmt.n_groups} ({fmt.layout!r} layout), got "
+                         f"shape {tuple(scale.shape)}")
+    cols = jnp.asarray(fmt.column_groups())
+    return q.astype(jnp.float32) * jnp.take(scale.astype(jnp.float32), cols, axis=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_matrix(d: int) -> np.ndarray:
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(np.sqrt(d))
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` rotated by the normalised Sylvester-Hadamard matrix ``H / sqrt(D)`` (an
+    orthogonal, symmetric matrix), computed in float32 and returned in float32; ``D`` must be a
+    power of two (else ``ValueError``). Module doc: why, and where it applies."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard needs a power-of-two last axis (index_head_dim), got {d}")
+    return jnp.matmul(x.astype(jnp.float32), jnp.asarray(_hadamard_matrix(d)),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def rotate_index_rows(x: jax.Array, rotate: bool) -> jax.Array:
+    """``x [..., D]`` (pooled indexer keys, or indexer queries) ``hadamard``-rotated and cast
+    back to ``x``'s dtype when ``rotate`` (a cache's static ``rotate_index``), else ``x``
+    itself: the caches' ``store_pools`` rotate the pooled keys they store, the layer its
+    indexer queries, so every score is the unrotated one up to rounding (module doc)."""
+    return hadamard(x).astype(x.dtype) if rotate else x
+
+
+def check_rotate_index(index_head_dim: int, rotate_index) -> bool:
+    """A cache's ``rotate_index`` (off by default, module doc): a bool; True needs a
+    power-of-two ``index_head_dim``, else ``ValueError`` naming both."""
+    pow2 = index_head_dim >= 1 and not index_head_dim & (index_head_dim - 1)
+    if not isinstance(rotate_index, bool):
+        raise ValueError(f"rotate_index must be a bool or None, got {rotate_index!r}")
+    if rotate_index and not pow2:
+        raise ValueError(f"rotate_index=True needs a power-of-two index_head_dim (a Hadamard "
+                         f"rotation), got index_head_dim={index_head_dim}")
+    return rotate_index
 
 
 def _capability(device) -> tuple[int, int] | None:

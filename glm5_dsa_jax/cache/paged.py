@@ -65,8 +65,10 @@ attends to; scoring reads each row's own pools through its block table.
 
 **fp8** (``dtype="fp8"``, see ``glm5_dsa_jax.cache.fp8``): the latent and pooled pages hold e4m3
 (``uint8`` bits on a CPU, for the same reason), and their float32 scales page with them:
-``latent_scale [N, page_size]`` (one per token) and ``pooled_scale [N, PPP]`` (one per
-pool); ``None`` for a float cache. Rows are quantised once, in ``write_latent`` and
+``latent_scale [N, page_size]`` (one per token; ``[N, page_size, G]`` with the ``"group"``
+layout's ``G > 1`` scales a row, a RoPE model's default, ``glm5_dsa_jax.cache.fp8``) and
+``pooled_scale [N, PPP]`` (one per pool); ``None`` for a float cache. Rows are quantised
+once, in ``write_latent`` and
 ``store_pools``; the stage stays in the compute dtype. Bytes per token of capacity
 at GLM-5.3-Flash dims: 512 + 4 + (128 + 4) / 4 = 549, plus the block tables, stage and
 free stack: 549.6 at 8 x 131,072 tokens (``tests/test_fp8_cache.py`` keeps it <= 560).
@@ -81,9 +83,11 @@ from flax import struct
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.contiguous import (
-    check_cache_dtype, default_stage_dtype, store_rows, visible_pools,
+    check_cache_dtype, default_stage_dtype, latent_fp8_format, store_rows, visible_pools,
 )
-from glm5_dsa_jax.cache.fp8 import is_fp8, quantize_rows
+from glm5_dsa_jax.cache.fp8 import (
+    LatentFormat, check_rotate_index, is_fp8, quantize_latent_rows, quantize_rows, rotate_index_rows,
+)
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import (
     BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table, release_mask,
@@ -109,11 +113,15 @@ class PagedCache:
     pooled_store: jax.Array | None = None  # [N, PPP, index_head_dim], stored
     stage_keys: jax.Array | None = None  # [max_seqs, H, index_head_dim], cache dtype (H: stage_width)
     stage_gate: jax.Array | None = None  # [max_seqs, H, index_head_dim] float32
-    latent_scale: jax.Array | None = None  # [N, page_size] float32, fp8 caches only
+    latent_scale: jax.Array | None = None  # [N, page_size(, G)] float32, fp8 caches only
     pooled_scale: jax.Array | None = None  # [N, PPP] float32, fp8 caches only
     stage_from: jax.Array | None = None  # [max_seqs] int32: first position the stage may hold
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
+    #: fp8 caches: how a latent row is scaled (``fp8.LatentFormat``; None for a float cache)
+    latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
+    #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -167,9 +175,10 @@ class PagedCache:
 
     @property
     def latent_pool_scale(self) -> jax.Array | None:
-        """``[N * page_size]`` the fp8 scale of every latent row of ``latent_pool`` (None for
-        a float cache)."""
-        return None if self.latent_scale is None else self.latent_scale.reshape(-1)
+        """``[N * page_size(, G)]`` the fp8 scale(s) of every latent row of ``latent_pool``
+        (None for a float cache)."""
+        sc = self.latent_scale
+        return None if sc is None else sc.reshape((-1,) + sc.shape[2:])
 
     @property
     def is_fp8(self) -> bool:
@@ -322,13 +331,13 @@ class PagedCache:
         slots = token_slots(self.pages.block_table, chunk.q_pos, self.page_size)
         upd = {}
         if self.is_fp8:
-            latent, scale = quantize_rows(latent)
-            upd["latent_scale"] = _scatter_rows(self.latent_scale[..., None], scale[..., None], slots)[..., 0]
+            latent, scale = quantize_latent_rows(latent, self.latent_format)
+            upd["latent_scale"] = _scatter_scales(self.latent_scale, scale, slots)
         rows = to_store(latent, self.dtype, self.latent_store.dtype)
         return self.replace(latent_store=_scatter_rows(self.latent_store, rows, slots), **upd)
 
     def attention_rows(self) -> tuple[jax.Array, jax.Array | None]:
-        """``(latent_pool [1, N * page_size, CR], its scales [1, N * page_size] | None)``."""
+        """``(latent_pool [1, N * page_size, CR], its scales [1, N * page_size(, G)] | None)``."""
         return self.latent_pool[None], None if self.latent_scale is None else self.latent_pool_scale[None]
 
     def row_slots(self, token_ids: jax.Array) -> jax.Array:
@@ -375,9 +384,10 @@ class PagedCache:
         page = jnp.take_along_axis(self.pages.block_table, j, axis=1)
         slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
         upd = {}
+        pooled = rotate_index_rows(pooled, self.rotate_index)
         if self.is_fp8:  # quantised once, here
             pooled, scale = quantize_rows(pooled)
-            upd["pooled_scale"] = _scatter_rows(self.pooled_scale[..., None], scale[..., None], slots)[..., 0]
+            upd["pooled_scale"] = _scatter_scales(self.pooled_scale, scale, slots)
         rows = to_store(pooled, self.dtype, self.pooled_store.dtype)
         h = self.stage_width
         take = n_new[:, None] + jnp.arange(h, dtype=jnp.int32)[None]
@@ -447,6 +457,8 @@ def init_paged_cache(
     stage_dtype=None,
     shards: int = 1,
     max_rollback: int = 1,
+    latent_layout: str = "group",
+    rotate_index: bool = False,
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
@@ -459,8 +471,10 @@ def init_paged_cache(
     ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s. ``max_rollback`` (static, an
     int >= 0): tokens a sequence can always take back (``PagedCache.rollback``); the stage
     keeps ``max(KP, KP - 1 + max_rollback)`` raw positions (``glm5_dsa_jax.cache.rollback``).
+    ``latent_layout``, ``rotate_index``: as ``cache.init_cache``'s.
     """
     dtype = check_cache_dtype(dtype)
+    fmt = latent_fp8_format(cfg, dtype, latent_layout)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
     fp8 = is_fp8(dtype)
     kp = cfg.index_kpool
@@ -479,15 +493,17 @@ def init_paged_cache(
         pages=table,
         latent_store=jnp.zeros((num_pages, page_size, cfg.kv_cache_dim), st),
         status=jnp.zeros((max_seqs,), jnp.int32),
-        latent_scale=jnp.ones((num_pages, page_size), jnp.float32) if fp8 else None,
+        latent_scale=None if fmt is None else jnp.ones((num_pages, page_size, *fmt.scale_shape), jnp.float32),
         dtype=dtype,
         kpool=kp,
+        latent_format=fmt,
     )
     if not has_indexer:
         return PagedCache(**base)
     d = cfg.index_head_dim
     return PagedCache(
         **base,
+        rotate_index=check_rotate_index(d, rotate_index),
         pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
         pooled_scale=jnp.ones((num_pages, page_size // kp), jnp.float32) if fp8 else None,
         stage_keys=jnp.zeros((max_seqs, h, d), stage_dtype),
@@ -583,6 +599,14 @@ def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Ar
     rows = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])
     flat = flat.at[idx].set(rows, mode="drop")
     return flat.reshape(n, per_page, width)
+
+
+def _scatter_scales(store: jax.Array, scale: jax.Array, slots: jax.Array) -> jax.Array:
+    """``_scatter_rows`` of fp8 scales: ``store [N, per_page]`` (one a row) or ``[N,
+    per_page, G]`` (group scales), ``scale [..., ]`` / ``[..., G]`` at ``slots [...]``."""
+    if store.ndim == 2:
+        return _scatter_rows(store[..., None], scale[..., None], slots)[..., 0]
+    return _scatter_rows(store, scale, slots)
 
 
 # ---------------------------------------------------------------------------- pooled keys

@@ -8,7 +8,8 @@ Invariants:
 * **An export is the sequence, not its pages.** ``ExportedSequence`` holds, in timeline
   order (position ``t`` is row ``t``): the latent rows ``[length, CR]`` and the pooled keys
   of the complete pools ``[length // KP, D]`` exactly as the cache holds them (the cache
-  ``dtype``: an fp8 cache's e4m3 values and their float32 row scales, never dequantised; a
+  ``dtype``: an fp8 cache's e4m3 values and their float32 scales, one a row or ``G`` a row
+  (``[length, G]``, the ``"group"`` layout), never dequantised; a
   16-bit cache's floats, not a CPU's stored bits), and the stage of the incomplete pool
   (keys and gate logits ``[KP, D]``, positions ``length - KP .. length - 1``: the last
   ``KP`` of a stage kept wider for rollback, ``glm5_dsa_jax.cache.rollback``; a loaded
@@ -19,8 +20,9 @@ Invariants:
   rows' count (``latent.shape[0]``) and every geometry fact is an array's shape or dtype, so
   an export cannot contradict itself (``check_exported`` checks one built by hand).
 * **What a load compares** (``geometry``): the latent row width, the layer kind (indexer
-  state or not), ``KP`` and the index head dim, the cache dtype (fp8 included) and the
-  stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
+  state or not), ``KP`` and the index head dim, the cache dtype (fp8 included), an fp8
+  cache's scales a latent row (``latent_scale_groups``: 1, or ``G`` of the ``"group"``
+  layout), whether the pooled keys are rotated (``rotate_index``) and the stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
   past the target's ``max_length`` is refused.
 * **A load refuses before it writes** (``check_load``, eager): a traced cache, a row out of
   range or in use, another geometry, too long, or too few free pages in the row's data
@@ -72,11 +74,13 @@ class ExportedSequence:
     and the scales ``None`` for a float cache."""
 
     latent: np.ndarray  # [length, CR], the cache dtype (e4m3 values for an fp8 cache)
-    latent_scale: np.ndarray | None = None  # [length] float32, fp8 only
+    latent_scale: np.ndarray | None = None  # [length] or [length, G] float32, fp8 only
     pooled: np.ndarray | None = None  # [length // KP, D], the cache dtype: the complete pools
     pooled_scale: np.ndarray | None = None  # [length // KP] float32, fp8 only
     stage_keys: np.ndarray | None = None  # [KP, D], the stage dtype: positions length - KP ..
     stage_gate: np.ndarray | None = None  # [KP, D] float32
+    #: the pooled keys are stored Hadamard-rotated (the source cache's ``rotate_index``)
+    rotate_index: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def length(self) -> int:
@@ -100,13 +104,20 @@ class ExportedSequence:
 def geometry(source) -> dict:
     """What a load compares (the module doc), of a ``PagedCache`` or an ``ExportedSequence``:
     ``{name: value}`` with ``latent_width``, ``has_indexer``, ``kpool``, ``index_head_dim``
-    (both None without an indexer), ``dtype``, ``stage_dtype`` (None without an indexer)."""
+    (both None without an indexer), ``dtype``, ``latent_scale_groups`` (scales a latent
+    row: 1 or the ``"group"`` layout's ``G``; None for a float cache), ``rotate_index``
+    (rotated pooled keys), ``stage_dtype`` (None without an indexer)."""
     if isinstance(source, ExportedSequence):
         width, stage = source.latent.shape[-1], source.stage_keys
         kp = None if stage is None else int(stage.shape[-2])
+        row_axes = 1  # [length(, G)]
     else:
         width, stage, kp = source.latent_store.shape[-1], source.stage_keys, source.kpool
-    return dict(latent_width=int(width), has_indexer=stage is not None,
+        row_axes = 2  # [N, page_size(, G)]
+    sc = source.latent_scale
+    groups = None if sc is None else int(np.prod(np.shape(sc)[row_axes:], dtype=int))
+    return dict(latent_width=int(width), has_indexer=stage is not None, latent_scale_groups=groups,
+                rotate_index=bool(source.rotate_index),
                 kpool=None if stage is None else kp,
                 index_head_dim=None if stage is None else int(stage.shape[-1]),
                 dtype=jnp.dtype(source.dtype).name,
@@ -190,7 +201,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
         None if a is None else np.asarray(a) for a in got)
     width = lat.shape[-1]
     out = dict(latent=lat.reshape(-1, width)[:length],
-               latent_scale=None if lat_scale is None else lat_scale.reshape(-1)[:length])
+               latent_scale=None if lat_scale is None else lat_scale.reshape((-1,) + lat_scale.shape[2:])[:length])
     if cache.has_indexer:
         kp = cache.kpool
         n_pools = length // kp
@@ -198,7 +209,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
         out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
                    pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
                    stage_keys=stage_keys[-kp:], stage_gate=stage_gate[-kp:])
-    return ExportedSequence(**out)
+    return ExportedSequence(**out, rotate_index=cache.rotate_index)
 
 
 # ---------------------------------------------------------------------------- load
@@ -213,7 +224,9 @@ def check_exported(exported) -> None:
         raise ValueError(f"ExportedSequence.latent must be a numpy [length >= 1, CR] array, got "
                          f"{type(lat).__name__} {np.shape(lat)}")
     length, fp8 = lat.shape[0], is_fp8(lat.dtype)
-    want = {"latent_scale": ((length,), np.float32) if fp8 else None}
+    sc = e.latent_scale  # [length] or [length, G > 1] (group scales)
+    groups = tuple(np.shape(sc)[1:2]) if sc is not None and np.ndim(sc) == 2 and np.shape(sc)[1] > 1 else ()
+    want = {"latent_scale": ((length, *groups), np.float32) if fp8 else None}
     if e.stage_keys is None:
         want.update(pooled=None, pooled_scale=None, stage_gate=None)
     else:

@@ -1,5 +1,11 @@
 """How much an fp8 cache changes a layer's selection and output, against a bf16 cache.
 
+``measure_formats`` compares fp8 cache formats (``FORMATS``: the latent layout, ``"row"``
+or ``"group"``, with ``+hadamard`` the indexer's rotated keys; ``glm5_dsa_jax.cache.fp8``)
+on one prompt whose hidden states are multiplied by ``x_scale`` (x1e4, x1e6: where one
+scale for a RoPE row's ``[c, k_rot]`` loses ``c``), against the bf16 cache of the same
+prompt; ``measure`` is one format.
+
 What ``glm5-dsa accuracy`` (and ``tests/test_fp8_accuracy.py``) measure: one layer, the
 same weights and the same prompt, decoded from a bf16 cache and from an fp8 cache. The
 prompt's first ``context - queries`` tokens are written into both caches (``fill``: the
@@ -49,16 +55,29 @@ import numpy as np
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache
+from glm5_dsa_jax.cache.fp8 import LATENT_LAYOUTS, rotate_index_rows
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.model.layout import hf_weight_shapes
 
-__all__ = ["trained_like_weights", "prompt_states", "fill", "measure", "Fp8Accuracy",
-           "NEAR_TIE", "OUTLIER_SHARE", "OUTLIER_GAIN", "VOCAB"]
+__all__ = ["trained_like_weights", "prompt_states", "fill", "measure", "measure_formats", "Fp8Accuracy",
+           "FORMATS", "DEFAULT_FORMAT", "format_options", "NEAR_TIE", "OUTLIER_SHARE", "OUTLIER_GAIN", "VOCAB"]
 
 NEAR_TIE = 0.01  # gap to the cutoff (in score standard deviations) of a near-tie
 OUTLIER_SHARE = 0.01
 OUTLIER_GAIN = 10.0
 VOCAB = 4096
+#: The fp8 cache formats measured: a latent layout, ``+hadamard`` for rotated indexer keys.
+FORMATS = tuple(f"{layout}{rot}" for rot in ("", "+hadamard") for layout in LATENT_LAYOUTS)
+#: The fp8 caches' default (``init_cache``): group scales, keys not rotated.
+DEFAULT_FORMAT = "group"
+
+
+def format_options(fmt: str) -> dict:
+    """``init_cache`` keywords of a format of ``FORMATS`` (``ValueError`` naming it otherwise)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fp8 cache format must be one of {FORMATS}, got {fmt!r}")
+    layout, _, rot = fmt.partition("+")
+    return dict(latent_layout=layout, rotate_index=bool(rot))
 
 
 def trained_like_weights(cfg, layer_idx: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -126,6 +145,8 @@ class Fp8Accuracy:
 
     context: int
     queries: int
+    format: str
+    x_scale: float
     recall: float
     rel_l2: float
     rel_l2_same_selection: float
@@ -148,27 +169,49 @@ def _scores(layer, cache, x, queries):
     rope = layer.rope(pos)
     q_resid, _, _ = layer.project(x, rope)
     qi, w, _, _ = layer.indexer.project(x, q_resid, rope)
+    qi = rotate_index_rows(qi, cache.rotate_index)  # the layer's own step
     # The queries' own pools complete within the chunk: score the cache's pools only
     # (those written by ``fill``), as a decode step at ``length`` sees them.
     return layer.score_pools(qi, w, cache, pos)[0]
 
 
 def measure(cfg, context: int, *, queries: int = 16, seed: int = 0, layer_idx: int | None = None,
-            implementation: str = "xla", dtype: str = "fp8") -> Fp8Accuracy:
+            implementation: str = "xla", dtype: str = "fp8", fmt: str = DEFAULT_FORMAT,
+            x_scale: float = 1.0) -> Fp8Accuracy:
     """The figures of the module doc at ``context`` tokens (``context - queries`` filled):
-    a ``dtype`` cache (fp8 by default) against a bf16 one."""
+    a ``dtype`` cache (fp8 by default, of format ``fmt``) against a bf16 one."""
+    return measure_formats(cfg, context, (fmt,), queries=queries, seed=seed, layer_idx=layer_idx,
+                           implementation=implementation, dtype=dtype, x_scale=x_scale)[0]
+
+
+def measure_formats(cfg, context: int, formats=FORMATS, *, queries: int = 16, seed: int = 0,
+                    layer_idx: int | None = None, implementation: str = "xla", dtype: str = "fp8",
+                    x_scale: float = 1.0) -> list[Fp8Accuracy]:
+    """``measure`` of each format of ``formats`` (``FORMATS``) on the same layer, prompt (its
+    hidden states times ``x_scale``) and bf16 reference, which run once."""
+    opts = [format_options(f) for f in formats]
     layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i)) if layer_idx is None else layer_idx
     layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(seed), implementation=implementation,
                          dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     layer.load_hf_weights(trained_like_weights(cfg, layer_idx, seed))
-    x = prompt_states(cfg, context, seed)
+    x = prompt_states(cfg, context, seed) * np.float32(x_scale)
     prefix, tail = x[:, : context - queries], jnp.asarray(x[:, context - queries:], jnp.bfloat16)
-    runs = {}
-    for name, dt in (("ref", "bfloat16"), ("test", dtype)):
-        cache = fill(layer, layer.init_cache(1, context, dtype=dt), prefix)
+
+    def run(dt, **kw):
+        cache = fill(layer, layer.init_cache(1, context, dtype=dt, **kw), prefix)
         out, topk, after = layer(tail, cache=cache)
-        runs[name] = (np.asarray(out, np.float32)[0], topk, cache, after)
-    (o16, t16, c16, _), (o8, t8, c8, a8) = runs["ref"], runs["test"]
+        return np.asarray(out, np.float32)[0], topk, cache, after
+
+    ref = run("bfloat16")
+    return [_figures(layer, cfg, tail, queries, ref, run(dtype, **kw), fmt, x_scale)
+            for fmt, kw in zip(formats, opts)]
+
+
+def _figures(layer, cfg, tail, queries, ref, test, fmt, x_scale) -> Fp8Accuracy:
+    """``Fp8Accuracy`` of one ``test`` run against the bf16 ``ref`` (``(out, topk, cache
+    before, cache after)`` each)."""
+    (o16, t16, c16, _), (o8, t8, c8, a8) = ref, test
+    context = int(c16.max_length)
     pos = c8.length + jnp.arange(queries, dtype=jnp.int32)[None]
     _, q_lat, _ = layer.project(tail, layer.rope(pos))
     o_same = layer.output_projection(layer.sparse_attention(q_lat, a8.latent, t16, a8.latent_scale))
@@ -197,5 +240,5 @@ def measure(cfg, context: int, *, queries: int = 16, seed: int = 0, layer_idx: i
             ties += a[p] == cut
             near += gap <= NEAR_TIE
     gaps = np.asarray(gaps) if gaps else np.zeros(1)
-    return Fp8Accuracy(context, queries, float(recall), rel_l2, rel_same, k, changed,
+    return Fp8Accuracy(context, queries, fmt, float(x_scale), float(recall), rel_l2, rel_same, k, changed,
                        int(ties), int(near), float(np.median(gaps)), float(gaps.max()))
