@@ -334,7 +334,10 @@ class PageTable:
     def ends_in_shared_page(self, lengths: jax.Array) -> jax.Array:
         """``[max_seqs]`` bool: whether ``lengths[b]`` tokens of row ``b`` would end inside (not
         on the boundary of) a page the row shares: a truncate there is refused, since the next
-        append would write into a shared page. Usable inside jit (one-shard table)."""
+        append would write into a shared page. Usable inside jit."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if self.shards > 1:
+            return self._per_shard(lambda t, n: (t, PageTable.ends_in_shared_page(t, n)), lengths)[1]
         j = jnp.clip(lengths // self.page_size, 0, self.pages_per_seq - 1)
         page = jnp.take_along_axis(self.block_table, j[:, None], axis=1)[:, 0]
         in_range = (page >= 0) & (page < self.num_pages)
