@@ -5,8 +5,8 @@ first tokens of another holds that prefix's complete pages by reference.
   mid-pool and the whole length, every fork then continued with its own tokens (a chunk and
   a decode step, beside the source's own): each forked sequence's outputs and top-k equal
   its whole prompt run alone (``test_paged.alone``: top-k bit for bit, outputs within float32
-  rounding); ``xla`` eagerly and under ``PagedDecoder`` (its fork compiled once), and
-  ``pallas_interpret`` on the decoder.
+  rounding); ``xla`` and ``pallas_interpret``, under ``PagedDecoder`` (its fork jitted once,
+  donating), the eager fork giving the same cache.
 * Page accounting: ``refs`` exact and ``check()`` clean after the fork, the appends, a
   rollback and releases; a shared page goes back with its last holder only; truncating into
   a shared page is refused (eagerly and under jit). A forked row exports (its content).
@@ -92,39 +92,49 @@ LENGTHS = np.asarray(FORKS, np.int32)
 AFTER_FORK = {0: 5, 1: 5, 2: 1, 3: 1, 4: 1, 5: 1}
 
 
-def test_forks_equal_their_prompts_alone_eager_with_page_accounting(cfg):
-    layer = f32_layer(cfg, 1, seed=1)
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+def test_forks_equal_their_prompts_alone(cfg, implementation):
+    """Under ``PagedDecoder`` (its fork jitted and donating); the eager fork gives the same
+    cache. Then (``xla``) page accounting through truncate and release, and a second fork
+    of other rows and lengths that compiles nothing."""
+    layer = f32_layer(cfg, 1, seed=1, implementation=implementation, block_q=8)
     prompt, suffix = _tokens(cfg)
-    cache = layer.init_paged_cache(ROWS, 16, PAGE, max_rollback=4)
-    state = {"cache": cache}
-
-    def call(x, mask):
-        out, top, state["cache"] = layer(jnp.asarray(x), attention_mask=jnp.asarray(mask), cache=state["cache"])
-        return np.asarray(out), np.asarray(top)
-
-    call(*_first_chunk(cfg, prompt))
-    forked = state["cache"].fork(SRC, DST, LENGTHS)
-    np.testing.assert_array_equal(np.asarray(forked.lengths), (PROMPT,) + FORKS)
-    assert np.asarray(forked.status).tolist() == [pg.OK] * ROWS
-    _assert_refs(forked, AFTER_FORK)
-    assert (np.asarray(forked.pages.owner)[:2] == pg.SHARED).all()
-    # A forked row exports its content: the source's first ell tokens, pools and stage.
-    whole = forked.export(0)
-    for b, ell in enumerate(FORKS, 1):
-        part = forked.export(b)
-        np.testing.assert_array_equal(part.latent, whole.latent[:ell])
-        np.testing.assert_array_equal(part.pooled, whole.pooled[:ell // cfg.index_kpool])
-    state["cache"] = forked
-    outs, tops = _suffix_steps(call, suffix)
+    dec = PagedDecoder(layer, ROWS, 16, PAGE, max_rollback=4)
+    dec(*(jnp.asarray(a) for a in _first_chunk(cfg, prompt)))
+    eager = _leaves(dec.cache.fork(SRC, DST, LENGTHS))  # host copies: the decoder's fork donates
+    dec.fork(SRC, DST, LENGTHS)
+    for a, b in zip(eager, _leaves(dec.cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+    cache = dec.cache
+    np.testing.assert_array_equal(np.asarray(cache.lengths), (PROMPT,) + FORKS)
+    assert np.asarray(cache.status).tolist() == [pg.OK] * ROWS
+    _assert_refs(cache, AFTER_FORK)
+    assert (np.asarray(cache.pages.owner)[:2] == pg.SHARED).all()
+    outs, tops = _suffix_steps(lambda x, m: tuple(np.asarray(a) for a in dec(jnp.asarray(x), jnp.asarray(m))),
+                               suffix)
     _assert_alone(layer, prompt, suffix, outs, tops)
+    if implementation == "xla":
+        _page_accounting(dec.cache)
+        dec.release(np.arange(ROWS) > 0)  # other rows and lengths: the same program
+        dec.fork(np.array([0, 0, 0, 0]), np.array([4, 3, 2, 1]), np.array([8, 27, 26, 24]))
+        dec.cache.pages.check()
+        assert dec._fork._cache_size() == 1
+        np.testing.assert_array_equal(dec.lengths, [27, 24, 26, 27, 8])
 
-    cache = state["cache"]  # lengths 27, 22, 26, 25, 27: every row took a page past the shared two
+
+def _page_accounting(cache):
+    """After the rows' own tokens (lengths 27, 22, 26, 25, 27: every row took a page past
+    the shared two): refs through truncate and release; a forked row exports its content."""
     cache.pages.check()
     refs = np.asarray(cache.pages.refs)
     assert refs[:2].tolist() == [5, 5] and (refs[2:] <= 1).all()
+    whole = cache.export(0)
+    for b, ell in enumerate(FORKS, 1):  # the source's first ell tokens and their pools
+        part = cache.export(b)
+        np.testing.assert_array_equal(part.latent[:ell], whole.latent[:ell])
+        np.testing.assert_array_equal(part.pooled[:ell // 4], whole.pooled[:ell // 4])
     # Truncating into a shared page is refused (it would be written), eagerly and under jit.
-    rows = np.zeros(ROWS, bool)
-    rows[1] = True
+    rows = np.arange(ROWS) == 1
     with pytest.raises(ValueError, match=r"row 1: n_tokens\[1\] = 10 takes the sequence from 22 to 12 "
                                          r"tokens, inside page 1 \(tokens 8 \.\. 15\), which it shares"):
         cache.rollback(rows, np.array([0, 10, 0, 0, 0], np.int32))
@@ -146,25 +156,6 @@ def test_forks_equal_their_prompts_alone_eager_with_page_accounting(cfg):
     empty = last.release(np.ones(ROWS, bool))
     empty.pages.check()
     assert int(empty.pages.n_free) == 16 and not np.asarray(empty.pages.refs).any()
-
-
-@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
-def test_decoder_forks_equal_their_prompts_alone_and_fork_compiles_once(cfg, implementation):
-    layer = f32_layer(cfg, 1, seed=1, implementation=implementation, block_q=8)
-    prompt, suffix = _tokens(cfg, seed=1)
-    dec = PagedDecoder(layer, ROWS, 16, PAGE, max_rollback=4)
-    dec(*(jnp.asarray(a) for a in _first_chunk(cfg, prompt)))
-    dec.fork(SRC, DST, LENGTHS)
-    _assert_refs(dec.cache, AFTER_FORK)
-    outs, tops = _suffix_steps(lambda x, m: tuple(np.asarray(a) for a in dec(jnp.asarray(x), jnp.asarray(m))),
-                               suffix)
-    _assert_alone(layer, prompt, suffix, outs, tops)
-    if implementation == "xla":  # other rows and lengths: the same program
-        dec.release(np.arange(ROWS) > 0)
-        dec.fork(np.array([0, 0, 0, 0]), np.array([4, 3, 2, 1]), np.array([8, 27, 26, 24]))
-        dec.cache.pages.check()
-        assert dec._fork._cache_size() == 1
-        np.testing.assert_array_equal(dec.lengths, [27, 24, 26, 27, 8])
 
 
 def _leaves(cache):
