@@ -122,6 +122,11 @@ def test_forks_equal_their_prompts_alone(cfg, implementation):
         np.testing.assert_array_equal(dec.lengths, [27, 24, 26, 27, 8])
 
 
+#: Compiled once (the eager paths are ``test_rollback``'s and ``test_paged``'s).
+TRUNCATE = jax.jit(lambda c, r, n: c.truncate(r, n))
+RELEASE = jax.jit(lambda c, r: c.release(r))
+
+
 def _page_accounting(cache):
     """After the rows' own tokens (lengths 27, 22, 26, 25, 27: every row took a page past
     the shared two): refs through truncate and release; a forked row exports its content."""
@@ -138,22 +143,22 @@ def _page_accounting(cache):
     with pytest.raises(ValueError, match=r"row 1: n_tokens\[1\] = 10 takes the sequence from 22 to 12 "
                                          r"tokens, inside page 1 \(tokens 8 \.\. 15\), which it shares"):
         cache.rollback(rows, np.array([0, 10, 0, 0, 0], np.int32))
-    got = jax.jit(lambda c, r, n: c.truncate(r, n))(cache, jnp.asarray(rows), jnp.array([0, 12, 0, 0, 0]))
+    got = TRUNCATE(cache, jnp.asarray(rows), jnp.array([0, 12, 0, 0, 0]))
     assert int(got.status[1]) == pg.BAD_ROLLBACK and int(got.lengths[1]) == 22
     got.pages.check()
     # To the page boundary: allowed; the row lets go of its own page only.
-    back = cache.truncate(rows, np.array([0, 16, 0, 0, 0], np.int32))
+    back = TRUNCATE(cache, jnp.asarray(rows), jnp.array([0, 16, 0, 0, 0]))
     back.pages.check()
     assert int(back.lengths[1]) == 16 and np.asarray(back.pages.refs)[:2].tolist() == [5, 5]
     # Releasing the source: the shared pages lose one holder each; its own pages go back.
-    rel = back.release(np.arange(ROWS) == 0)
+    rel = RELEASE(back, jnp.arange(ROWS) == 0)
     rel.pages.check()
     assert np.asarray(rel.pages.refs)[:2].tolist() == [4, 4]
     # Every fork but one released: the last holder owns the pages again.
-    last = rel.release(np.arange(ROWS) < ROWS - 1)
+    last = RELEASE(rel, jnp.arange(ROWS) < ROWS - 1)
     last.pages.check()
     assert np.asarray(last.pages.owner)[:2].tolist() == [ROWS - 1] * 2
-    empty = last.release(np.ones(ROWS, bool))
+    empty = RELEASE(last, jnp.ones(ROWS, bool))
     empty.pages.check()
     assert int(empty.pages.n_free) == 16 and not np.asarray(empty.pages.refs).any()
 
@@ -163,11 +168,9 @@ def _leaves(cache):
 
 
 def test_bad_forks_are_refused_and_change_nothing(cfg):
-    layer = f32_layer(cfg, 1, seed=1)
-    cache = layer.init_paged_cache(4, 6, PAGE)  # max_rollback 1: a stage of KP = 4 entries
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 18, cfg.hidden_size)), jnp.float32)
-    mask = jnp.asarray(np.arange(18)[None] < np.array([[18], [0], [9], [0]]))
-    _, _, cache = layer(x, attention_mask=mask, cache=cache)  # lengths 18, 0, 9, 0: 1 page free
+    cache = gd.init_paged_cache(cfg, 4, 6, PAGE)  # max_rollback 1: a stage of KP = 4 entries
+    pages, _ = jax.jit(lambda t, n: t.reserve(n))(cache.pages, jnp.array([18, 0, 9, 0]))  # a prefill's bookkeeping
+    cache = cache.replace(pages=pages)  # lengths 18, 0, 9, 0: 1 page free
     before = _leaves(cache)
     bad = [
         ((1,), (3,), (4,), r"fork 0 \(row 1 -> row 3, 4 tokens\): row 1 holds no sequence \(length 0"),
