@@ -275,3 +275,34 @@ def test_a_sharded_table_is_validated_per_shard():
         bad.check()
     _, status = bad.reserve(jnp.full((6,), 4, jnp.int32))
     assert np.asarray(status).tolist() == [OK] * 4 + [BAD_TABLE, OK]
+
+
+def _forked():
+    """Row 0 holds 8 tokens (pages 0, 1 of 4 tokens); row 1 was forked from its first 4: page
+    0 shared (refs 2, owner SHARED); pages 2 .. 5 free."""
+    t = init_page_table(3, num_pages=6, page_size=4, pages_per_seq=3)
+    t, _ = RESERVE(t, jnp.asarray([8, 0, 0], jnp.int32))
+    t, status = FORK(t, jnp.asarray([-1, 0, -1], jnp.int32), jnp.asarray([0, 4, 0], jnp.int32))
+    assert np.asarray(status).tolist() == [OK] * 3
+    t.check()
+    assert np.asarray(t.refs)[:2].tolist() == [2, 1] and int(np.asarray(t.owner)[0]) == SHARED
+    return t
+
+
+#: Corruptions of ``_forked()``'s reference counts: ``(field, index, value, rows refused, message)``.
+BROKEN_REFS = [
+    ("refs", 0, 3, [0, 1], r"row 0: block_table\[0, 0\] = shared page 0 has refs\[0\] = 3 but 2 block-table"),
+    ("lengths", 1, 3, [1], r"row 1: block_table\[1, 0\] = shared page 0 \(refs 2\) holds tokens 0 \.\. 3 but "
+                           r"lengths\[1\] = 3: a shared page must be complete"),
+    ("owner", 0, 0, [0, 1, 2], r"page 0: refs\[0\] = 2, owner\[0\] = 0, named by 2 block-table entries"),
+    ("refs", 1, -1, [0, 1, 2], r"page 1: refs\[1\] = -1"),
+]
+
+
+@pytest.mark.parametrize("field,index,value,refused,match", BROKEN_REFS)
+def test_broken_reference_counts_are_refused(field, index, value, refused, match):
+    t = _set(_forked(), field, index, value)
+    with pytest.raises(ValueError, match=match):
+        t.check()
+    _, status = RESERVE(t, jnp.asarray([1, 1, 1], jnp.int32))
+    assert [b for b, s in enumerate(np.asarray(status).tolist()) if s == BAD_TABLE] == refused
