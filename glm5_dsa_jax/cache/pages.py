@@ -385,7 +385,8 @@ class PageTable:
             n_free = n_free + rest.sum(dtype=jnp.int32)
             gone = gone | rest
         kept = holding & ~dropped
-        row = jnp.broadcast_to(jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], table.shape)
+        # Every operand derived from the table's own arrays: placed alike on a mesh.
+        row = jnp.where(kept, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
         holder = jnp.full_like(self.owner, -1).at[jnp.where(kept, table, n)].max(row, mode="drop")
         owner = jnp.where(gone, -1, jnp.where((self.owner == SHARED) & (left == 1), holder, self.owner))
         return free, n_free, owner, jnp.where(gone, 0, left)
@@ -420,7 +421,7 @@ class PageTable:
         s = jnp.clip(src, 0, m - 1)
         src_len = jnp.take(self.lengths, s)
         broken = active & ((row_fault != 0) | (jnp.take(row_fault, s) != 0) | (stack_fault != 0))
-        is_src = jnp.zeros((m,), bool).at[jnp.where(active, src, m)].set(True, mode="drop")
+        is_src = jnp.zeros_like(self.lengths, bool).at[jnp.where(active, src, m)].set(active, mode="drop")
         bad = active & ~broken & (refuse | (src >= m) | (src_len == 0) | (self.lengths != 0) | is_src |
                                   jnp.take(active, s) | (lengths <= 0) | (lengths > src_len))
         partial = lengths % ps != 0
@@ -440,7 +441,8 @@ class PageTable:
         table = jnp.where(copied[:, None] & (j == full[:, None]), fresh[:, None], table)
         gains = jnp.zeros_like(self.refs).at[jnp.where(shared, src_table, n)].add(1, mode="drop")
         at = jnp.where(copied, fresh, n)
-        owner = jnp.where(gains > 0, SHARED, self.owner).at[at].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+        owner = jnp.where(gains > 0, SHARED, self.owner).at[at].set(
+            jnp.where(copied, jnp.arange(m, dtype=jnp.int32), -1), mode="drop")
         refs = (self.refs + gains).at[at].set(1, mode="drop")
         from_page = jnp.take_along_axis(src_table, jnp.clip(full, 0, self.pages_per_seq - 1)[:, None], axis=1)[:, 0]
         table_out = self.replace(block_table=table, lengths=jnp.where(ok, lengths, self.lengths), n_free=left,
@@ -475,8 +477,9 @@ class PageTable:
         order = jnp.argsort(key, axis=1, stable=True)
         ranked = jnp.take_along_axis(key, order, axis=1)
         eq = ranked[:, 1:] == ranked[:, :-1]
-        dup = jnp.zeros(ranked.shape, bool).at[:, 1:].set(eq).at[:, :-1].max(eq)
-        twice = jnp.zeros(table.shape, bool).at[jnp.broadcast_to(row, order.shape), order].set(dup)
+        no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
+        dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
+        twice = jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
                  want & in_range & ~mine,
