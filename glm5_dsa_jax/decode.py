@@ -31,7 +31,9 @@ Invariants:
   A sequence moves between decoders (``export`` / ``load``, ``glm5_dsa_jax.cache.transfer``):
   the load is refused before its donated write when it cannot fit. Rejected drafts are
   taken back (``rollback`` / ``truncate``, ``glm5_dsa_jax.cache.rollback``), refused before
-  the donated write when the stage cannot restore them; jitted once.
+  the donated write when the stage cannot restore them; jitted once. A sequence forks into
+  free rows that share its prefix's pages (``fork``, ``glm5_dsa_jax.cache.fork``), refused
+  before the donated write; jitted once per number of forks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
+from glm5_dsa_jax.cache.fork import check_fork, fork_args
 from glm5_dsa_jax.cache.rollback import (
     check_rollback, check_timeline_rollback, counts, rollback_timeline, timeline_count,
 )
@@ -167,6 +170,10 @@ def _rollback(cache: PagedCache, rows, n_tokens):
     return cache.rollback(rows, n_tokens)
 
 
+def _fork(cache: PagedCache, src_rows, dst_rows, lengths):
+    return cache.fork(src_rows, dst_rows, lengths)
+
+
 class PagedDecoder:
     """A layer, its paged cache and its compiled step: many sequences of their own lengths,
     joining and leaving.
@@ -188,6 +195,7 @@ class PagedDecoder:
                                             pages_per_seq=pages_per_seq, max_rollback=max_rollback)
         self._release = jax.jit(_release, donate_argnums=0)
         self._rollback = jax.jit(_rollback, donate_argnums=0)
+        self._fork = jax.jit(_fork, donate_argnums=0)
 
     @property
     def lengths(self):
@@ -228,6 +236,15 @@ class PagedDecoder:
         n = np.asarray(n_tokens)
         check_rollback(self.cache, rows, counts(self.cache, n, False))
         self.cache = self._rollback(self.cache, rows, jnp.asarray(n, jnp.int32))
+
+    def fork(self, src_rows, dst_rows, lengths) -> None:
+        """Start each free row ``dst_rows[i]`` as the first ``lengths[i]`` tokens of sequence
+        ``src_rows[i]`` (``[M]`` ints; ``PagedCache.fork``: shared pages, no copy but a partly
+        filled last page). Refused before the donated write (``check_fork``: ``ValueError``
+        naming the row and the sizes, nothing changed); compiled once per ``M``."""
+        args = fork_args(self.cache, *(np.asarray(a) for a in (src_rows, dst_rows, lengths)))
+        check_fork(self.cache, *args)
+        self.cache = self._fork(self.cache, *args)
 
     def truncate(self, rows, lengths) -> None:
         """Shorten each sequence where ``rows`` to ``lengths[b]`` tokens: ``rollback`` of

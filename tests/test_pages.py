@@ -1,5 +1,6 @@
 """Page bookkeeping (``glm5_dsa_jax.cache.pages``): the invariants under any schedule of
-reservations and releases, against a plain Python model of the allocator; a table broken
+reservations, releases, truncations and forks, against a plain Python model of the allocator
+(reference counts, the free stack's exact order, ``check()`` after every step); a table broken
 by its caller (each rule of ``ROW_FAULTS`` / ``STACK_FAULTS``) is refused by ``check``
 naming the row, and under jit ``reserve`` gives that row (or, for a broken free stack,
 every row of the shard) ``BAD_TABLE`` and takes nothing; ``release`` repairs a broken row.
@@ -11,17 +12,27 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from glm5_dsa_jax.cache.pages import BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, init_page_table
+from glm5_dsa_jax.cache.pages import (
+    BAD_FORK, BAD_ROLLBACK, BAD_TABLE, NO_FREE_PAGES, OK, SHARED, TOO_LONG, init_page_table,
+)
 
 
 class Model:
-    """The allocator in plain Python: rows in order, all or nothing, a LIFO free list."""
+    """The allocator in plain Python: rows in order, all or nothing, a LIFO free list, a
+    reference count per page (a page goes back when its last holder lets go)."""
 
     def __init__(self, max_seqs, num_pages, page_size, pages_per_seq):
         self.ps, self.pps = page_size, pages_per_seq
         self.free = list(range(num_pages - 1, -1, -1))
         self.pages = [[] for _ in range(max_seqs)]
         self.lengths = [0] * max_seqs
+        self.refs = [0] * num_pages
+
+    def _let_go(self, page):
+        self.refs[page] -= 1
+        assert self.refs[page] >= 0
+        if self.refs[page] == 0:
+            self.free.append(page)
 
     def reserve(self, n_new):
         status = []
@@ -36,6 +47,7 @@ class Model:
                 continue
             for _ in range(need):
                 self.pages[b].append(self.free.pop())
+                self.refs[self.pages[b][-1]] = 1
             self.lengths[b] = new
             status.append(OK)
         return status
@@ -43,8 +55,45 @@ class Model:
     def release(self, rows):
         for b, r in enumerate(rows):
             if r:
-                self.free.extend(self.pages[b])
+                for p in self.pages[b]:
+                    self._let_go(p)
                 self.pages[b], self.lengths[b] = [], 0
+
+    def truncate(self, rows, lengths):
+        """Pages let go in reverse order of taking: the last row's last page first."""
+        status = []
+        for b, (r, n) in enumerate(zip(rows, lengths)):
+            inside = n % self.ps and n // self.ps < len(self.pages[b]) and self.refs[self.pages[b][n // self.ps]] > 1
+            status.append(BAD_ROLLBACK if r and (n > self.lengths[b] or inside) else OK)
+        for b in reversed(range(len(rows))):
+            if rows[b] and status[b] == OK:
+                keep = -(-lengths[b] // self.ps)
+                for p in reversed(self.pages[b][keep:]):
+                    self._let_go(p)
+                self.pages[b], self.lengths[b] = self.pages[b][:keep], lengths[b]
+        return status
+
+    def fork(self, src, lengths):
+        """Row b starts as the first lengths[b] tokens of row src[b] (-1: none): complete
+        pages shared, a partial last one fresh (rows in order, all or nothing)."""
+        status = [OK] * len(src)
+        for b, (s, n) in enumerate(zip(src, lengths)):
+            if s < 0:
+                continue
+            if (self.lengths[s] == 0 or self.lengths[b] or b in src or src[s] >= 0
+                    or not 0 < n <= self.lengths[s]):
+                status[b] = BAD_FORK
+            elif n % self.ps and not self.free:
+                status[b] = NO_FREE_PAGES
+            else:
+                self.pages[b] = self.pages[s][:n // self.ps]
+                for p in self.pages[b]:
+                    self.refs[p] += 1
+                if n % self.ps:
+                    self.pages[b].append(self.free.pop())
+                    self.refs[self.pages[b][-1]] = 1
+                self.lengths[b] = n
+        return status
 
 
 def _owned(table, b):
@@ -52,38 +101,68 @@ def _owned(table, b):
     return row[row >= 0].tolist()
 
 
+four = dict(min_size=4, max_size=4)
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("reserve"), st.lists(st.integers(0, 40), min_size=4, max_size=4)),
-        st.tuples(st.just("release"), st.lists(st.booleans(), min_size=4, max_size=4)),
+        st.tuples(st.just("reserve"), st.lists(st.integers(0, 40), **four)),
+        st.tuples(st.just("release"), st.lists(st.booleans(), **four)),
+        st.tuples(st.just("truncate"), st.tuples(st.lists(st.booleans(), **four),
+                                                 st.lists(st.integers(0, 40), **four))),
+        st.tuples(st.just("fork"), st.tuples(st.lists(st.integers(-1, 3), **four),
+                                             st.lists(st.integers(0, 40), **four))),
     ),
-    min_size=1, max_size=12,
+    min_size=1, max_size=14,
 )
 
 
 #: Built once: one compilation per table geometry, shared by the examples that draw it.
 RESERVE = jax.jit(lambda t, n: t.reserve(n))
 RELEASE = jax.jit(lambda t, r: t.release(r))
+TRUNCATE = jax.jit(lambda t, r, n: t.truncate(r, n))
+FORK = jax.jit(lambda t, s, n: t.fork(s, n)[:2])
+
+
+def assert_matches(table, model):
+    """Lengths, every row's pages, the reference counts, owners and the free stack (its exact
+    order) equal the model's; ``check()`` finds nothing."""
+    table.check()
+    assert np.asarray(table.lengths).tolist() == model.lengths
+    for b in range(len(model.pages)):
+        assert _owned(table, b) == model.pages[b]
+    refs, owner = np.asarray(table.refs), np.asarray(table.owner)
+    assert refs.tolist() == model.refs and (refs >= 0).all()
+    for p, r in enumerate(model.refs):
+        holders = [b for b, pages in enumerate(model.pages) if p in pages]
+        assert owner[p] == (-1 if r == 0 else holders[0] if r == 1 else SHARED)
+    assert int(table.n_free) == len(model.free)
+    assert np.asarray(table.free)[:len(model.free)].tolist() == model.free
+
+
+#: ``(num_pages, page_size, pages_per_seq)``: one page, pages of one token, more pages than a
+#: row may take and fewer, ... A few geometries, so the examples share compiled programs.
+GEOMETRIES = [(1, 1, 1), (3, 4, 2), (5, 1, 6), (8, 4, 3), (12, 8, 6), (7, 8, 1)]
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=ops, num_pages=st.integers(1, 12), page_size=st.sampled_from([1, 4, 8]),
-       pages_per_seq=st.integers(1, 6))
-def test_schedule_matches_model(ops, num_pages, page_size, pages_per_seq):
+@given(ops=ops, geometry=st.sampled_from(GEOMETRIES))
+def test_schedule_matches_model(ops, geometry):
+    num_pages, page_size, pages_per_seq = geometry
     table = init_page_table(4, num_pages, page_size, pages_per_seq)
     model = Model(4, num_pages, page_size, pages_per_seq)
     for kind, arg in ops:
         if kind == "reserve":
             table, status = RESERVE(table, jnp.asarray(arg, jnp.int32))
             assert np.asarray(status).tolist() == model.reserve(arg)
-        else:
+        elif kind == "release":
             table = RELEASE(table, jnp.asarray(arg))
             model.release(arg)
-        table.check()
-        assert np.asarray(table.lengths).tolist() == model.lengths
-        for b in range(4):
-            assert _owned(table, b) == model.pages[b]
-        assert int(table.n_free) == len(model.free)
+        elif kind == "truncate":
+            table, status = TRUNCATE(table, jnp.asarray(arg[0]), jnp.asarray(arg[1], jnp.int32))
+            assert np.asarray(status).tolist() == model.truncate(*arg)
+        else:
+            table, status = FORK(table, jnp.asarray(arg[0], jnp.int32), jnp.asarray(arg[1], jnp.int32))
+            assert np.asarray(status).tolist() == model.fork(*arg)
+        assert_matches(table, model)
 
 
 def test_failed_row_takes_nothing_and_later_rows_still_fit():
@@ -196,3 +275,34 @@ def test_a_sharded_table_is_validated_per_shard():
         bad.check()
     _, status = bad.reserve(jnp.full((6,), 4, jnp.int32))
     assert np.asarray(status).tolist() == [OK] * 4 + [BAD_TABLE, OK]
+
+
+def _forked():
+    """Row 0 holds 8 tokens (pages 0, 1 of 4 tokens); row 1 was forked from its first 4: page
+    0 shared (refs 2, owner SHARED); pages 2 .. 5 free."""
+    t = init_page_table(3, num_pages=6, page_size=4, pages_per_seq=3)
+    t, _ = RESERVE(t, jnp.asarray([8, 0, 0], jnp.int32))
+    t, status = FORK(t, jnp.asarray([-1, 0, -1], jnp.int32), jnp.asarray([0, 4, 0], jnp.int32))
+    assert np.asarray(status).tolist() == [OK] * 3
+    t.check()
+    assert np.asarray(t.refs)[:2].tolist() == [2, 1] and int(np.asarray(t.owner)[0]) == SHARED
+    return t
+
+
+#: Corruptions of ``_forked()``'s reference counts: ``(field, index, value, rows refused, message)``.
+BROKEN_REFS = [
+    ("refs", 0, 3, [0, 1], r"row 0: block_table\[0, 0\] = shared page 0 has refs\[0\] = 3 but 2 block-table"),
+    ("lengths", 1, 3, [1], r"row 1: block_table\[1, 0\] = shared page 0 \(refs 2\) holds tokens 0 \.\. 3 but "
+                           r"lengths\[1\] = 3: a shared page must be complete"),
+    ("owner", 0, 0, [0, 1, 2], r"page 0: refs\[0\] = 2, owner\[0\] = 0, named by 2 block-table entries"),
+    ("refs", 1, -1, [0, 1, 2], r"page 1: refs\[1\] = -1"),
+]
+
+
+@pytest.mark.parametrize("field,index,value,refused,match", BROKEN_REFS)
+def test_broken_reference_counts_are_refused(field, index, value, refused, match):
+    t = _set(_forked(), field, index, value)
+    with pytest.raises(ValueError, match=match):
+        t.check()
+    _, status = RESERVE(t, jnp.asarray([1, 1, 1], jnp.int32))
+    assert [b for b, s in enumerate(np.asarray(status).tolist()) if s == BAD_TABLE] == refused

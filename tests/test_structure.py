@@ -133,6 +133,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "glm5_dsa_jax.cache.interface"),
     ("glm5_dsa_jax.cache.pages",),  # page bookkeeping
     ("glm5_dsa_jax.cache.rollback",),  # drafts taken back
+    ("glm5_dsa_jax.cache.fork",),  # shared prefixes (a paged row started as another's first tokens)
     ("glm5_dsa_jax.cache.contiguous",),
     ("glm5_dsa_jax.cache.transfer",),  # a paged sequence out of one cache and into another
     ("glm5_dsa_jax.cache.paged",),

@@ -2,7 +2,8 @@
 
 * ``contiguous``: ``DsaCache``, one timeline for the whole batch (HF's ``DynamicCache``);
 * ``paged``: ``PagedCache``, a sequence per row in pages shared by every sequence (vLLM's
-  and SGLang's layout), its page bookkeeping in ``pages``;
+  and SGLang's layout), its page bookkeeping in ``pages``, shared prompt prefixes in ``fork``
+  and drafts taken back in ``rollback``;
 * ``transfer``: a paged sequence exported as host arrays (``ExportedSequence``) and loaded
   into a free row of another paged cache (serving moves paged sequences only);
 * ``fp8``: e4m3 rows with a float32 scale per row, for either cache;

@@ -27,6 +27,9 @@ Invariants:
   empty; ``H = max(KP, KP - 1 + max_rollback)``, ``KP`` the static ``kpool``; the pipeline
   reads the last ``KP``). A pool is pooled once, when its last token arrives, like the
   contiguous cache.
+* **Shared prefixes** (``fork``, ``glm5_dsa_jax.cache.fork``): a row can start as the first
+  tokens of another, holding that prefix's complete pages by reference (``pages.refs``); a
+  shared page is never written.
 * **Drafts can be taken back** (``rollback`` / ``truncate``, ``glm5_dsa_jax.cache.rollback``):
   a sequence's last tokens are dropped as if never appended; the wider stage and
   ``stage_from`` are what that takes.
@@ -92,6 +95,7 @@ from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import (
     BAD_TABLE, NO_FREE_PAGES, OK, TOO_LONG, PageTable, init_page_table, release_mask,
 )
+from glm5_dsa_jax.cache.fork import fork_rows
 from glm5_dsa_jax.cache.rollback import rollback_rows, stage_width
 from glm5_dsa_jax.cache.transfer import ExportedSequence, export_sequence, load_sequence
 from glm5_dsa_jax.model.config import DsaConfig
@@ -276,6 +280,21 @@ class PagedCache:
         """``rollback(rows, self.lengths - lengths)``: shorten each sequence where ``rows`` to
         ``lengths[b]`` tokens (``[max_seqs]`` int; the same refusals)."""
         return rollback_rows(self, rows, lengths, to_lengths=True)
+
+    def fork(self, src_rows, dst_rows, lengths) -> "PagedCache":
+        """Start row ``dst_rows[i]`` as the first ``lengths[i]`` tokens of row ``src_rows[i]``
+        (``[M]`` int arrays, M static): the prefix's complete pages shared by reference, a
+        partly filled last page copied into one fresh page, the stage shifted from the
+        source's (``glm5_dsa_jax.cache.fork``' module doc). Jit-safe; no shape depends on the
+        values. Its outputs and top-k then equal those of the prefix run alone.
+
+        Refused (a fork from an empty or released row, into a row in use, of no tokens or
+        more than the source holds, across data shards, a row both source and destination,
+        a prefix whose incomplete pool the source's stage no longer holds, no free page for
+        the partial one): ``ValueError`` naming the row and the sizes in an eager call,
+        nothing changed; under jit the destination row is untouched and ``status[d]`` is
+        ``BAD_FORK`` (``NO_FREE_PAGES``, ``BAD_TABLE``)."""
+        return fork_rows(self, src_rows, dst_rows, lengths)
 
     def export(self, row: int) -> ExportedSequence:
         """Sequence ``row`` as host arrays in timeline order, without page ids

@@ -10,26 +10,39 @@ Invariants (each function keeps them; ``check`` verifies them on concrete values
 * ``block_table[b, j]`` is the page holding tokens ``[j * page_size, (j + 1) * page_size)``
   of sequence ``b``, or ``-1``; the first ``pages_needed(lengths[b])`` entries of a row
   are pages and the rest are ``-1``.
-* Every page is either owned by exactly one (row, slot) of the block table or on the free
-  stack ``free[:n_free]``, never both, never twice. ``free[n_free:]`` is unspecified.
-* ``owner[p]`` is the row that owns page ``p`` (``-1``: free): the record of who took it,
-  written only by ``reserve``, ``release`` and ``truncate``. A row's pages are exactly the pages whose
-  owner it is, and the free stack exactly the pages no row owns.
+* Every page is either held by (row, slot) entries of the block table, ``refs[p] >= 1`` of
+  them, at most one per row, or on the free stack ``free[:n_free]`` (``refs[p] == 0``), never
+  both, never twice. ``free[n_free:]`` is unspecified.
+* ``owner[p]`` is the row that holds page ``p`` alone (``refs[p] == 1``), ``SHARED`` (``-2``)
+  for a page two or more rows hold (``refs[p] >= 2``, ``fork``) and ``-1`` for a free one: the
+  record of who took it, written only by ``reserve``, ``release``, ``truncate`` and ``fork``. A
+  row's pages are exactly the pages whose owner it is plus the shared pages it names, and
+  the free stack exactly the pages no row holds.
+* **A shared page is never written.** It is complete for every holder (it lies below
+  ``lengths[b] // page_size`` pages of each: ``fork`` shares only a prefix's complete pages),
+  and appends write only at or past a row's length, so no write reaches it. A page goes
+  back to the free stack when its last holder lets go (``release``, ``truncate``), once;
+  ``refs`` never goes below zero. A ``truncate`` that would leave a shared page partly
+  filled (the next append would write into it) is refused (``BAD_ROLLBACK``); rollbacks past
+  a fork point are not what drafts do.
 * ``lengths[b]`` is the number of tokens sequence ``b`` holds (its next position).
 
 **A table handed in is validated, not trusted** (``faults``; a caller may have written
 any field). Every ``reserve`` checks the table first and a row whose bookkeeping is
 broken (``ROW_FAULTS``: its length, a block-table entry out of range or not owned by it,
 a page twice in the row, an owner record that names more or fewer pages than its length
-needs) gets status ``BAD_TABLE`` and takes, writes and reads nothing; a broken free stack
+needs, a shared page whose reference count is not its holders' or that is not complete for
+the row) gets status ``BAD_TABLE`` and takes, writes and reads nothing; a broken free stack
 (``STACK_FAULTS``: ``n_free`` out of range, an entry out of range, twice, owned by a row,
-or a page neither owned nor free) affects every row of its shard, so every row of that
+a page neither owned nor free, reference counts that disagree with the owner record) affects
+every row of its shard, so every row of that
 shard gets ``BAD_TABLE`` and nothing is taken at all. ``check`` raises the same faults
 eagerly as one ``ValueError`` naming every broken row (field, slot, page) and shard.
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
-only by a row that names it *and* owns it, so no two rows share a page. (A table whose
+only by a row that names it *and* owns it (or holds it shared, and then only read), so no
+row writes another row's page. (A table whose
 block tables, lengths and owner record are all rewritten alike, e.g. two rows swapped
 wholesale, is a valid table: no check can tell, only not writing the table can.)
 
@@ -38,11 +51,12 @@ independent tables side by side, one per data shard of a mesh. Rows ``k * m .. (
 1`` (``m = max_seqs / shards``) and pages ``k * n .. (k+1) * n - 1`` of the pools (``n =
 num_pages / shards``) are shard ``k``'s; ``free[k * n: (k+1) * n]`` is its stack,
 ``owner[k * n: (k+1) * n]`` its owner record (rows local to the shard, ``0 .. m - 1``) and
-``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard). Page
+``n_free[k]`` its top (``n_free`` is ``[shards]``; a scalar ``n_free`` is one shard), ``refs[k * n:
+(k+1) * n]`` its reference counts. Page
 ids in the block table and on a stack are *local* to the shard (``0 .. n - 1``), so a
 shard's rows never name another shard's page and a step run per shard reads only its own
-pools. ``reserve`` / ``release`` / ``truncate`` / ``check`` run per shard (rows take pages in row order
-within their shard); the invariants above hold per shard.
+pools. ``reserve`` / ``release`` / ``truncate`` / ``fork`` / ``check`` run per shard (rows take pages in
+row order within their shard; a fork never crosses shards); the invariants above hold per shard.
 
 Why a stack: taking ``n`` pages is a slice of its top and returning them a write of the
 top, both without a data-dependent shape, so one compiled step serves every step whatever
@@ -61,36 +75,49 @@ from flax import struct
 from glm5_dsa_jax.parallel.placement import put
 
 __all__ = ["PageTable", "init_page_table", "OK", "NO_FREE_PAGES", "TOO_LONG", "BAD_TABLE",
-           "BAD_ROLLBACK", "STATUS_NAMES", "release_mask", "ROW_FAULTS", "STACK_FAULTS"]
+           "BAD_ROLLBACK", "BAD_FORK", "SHARED", "STATUS_NAMES", "release_mask", "ROW_FAULTS",
+           "STACK_FAULTS"]
 
 #: ``status`` values of ``PageTable.reserve``, one per row. ``BAD_TABLE``: the row's own
 #: bookkeeping or its shard's free stack is broken (``PageTable.faults``); the row took,
 #: wrote and read nothing. ``BAD_ROLLBACK`` (of ``truncate`` and ``PagedCache.rollback``): the
 #: row was asked to drop more tokens than it holds, or more than its stage can restore; it
-#: was left untouched.
-OK, NO_FREE_PAGES, TOO_LONG, BAD_TABLE, BAD_ROLLBACK = 0, 1, 2, 3, 4
+#: was left untouched; also a truncate that would leave a shared page partly filled.
+#: ``BAD_FORK`` (of ``fork``, on the destination row): a fork from an empty or released row,
+#: to a row in use, of no tokens or more than the source holds, from another data shard, a
+#: row both source and destination (or named twice), or (``PagedCache.fork``) of a prefix
+#: whose incomplete pool the source's stage no longer holds; the row was left untouched.
+OK, NO_FREE_PAGES, TOO_LONG, BAD_TABLE, BAD_ROLLBACK, BAD_FORK = 0, 1, 2, 3, 4, 5
 STATUS_NAMES = {OK: "ok", NO_FREE_PAGES: "not enough free pages", TOO_LONG: "past pages_per_seq * page_size",
                 BAD_TABLE: "inconsistent page table (PageTable.check names the fault)",
-                BAD_ROLLBACK: "rollback past the sequence's length or past what its stage can restore"}
+                BAD_ROLLBACK: "rollback past the sequence's length, past what its stage can restore, "
+                              "or into a shared page",
+                BAD_FORK: "fork from an empty row, to a row in use, past the source's length, across data "
+                          "shards, or of a prefix whose incomplete pool the source's stage no longer holds"}
+#: ``owner`` of a page two or more rows hold (``fork``; ``refs >= 2``).
+SHARED = -2
 
 #: Per-row faults of ``PageTable.faults`` (code -> rule), the first broken one reported.
-ROW_LENGTH, ROW_PAGE_ID, ROW_NOT_OWNED, ROW_TWICE, ROW_OWNED_COUNT = 1, 2, 3, 4, 5
+ROW_LENGTH, ROW_PAGE_ID, ROW_NOT_OWNED, ROW_TWICE, ROW_OWNED_COUNT, ROW_REFS, ROW_SHARED_PARTIAL = range(1, 8)
 ROW_FAULTS = {
     ROW_LENGTH: "lengths[b] outside [0, max_length]",
     ROW_PAGE_ID: "a block-table entry out of range, or not exactly the first pages_needed(lengths[b]) set",
-    ROW_NOT_OWNED: "a block-table entry names a page the row does not own (owner[page] != b)",
+    ROW_NOT_OWNED: "a block-table entry names a page the row does not own (owner[page] not b or SHARED)",
     ROW_TWICE: "a page named twice in the row",
     ROW_OWNED_COUNT: "owner names more or fewer pages of the row than its length needs",
+    ROW_REFS: "a shared page whose refs differs from the number of rows that name it",
+    ROW_SHARED_PARTIAL: "a shared page not complete for the row (at or past lengths[b] // page_size)",
 }
 #: Per-shard faults of the free stack (code -> rule): they refuse every row of the shard.
-STACK_N_FREE, STACK_OWNER, STACK_ID, STACK_OWNED, STACK_TWICE, STACK_LOST = 1, 2, 3, 4, 5, 6
+STACK_N_FREE, STACK_OWNER, STACK_ID, STACK_OWNED, STACK_TWICE, STACK_LOST, STACK_REFS = range(1, 8)
 STACK_FAULTS = {
     STACK_N_FREE: "n_free outside [0, pages of the shard]",
-    STACK_OWNER: "an owner entry names no row",
+    STACK_OWNER: "an owner entry names no row (nor -1 free, -2 shared)",
     STACK_ID: "a free-stack entry out of range",
-    STACK_OWNED: "a page both on the free stack and owned by a row",
+    STACK_OWNED: "a page both on the free stack and held by a row",
     STACK_TWICE: "a page twice on the free stack",
     STACK_LOST: "n_free differs from the number of pages no row owns",
+    STACK_REFS: "refs < 0, or refs and owner disagree (0: free, 1: a row, >= 2: SHARED, named by a row)",
 }
 
 
@@ -136,7 +163,8 @@ class PageTable:
     lengths: jax.Array  # [max_seqs] int32, tokens held
     free: jax.Array  # [num_pages] int32, free page ids in free[:n_free]
     n_free: jax.Array  # [] int32
-    owner: jax.Array  # [num_pages] int32, row owning each page, -1 = free (module doc)
+    owner: jax.Array  # [num_pages] int32, row owning each page, -1 = free, SHARED (module doc)
+    refs: jax.Array  # [num_pages] int32, rows holding each page, 0 = free (module doc)
     page_size: int = struct.field(pytree_node=False, default=64)
 
     @property
@@ -172,15 +200,20 @@ class PageTable:
         in row order. ``rows`` are ``[max_seqs]`` arrays."""
         k = self.shards
         m = self.max_seqs // k
-        local = self.replace(block_table=self.block_table.reshape(k, m, -1),
-                             lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1),
-                             owner=self.owner.reshape(k, -1))
         rows = (_placed_like(jnp.asarray(r), self.lengths).reshape(k, m) for r in rows)
-        table, *rest = jax.vmap(fn)(local, *rows)
+        table, *rest = jax.vmap(fn)(self._split(), *rows)
         table = table.replace(block_table=table.block_table.reshape(self.max_seqs, -1),
                               lengths=table.lengths.reshape(-1), free=table.free.reshape(-1),
-                              owner=table.owner.reshape(-1))
+                              owner=table.owner.reshape(-1), refs=table.refs.reshape(-1))
         return (table, *(r.reshape(-1) for r in rest))
+
+    def _split(self) -> "PageTable":
+        """The shards' one-shard tables stacked on a leading axis (for ``vmap``)."""
+        k = self.shards
+        m = self.max_seqs // k
+        return self.replace(block_table=self.block_table.reshape(k, m, -1),
+                            lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1),
+                            owner=self.owner.reshape(k, -1), refs=self.refs.reshape(k, -1))
 
     def shard(self, k: int) -> "PageTable":
         """Shard ``k``'s own one-shard table, as host (numpy) arrays: for checks, tests and
@@ -190,7 +223,8 @@ class PageTable:
                             lengths=np.asarray(self.lengths)[k * m:(k + 1) * m],
                             free=np.asarray(self.free)[k * n:(k + 1) * n],
                             n_free=np.asarray(self.n_free).reshape(-1)[k],
-                            owner=np.asarray(self.owner)[k * n:(k + 1) * n])
+                            owner=np.asarray(self.owner)[k * n:(k + 1) * n],
+                            refs=np.asarray(self.refs)[k * n:(k + 1) * n])
 
     def pages_needed(self, lengths: jax.Array) -> jax.Array:
         """Pages that hold ``lengths`` tokens."""
@@ -234,8 +268,10 @@ class PageTable:
         lengths = jnp.where(ok, new_len, self.lengths)
         # Every operand derived from the table's own arrays: placed alike on a mesh.
         row = jnp.where(fresh, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
-        owner = self.owner.at[jnp.where(fresh, page, self.num_pages)].set(row, mode="drop")
-        return (self.replace(block_table=table, lengths=lengths, n_free=left, owner=owner),
+        at = jnp.where(fresh, page, self.num_pages)
+        owner = self.owner.at[at].set(row, mode="drop")
+        refs = self.refs.at[at].set(1, mode="drop")
+        return (self.replace(block_table=table, lengths=lengths, n_free=left, owner=owner, refs=refs),
                 status.astype(jnp.int32))
 
     def release(self, rows: jax.Array) -> "PageTable":
@@ -243,39 +279,23 @@ class PageTable:
         stack; those rows then hold nothing (length 0, no pages). A row that holds
         nothing is a no-op. Usable inside jit.
 
-        Only pages a released row *owns* (``owner``) go back, each once: first those its
-        block table names, in table order, then any it owns but does not name. So
-        releasing a row whose bookkeeping was broken (``BAD_TABLE``) repairs it without
-        freeing another row's page."""
+        Only pages a released row *holds* go back, each once, and a shared page only when
+        its last holder lets go (its ``refs`` falls by the released rows naming it; one
+        holder left: that row owns it again): first those the block tables name, in table
+        order, then any a released row owns but does not name. So releasing a row whose
+        bookkeeping was broken (``BAD_TABLE``) repairs it without freeing another row's page."""
         rows = jnp.asarray(rows, bool)
         if self.shards > 1:
             return self._per_shard(lambda t, r: (PageTable.release(t, r),), rows)[0]
-        n, m = self.num_pages, self.max_seqs
-        table = self.block_table
-        page = jnp.clip(table, 0, n - 1)
-        row = jnp.arange(m, dtype=jnp.int32)[:, None]
-        named = rows[:, None] & (table >= 0) & (table < n) & (jnp.take(self.owner, page) == row)
-        # A page its row names twice goes back once: keep the first naming of each page.
-        flat_idx = jnp.arange(table.size, dtype=jnp.int32).reshape(table.shape)
-        first = jnp.full_like(self.owner, table.size).at[jnp.where(named, table, n)].min(
-            jnp.where(named, flat_idx, table.size), mode="drop")
-        named = named & (jnp.take(first, page) == flat_idx)
-        back = jnp.zeros_like(self.owner, bool).at[jnp.where(named, table, n)].set(named, mode="drop")
+        m = self.max_seqs
+        holding = self._holding()
         in_rows = (self.owner >= 0) & (self.owner < m)
-        rest = in_rows & jnp.take(rows, jnp.clip(self.owner, 0, m - 1)) & ~back  # owned, not named
-        flat = named.reshape(-1)
-        n_named = flat.sum(dtype=jnp.int32)
-        pos = jnp.where(flat, self.n_free + jnp.cumsum(flat) - 1, n)  # stack slot of each page
-        pos_rest = jnp.where(rest, self.n_free + n_named + jnp.cumsum(rest) - 1, n)
-        free = self.free.at[pos].set(table.reshape(-1), mode="drop")
-        free = free.at[pos_rest].set(jnp.where(rest, jnp.arange(n, dtype=jnp.int32), -1), mode="drop")
-        return self.replace(
-            block_table=jnp.where(rows[:, None], -1, table),
-            lengths=jnp.where(rows, 0, self.lengths),
-            free=free,
-            n_free=self.n_free + n_named + rest.sum(dtype=jnp.int32),
-            owner=jnp.where(back | rest, -1, self.owner),
-        )
+        rest = in_rows & jnp.take(rows, jnp.clip(self.owner, 0, m - 1))  # owned, maybe not named
+        free, n_free, owner, refs = self._let_go(rows[:, None] & holding, holding, newest_on_top=False,
+                                                 owned=rest)
+        return self.replace(block_table=jnp.where(rows[:, None], -1, self.block_table),
+                            lengths=jnp.where(rows, 0, self.lengths), free=free, n_free=n_free,
+                            owner=owner, refs=refs)
 
     def truncate(self, rows: jax.Array, lengths: jax.Array) -> tuple["PageTable", jax.Array]:
         """Shorten every row where ``rows`` (``[max_seqs]`` bool) to ``lengths[b]`` tokens:
@@ -283,12 +303,15 @@ class PageTable:
         free stack *in reverse order of taking* (the rows' last pages deepest, the first
         freed page of the first row on top), so the next ``reserve`` of the same tokens
         takes the same page ids: the table is as if the dropped tokens had never been
-        appended. Usable inside jit.
+        appended. A shared page the row lets go loses a holder (``refs``) and goes back
+        only with its last one. Usable inside jit.
 
         Validated as ``reserve`` is: a row whose bookkeeping is broken, and every row of a
         shard whose free stack is broken, gets ``BAD_TABLE``; a row asked for a length
-        outside ``[0, lengths[b]]`` gets ``BAD_ROLLBACK``; both are left untouched. Other
-        rows get ``OK`` (``status`` is ``OK`` for rows not in ``rows``)."""
+        outside ``[0, lengths[b]]``, or for one that ends inside a shared page (whose next
+        append would write into it: a shared page is never written), gets
+        ``BAD_ROLLBACK``; both are left untouched. Other rows get ``OK`` (``status`` is
+        ``OK`` for rows not in ``rows``)."""
         rows = jnp.asarray(rows, bool)
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.shards > 1:
@@ -296,21 +319,135 @@ class PageTable:
         row_fault, _, stack_fault, _ = self._faults()
         bad = rows & ((row_fault != 0) | (stack_fault != 0))
         out_of_range = rows & ~bad & ((lengths < 0) | (lengths > self.lengths))
+        out_of_range |= rows & ~bad & self.ends_in_shared_page(lengths)
         ok = rows & ~bad & ~out_of_range
         new_len = jnp.where(ok, lengths, self.lengths)
         j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
-        freed = ok[:, None] & (j >= self.pages_needed(new_len)[:, None]) & \
+        holding = self._holding()
+        freed = ok[:, None] & holding & (j >= self.pages_needed(new_len)[:, None]) & \
             (j < self.pages_needed(self.lengths)[:, None])
-        flat = freed.reshape(-1)
-        total = flat.sum(dtype=jnp.int32)
-        # Reverse order of taking: the last (row, slot) deepest, the first on top.
-        pos = jnp.where(flat, self.n_free + total - jnp.cumsum(flat, dtype=jnp.int32), self.num_pages)
-        table = self.block_table
-        free = self.free.at[pos].set(table.reshape(-1), mode="drop")
-        owner = self.owner.at[jnp.where(flat, table.reshape(-1), self.num_pages)].set(-1, mode="drop")
+        free, n_free, owner, refs = self._let_go(freed, holding, newest_on_top=True)
         status = jnp.where(bad, BAD_TABLE, jnp.where(out_of_range, BAD_ROLLBACK, OK)).astype(jnp.int32)
-        return (self.replace(block_table=jnp.where(freed, -1, table), lengths=new_len, free=free,
-                             n_free=self.n_free + total, owner=owner), status)
+        return (self.replace(block_table=jnp.where(freed, -1, self.block_table), lengths=new_len, free=free,
+                             n_free=n_free, owner=owner, refs=refs), status)
+
+    def ends_in_shared_page(self, lengths: jax.Array) -> jax.Array:
+        """``[max_seqs]`` bool: whether ``lengths[b]`` tokens of row ``b`` would end inside (not
+        on the boundary of) a page the row shares: a truncate there is refused, since the next
+        append would write into a shared page. Usable inside jit."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if self.shards > 1:
+            return self._per_shard(lambda t, n: (t, PageTable.ends_in_shared_page(t, n)), lengths)[1]
+        j = jnp.clip(lengths // self.page_size, 0, self.pages_per_seq - 1)
+        page = jnp.take_along_axis(self.block_table, j[:, None], axis=1)[:, 0]
+        in_range = (page >= 0) & (page < self.num_pages)
+        shared = jnp.take(self.owner, jnp.clip(page, 0, self.num_pages - 1)) == SHARED
+        return (lengths % self.page_size != 0) & in_range & shared
+
+    def _holding(self) -> jax.Array:
+        """``[max_seqs, pages_per_seq]`` bool: the block-table entries naming a page their
+        row holds (owns, or shares)."""
+        n, table = self.num_pages, self.block_table
+        own = jnp.take(self.owner, jnp.clip(table, 0, n - 1))
+        row = jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None]
+        return (table >= 0) & (table < n) & ((own == row) | (own == SHARED))
+
+    def _let_go(self, dropped, holding, *, newest_on_top: bool, owned=None):
+        """``(free, n_free, owner, refs)`` after the (row, slot) entries ``dropped`` (a subset
+        of ``holding``) let go of their pages: each page's ``refs`` falls by its dropped
+        entries (never below 0); a page whose last holder let go is pushed once, at the entry
+        processed last (table order: ``newest_on_top=False``, the first dropped entry deepest;
+        ``True``: the reverse, the first on top); then the pages ``owned`` (``[num_pages]``
+        bool, release's repair) not pushed yet, in page order. A page left with one holder is
+        that row's again."""
+        n, table = self.num_pages, self.block_table
+        size = table.size
+        at = jnp.where(dropped, table, n)
+        count = jnp.zeros_like(self.refs).at[at].add(dropped.astype(jnp.int32), mode="drop")
+        left = jnp.maximum(self.refs - count, 0)
+        gone = (count > 0) & (left == 0)
+        idx = jnp.arange(size, dtype=jnp.int32).reshape(table.shape)
+        if newest_on_top:
+            last = jnp.full_like(self.refs, size).at[at].min(jnp.where(dropped, idx, size), mode="drop")
+        else:
+            last = jnp.full_like(self.refs, -1).at[at].max(jnp.where(dropped, idx, -1), mode="drop")
+        page = jnp.clip(table, 0, n - 1)
+        flat = (dropped & jnp.take(gone, page) & (jnp.take(last, page) == idx)).reshape(-1)
+        total = flat.sum(dtype=jnp.int32)
+        rank = jnp.cumsum(flat, dtype=jnp.int32)
+        pos = jnp.where(flat, self.n_free + (total - rank if newest_on_top else rank - 1), n)
+        free = self.free.at[pos].set(table.reshape(-1), mode="drop")
+        n_free = self.n_free + total
+        if owned is not None:
+            rest = owned & ~gone
+            pos_rest = jnp.where(rest, n_free + jnp.cumsum(rest, dtype=jnp.int32) - 1, n)
+            free = free.at[pos_rest].set(jnp.where(rest, jnp.arange(n, dtype=jnp.int32), -1), mode="drop")
+            n_free = n_free + rest.sum(dtype=jnp.int32)
+            gone = gone | rest
+        kept = holding & ~dropped
+        # Every operand derived from the table's own arrays: placed alike on a mesh.
+        row = jnp.where(kept, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
+        holder = jnp.full_like(self.owner, -1).at[jnp.where(kept, table, n)].max(row, mode="drop")
+        owner = jnp.where(gone, -1, jnp.where((self.owner == SHARED) & (left == 1), holder, self.owner))
+        return free, n_free, owner, jnp.where(gone, 0, left)
+
+    def fork(self, src: jax.Array, lengths: jax.Array, refuse: jax.Array | None = None):
+        """Start each row ``b`` with ``src[b] >= 0`` (``[max_seqs]`` int32; ``-1``: no fork) as the
+        first ``lengths[b]`` tokens of row ``src[b]``: ``(table, status, copy_from, copy_to)``.
+
+        The destination names the source's complete pages of that prefix (``lengths[b] //
+        page_size`` of them: shared, ``refs`` + 1, ``owner`` ``SHARED``) and, when the prefix
+        ends inside a page, one fresh page from the free stack (rows in row order, all or
+        nothing, as ``reserve``): the caller copies page ``copy_from[b]`` (the source's) into
+        ``copy_to[b]`` (local page ids, ``-1``: none). Usable inside jit.
+
+        Refused, the row left untouched: ``BAD_TABLE`` for a broken table (the row's, its
+        source's or the shard's free stack), ``BAD_FORK`` for a source out of range, empty or
+        itself a destination, a destination in use or also a source, ``lengths[b]`` outside
+        ``[1, lengths[src[b]]]``, a source in another data shard, or ``refuse[b]`` (the
+        caller's own reasons); ``NO_FREE_PAGES`` when no page is left for the partial one.
+        ``status`` is ``OK`` for rows without a fork."""
+        src = jnp.asarray(src, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        refuse = jnp.zeros(src.shape, bool) if refuse is None else jnp.asarray(refuse, bool)
+        if self.shards > 1:
+            m = self.max_seqs // self.shards
+            b = jnp.arange(self.max_seqs, dtype=jnp.int32)
+            refuse = refuse | ((src >= 0) & ((src >= self.max_seqs) | (src // m != b // m)))
+            return self._per_shard(PageTable.fork, jnp.where(src >= 0, src % m, -1), lengths, refuse)
+        m, n, ps = self.max_seqs, self.num_pages, self.page_size
+        row_fault, _, stack_fault, _ = self._faults()
+        active = src >= 0
+        s = jnp.clip(src, 0, m - 1)
+        src_len = jnp.take(self.lengths, s)
+        broken = active & ((row_fault != 0) | (jnp.take(row_fault, s) != 0) | (stack_fault != 0))
+        is_src = jnp.zeros_like(self.lengths, bool).at[jnp.where(active, src, m)].set(active, mode="drop")
+        bad = active & ~broken & (refuse | (src >= m) | (src_len == 0) | (self.lengths != 0) | is_src |
+                                  jnp.take(active, s) | (lengths <= 0) | (lengths > src_len))
+        partial = lengths % ps != 0
+        need = jnp.where(partial, 1, 0).astype(jnp.int32)
+        left, taken = jax.lax.scan(_take_pages, self.n_free, (need, ~active | broken | bad))
+        ok = active & ~broken & ~bad & taken
+        status = jnp.where(~active, OK, jnp.where(broken, BAD_TABLE, jnp.where(
+            bad, BAD_FORK, jnp.where(ok, OK, NO_FREE_PAGES)))).astype(jnp.int32)
+        got = jnp.where(ok, need, 0)
+        fresh = jnp.take(self.free, jnp.clip(self.n_free - jnp.cumsum(got), 0, n - 1))  # popped in row order
+        full = lengths // ps
+        j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
+        src_table = jnp.take(self.block_table, s, axis=0)
+        shared = ok[:, None] & (j < full[:, None])
+        copied = ok & partial
+        table = jnp.where(shared, src_table, self.block_table)
+        table = jnp.where(copied[:, None] & (j == full[:, None]), fresh[:, None], table)
+        gains = jnp.zeros_like(self.refs).at[jnp.where(shared, src_table, n)].add(1, mode="drop")
+        at = jnp.where(copied, fresh, n)
+        owner = jnp.where(gains > 0, SHARED, self.owner).at[at].set(
+            jnp.where(copied, jnp.arange(m, dtype=jnp.int32), -1), mode="drop")
+        refs = (self.refs + gains).at[at].set(1, mode="drop")
+        from_page = jnp.take_along_axis(src_table, jnp.clip(full, 0, self.pages_per_seq - 1)[:, None], axis=1)[:, 0]
+        table_out = self.replace(block_table=table, lengths=jnp.where(ok, lengths, self.lengths), n_free=left,
+                                 owner=owner, refs=refs)
+        return table_out, status, jnp.where(copied, from_page, -1), jnp.where(copied, fresh, -1)
 
     def token_slots(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(page, offset)`` of each position of ``positions [max_seqs, ...]`` (``-1`` ->
@@ -323,7 +460,7 @@ class PageTable:
     def _faults(self):
         """``faults`` of a one-shard table."""
         n, m = self.num_pages, self.max_seqs
-        table, lengths, owner, free = self.block_table, self.lengths, self.owner, self.free
+        table, lengths, owner, free, refs = self.block_table, self.lengths, self.owner, self.free, self.refs
         row = jnp.arange(m, dtype=jnp.int32)[:, None]
         j = jnp.arange(self.pages_per_seq, dtype=jnp.int32)[None]
         bad_length = (lengths < 0) | (lengths > self.max_length)
@@ -331,16 +468,29 @@ class PageTable:
         want = j < need[:, None]
         in_range = (table >= 0) & (table < n)
         page = jnp.where(in_range, table, 0)
-        mine = want & in_range & (jnp.take(owner, page) == row)
-        named = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
+        own = jnp.take(owner, page)
+        shared = want & in_range & (own == SHARED)
+        mine = (want & in_range & (own == row)) | shared
+        holders = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
+        # A page twice in one row: equal neighbours once each row's pages are sorted.
+        key = jnp.where(mine, table, -1 - j)  # distinct negatives where no page of the row
+        order = jnp.argsort(key, axis=1, stable=True)
+        ranked = jnp.take_along_axis(key, order, axis=1)
+        eq = ranked[:, 1:] == ranked[:, :-1]
+        no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
+        dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
+        twice = jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
                  want & in_range & ~mine,
-                 mine & (jnp.take(named, page) > 1))
+                 mine & twice)
         is_row = (owner >= 0) & (owner < m)
         owned = jnp.zeros_like(lengths).at[jnp.where(is_row, owner, m)].add(is_row.astype(jnp.int32), mode="drop")
         hits = [_first(r) for r in rules]
-        row_fault = _fault_code(*(h[0] for h in hits), owned != need)
+        hits += [(owned + shared.sum(axis=1, dtype=jnp.int32) != need, jnp.zeros((m,), jnp.int32)),
+                 _first(shared & (jnp.take(refs, page) != jnp.take(holders, page))),
+                 _first(shared & ((j + 1) * self.page_size > lengths[:, None]))]
+        row_fault = _fault_code(*(h[0] for h in hits))
         row_at = jnp.zeros((m,), jnp.int32)
         for code, (_, at) in enumerate(hits, 1):
             row_at = jnp.where(row_fault == code, at, row_at)
@@ -354,11 +504,13 @@ class PageTable:
         fpage = jnp.clip(fpage, 0, n - 1)
         ok_id = live & ~id_bad
         stack_rules = (jnp.broadcast_to((n_free < 0) | (n_free > n), (n,)),
-                       (owner < -1) | (owner >= m),
+                       (owner < SHARED) | (owner >= m),
                        id_bad,
-                       ok_id & (jnp.take(owner, fpage) != -1),
+                       ok_id & ((jnp.take(owner, fpage) != -1) | (jnp.take(refs, fpage) != 0)),
                        ok_id & (jnp.take(on_stack, fpage) > 1),
-                       jnp.broadcast_to(n_free != (owner == -1).sum(dtype=jnp.int32), (n,)))
+                       jnp.broadcast_to(n_free != (owner == -1).sum(dtype=jnp.int32), (n,)),
+                       (refs < 0) | ((refs == 0) != (owner == -1)) | ((refs == 1) & ~is_row) |
+                       ((refs >= 2) != (owner == SHARED)) | ((owner == SHARED) & (holders == 0)))
         hits = [_first(r) for r in stack_rules]
         stack_fault = _fault_code(*(h[0] for h in hits))
         stack_at = jnp.zeros((), jnp.int32)
@@ -376,12 +528,7 @@ class PageTable:
         if self.shards == 1:
             rf, ra, sf, sa = self._faults()
             return rf, ra, sf.reshape(1), sa.reshape(1)
-        k = self.shards
-        m = self.max_seqs // k
-        local = self.replace(block_table=self.block_table.reshape(k, m, -1),
-                             lengths=self.lengths.reshape(k, m), free=self.free.reshape(k, -1),
-                             owner=self.owner.reshape(k, -1))
-        rf, ra, sf, sa = jax.vmap(PageTable._faults)(local)
+        rf, ra, sf, sa = jax.vmap(PageTable._faults)(self._split())
         return rf.reshape(-1), ra.reshape(-1), sf, sa
 
     def check(self) -> None:
@@ -432,8 +579,19 @@ def _row_problem(t: PageTable, b: int, first_row: int, code: int, j: int) -> str
                 "a row reads and writes only the pages it owns")
     if code == ROW_TWICE:
         return f"row {g}: block_table[{g}, {j}] = page {entry} is named twice in the row"
+    if code == ROW_REFS:
+        holders = int((np.asarray(t.block_table) == entry).sum())
+        return (f"row {g}: block_table[{g}, {j}] = shared page {entry} has refs[{entry}] = "
+                f"{int(t.refs[entry])} but {holders} block-table entries name it")
+    if code == ROW_SHARED_PARTIAL:
+        return (f"row {g}: block_table[{g}, {j}] = shared page {entry} (refs {int(t.refs[entry])}) holds "
+                f"tokens {j * t.page_size} .. {(j + 1) * t.page_size - 1} but lengths[{g}] = {length}: a "
+                "shared page must be complete for every holder (it is never written)")
     owned = np.nonzero(np.asarray(t.owner) == b)[0]
-    return (f"row {g}: owner names {owned.size} page(s) of row {g} ({owned[:5].tolist()}) but "
+    row = np.asarray(t.block_table)[b, :need]
+    n_shared = int((np.asarray(t.owner)[np.clip(row, 0, t.num_pages - 1)] == SHARED).sum())
+    shares = f" and it shares {n_shared}," if n_shared else ""
+    return (f"row {g}: owner names {owned.size} page(s) of row {g} ({owned[:5].tolist()}){shares} but "
             f"lengths[{g}] = {length} needs {need}, named by its block table")
 
 
@@ -443,17 +601,31 @@ def _stack_problem(t: PageTable, code: int, i: int) -> str:
     if code == STACK_N_FREE:
         return f"n_free = {n_free} outside [0, {n}]"
     if code == STACK_OWNER:
-        return f"owner[{i}] = {int(t.owner[i])} names no row (rows 0 .. {t.max_seqs - 1}, or -1 for free)"
+        return (f"owner[{i}] = {int(t.owner[i])} names no row (rows 0 .. {t.max_seqs - 1}, -1 for free, "
+                f"{SHARED} for shared)")
     page = int(t.free[i]) if code in (STACK_ID, STACK_OWNED, STACK_TWICE) else -1
     if code == STACK_ID:
         return f"free[{i}] = {page} is out of range: page ids are 0 .. {n - 1}"
     if code == STACK_OWNED:
-        return f"free[{i}] = page {page} is on the free stack but owned by row {int(t.owner[page])}"
+        return (f"free[{i}] = page {page} is on the free stack but owned by row {int(t.owner[page])}"
+                if t.owner[page] >= 0 else f"free[{i}] = page {page} is on the free stack but held "
+                f"(owner {int(t.owner[page])}, refs {int(t.refs[page])})")
+    if code == STACK_REFS:
+        return _refs_problem(t, i)
     if code == STACK_TWICE:
         return f"page {page} is on the free stack twice (free[:n_free={n_free}])"
     unowned = int((np.asarray(t.owner) == -1).sum())
     return (f"n_free = {n_free} but {unowned} pages are owned by no row: the free stack must "
             "hold exactly the pages no row owns")
+
+
+def _refs_problem(t: PageTable, i: int) -> str:
+    """The message of a page whose ``refs`` and ``owner`` disagree (``STACK_REFS``)."""
+    refs, owner = int(t.refs[i]), int(t.owner[i])
+    holders = int((np.asarray(t.block_table) == i).sum())
+    return (f"page {i}: refs[{i}] = {refs}, owner[{i}] = {owner}, named by {holders} block-table "
+            f"entries: refs must be 0 for a free page (owner -1), 1 for a row's own page (owner "
+            f"that row), >= 2 for a shared one (owner {SHARED}) and never below 0")
 
 
 def release_mask(rows, max_seqs: int, what: str = "release") -> jax.Array:
@@ -502,5 +674,6 @@ def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
         free=jnp.tile(jnp.arange(n - 1, -1, -1, dtype=jnp.int32), shards),
         n_free=jnp.asarray(num_pages, jnp.int32) if shards == 1 else jnp.full((shards,), n, jnp.int32),
         owner=jnp.full((num_pages,), -1, jnp.int32),
+        refs=jnp.zeros((num_pages,), jnp.int32),
         page_size=page_size,
     )

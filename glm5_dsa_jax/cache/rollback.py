@@ -114,6 +114,7 @@ def check_rollback(cache, rows, n_tokens) -> None:
     rows, n = np.asarray(rows, bool), np.asarray(n_tokens, np.int64)
     lengths = np.asarray(cache.lengths).astype(np.int64)
     ok = np.asarray(restorable(cache, lengths, lengths - n)) if cache.has_indexer else np.ones_like(rows)
+    inside = np.asarray(cache.pages.ends_in_shared_page(jnp.asarray(np.clip(lengths - n, 0, None), jnp.int32)))
     problems = []
     for b in np.nonzero(rows)[0]:
         length, r = int(lengths[b]), int(n[b])
@@ -129,6 +130,13 @@ def check_rollback(cache, rows, n_tokens) -> None:
                 f"raw keys of positions {max(held, 0)} .. {length - 1} only (max_rollback="
                 f"{cache.max_rollback}, index_kpool={cache.kpool}: make the cache with a larger "
                 "max_rollback)")
+        elif inside[b]:
+            new, ps = length - r, cache.page_size
+            problems.append(
+                f"row {b}: n_tokens[{b}] = {r} takes the sequence from {length} to {new} tokens, inside page "
+                f"{new // ps} (tokens {new - new % ps} .. {new - new % ps + ps - 1}), which it shares with "
+                f"another sequence (fork): a shared page is never written, so roll back to a page "
+                f"boundary ({new - new % ps}) or release the row")
     if problems:
         raise ValueError("cannot roll back; nothing was changed: " + "; ".join(problems))
 
@@ -143,6 +151,10 @@ def _shift(stage: jax.Array, n: jax.Array, done: jax.Array) -> jax.Array:
     keep = (src >= 0).reshape(src.shape + (1,) * (stage.ndim - 2))
     moved = jnp.where(keep, moved, jnp.zeros((), stage.dtype))
     return jnp.where(done.reshape((-1,) + (1,) * (stage.ndim - 1)), moved, stage).astype(stage.dtype)
+
+
+#: ``_shift`` for ``cache.fork``, which shifts a source's stage onto its fork as a rollback would.
+shift_stage = _shift
 
 
 def rollback_rows(cache, rows, values, *, to_lengths: bool = False):

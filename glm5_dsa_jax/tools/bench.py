@@ -152,7 +152,8 @@ def filled_paged_cache(layer: DsaAttention, batch: int, context: int, capacity: 
     owner[table[:, :used]] = np.arange(batch, dtype=np.int32)[:, None]
     pages = cache.pages.replace(
         block_table=jnp.asarray(table), lengths=jnp.full((batch,), context, jnp.int32),
-        free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32), owner=jnp.asarray(owner))
+        free=jnp.asarray(free), n_free=jnp.asarray(n_free, jnp.int32), owner=jnp.asarray(owner),
+        refs=jnp.asarray((owner >= 0).astype(np.int32)))
     # Random float rows (float32 for fp8: replace() quantises them, with their scales).
     dt = jnp.float32 if cache.is_fp8 else cache.dtype
     cfg = layer.cfg
