@@ -165,7 +165,8 @@ def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
     b.pages.check()
     assert int(b.pages.n_free) == 24 - 7 - 5 - 8
     # A shared-indexer layer's sequence: latent rows only.
-    shared = fields(e, pooled=None, pooled_scale=None, stage_keys=None, stage_gate=None)
+    shared = fields(e, pooled=None, pooled_scale=None, stage_keys=None, stage_gate=None, stage_from=None,
+                    kpool=None)
     c = gd.init_paged_cache(cfg(), 2, num_pages=4, page_size=16, dtype="fp8", has_indexer=False).load(1, shared)
     back = c.export(1)
     assert back.pooled is None and back.stage_keys is None and not back.has_indexer
@@ -236,7 +237,7 @@ def assert_refused(call, cache, match):
 
 def fields(e: ExportedSequence, **change) -> ExportedSequence:
     """``e`` with some fields replaced (a hand-built export)."""
-    names = ("latent", "latent_scale", "pooled", "pooled_scale", "stage_keys", "stage_gate")
+    names = ("latent", "latent_scale", "pooled", "pooled_scale", "stage_keys", "stage_gate", "stage_from", "kpool")
     return ExportedSequence(**({n: getattr(e, n) for n in names} | change))
 
 
@@ -263,7 +264,7 @@ def test_load_refusals_name_the_field_and_change_nothing():
          r"row 1: it differs from the cache in latent_width 40 \(the cache's: 24\)"),
         (gd.init_paged_cache(cfg(), 3, 8, 8, has_indexer=False, dtype="bfloat16"), 1, e,
          r"row 1: .*layer kind: the sequence has indexer state, the cache lacks it"),
-        (cache, 1, fields(e, pooled=None, stage_keys=None, stage_gate=None),
+        (cache, 1, fields(e, pooled=None, stage_keys=None, stage_gate=None, stage_from=None, kpool=None),
          r"layer kind: the sequence lacks indexer state, the cache has it"),
         (gd.init_paged_cache(tiny8(index_kpool=8), 3, 8, 8, dtype="bfloat16"), 1, e, r"kpool 4 \(the cache's: 8\)"),
         (fp8, 1, e, r"dtype bfloat16 \(the cache's: float8_e4m3fn\)"),

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_dsa_jax.cache import eager
 from glm5_dsa_jax.cache.pages import BAD_ROLLBACK, OK, release_mask
 
 __all__ = ["rollback_rows", "check_rollback", "restorable", "stage_bytes", "stage_width", "counts",
@@ -87,10 +88,6 @@ def restorable(cache, lengths, new_lengths):
     kp = cache.kpool
     start = new_lengths - new_lengths % kp
     return (new_lengths % kp == 0) | (start >= jnp.maximum(cache.stage_from, lengths - cache.stage_width))
-
-
-def _concrete(*trees) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(trees))
 
 
 def counts(cache, values, to_lengths: bool):
@@ -151,10 +148,16 @@ def rollback_rows(cache, rows, values, *, to_lengths: bool = False):
     what = "truncate" if to_lengths else "rollback"
     rows = release_mask(rows, cache.max_seqs, what)
     values = counts(cache, values, to_lengths)
-    lengths = cache.pages.lengths
-    n = lengths - values if to_lengths else values
-    if _concrete(cache, rows, n):
+    n = cache.pages.lengths - values if to_lengths else values
+    if not eager.traced(cache, rows, n):  # checked, then one program placed as the cache
         check_rollback(cache, rows, n)
+        return eager.run(_rollback_rows, cache, rows, n)
+    return _rollback_rows(cache, rows, n)
+
+
+def _rollback_rows(cache, rows, n):
+    """The rollback of ``n [max_seqs]`` tokens where ``rows`` (jit-safe; refused rows untouched)."""
+    lengths = cache.pages.lengths
     new = lengths - n
     # A row the stage cannot restore truncates to its own length (a no-op), then is refused.
     fine = restorable(cache, lengths, new) | (n < 0) | (n > lengths)
@@ -265,7 +268,7 @@ def rollback_timeline(cache, n_tokens):
     """``DsaCache.rollback(n_tokens)`` (the module doc): drop the last ``n_tokens`` slots of
     the batch's timeline. Eager calls are checked first (``check_timeline_rollback``)."""
     n = timeline_count(cache, n_tokens)
-    if _concrete(cache, n):
+    if not eager.traced(cache, n):
         check_timeline_rollback(cache, int(n))
         return _ROLLBACK_TIMELINE(cache, n)
     return _rollback_timeline(cache, n)
