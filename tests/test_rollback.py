@@ -51,7 +51,7 @@ NARROW = dict(max_seqs=3, num_pages=12, page_size=4)
 
 @pytest.fixture(scope="module")
 def cfg():
-    return gd.DsaConfig.tiny(index_topk=4)  # 4 of up to 4 pools: a top-k that can be wrong
+    return gd.DsaConfig.tiny(index_topk=4)  # 1 pool of up to 3 selected: a top-k that can be wrong
 
 
 _LAYERS = {}
