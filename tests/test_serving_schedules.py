@@ -11,7 +11,9 @@ What every example checks:
   rounding (``F32_REORDER``: a placed layer's ``o_proj`` sums in another order).
 * **Page accounting, exactly, after every step**: ``PageTable.check()`` is clean on both
   caches, each row holds ``ceil(length / page_size)`` pages for the length the schedule
-  gave it, and every other page of its data shard is free.
+  gave it, and every other page of its data shard is free; on a mesh every leaf of both
+  caches stays placed as it was made (the eager ``rollback``, ``release``, ``load`` run as
+  one program each with the cache's shardings, ``glm5_dsa_jax.cache.eager``).
 
 Over ``xla`` unplaced (most examples), ``pallas_interpret`` (a few), and placed on a TP 2
 and a data x tp (2 x 2) mesh of the virtual CPU devices. Ops are drawn as ``(kind, cache,
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,6 +93,7 @@ class Schedule:
     def __init__(self, layer):
         self.layer = layer
         self.caches = [layer.init_paged_cache(**GEOMETRY) for _ in range(2)]
+        self.placement = [[a.sharding for a in jax.tree.leaves(c)] for c in self.caches]
         self.rows = [[None] * MAX_SEQS for _ in range(2)]
         self.done = []
 
@@ -120,9 +124,13 @@ class Schedule:
         return PAGES_PER_SEQ * PAGE - len(seq.tokens)
 
     def check_pages(self):
-        """The page table of each cache against the model (the module doc). With ``fork``:
-        a page shared by several rows is held once (count distinct pages per shard)."""
-        for cache, rows in zip(self.caches, self.rows):
+        """The page table of each cache against the model (the module doc), and a placed
+        cache's every leaf where it was made. With ``fork``: a page shared by several rows
+        is held once (count distinct pages per shard)."""
+        for cache, rows, placement in zip(self.caches, self.rows, self.placement):
+            if self.layer.mesh is not None:
+                for a, want in zip(jax.tree.leaves(cache), placement, strict=True):
+                    assert a.sharding.is_equivalent_to(want, a.ndim), (a.sharding, want)
             cache.pages.check()
             lengths = np.array([0 if s is None else len(s.tokens) for s in rows])
             np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
