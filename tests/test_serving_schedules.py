@@ -226,13 +226,13 @@ def run_schedule(variant, ops):
                                    err_msg=f"sequence {i}: outputs")
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(ops=OPS)
 def test_schedules_xla(ops):
     run_schedule("xla", ops)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(ops=OPS)
 def test_schedules_pallas_interpret(ops):
     run_schedule("pallas_interpret", ops)
@@ -240,7 +240,7 @@ def test_schedules_pallas_interpret(ops):
 
 @pytest.mark.parametrize("variant", ["tp2", "data x tp"])
 def test_schedules_placed(variant):
-    @settings(max_examples=5, deadline=None)
+    @settings(max_examples=4, deadline=None)
     @given(ops=OPS)
     def placed(ops):
         run_schedule(variant, ops)

@@ -23,10 +23,13 @@ Invariants:
   ``KP``), and a rollback shifts it right by ``r`` (entry ``i`` is position ``L' - H + i``).
   Only its last ``L' % KP`` entries are specified; the ones before are don't-care.
   ``stage_from[b]`` is the first position the row's stage may hold (0 for a sequence
-  appended from the start; ``L - H`` after a rollback from ``L``; ``L - KP`` after a
-  ``load``, whose export carries ``KP`` entries): a rollback is refused unless ``L' % KP
-  == 0`` or ``L' - L' % KP >= max(stage_from, L - H)``. So ``max_rollback`` tokens can
-  always be taken back, and more whenever the new length ends a pool.
+  appended from the start; ``L - H`` after a rollback from ``L``; after a ``load``, the
+  export's ``stage_from`` raised to ``L - min(H_src, H_dst)``: an export carries the whole
+  stage, ``glm5_dsa_jax.cache.transfer``): a rollback is refused unless ``L' % KP == 0``
+  or ``L' - L' % KP >= max(stage_from, L - H)``. So the last ``max_rollback`` tokens
+  appended can always be taken back (a second rollback with fewer tokens appended since
+  the first only as far as ``stage_from`` allows), and more whenever the new length ends
+  a pool.
 * **Refusals leave the row untouched**: dropping more than the row holds (or a negative
   count), or past what the stage can restore: in an eager call ``ValueError`` naming the
   row, ``n_tokens`` and the sizes, nothing changed (``check_rollback``); under jit the row
@@ -144,7 +147,9 @@ def _shift(stage: jax.Array, n: jax.Array, done: jax.Array) -> jax.Array:
 
 def rollback_rows(cache, rows, values, *, to_lengths: bool = False):
     """``PagedCache.rollback(rows, values)`` (``to_lengths``: ``truncate(rows, values)``): the
-    module doc. Eager calls are checked first (``check_rollback``)."""
+    module doc. Eager calls are checked first (``check_rollback``), then run as one program
+    placed as the cache (``glm5_dsa_jax.cache.eager``: a TP or data x tp cache stays where
+    it is)."""
     what = "truncate" if to_lengths else "rollback"
     rows = release_mask(rows, cache.max_seqs, what)
     values = counts(cache, values, to_lengths)
