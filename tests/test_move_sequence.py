@@ -11,7 +11,8 @@
   and scales). ``PageTable.check`` is clean after every load.
 * Bad input: every refusal (geometry, layer kind, dtype, stage dtype, pool size, row in use
   or out of range, too long, too few free pages in the row's data shard, an empty or
-  released row to export, an export that contradicts itself, a traced cache) raises
+  released row to export, an export that contradicts itself (its rollback state
+  included: ``kpool``, ``stage_from``), a traced cache) raises
   ``ValueError`` naming the field, and every leaf of the cache is unchanged.
 """
 
@@ -79,6 +80,11 @@ def decode(dec, rows_tokens, steps):
             got[r][0].append(np.asarray(out)[r, 0])
             got[r][1].append(np.asarray(topk)[r, 0])
     return {r: (np.stack(o), np.stack(k)) for r, (o, k) in got.items()}
+
+
+def bits(a, dtype):
+    """``a``'s bytes as ``dtype`` (a bit-for-bit comparison; a scalar as one element)."""
+    return np.atleast_1d(np.asarray(a)).view(dtype)
 
 
 def assert_same_sequence(got, want, what):
@@ -161,11 +167,12 @@ def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
     for row, src in ((1, 2), (0, 1), (2, 0)):  # 7, 5 and 8 pages of 4, each padded to 8
         b = b.load(row, exports[src])
         for x, y in zip(jax.tree.leaves(exports[src]), jax.tree.leaves(b.export(row))):
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+            np.testing.assert_array_equal(bits(x, np.uint8), bits(y, np.uint8))
     b.pages.check()
     assert int(b.pages.n_free) == 24 - 7 - 5 - 8
     # A shared-indexer layer's sequence: latent rows only.
-    shared = fields(e, pooled=None, pooled_scale=None, stage_keys=None, stage_gate=None)
+    shared = fields(e, pooled=None, pooled_scale=None, stage_keys=None, stage_gate=None, stage_from=None,
+                    kpool=None)
     c = gd.init_paged_cache(cfg(), 2, num_pages=4, page_size=16, dtype="fp8", has_indexer=False).load(1, shared)
     back = c.export(1)
     assert back.pooled is None and back.stage_keys is None and not back.has_indexer
@@ -211,7 +218,7 @@ def test_move_onto_a_tp_mesh():
         assert a.sharding.is_equivalent_to(want, a.ndim)
     for row, src in ((1, 2), (0, 1)):
         for x, y in zip(jax.tree.leaves(exports[src]), jax.tree.leaves(b.export(row))):
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+            np.testing.assert_array_equal(bits(x, np.uint16), bits(y, np.uint16))
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -236,7 +243,7 @@ def assert_refused(call, cache, match):
 
 def fields(e: ExportedSequence, **change) -> ExportedSequence:
     """``e`` with some fields replaced (a hand-built export)."""
-    names = ("latent", "latent_scale", "pooled", "pooled_scale", "stage_keys", "stage_gate")
+    names = ("latent", "latent_scale", "pooled", "pooled_scale", "stage_keys", "stage_gate", "stage_from", "kpool")
     return ExportedSequence(**({n: getattr(e, n) for n in names} | change))
 
 
@@ -263,7 +270,7 @@ def test_load_refusals_name_the_field_and_change_nothing():
          r"row 1: it differs from the cache in latent_width 40 \(the cache's: 24\)"),
         (gd.init_paged_cache(cfg(), 3, 8, 8, has_indexer=False, dtype="bfloat16"), 1, e,
          r"row 1: .*layer kind: the sequence has indexer state, the cache lacks it"),
-        (cache, 1, fields(e, pooled=None, stage_keys=None, stage_gate=None),
+        (cache, 1, fields(e, pooled=None, stage_keys=None, stage_gate=None, stage_from=None, kpool=None),
          r"layer kind: the sequence lacks indexer state, the cache has it"),
         (gd.init_paged_cache(tiny8(index_kpool=8), 3, 8, 8, dtype="bfloat16"), 1, e, r"kpool 4 \(the cache's: 8\)"),
         (fp8, 1, e, r"dtype bfloat16 \(the cache's: float8_e4m3fn\)"),
@@ -280,6 +287,10 @@ def test_load_refusals_name_the_field_and_change_nothing():
          r"ExportedSequence.pooled must be bfloat16 \(7, 16\) for a sequence of 29 tokens, got bfloat16 \(2, 16\)"),
         (cache, 1, fields(e, latent_scale=np.ones(29, np.float32)), r"ExportedSequence.latent_scale must be None"),
         (fp8, 1, fields(e8, pooled_scale=None), r"ExportedSequence.pooled_scale must be float32 \(7,\)"),
+        (cache, 1, fields(e, kpool=None), r"ExportedSequence.kpool must be an int >= 1 \(the pool size\)"),
+        (cache, 1, fields(e, stage_from=None), r"ExportedSequence.stage_from must be int32 \(\) for a sequence"),
+        (cache, 1, fields(e, stage_from=np.int32(10)),
+         r"ExportedSequence.stage_from = 10 but its stage of 4 entries holds positions 25 .. 28 only"),
     ]
     for target, row, exported, match in cases:
         assert_refused(lambda: target.load(row, exported), target, match)

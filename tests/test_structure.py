@@ -131,6 +131,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # where a placed layer's arrays live; layer math; fp8 rows; the cache interface
     ("glm5_dsa_jax.parallel.placement", "glm5_dsa_jax.model.ops", "glm5_dsa_jax.cache.fp8",
      "glm5_dsa_jax.cache.interface"),
+    ("glm5_dsa_jax.cache.eager",),  # an eager cache operation as one program, placed
     ("glm5_dsa_jax.cache.pages",),  # page bookkeeping
     ("glm5_dsa_jax.cache.rollback",),  # drafts taken back
     ("glm5_dsa_jax.cache.fork",),  # shared prefixes (a paged row started as another's first tokens)

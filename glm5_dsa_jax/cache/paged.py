@@ -85,6 +85,7 @@ import numpy as np
 from flax import struct
 
 import pallas_kernels as pk
+from glm5_dsa_jax.cache import eager
 from glm5_dsa_jax.cache.contiguous import (
     check_cache_dtype, default_stage_dtype, latent_fp8_format, store_rows, visible_pools,
 )
@@ -255,6 +256,8 @@ class PagedCache:
         when it holds only 0 and 1, since row ids (``[2, 0, 1]``) and a 0/1 mask cannot be
         told apart and releasing the wrong sequences loses their tokens."""
         rows = release_mask(rows, self.max_seqs)
+        if not eager.traced(self, rows):  # one program, placed as the cache (``cache.eager``)
+            return eager.run(PagedCache.release, self, rows)
         upd = dict(pages=self.pages.release(rows), status=jnp.where(rows, OK, self.status))
         if self.has_indexer:
             upd.update(stage_keys=jnp.where(rows[:, None, None], 0, self.stage_keys).astype(self.stage_keys.dtype),

@@ -23,10 +23,13 @@ Invariants:
   ``KP``), and a rollback shifts it right by ``r`` (entry ``i`` is position ``L' - H + i``).
   Only its last ``L' % KP`` entries are specified; the ones before are don't-care.
   ``stage_from[b]`` is the first position the row's stage may hold (0 for a sequence
-  appended from the start; ``L - H`` after a rollback from ``L``; ``L - KP`` after a
-  ``load``, whose export carries ``KP`` entries): a rollback is refused unless ``L' % KP
-  == 0`` or ``L' - L' % KP >= max(stage_from, L - H)``. So ``max_rollback`` tokens can
-  always be taken back, and more whenever the new length ends a pool.
+  appended from the start; ``L - H`` after a rollback from ``L``; after a ``load``, the
+  export's ``stage_from`` raised to ``L - min(H_src, H_dst)``: an export carries the whole
+  stage, ``glm5_dsa_jax.cache.transfer``): a rollback is refused unless ``L' % KP == 0``
+  or ``L' - L' % KP >= max(stage_from, L - H)``. So the last ``max_rollback`` tokens
+  appended can always be taken back (a second rollback with fewer tokens appended since
+  the first only as far as ``stage_from`` allows), and more whenever the new length ends
+  a pool.
 * **Refusals leave the row untouched**: dropping more than the row holds (or a negative
   count), or past what the stage can restore: in an eager call ``ValueError`` naming the
   row, ``n_tokens`` and the sizes, nothing changed (``check_rollback``); under jit the row
@@ -56,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_dsa_jax.cache import eager
 from glm5_dsa_jax.cache.pages import BAD_ROLLBACK, OK, release_mask
 
 __all__ = ["rollback_rows", "check_rollback", "restorable", "stage_bytes", "stage_width", "counts",
@@ -87,10 +91,6 @@ def restorable(cache, lengths, new_lengths):
     kp = cache.kpool
     start = new_lengths - new_lengths % kp
     return (new_lengths % kp == 0) | (start >= jnp.maximum(cache.stage_from, lengths - cache.stage_width))
-
-
-def _concrete(*trees) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(trees))
 
 
 def counts(cache, values, to_lengths: bool):
@@ -159,14 +159,22 @@ shift_stage = _shift
 
 def rollback_rows(cache, rows, values, *, to_lengths: bool = False):
     """``PagedCache.rollback(rows, values)`` (``to_lengths``: ``truncate(rows, values)``): the
-    module doc. Eager calls are checked first (``check_rollback``)."""
+    module doc. Eager calls are checked first (``check_rollback``), then run as one program
+    placed as the cache (``glm5_dsa_jax.cache.eager``: a TP or data x tp cache stays where
+    it is)."""
     what = "truncate" if to_lengths else "rollback"
     rows = release_mask(rows, cache.max_seqs, what)
     values = counts(cache, values, to_lengths)
-    lengths = cache.pages.lengths
-    n = lengths - values if to_lengths else values
-    if _concrete(cache, rows, n):
+    n = cache.pages.lengths - values if to_lengths else values
+    if not eager.traced(cache, rows, n):  # checked, then one program placed as the cache
         check_rollback(cache, rows, n)
+        return eager.run(_rollback_rows, cache, rows, n)
+    return _rollback_rows(cache, rows, n)
+
+
+def _rollback_rows(cache, rows, n):
+    """The rollback of ``n [max_seqs]`` tokens where ``rows`` (jit-safe; refused rows untouched)."""
+    lengths = cache.pages.lengths
     new = lengths - n
     # A row the stage cannot restore truncates to its own length (a no-op), then is refused.
     fine = restorable(cache, lengths, new) | (n < 0) | (n > lengths)
@@ -277,7 +285,7 @@ def rollback_timeline(cache, n_tokens):
     """``DsaCache.rollback(n_tokens)`` (the module doc): drop the last ``n_tokens`` slots of
     the batch's timeline. Eager calls are checked first (``check_timeline_rollback``)."""
     n = timeline_count(cache, n_tokens)
-    if _concrete(cache, n):
+    if not eager.traced(cache, n):
         check_timeline_rollback(cache, int(n))
         return _ROLLBACK_TIMELINE(cache, n)
     return _rollback_timeline(cache, n)

@@ -9,16 +9,21 @@ Invariants:
   order (position ``t`` is row ``t``): the latent rows ``[length, CR]`` and the pooled keys
   of the complete pools ``[length // KP, D]`` exactly as the cache holds them (the cache
   ``dtype``: an fp8 cache's e4m3 values and their float32 scales, one a row or ``G`` a row
-  (``[length, G]``, the ``"group"`` layout), never dequantised; a
-  16-bit cache's floats, not a CPU's stored bits), and the stage of the incomplete pool
-  (keys and gate logits ``[KP, D]``, positions ``length - KP .. length - 1``: the last
-  ``KP`` of a stage kept wider for rollback, ``glm5_dsa_jax.cache.rollback``; a loaded
-  sequence's ``stage_from`` is ``length - KP``, so it can take back what ends in its
-  incomplete pool or on a pool boundary). No page id,
-  block table or page size: they are the source cache's bookkeeping and mean nothing in
-  another cache, which re-pages the content at its own ``page_size``. The length is the
-  rows' count (``latent.shape[0]``) and every geometry fact is an array's shape or dtype, so
-  an export cannot contradict itself (``check_exported`` checks one built by hand).
+  (``[length, G]``, the ``"group"`` layout), never dequantised; a 16-bit cache's floats, not
+  a CPU's stored bits), and the rollback state: the whole stage (keys and gate logits ``[H,
+  D]``, positions ``length - H .. length - 1``, ``H`` the source's ``stage_width``) and
+  ``stage_from``, the first position whose raw key it holds (``glm5_dsa_jax.cache.rollback``),
+  so a loaded sequence can take back what it could where it was. No page id, block table or
+  page size: they are the source cache's bookkeeping and mean nothing in another cache, which
+  re-pages the content at its own ``page_size``. The length is the rows' count
+  (``latent.shape[0]``) and every geometry fact but ``kpool`` and ``rotate_index`` (static
+  fields) is an array's shape or dtype, so an export cannot contradict itself
+  (``check_exported`` checks one built by hand).
+* **A load keeps what the target's stage can hold**: the last ``min(H_src, H_dst)`` stage
+  entries, right-aligned, and ``stage_from`` raised to ``length - min(H_src, H_dst)`` where
+  that is later. Into a stage as wide a sequence takes back what it could before; into a
+  narrower one what that stage can restore (its ``max_rollback``, or down to a pool
+  boundary).
 * **What a load compares** (``geometry``): the latent row width, the layer kind (indexer
   state or not), ``KP`` and the index head dim, the cache dtype (fp8 included), an fp8
   cache's scales a latent row (``latent_scale_groups``: 1, or ``G`` of the ``"group"``
@@ -37,10 +42,10 @@ Invariants:
   geometry and placement compiles at most ``ceil(log2(pages_per_seq)) + 1`` write programs
   (each for ``PagedCache.load`` and for the donating ``PagedDecoder.load``), whatever the
   lengths and rows; an export likewise gathers a power of two of pages.
-* **Placement kept.** A placed cache's write is compiled with its shardings as the output
-  shardings (replicated on a TP mesh, split by sequence and page over a data axis) and run
-  under ``jax.set_mesh`` of its mesh (``Explicit`` axes: its gathers and scatters are told
-  their output sharding). Over a data axis each shard scatters onto its own pages: the
+* **Placement kept.** A placed cache's write is one program with its shardings as the
+  output shardings (``glm5_dsa_jax.cache.eager``: replicated on a TP mesh, split by
+  sequence and page over a data axis) run under ``jax.set_mesh`` of its mesh (``Explicit``
+  axes: its gathers and scatters are told their output sharding). Over a data axis each shard scatters onto its own pages: the
   program all-reduces only int32 bookkeeping, never a pool (``load_hlo``, tested). An
   unplaced cache comes back uncommitted, as from a step, so the next step does not compile
   again. The export's host arrays carry no placement.
@@ -50,14 +55,13 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from glm5_dsa_jax.cache.eager import explicit_sharding, mesh_of, program, run
 from glm5_dsa_jax.cache.fp8 import is_fp8
 from glm5_dsa_jax.cache.pages import OK
 from glm5_dsa_jax.cpu_policy import from_store, to_store
@@ -70,15 +74,19 @@ __all__ = ["ExportedSequence", "export_sequence", "load_sequence", "check_load",
 class ExportedSequence:
     """One paged sequence as host (numpy) arrays, in timeline order, without page ids (the
     module doc); a pytree, frozen. ``CR`` is the latent row width, ``KP`` the pool size,
-    ``D`` the index head dim; the indexer fields are ``None`` for a shared-indexer layer
-    and the scales ``None`` for a float cache."""
+    ``D`` the index head dim, ``H >= KP`` the source's stage width; the indexer fields are
+    ``None`` for a shared-indexer layer and the scales ``None`` for a float cache. Only the
+    last ``length - stage_from`` stage entries are specified (the rest are don't-care, as
+    in the cache)."""
 
     latent: np.ndarray  # [length, CR], the cache dtype (e4m3 values for an fp8 cache)
     latent_scale: np.ndarray | None = None  # [length] or [length, G] float32, fp8 only
     pooled: np.ndarray | None = None  # [length // KP, D], the cache dtype: the complete pools
     pooled_scale: np.ndarray | None = None  # [length // KP] float32, fp8 only
-    stage_keys: np.ndarray | None = None  # [KP, D], the stage dtype: positions length - KP ..
-    stage_gate: np.ndarray | None = None  # [KP, D] float32
+    stage_keys: np.ndarray | None = None  # [H, D], the stage dtype: positions length - H ..
+    stage_gate: np.ndarray | None = None  # [H, D] float32
+    stage_from: np.ndarray | None = None  # [] int32: first position whose raw key the stage holds
+    kpool: int | None = struct.field(pytree_node=False, default=None)  # KP (None without an indexer)
     #: the pooled keys are stored Hadamard-rotated (the source cache's ``rotate_index``)
     rotate_index: bool = struct.field(pytree_node=False, default=False)
 
@@ -108,8 +116,7 @@ def geometry(source) -> dict:
     row: 1 or the ``"group"`` layout's ``G``; None for a float cache), ``rotate_index``
     (rotated pooled keys), ``stage_dtype`` (None without an indexer)."""
     if isinstance(source, ExportedSequence):
-        width, stage = source.latent.shape[-1], source.stage_keys
-        kp = None if stage is None else int(stage.shape[-2])
+        width, stage, kp = source.latent.shape[-1], source.stage_keys, source.kpool
         row_axes = 1  # [length(, G)]
     else:
         width, stage, kp = source.latent_store.shape[-1], source.stage_keys, source.kpool
@@ -136,14 +143,6 @@ def _check_row(cache, row) -> int:
     return int(row)
 
 
-def _mesh_of(cache):
-    """``jax.set_mesh`` of the mesh ``cache`` is placed on (a no-op context for an unplaced
-    one): a program over explicitly sharded values is traced under its mesh (newer jax
-    refuses a sharded value's ops without it)."""
-    sharding = cache.latent_store.sharding
-    return jax.set_mesh(sharding.mesh) if isinstance(sharding, NamedSharding) else contextlib.nullcontext()
-
-
 def _pow2_pages(n: int, cap: int) -> int:
     """``n`` pages padded to a power of two, at most ``cap`` (the module doc's compile bound)."""
     return min(1 << max(n - 1, 0).bit_length(), cap)
@@ -167,7 +166,7 @@ def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, 
     def take(a, at):
         if a is None:
             return None
-        sharding = _explicit_sharding(a)  # explicit axes: gathered onto every device
+        sharding = explicit_sharding(a)  # explicit axes: gathered onto every device
         return a.at[at].get(out_sharding=None if sharding is None else NamedSharding(sharding.mesh, P()))
 
     return (from_store(take(latent_store, ids), dtype), take(latent_scale, ids),
@@ -193,7 +192,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     n = int(cache.pages.pages_needed(length))
     local = np.zeros(_pow2_pages(n, cache.pages_per_seq), np.int32)
     local[:n] = np.asarray(cache.block_table)[row, :n]
-    with _mesh_of(cache):
+    with mesh_of(cache):
         got = _GATHER(cache.latent_store, cache.latent_scale, cache.pooled_store, cache.pooled_scale,
                       cache.stage_keys, cache.stage_gate, _global_pages(cache, row, local), np.int32(row),
                       dtype=cache.dtype)
@@ -205,10 +204,11 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     if cache.has_indexer:
         kp = cache.kpool
         n_pools = length // kp
-        # The last KP stage entries (positions length - KP ..): all the sequence needs to go on.
+        # The whole stage and the first position it holds: the rollback state goes along.
+        held = max(int(np.asarray(cache.stage_from)[row]), length - cache.stage_width, 0)
         out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
                    pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
-                   stage_keys=stage_keys[-kp:], stage_gate=stage_gate[-kp:])
+                   stage_keys=stage_keys, stage_gate=stage_gate, stage_from=np.int32(held), kpool=kp)
     return ExportedSequence(**out, rotate_index=cache.rotate_index)
 
 
@@ -228,13 +228,20 @@ def check_exported(exported) -> None:
     groups = tuple(np.shape(sc)[1:2]) if sc is not None and np.ndim(sc) == 2 and np.shape(sc)[1] > 1 else ()
     want = {"latent_scale": ((length, *groups), np.float32) if fp8 else None}
     if e.stage_keys is None:
-        want.update(pooled=None, pooled_scale=None, stage_gate=None)
+        want.update(pooled=None, pooled_scale=None, stage_gate=None, stage_from=None)
+        if e.kpool is not None:
+            raise ValueError(f"ExportedSequence.kpool must be None without indexer state (stage_keys None), "
+                             f"got {e.kpool!r}")
     else:
-        if np.ndim(e.stage_keys) != 2 or np.shape(e.stage_keys)[0] < 1:
-            raise ValueError(f"ExportedSequence.stage_keys must be [KP, D], got {np.shape(e.stage_keys)}")
-        kp, d = np.shape(e.stage_keys)
-        want.update(pooled=((length // kp, d), lat.dtype), stage_gate=((kp, d), np.float32),
-                    pooled_scale=((length // kp,), np.float32) if fp8 else None)
+        kp = e.kpool
+        if isinstance(kp, bool) or not isinstance(kp, (int, np.integer)) or kp < 1:
+            raise ValueError(f"ExportedSequence.kpool must be an int >= 1 (the pool size) with indexer state, "
+                             f"got {kp!r}")
+        if np.ndim(e.stage_keys) != 2 or np.shape(e.stage_keys)[0] < kp:
+            raise ValueError(f"ExportedSequence.stage_keys must be [H >= kpool={kp}, D], got {np.shape(e.stage_keys)}")
+        h, d = np.shape(e.stage_keys)
+        want.update(pooled=((length // kp, d), lat.dtype), stage_gate=((h, d), np.float32),
+                    pooled_scale=((length // kp,), np.float32) if fp8 else None, stage_from=((), np.int32))
     for name, spec in want.items():
         a = getattr(e, name)
         got = None if a is None else f"{np.asarray(a).dtype.name} {tuple(np.shape(a))}"
@@ -244,6 +251,10 @@ def check_exported(exported) -> None:
         if spec is not None and (a is None or got != f"{np.dtype(spec[1]).name} {spec[0]}"):
             raise ValueError(f"ExportedSequence.{name} must be {np.dtype(spec[1]).name} {spec[0]} for a "
                              f"sequence of {length} tokens, got {got}")
+    if e.stage_keys is not None and int(e.stage_from) < max(length - h, 0):
+        raise ValueError(f"ExportedSequence.stage_from = {int(e.stage_from)} but its stage of {h} entries "
+                         f"holds positions {max(length - h, 0)} .. {length - 1} only (stage_from >= "
+                         f"{max(length - h, 0)})")
 
 
 def check_load(cache, row: int, exported: ExportedSequence) -> None:
@@ -293,9 +304,11 @@ def _payload(cache, exported: ExportedSequence) -> dict:
     out = dict(length=np.int32(e.length), latent=_paged(e.latent, e.length, ps, pages, 0),
                latent_scale=None if e.latent_scale is None else _paged(e.latent_scale, e.length, ps, pages, 1))
     if e.has_indexer:
-        kp = e.stage_keys.shape[0]
-        n, ppp = e.pooled.shape[0], ps // kp
-        out.update(pooled=_paged(e.pooled, n, ppp, pages, 0), stage_keys=e.stage_keys, stage_gate=e.stage_gate,
+        n, ppp = e.pooled.shape[0], ps // e.kpool
+        kept = min(e.stage_keys.shape[0], cache.stage_width)  # the last entries the target holds
+        out.update(pooled=_paged(e.pooled, n, ppp, pages, 0), stage_keys=e.stage_keys[-kept:],
+                   stage_gate=e.stage_gate[-kept:],
+                   stage_from=np.int32(max(int(e.stage_from), e.length - kept, 0)),
                    pooled_scale=None if e.pooled_scale is None else _paged(e.pooled_scale, n, ppp, pages, 1))
     return out
 
@@ -317,57 +330,31 @@ def _write(cache, payload: dict, row):
         if store is None:
             return None
         content = to_store(content, cache.dtype, store.dtype) if stored else content
-        return store.at[dest].set(content.astype(store.dtype), mode="drop", out_sharding=_explicit_sharding(store))
+        return store.at[dest].set(content.astype(store.dtype), mode="drop", out_sharding=explicit_sharding(store))
 
     upd = dict(pages=pages, status=jnp.where(is_row, status, cache.status),
                latent_store=put(cache.latent_store, payload["latent"]),
                latent_scale=put(cache.latent_scale, payload["latent_scale"], False))
     if cache.has_indexer:
         sel = (is_row & ok)[:, None, None]
-        kp, h = cache.kpool, cache.stage_width
+        h = cache.stage_width
 
-        def staged(a):  # the export's KP entries right-aligned in the H-wide stage
-            return jnp.concatenate([jnp.zeros((h - kp,) + a.shape[1:], a.dtype), a], 0)[None]
+        def staged(a):  # the export's last entries right-aligned in the H-wide stage
+            return jnp.concatenate([jnp.zeros((h - a.shape[0],) + a.shape[1:], a.dtype), a], 0)[None]
 
         upd.update(pooled_store=put(cache.pooled_store, payload["pooled"]),
                    pooled_scale=put(cache.pooled_scale, payload["pooled_scale"], False),
                    stage_keys=jnp.where(sel, staged(payload["stage_keys"]), cache.stage_keys),
                    stage_gate=jnp.where(sel, staged(payload["stage_gate"]), cache.stage_gate),
-                   stage_from=jnp.where(is_row & ok, jnp.maximum(payload["length"] - kp, 0),
-                                        cache.stage_from))
+                   stage_from=jnp.where(is_row & ok, payload["stage_from"], cache.stage_from))
     return cache.replace(**upd)
-
-
-def _explicit_sharding(a):
-    """``a``'s sharding where its type carries one (``Explicit`` mesh axes: a scatter
-    there must be told its output's), else None (placed by the jit's output shardings)."""
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    explicit = sharding is not None and not sharding.mesh.empty and any(
-        t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
-    return sharding if explicit else None
 
 
 def _placed_like(a, ref):
     """``a`` resharded as ``ref`` where ``ref``'s type carries an ``Explicit`` sharding (an
     elementwise op there wants its operands split alike), else ``a``."""
-    sharding = _explicit_sharding(ref)
+    sharding = explicit_sharding(ref)
     return a if sharding is None else jax.sharding.reshard(a, sharding)
-
-
-_WRITES: dict = {}
-
-
-def _write_program(cache, donate: bool):
-    """The jitted write for this cache's structure and placement: a placed cache's shardings
-    are the output's; an unplaced cache stays where jax puts it (uncommitted, as a step's
-    output is: a committed one would make the next step compile again)."""
-    placed = isinstance(cache.latent_store.sharding, NamedSharding)
-    shardings = jax.tree.map(lambda a: a.sharding, cache) if placed else None
-    key = (jax.tree.structure(cache), tuple(jax.tree.leaves(shardings)), donate)
-    if key not in _WRITES:
-        kw = dict(out_shardings=shardings) if placed else {}
-        _WRITES[key] = jax.jit(_write, donate_argnums=(0,) if donate else (), **kw)
-    return _WRITES[key]
 
 
 def load_sequence(cache, row: int, exported: ExportedSequence, *, donate: bool = False):
@@ -377,8 +364,7 @@ def load_sequence(cache, row: int, exported: ExportedSequence, *, donate: bool =
     anything is written. ``donate=True`` donates ``cache``'s buffers to the write (in place;
     ``PagedDecoder.load``), else the result is a new cache and ``cache`` stays valid."""
     check_load(cache, row, exported)
-    with _mesh_of(cache):
-        return _write_program(cache, donate)(cache, _payload(cache, exported), np.int32(row))
+    return run(_write, cache, _payload(cache, exported), np.int32(row), donate=donate)
 
 
 def load_hlo(cache, row: int, exported: ExportedSequence) -> str:
@@ -386,5 +372,5 @@ def load_hlo(cache, row: int, exported: ExportedSequence) -> str:
     HLO text, not run: for inspecting it (on a data x tp mesh each shard writes its own
     pages and only int32 bookkeeping is reduced, ``tests/test_move_sequence.py``)."""
     check_load(cache, row, exported)
-    with _mesh_of(cache):
-        return _write_program(cache, False).lower(cache, _payload(cache, exported), np.int32(row)).compile().as_text()
+    with mesh_of(cache):
+        return program(_write, cache).lower(cache, _payload(cache, exported), np.int32(row)).compile().as_text()
