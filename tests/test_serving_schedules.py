@@ -1,6 +1,7 @@
 """Randomised serving schedules (issue 26, "How it is checked"): hypothesis draws schedules of
-sequences joining, chunked appends and decode steps, drafts then a rollback, releases and
-moves (export from one paged cache, load into a free row of the other), over two caches.
+sequences joining, chunked appends and decode steps, drafts then a rollback, releases,
+forks (a prefix of a live sequence starts a free row, sharing its complete pages) and moves
+(export from one paged cache, load into a free row of the other), over two caches.
 
 What every example checks:
 
@@ -11,7 +12,8 @@ What every example checks:
   rounding (``F32_REORDER``: a placed layer's ``o_proj`` sums in another order).
 * **Page accounting, exactly, after every step**: ``PageTable.check()`` is clean on both
   caches, each row holds ``ceil(length / page_size)`` pages for the length the schedule
-  gave it, and every other page of its data shard is free; on a mesh every leaf of both
+  gave it, and every page of its data shard that no row holds is free (a shared page counts
+  once); on a mesh every leaf of both
   caches stays placed as it was made (the eager ``rollback``, ``release``, ``load`` run as
   one program each with the cache's shardings, ``glm5_dsa_jax.cache.eager``).
 
@@ -20,12 +22,11 @@ and a data x tp (2 x 2) mesh of the virtual CPU devices. Ops are drawn as ``(kin
 seed)``; the seed draws the rows, counts and tokens, so hypothesis shrinks a failure to
 its shortest schedule.
 
-**Adding an op** (``fork`` next): write ``_op_<kind>(sched, c, rng)`` that changes the
-caches through their public API and keeps ``Schedule``'s model (``rows``, each ``Seq``'s
-tokens and outputs) in step, and add ``<kind>`` to ``KINDS``; ``Schedule.check_pages`` and
-the final comparison need nothing more (a fork's destination is a ``Seq`` whose tokens and
-outputs are its source's first ``n``, and shares pages: ``check_pages`` then counts a page
-once per holder, see the ``fork`` marker below).
+**Adding an op**: write ``_op_<kind>(sched, c, rng)`` that changes the caches through their
+public API and keeps ``Schedule``'s model (``rows``, each ``Seq``'s tokens and outputs) in
+step, and add ``<kind>`` to ``KINDS``; ``Schedule.check_pages`` and the final comparison
+need nothing more (a fork's destination is a ``Seq`` whose tokens and outputs are its
+source's first ``n``).
 
 Time: the caches' geometry is fixed, every call is a chunk of ``C`` or one token, and the
 layers are built once per module, so each variant compiles its two step programs, the
@@ -125,8 +126,8 @@ class Schedule:
 
     def check_pages(self):
         """The page table of each cache against the model (the module doc), and a placed
-        cache's every leaf where it was made. With ``fork``: a page shared by several rows
-        is held once (count distinct pages per shard)."""
+        cache's every leaf where it was made. A page shared by several rows (``fork``) is
+        held once: the free pages are those no row names."""
         for cache, rows, placement in zip(self.caches, self.rows, self.placement):
             if self.layer.mesh is not None:
                 for a, want in zip(jax.tree.leaves(cache), placement, strict=True):
@@ -134,11 +135,12 @@ class Schedule:
             cache.pages.check()
             lengths = np.array([0 if s is None else len(s.tokens) for s in rows])
             np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
-            held = (np.asarray(cache.block_table) >= 0).sum(1)
-            np.testing.assert_array_equal(held, -(-lengths // PAGE))
+            table = np.asarray(cache.block_table)
+            np.testing.assert_array_equal((table >= 0).sum(1), -(-lengths // PAGE))
             shards = cache.pages.shards
+            distinct = [len(set(t[t >= 0].tolist())) for t in table.reshape(shards, -1, table.shape[1])]
             np.testing.assert_array_equal(np.asarray(cache.pages.n_free).reshape(-1),
-                                          NUM_PAGES // shards - held.reshape(shards, -1).sum(1))
+                                          NUM_PAGES // shards - np.array(distinct))
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -198,10 +200,27 @@ def _op_move(sched, c, rng):
         sched.rows[1 - c][dst], sched.rows[c][src] = sched.rows[c][src], None
 
 
-# fork: ``_op_fork(sched, c, rng)`` slots in here (a live row's first n tokens into a free row
-# of the same cache; the new Seq copies its source's first n tokens and outputs), with
-# "fork" added to KINDS and check_pages counting shared pages once.
-KINDS = {"step": _op_step, "decode": _op_decode, "draft": _op_draft, "release": _op_release, "move": _op_move}
+def _op_fork(sched, c, rng):
+    """A live row's first ``n`` tokens start a free row of its data shard (shared pages): ``n``
+    its whole length or a pool boundary (a mid-pool prefix is refused once the stage has moved
+    past it, ``PagedCache.fork``); the new ``Seq`` is the source's first ``n`` tokens and
+    their outputs (what the prefix run alone gives)."""
+    cache = sched.caches[c]
+    per_shard = MAX_SEQS // cache.pages.shards
+    pairs = [(s, d) for s in sched.live(c, rng, min_length=1) for d in range(MAX_SEQS)
+             if sched.rows[c][d] is None and s // per_shard == d // per_shard]
+    if not pairs:
+        return
+    src, dst = pairs[int(rng.integers(len(pairs)))]
+    seq = sched.rows[c][src]
+    kp = sched.layer.cfg.index_kpool
+    n = int(rng.choice([len(seq.tokens)] + list(range(kp, len(seq.tokens), kp))))
+    sched.caches[c] = cache.fork(np.array([src]), np.array([dst]), np.array([n]))
+    sched.rows[c][dst] = Seq(seq.tokens[:n], seq.outputs[:n])
+
+
+KINDS = {"step": _op_step, "decode": _op_decode, "draft": _op_draft, "release": _op_release, "move": _op_move,
+         "fork": _op_fork}
 
 #: Drafts drawn twice as often as the other kinds: the schedules are about taking tokens back.
 OPS = st.lists(st.tuples(st.sampled_from(["draft"] + sorted(KINDS)), st.integers(0, 1), st.integers(0, 2 ** 16)),

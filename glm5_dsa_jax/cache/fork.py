@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_dsa_jax.cache import eager
 from glm5_dsa_jax.cache.pages import OK
 from glm5_dsa_jax.cache.rollback import shift_stage
 
@@ -149,16 +150,18 @@ def _copy_pages(store, src, dst):
     return store.at[at].set(content, mode="drop")
 
 
-def _concrete(*trees) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(trees))
-
-
 def fork_rows(cache, src_rows, dst_rows, lengths):
     """``PagedCache.fork(src_rows, dst_rows, lengths)``: the module doc. Eager calls are
     checked first (``check_fork``)."""
     src_rows, dst_rows, lengths = fork_args(cache, src_rows, dst_rows, lengths)
-    if _concrete(cache, src_rows, dst_rows, lengths):
+    if not eager.traced(cache, src_rows, dst_rows, lengths):  # checked, then one program placed as the cache
         check_fork(cache, src_rows, dst_rows, lengths)
+        return eager.run(_fork_rows, cache, src_rows, dst_rows, lengths)
+    return _fork_rows(cache, src_rows, dst_rows, lengths)
+
+
+def _fork_rows(cache, src_rows, dst_rows, lengths):
+    """The fork itself (``fork_rows`` after its checks; traced)."""
     m = cache.max_seqs
     at = jnp.where((dst_rows >= 0) & (dst_rows < m), dst_rows, m)
     # A negative source is no row: refused as out of range, not read as "no fork".
