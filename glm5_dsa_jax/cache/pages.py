@@ -385,8 +385,7 @@ class PageTable:
             n_free = n_free + rest.sum(dtype=jnp.int32)
             gone = gone | rest
         kept = holding & ~dropped
-        # Every operand derived from the table's own arrays: placed alike on a mesh.
-        row = jnp.where(kept, jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], -1)
+        row = jnp.broadcast_to(jnp.arange(self.max_seqs, dtype=jnp.int32)[:, None], table.shape)
         holder = jnp.full_like(self.owner, -1).at[jnp.where(kept, table, n)].max(row, mode="drop")
         owner = jnp.where(gone, -1, jnp.where((self.owner == SHARED) & (left == 1), holder, self.owner))
         return free, n_free, owner, jnp.where(gone, 0, left)
