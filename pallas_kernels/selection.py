@@ -17,7 +17,7 @@ every implementation and every TP size):
 Equivalently: the selected set is ``{p : key(p) > T} ∪ {the lowest-indexed pools with
 key(p) == T, as many as fit}``, where ``T`` is the ``select_k``-th largest key. That is the
 form a radix select computes without sorting, and the form the reference below computes
-too (``T`` from ``lax.top_k``'s values). The property tests check it against a plain
+too (``T`` by a one-bit-a-pass radix select, ``_order_key.kth_largest_key``). The property tests check it against a plain
 Python sort.
 
 The Pallas kernels (``implementation="pallas"``, Triton; ``pallas_kernels.radix_select``)
@@ -62,7 +62,7 @@ from pallas_kernels._common import (
     Implementation, check_power_of_two, check_rank, check_triton_params, eager_jit, kernel_family,
     next_power_of_two,
 )
-from pallas_kernels._order_key import NEG_INF_KEY, canonical_scores, order_key
+from pallas_kernels._order_key import order_key, threshold_select
 from pallas_kernels._scores import candidates
 from pallas_kernels.mosaic_selection import MosaicTopkPoolsBlockSizes, mosaic_topk_pools
 from pallas_kernels.radix_select import MAX_COMPARE, one_program_select, segmented_select
@@ -146,34 +146,19 @@ class TopkPoolsBlockSizes:
 def topk_pools_reference(scores: jax.Array, select_k: int) -> jax.Array:
     """``[..., P]`` float32 scores -> ``[..., select_k]`` int32 pool ids (see module doc).
 
-    The threshold form, as the kernel computes it: ``T``, the ``select_k``-th largest key,
-    comes from ``lax.top_k`` on ``canonical_scores`` (floats in ``order_key``'s order; its
-    *values* do not depend on how it orders ties); then every key above ``T`` is taken, plus the lowest-indexed pools whose
-    key equals ``T``, as many as fit (a ``cumsum`` rank), never a ``-inf``. A stream
-    compaction writes them in ascending pool order. No sort of the row.
+    The threshold form, as the kernel computes it (``threshold_select`` of the scores'
+    ``order_key``): ``T``, the ``select_k``-th largest key, by a radix select of one bit a
+    pass (``kth_largest_key``: the Triton kernel's passes take 4 bits); then every key above
+    ``T`` is taken, plus the lowest-indexed pools whose key equals ``T``, as many as fit (a
+    ``cumsum`` rank), never a ``-inf``. A stream compaction writes them in ascending pool
+    order. No sort of the row.
     """
     n_pools = scores.shape[-1]
     if not 0 <= select_k <= n_pools:
         raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
-    batch = scores.shape[:-1]
     if select_k == 0:
-        return jnp.zeros(batch + (0,), jnp.int32)
-    key = order_key(scores)
-    # The k-th largest canonical float, as a key. (A float top_k is the fast one on CPUs,
-    # and ``min`` rather than ``[..., -1]``: XLA:CPU turns a slice of a top_k into a sort.)
-    kth = jax.lax.top_k(canonical_scores(scores), select_k)[0].min(-1, keepdims=True)
-    threshold = order_key(kth)
-    above = key > threshold
-    at = key == threshold
-    room = select_k - above.sum(-1, keepdims=True, dtype=jnp.int32)
-    take = (above | (at & (jnp.cumsum(at, axis=-1, dtype=jnp.int32) <= room))) & (key > NEG_INF_KEY)
-    slot = jnp.where(take, jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1, select_k)
-    rows = take.reshape(-1, n_pools).shape[0]
-    out = jnp.full((rows, select_k), -1, jnp.int32)
-    out = out.at[jnp.arange(rows)[:, None], slot.reshape(rows, n_pools)].set(
-        jnp.broadcast_to(jnp.arange(n_pools, dtype=jnp.int32), (rows, n_pools)), mode="drop"
-    )
-    return out.reshape(batch + (select_k,))
+        return jnp.zeros(scores.shape[:-1] + (0,), jnp.int32)
+    return threshold_select(order_key(scores), select_k)
 
 
 def mask_past_live(scores: jax.Array, n_live: jax.Array) -> jax.Array:

@@ -9,22 +9,27 @@ complete pool). This op keeps a running best set over the tiles seen so far, so 
 ``while_loop``: one compilation for every length). It is what ``implementation="xla"``
 runs for steps 2-3 (``DsaAttention.score_and_select``) of a decode step on a contiguous
 cache and of every step, prefill included, on a paged one (a contiguous prefill tile of
-``Q`` queries keeps the whole-row ``topk_pools``, cheaper there than ``Q`` running sorts).
+``Q`` queries keeps the whole-row ``topk_pools``: one selection per query, not one per tile).
 The Pallas path scores the whole row, and its ``topk_pools`` reads each row only up to
 ``n_live``. It is an xla-only op: it takes neither ``implementation`` nor ``block_sizes``
-(its ``tile`` is the pool tile of the caller's scorer, not a kernel block), because the
-Triton lowering has no sort and the running merge is one.
+(its ``tile`` is the pool tile of the caller's scorer, not a kernel block): it is a loop
+of XLA ops around the caller's scorer, where the Pallas path has a kernel per step.
 
 Invariants:
 
 * The tie rule is ``topk_pools``'s, exactly (see ``pallas_kernels.selection``): rank by
   ``order_key`` (higher first), the lower pool id wins among equal keys, ``-inf`` (and NaN)
   is never selected, the row lists the ids in ascending order then ``-1``. The running
-  set is kept sorted by ``(key descending, id ascending)``; merging a tile is a sort of
-  ``K + tile`` entries by that pair and a cut after ``K``. A pool's rank depends only on
-  its own ``(key, id)`` pair, so the first ``K`` of the whole row by that order are the
-  first ``K`` of (first ``K`` of the tiles before) + (this tile): the result equals
+  set is kept in ascending id order (its unfilled slots last, at ``-inf``), so the running
+  set followed by the next tile is a row in ascending id order, and merging is
+  ``threshold_select`` of that ``K + tile`` row (the reference's own rule: a radix select
+  of the ``K``-th key, then a compaction in row order; no sort). A pool's rank depends only
+  on its own ``(key, id)`` pair, so the first ``K`` of the whole row are the first ``K`` of
+  (first ``K`` of the tiles before) + (this tile): the result equals
   ``topk_pools_reference`` on the whole row, bit for bit, in any tiling.
+* Cost: a merge is 32 counting passes and a compaction over ``K + tile`` entries, so a
+  tile of a few times ``K`` keeps the merges near one pass over the live pools (the layer
+  sizes its tiles so: ``DsaAttention.score_and_select``).
 * Tile ``t`` covers pools ``t * tile ..``; the last tile of a row whose length ``P`` is
   not a multiple of ``tile`` is read from ``P - tile`` (no read past the row) and its
   pools already seen are masked to ``-inf``, so each pool is ranked once.
@@ -42,11 +47,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._order_key import NEG_INF_KEY, order_key
+from pallas_kernels._order_key import NEG_INF_KEY, order_key, threshold_select
 
 __all__ = ["streaming_topk"]
-
-_NO_ID = jnp.iinfo(jnp.int32).max
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,15 +61,19 @@ def _loop(tile_scores: Callable, tile: int, n_pools: int, select_k: int):
         return carry[0] < carry[1]
 
     def body(carry):
-        t, n_tiles, inv_key, ids, operands = carry
+        t, n_tiles, best_key, ids, operands = carry
         start = jnp.minimum(t * tile, n_pools - tile)
         s = tile_scores(start, *operands)
         tile_ids = jnp.broadcast_to(start + jnp.arange(tile, dtype=jnp.int32), s.shape)
         s = jnp.where(tile_ids >= t * tile, s, -jnp.inf)  # the last tile's overlap: seen
-        k_all = jnp.concatenate([inv_key, ~order_key(s)], axis=-1)
+        k_all = jnp.concatenate([best_key, order_key(s)], axis=-1)
         i_all = jnp.concatenate([ids, tile_ids], axis=-1)
-        k_all, i_all = jax.lax.sort((k_all, i_all), dimension=k_all.ndim - 1, num_keys=2)
-        return t + 1, n_tiles, k_all[..., :select_k], i_all[..., :select_k], operands
+        pos = threshold_select(k_all, select_k)  # ascending positions = ascending ids
+        taken = pos >= 0
+        pos = jnp.maximum(pos, 0)
+        best_key = jnp.where(taken, jnp.take_along_axis(k_all, pos, axis=-1), NEG_INF_KEY)
+        ids = jnp.where(taken, jnp.take_along_axis(i_all, pos, axis=-1), -1)
+        return t + 1, n_tiles, best_key, ids, operands
 
     return cond, body
 
@@ -109,15 +116,11 @@ def streaming_topk(
     if select_k == 0:
         return jnp.zeros(rows + (0,), jnp.int32)
     cond, body = _loop(tile_scores, tile, n_pools, select_k)
-    # ~key: descending key order as an ascending sort, without overflow at INT_MIN.
     init = (
         jnp.zeros((), jnp.int32),
         jnp.asarray(n_tiles, jnp.int32),
-        jnp.full(rows + (select_k,), ~jnp.int32(NEG_INF_KEY), jnp.int32),
-        jnp.full(rows + (select_k,), _NO_ID, jnp.int32),
+        jnp.full(rows + (select_k,), NEG_INF_KEY, jnp.int32),
+        jnp.full(rows + (select_k,), -1, jnp.int32),
         tuple(operands),
     )
-    _, _, inv_key, ids, _ = jax.lax.while_loop(cond, body, init)
-    taken = ~inv_key > NEG_INF_KEY
-    ids = jnp.sort(jnp.where(taken, ids, _NO_ID), axis=-1)
-    return jnp.where(ids == _NO_ID, -1, ids)
+    return jax.lax.while_loop(cond, body, init)[3]

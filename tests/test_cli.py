@@ -52,7 +52,7 @@ def test_bench_decode_json(capsys):
                  "--iters", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     rows = res["rows"]
-    assert {r["impl"] for r in rows} >= {"sparse", "dense", "dense_fit"}
+    assert {r["impl"] for r in rows} >= {"sparse", "dense", "dense_fit", "sparse_attn", "dense_attn", "index"}
     base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes", "cache", "capacity",
             "cache_dtype"}
     floor = {"floor_bytes", "floor_flops", "floor_read_ms", "floor_compute_ms", "floor_ms", "floor_limit",
@@ -196,7 +196,8 @@ def test_bench_decode_capacity(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["capacity"] == 512
     caps = {r["impl"]: r["capacity"] for r in res["rows"]}
-    assert caps == {"sparse": 512, "dense": 512, "dense_fit": 67, "sparse_attn": 512, "dense_attn": 512}
+    assert caps == {"sparse": 512, "dense": 512, "dense_fit": 67, "sparse_attn": 512, "dense_attn": 512,
+                    "index": 512}
     # Too small for the context and the timed steps: a usage error before any work.
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--iters", "1",
                  "--capacity", "65"]) == 2
@@ -241,7 +242,7 @@ def test_bench_decode_fp8_cache_rows(capsys, kind):
     fp8 = json.loads(capsys.readouterr().out)
     assert (bf16["cache_dtype"], fp8["cache_dtype"]) == ("bfloat16", "float8_e4m3fn")
     for r in fp8["rows"]:  # the sparse rows read fp8; the dense baseline stays bf16
-        want = "float8_e4m3fn" if r["impl"] in ("sparse", "sparse_attn") else "bfloat16"
+        want = "float8_e4m3fn" if r["impl"] in ("sparse", "sparse_attn", "index") else "bfloat16"
         assert r["cache_dtype"] == want and r["median_ms"] > 0, r
     # e4m3 rows + a float32 scale per row: a little over half the bf16 cache's bytes.
     assert 0.5 < fp8["cache_bytes_per_token"] / bf16["cache_bytes_per_token"] < 0.7

@@ -311,9 +311,10 @@ def _whole_buffer_ops(hlo: str, buffers) -> list[str]:
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_decode_step_writes_fp8_buffers_in_place(kind):
     layer = gd.DsaAttention(CFG, 1, rngs=nnx.Rngs(0))
+    layer.POOL_TILE = 512  # a score tile smaller than the buffer: the loop converts each tile it reads
     step, params = make_step(layer)
     # capacities whose element counts no other tensor of the step has
-    # (and more than POOL_TILE pools: the "xla" score loop converts a 512-pool tile it reads)
+    # (and more than POOL_TILE pools)
     cache = layer.init_cache(1, 4096, dtype="fp8") if kind == "contiguous" else layer.init_paged_cache(1, 100, 28, dtype="fp8")
     x = jnp.zeros((1, 1, CFG.hidden_size), layer.dtype)
     hlo = step.lower(params, x, jnp.ones((1, 1), bool), cache).compile().as_text()

@@ -195,6 +195,34 @@ def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
     assert (results[0][0] >= 0).any()
 
 
+def test_xla_small_then_large_tiles_equal_one_whole_row(cfg):
+    """``score_and_select`` switches from tiles of ``2 * select_k`` to ``pool_tile``'s once
+    the live pools outgrow one large tile (a ``lax.cond`` in one program): decode steps that
+    cross that point give the top-k and outputs of one whole-capacity tile."""
+    b, s, steps = 2, 38, 18
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((b, s + steps, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((b, s + steps), bool)
+    mask[1, :3] = False
+    results = []
+    for big in (12, 10**6):
+        layer = make(cfg, 1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        layer.POOL_TILE, layer.MIN_POOL_TILE = big, 2
+        cache = layer.init_cache(b, 80)
+        qi = jnp.zeros((b, 1, cfg.index_n_heads, cfg.index_head_dim))
+        if big == 12:  # tiles of 8 pools (2 * select_k) up to 12 live pools, then 12
+            assert (layer.pool_tile(qi.shape, cache.max_pools), 2 * cfg.select_k(cache.max_pools)) == (12, 8)
+        out, topk, cache = layer(x[:, :s], attention_mask=mask[:, :s], cache=cache)
+        outs, topks = [out], [topk]
+        for i in range(s, s + steps):  # 38 -> 56 tokens: 9 -> 14 complete pools (row 0)
+            out, topk, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
+            outs.append(out)
+            topks.append(topk)
+        results.append((np.concatenate(topks, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_cpu_cache_stores_16_bit_floats_as_bits(cfg):
     """On a CPU a bf16 cache's buffers hold the bits (written in place by XLA:CPU), and
     ``latent`` / ``pooled`` are the bf16 views; ``replace(latent=...)`` stores floats."""

@@ -138,7 +138,8 @@ def main(args) -> int:
         # A paged run has no attention-part rows (see glm5_dsa_jax.tools.bench).
         attn = (f"attention dense/sparse at {c1} = {by[('dense_attn', b, c1)] / by[('sparse_attn', b, c1)]:.1f}x; "
                 if ("sparse_attn", b, c1) in by else "")
-        print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; "
+        index = (f"indexer at {c1} = {by[('index', b, c1)]:.2f} ms; " if ("index", b, c1) in by else "")
+        print(f"B={b}: sparse step({c1}) / step({c0}) = {by[('sparse', b, c1)] / by[('sparse', b, c0)]:.3f}; {index}"
               f"{attn}whole step dense/sparse = {by[('dense', b, c1)] / by[('sparse', b, c1)]:.1f}x "
               f"(dense on a cache sized to the context: {by[('dense_fit', b, c1)] / by[('sparse', b, c1)]:.1f}x)")
     for (impl, b, c), t in by.items():

@@ -255,8 +255,12 @@ class DsaAttention(nnx.Module):
     A ``"shared"`` layer runs 0, 5 and 6 on ``reused_token_ids(prev_topk)``.
     """
 
-    #: Pools per tile of the ``"xla"`` score + select loop (``score_and_select``).
-    POOL_TILE = 512
+    #: The ``"xla"`` score + select loop's tiles (``pool_tile``): at most ``POOL_TILE`` pools
+    #: (a merge costs ``select_k + tile``: large tiles read each live pool about once), fewer
+    #: (not under ``MIN_POOL_TILE``) where ``[B, Q, Hi, tile]`` exceeds the float32 budget.
+    POOL_TILE = 8192
+    MIN_POOL_TILE = 512
+    SCORE_TILE_ELEMENTS = 1 << 22
 
     def __init__(
         self,
@@ -623,17 +627,37 @@ class DsaAttention(nnx.Module):
     def score_and_select(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 fused, as ``implementation="xla"`` runs them (``choose_pools``): ``[B,
         Q, select_k]`` pool ids, the same as ``select_pools(score_pools(...))`` bit for bit,
-        but scored tile by tile (``POOL_TILE`` pools, ``cache.interface.tile_scorer`` over
+        but scored tile by tile (``pool_tile`` pools, ``cache.interface.tile_scorer`` over
         the cache's ``pool_keys``) only up to the batch's latest complete pool
         (``live_pool_tiles``) with a running top-k (``pk.streaming_topk``): the work follows
         the live tokens, not the capacity. Each tile is scored under ``"score_pools"``, the
-        loop runs under ``"select_pools"``."""
-        kp, tile = self.cfg.index_kpool, min(self.POOL_TILE, cache.max_pools)
+        loop runs under ``"select_pools"``. Two tilings, one program: while the batch's live
+        pools fit one large tile, tiles of ``2 * select_k`` (so a 4K context does not score
+        a 32K-token tile); past it, ``pool_tile``'s (a ``lax.cond`` on the live count)."""
+        kp, n_pools = self.cfg.index_kpool, cache.max_pools
+        big = self.pool_tile(qi.shape, n_pools)
+        small = min(big, max(self.MIN_POOL_TILE, 2 * select_k))
+        operands = (qi, w, q_pos, cache.pool_keys())
         with jax.named_scope(SELECT_POOLS):
             n_live = cache.live_pools(q_pos)
-            return pk.streaming_topk(_scoring_step(tile_scorer(tile, kp)), (qi, w, q_pos, cache.pool_keys()),
-                                     live_pool_tiles(n_live, tile), tile=tile, n_pools=cache.max_pools,
-                                     select_k=select_k, rows=q_pos.shape)
+
+            def run(tile):
+                return pk.streaming_topk(_scoring_step(tile_scorer(tile, kp)), operands,
+                                         live_pool_tiles(n_live, tile), tile=tile, n_pools=n_pools,
+                                         select_k=select_k, rows=q_pos.shape)
+
+            if small == big:
+                return run(big)
+            return jax.lax.cond(jnp.max(n_live) <= big, lambda: run(small), lambda: run(big))
+
+    def pool_tile(self, qi_shape, n_pools: int) -> int:
+        """Pools per tile of ``score_and_select`` for queries ``qi [B, Q, Hi, D]`` over ``P =
+        n_pools``: the largest power of two whose head scores fit ``SCORE_TILE_ELEMENTS``,
+        between ``MIN_POOL_TILE`` and ``POOL_TILE``, at most ``P``."""
+        b, q, hi = qi_shape[:3]
+        fit = max(1, self.SCORE_TILE_ELEMENTS // (b * q * hi))
+        tile = max(self.MIN_POOL_TILE, 1 << (fit.bit_length() - 1))
+        return max(1, min(tile, self.POOL_TILE, n_pools))
 
     def expand_to_tokens(self, pools, cache: LayerCache, n_vis, q_pos) -> jax.Array:
         """Step 4: the selected pools' tokens and each query's visible tail (the cache's

@@ -20,7 +20,9 @@ step's cost does not depend on the values), then times
   context, where the sparse step replays one compilation);
 * ``sparse_attn`` / ``dense_attn`` (contiguous cache only): the attention part alone
   (selection + sparse MLA, against masked MLA over all tokens), given the absorbed
-  queries. A paged run has no such rows: its selection reads through the block table
+  queries; ``index``: the indexer alone, the layer's steps 2-3 as its decode step runs them
+  (``DsaAttention.choose_pools``: scores over the live pools and the top-k, or the short
+  path), given its queries and head weights. A paged run has no such rows: its selection reads through the block table
   inside the layer's paged call, and the whole ``sparse`` step is what it measures.
 
 and, at batch 1 and contexts up to ``--hf-max-context``, ``hf``: Hugging Face's eager
@@ -46,11 +48,13 @@ an fp8 cache is measured against.
 The floor counts bytes and FLOPs: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
 float32 copies on a CPU; the pooled keys of the visible pools and the selected latent
-rows; dense rows: the non-indexer weights and every cached latent row) and ``floor_flops``
+rows; dense rows: the non-indexer weights and every cached latent row; ``index``: the visible
+pooled keys) and ``floor_flops``
 what it must compute at least (``roofline.step_flops``: every projection, the index scores
 where the selection matters, the attention over the selected tokens; dense rows: the
 non-indexer projections and attention over every cached token; the attention-part rows
-without the projections). Both are timed against rates measured in the same run:
+without the projections; ``index``: the index scores alone, none where every pool is
+selected, so that row has no floor). Both are timed against rates measured in the same run:
 ``read_gb_s``, a jitted sum over a ``_BW_BYTES`` float32 array, and ``matmul_gflop_s``, a
 jitted ``_MATMUL_N``-square matmul in the dtype the step computes in (float32 on a CPU),
 each the best of several, what the machine can do rather than its noise. ``floor_read_ms``
@@ -365,6 +369,11 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
             fl = step_flops(cfg, ctx, b)
             f = fl["index"] + fl["attention"]
+        elif impl == "index":
+            f = step_flops(cfg, ctx, b)["index"]
+            if not f:  # every pool is selected: nothing to score or read, no floor
+                return {}
+            n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["pooled"]
         elif impl == "dense_attn":
             n = b * ctx * cfg.kv_cache_dim * dense_eb
             f = step_flops(cfg, ctx, b, dense=True)["attention"]
@@ -469,9 +478,17 @@ def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
         mask = cache.key_valid[:, None, :ctx]
         return pk.mla_masked_attention(q_lat, cache.latent[:, :ctx], mask, scale=cfg.softmax_scale)
 
+    @jax.jit
+    def index(qi, w, cache):
+        # The layer's own steps 2-3 (as its decode step runs them: live pools only).
+        return layer.choose_pools(qi, w, cache, pos, select_k)
+
     ts = _time(sparse, (q_lat, qi, w, cache), iters)
     td = _time(dense, (q_lat, dense_cache), iters)
-    log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)")
+    ti = _time(index, (qi, w, cache), iters)
+    log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)  "
+        f"index {ti:9.2f} ms")
     common = dict(batch=b, context=ctx, compiles=1, peak_bytes=-1, cache="contiguous", capacity=capacity)
     return [dict(impl="sparse_attn", median_ms=ts, cache_dtype=cache.dtype.name, **common),
-            dict(impl="dense_attn", median_ms=td, cache_dtype=dense_cache.dtype.name, **common)]
+            dict(impl="dense_attn", median_ms=td, cache_dtype=dense_cache.dtype.name, **common),
+            dict(impl="index", median_ms=ti, cache_dtype=cache.dtype.name, **common)]

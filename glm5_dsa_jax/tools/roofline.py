@@ -271,13 +271,14 @@ def step_read_bytes(cfg: DsaConfig, context: int, batch: int, *, weight_elem_byt
                     cache_elem_bytes: int = 2) -> dict[str, int]:
     """The bytes a decode step must read at least: every weight once, and per sequence the
     pooled keys of the visible pools and the selected latent rows (the tokens it attends
-    to, ``kv_cache_dim`` wide). ``{"weights", "cache", "total"}``."""
+    to, ``kv_cache_dim`` wide). ``{"weights", "pooled", "latent", "cache", "total"}``
+    (``cache = pooled + latent``)."""
     n = context
-    pooled = (n // cfg.index_kpool) * cfg.index_head_dim * cache_elem_bytes
-    latent = selected_ids(cfg, n) * cfg.kv_cache_dim * cache_elem_bytes
+    pooled = batch * (n // cfg.index_kpool) * cfg.index_head_dim * cache_elem_bytes
+    latent = batch * selected_ids(cfg, n) * cfg.kv_cache_dim * cache_elem_bytes
     w = weight_bytes(cfg, weight_elem_bytes)
-    cache = batch * (pooled + latent)
-    return {"weights": w, "cache": cache, "total": w + cache}
+    cache = pooled + latent
+    return {"weights": w, "pooled": pooled, "latent": latent, "cache": cache, "total": w + cache}
 
 
 def step_flops(cfg: DsaConfig, context: int, batch: int, *, dense: bool = False) -> dict[str, int]:
