@@ -279,6 +279,26 @@ def test_layer_on_group_scales_contiguous_and_paged():
     assert rel["row", 1e6] > 0.5, rel  # c rounded away: the issue's collapse
 
 
+def test_decoders_take_the_cache_format():
+    """``DsaDecoder`` / ``PagedDecoder`` pass ``latent_layout`` and ``rotate_index`` to the
+    cache they make, and decode as the layer does on a cache of that format."""
+    from helpers import f32_layer, hidden_states, rope_tiny
+    import glm5_dsa_jax as gd
+    cfg = rope_tiny(index_head_dim=16)  # a power of two: rotate_index allowed
+    layer = f32_layer(cfg, 0, seed=4, block_q=8)
+    x = jnp.asarray(hidden_states(cfg, 2, 5, seed=3))  # 5 tokens, index_topk 4: a selection
+    kw = dict(latent_layout="row", rotate_index=True)
+    want, t_want, _ = layer(x, cache=layer.init_cache(2, 8, dtype="fp8", **kw))
+    dec = gd.DsaDecoder(layer, 2, 8, cache_dtype="fp8", **kw)
+    paged = gd.PagedDecoder(layer, 2, 2, 8, cache_dtype="fp8", **kw)
+    for d in (dec, paged):
+        assert d.cache.latent_scale.ndim == 2 and d.cache.rotate_index
+        out, topk = d(x)
+        np.testing.assert_array_equal(topk, t_want)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    assert gd.DsaDecoder(layer, 2, 8, cache_dtype="fp8").cache.latent_scale.ndim == 3  # "group"
+
+
 def test_export_load_carries_group_scales():
     """``export`` keeps ``[length, G]``; a cache of the other layout refuses the load naming
     ``latent_scale_groups``, nothing written; one of the same layout (another page count)

@@ -220,8 +220,8 @@ class DsaCache:
                 )
 
     # ------------------------------------------------------------------ the cache interface
-    #: ``"xla"`` keeps a contiguous prefill tile's whole score row (``score_pools``): a
-    #: running sort of Q rows cost 1.5x the row's top-k at 1K tokens. A decode step streams.
+    #: ``"xla"`` keeps a contiguous prefill tile's whole score row (``score_pools``): one
+    #: selection per query rather than one merge per pool tile. A decode step streams.
     STREAM_PREFILL = False
 
     @property

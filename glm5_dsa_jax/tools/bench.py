@@ -19,8 +19,8 @@ step's cost does not depend on the values), then times
 * ``dense_fit``: dense's best case, a cache sized to the context (so it re-compiles per
   context, where the sparse step replays one compilation);
 * ``sparse_attn`` / ``dense_attn`` (contiguous cache only): the attention part alone
-  (selection + sparse MLA, against masked MLA over all tokens), given the absorbed
-  queries; ``index``: the indexer alone, the layer's steps 2-3 as its decode step runs them
+  (the layer's steps 2-5, selection + sparse MLA as its decode step runs them, against
+  masked MLA over all tokens), given the absorbed queries; ``index``: the indexer alone, the layer's steps 2-3 as its decode step runs them
   (``DsaAttention.choose_pools``: scores over the live pools and the top-k, or the short
   path), given its queries and head weights. A paged run has no such rows: its selection reads through the block table
   inside the layer's paged call, and the whole ``sparse`` step is what it measures.
@@ -463,14 +463,10 @@ def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
 
     @jax.jit
     def sparse(q_lat, qi, w, cache):
-        s = pk.index_scores(qi, w, cache.pooled, cache.pool_valid, cache.first_key, pos,
-                            cache.pooled_scale, kpool=cfg.index_kpool, implementation=impl)
-        pools = pk.topk_pools(s, select_k, implementation=impl)
-        tail = pk.visible_tail(cache.first_key, n_vis, pos, cache.key_valid, cfg.index_kpool) if cfg.tail_width else None
-        ids = pk.expand_selection(pools, cache.first_key, tail, kpool=cfg.index_kpool,
-                                  out_width=cfg.out_width, implementation=impl)
-        return pk.sparse_mla(q_lat, cache.latent, ids, cache.latent_scale, scale=cfg.softmax_scale,
-                             implementation=impl)
+        # The layer's own steps 2-5, as its decode step runs them.
+        pools = layer.choose_pools(qi, w, cache, pos, select_k)
+        ids = layer.expand_to_tokens(pools, cache, n_vis, pos)
+        return layer.sparse_attention(q_lat, cache.latent, ids, cache.latent_scale)
 
     @jax.jit
     def dense(q_lat, cache):
