@@ -166,6 +166,19 @@ def test_check_inputs_is_public(cfg):
         shared.check_inputs(x, None, future, start=4)
 
 
+def _prefill_then_decode(layer, x, mask, s, capacity):
+    """``(topk, out)`` of a prefill of ``x[:, :s]`` then one decode step per later token,
+    joined along the token axis (outputs in float32)."""
+    cache = layer.init_cache(x.shape[0], capacity)
+    out, topk, cache = layer(x[:, :s], attention_mask=mask[:, :s], cache=cache)
+    outs, topks = [out], [topk]
+    for i in range(s, x.shape[1]):
+        out, topk, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
+        outs.append(out)
+        topks.append(topk)
+    return np.concatenate(topks, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1)
+
+
 @pytest.mark.parametrize("tile", [1, 3, 5])
 def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
     """``score_and_select`` (the ``"xla"`` decode step's 2-3, over live pool tiles only)
@@ -182,14 +195,7 @@ def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
     for pool_tile in (tile, 10**6):
         layer = make(cfg, 1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
         layer.POOL_TILE = pool_tile
-        cache = layer.init_cache(b, 40)
-        out, topk, cache = layer(x[:, :s], attention_mask=mask[:, :s], cache=cache)
-        outs, topks = [out], [topk]
-        for i in range(s, s + 4):
-            out, topk, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
-            outs.append(out)
-            topks.append(topk)
-        results.append((np.concatenate(topks, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1)))
+        results.append(_prefill_then_decode(layer, x, mask, s, 40))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
     assert (results[0][0] >= 0).any()
@@ -198,7 +204,8 @@ def test_xla_live_tiles_equal_one_whole_row(cfg, tile):
 def test_xla_small_then_large_tiles_equal_one_whole_row(cfg):
     """``score_and_select`` switches from tiles of ``2 * select_k`` to ``pool_tile``'s once
     the live pools outgrow one large tile (a ``lax.cond`` in one program): decode steps that
-    cross that point give the top-k and outputs of one whole-capacity tile."""
+    cross that point (38 -> 56 tokens: 9 -> 14 complete pools in row 0) give the top-k and
+    outputs of one whole-capacity tile."""
     b, s, steps = 2, 38, 18
     rng = np.random.default_rng(2)
     x = rng.standard_normal((b, s + steps, cfg.hidden_size)).astype(np.float32)
@@ -208,17 +215,10 @@ def test_xla_small_then_large_tiles_equal_one_whole_row(cfg):
     for big in (12, 10**6):
         layer = make(cfg, 1, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
         layer.POOL_TILE, layer.MIN_POOL_TILE = big, 2
-        cache = layer.init_cache(b, 80)
-        qi = jnp.zeros((b, 1, cfg.index_n_heads, cfg.index_head_dim))
         if big == 12:  # tiles of 8 pools (2 * select_k) up to 12 live pools, then 12
-            assert (layer.pool_tile(qi.shape, cache.max_pools), 2 * cfg.select_k(cache.max_pools)) == (12, 8)
-        out, topk, cache = layer(x[:, :s], attention_mask=mask[:, :s], cache=cache)
-        outs, topks = [out], [topk]
-        for i in range(s, s + steps):  # 38 -> 56 tokens: 9 -> 14 complete pools (row 0)
-            out, topk, cache = layer(x[:, i:i + 1], attention_mask=mask[:, i:i + 1], cache=cache)
-            outs.append(out)
-            topks.append(topk)
-        results.append((np.concatenate(topks, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1)))
+            qi = (b, 1, cfg.index_n_heads, cfg.index_head_dim)
+            assert (layer.pool_tile(qi, 20), 2 * cfg.select_k(20)) == (12, 8)
+        results.append(_prefill_then_decode(layer, x, mask, s, 80))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
