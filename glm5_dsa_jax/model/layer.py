@@ -360,7 +360,8 @@ class DsaAttention(nnx.Module):
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype;
         ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
         once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
-        must divide by its size). ``ValueError`` for an fp8 cache this layer's kernels
+        must divide by its size) and by slot and pool over a ``seq_axis`` (``max_length``
+        must divide by its size times ``index_kpool``, ``ValueError`` naming both). ``ValueError`` for an fp8 cache this layer's kernels
         cannot read (``fp8.check_readable``). ``max_rollback``: slots the batch can always
         take back (``DsaCache.rollback``); ``latent_layout``: how an fp8 cache scales a latent
         row, ``rotate_index``: whether its indexer keys are Hadamard-rotated (``cache.init_cache``)."""
@@ -369,7 +370,7 @@ class DsaAttention(nnx.Module):
                            max_rollback=max_rollback, latent_layout=latent_layout, rotate_index=rotate_index)
         check_cache_readable(cache, self.implementation)
         p = self.placement
-        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
+        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis, p.seq_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None, max_rollback: int = 1,
@@ -385,6 +386,10 @@ class DsaAttention(nnx.Module):
         always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index`` as
         ``init_cache``'s."""
         p = self.placement
+        if p is not None and p.seq_axis is not None:
+            raise ValueError(f"layer {self.layer_idx} splits its caches' tokens over seq_axis {p.seq_axis!r} "
+                             f"(size {p.seq_shards}): the paged cache is not supported under context "
+                             "parallelism yet; use init_cache")
         cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
                                  has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
                                  stage_dtype=self.dtype, shards=1 if p is None else p.data_shards,
