@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+import glm5_dsa_jax as gd
 import pallas_kernels as pk
 from glm5_dsa_jax.parallel import context
 from glm5_dsa_jax.parallel import sharding as sh
@@ -217,3 +218,15 @@ def test_cache_placed_otherwise_refused_unchanged():
     with pytest.raises(ValueError, match=r"placed as P\(\) but the layer needs P\(None, 'cp'\)"):
         layer(x[:, :S], attention_mask=mask[:, :S], cache=cache)
     assert int(cache.length) == 0
+
+
+def test_decoder_compiles_once_per_chunk_length(reference):
+    """``DsaDecoder`` (``make_step``): the cache keeps its split between steps (in and out
+    shardings), one compilation for the chunk and one for every decode step."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    dec = gd.DsaDecoder(layer, 2, MAX_LEN)
+    x, mask = inputs(cfg(), 2)
+    got = [dec(x[:, :S], mask[:, :S])] + [dec(x[:, t:t + 1], mask[:, t:t + 1]) for t in range(S, S + STEPS)]
+    assert_same(jax.tree.map(np.asarray, got), reference[2][0])
+    assert_split(dec.cache, 4)
+    assert dec.step.traces == 2

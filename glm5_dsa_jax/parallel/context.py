@@ -33,13 +33,14 @@ read token-axis state done per shard and merged:
   the weighted outputs and weights), exact up to float rounding. Then ``o_proj`` as
   everywhere (its ``psum`` over the head axis).
 
-Bytes crossing devices per step and query row (independent of the context length):
-candidates ``cp * K' * 8`` (two int32), the tail's validity ``cp * (KP - 1) * 4``, the
-partial outputs ``(cp - 1) * H_local * (V + 1) * 4`` in float32 (a ring all-reduce moves
-about that much per device) plus the ``pmax``; at GLM-5.3-Flash decode (``select_k`` 512,
-``KP`` 4, ``V`` 512, 64 heads on tp 8: 8 local heads) with cp 8 that is 32 KiB of
-candidates and 129 KiB of partials per query, against a 1M-token cache of ~0.7 GB per
-layer.
+Bytes crossing devices per step and query row, independent of the context length (the
+collectives' operands; a ring all-gather or all-reduce moves about as much per device):
+the candidates' all-gather ``cp * K' * 8`` (an int32 key and an int32 id each), the
+tail's validity ``psum`` ``(KP - 1) * 4``, the partials' ``psum`` ``H_local * (V + 1) * 4``
+(float32 outputs and weights) and ``pmax`` ``H_local * 4``. At GLM-5.3-Flash decode
+(``select_k`` 512, ``KP`` 4, ``V`` 512, 64 heads on tp 8: 8 local heads) with cp 8: 32 KiB
+of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB per layer
+(1,089 B a token in bf16).
 
 Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
 float caches, ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
