@@ -215,18 +215,29 @@ def test_cache_placed_otherwise_refused_unchanged():
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
     cache = sh.place_cache(f32_layer(cfg(), 1).init_cache(2, MAX_LEN), layer.mesh)
     x, mask = inputs(cfg(), 2)
-    with pytest.raises(ValueError, match=r"placed as P\(\) but the layer needs P\(None, 'cp'\)"):
+    with pytest.raises(ValueError, match=r"placed as P\(\) but a context-parallel layer needs P\(None, 'cp'\)"):
         layer(x[:, :S], attention_mask=mask[:, :S], cache=cache)
     assert int(cache.length) == 0
 
 
-def test_decoder_compiles_once_per_chunk_length(reference):
-    """``DsaDecoder`` (``make_step``): the cache keeps its split between steps (in and out
-    shardings), one compilation for the chunk and one for every decode step."""
-    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
-    dec = gd.DsaDecoder(layer, 2, MAX_LEN)
+def decode_with_rollback(layer):
+    """``DsaDecoder``: the chunk, 2 steps, ``rollback(2)``, 2 steps again: ``(results, decoder)``."""
+    dec = gd.DsaDecoder(layer, 2, MAX_LEN, max_rollback=4)
     x, mask = inputs(cfg(), 2)
-    got = [dec(x[:, :S], mask[:, :S])] + [dec(x[:, t:t + 1], mask[:, t:t + 1]) for t in range(S, S + STEPS)]
-    assert_same(jax.tree.map(np.asarray, got), reference[2][0])
+    got = [dec(x[:, :S], mask[:, :S])] + [dec(x[:, t:t + 1], mask[:, t:t + 1]) for t in (S, S + 1)]
+    dec.rollback(2)
+    got += [dec(x[:, t:t + 1], mask[:, t:t + 1]) for t in (S + 2, S + 1)]  # other tokens this time
+    return jax.tree.map(np.asarray, got), dec
+
+
+def test_decoder_with_rollback():
+    """``DsaDecoder`` (``make_step``): the cache keeps its split between steps (in and out
+    shardings), one compilation for the chunk and one for every decode step; ``rollback``
+    (a jitted global-view update of the split validity) gives the unsharded decoder's
+    results after it."""
+    want, _ = decode_with_rollback(f32_layer(cfg(), 1, block_q=8))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, dec = decode_with_rollback(layer)
+    assert_same(got, want)
     assert_split(dec.cache, 4)
     assert dec.step.traces == 2

@@ -282,8 +282,13 @@ def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str | None
                 f"(devices {[d.id for d in mesh.devices.flat]}): make the cache with the placed "
                 "layer's init_cache / init_paged_cache, or sharding.place_cache it")
         if _trim(got) != _trim(spec):
+            if seq_axis is None:
+                raise ValueError(
+                    f"cache field {name} is placed as {_trim(got)} but a data-parallel layer needs {spec} "
+                    f"(split by sequence over {batch_axis!r}): make the cache with the placed layer's "
+                    "init_cache / init_paged_cache, or sharding.place_cache(cache, mesh, batch_axis=...)")
             raise ValueError(
-                f"cache field {name} is placed as {_trim(got)} but the layer needs {spec} (split by "
-                f"sequence over batch_axis {batch_axis!r}, by token over seq_axis {seq_axis!r}): make the "
-                "cache with the placed layer's init_cache / init_paged_cache, or "
+                f"cache field {name} is placed as {_trim(got)} but a context-parallel layer needs {spec} "
+                f"(split by sequence over batch_axis {batch_axis!r}, by slot over seq_axis {seq_axis!r}): "
+                "make the cache with the placed layer's init_cache, or "
                 "sharding.place_cache(cache, mesh, batch_axis=..., seq_axis=...)")
