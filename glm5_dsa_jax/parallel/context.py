@@ -44,12 +44,15 @@ of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB
 
 Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
 float caches, ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
-``axis`` and ``batch_axis``, eager and under ``jax.jit``. A whole chunk is scored at once:
-a device builds ``[S, P/cp]`` scores (``1/cp`` of the unsharded ``[S, P]``; no query
-tiling, no zig-zag split of a prefill's queries). Not supported yet (``ValueError``):
-the paged cache, the Pallas and Mosaic implementations, fp8 caches, ``attention="dense"``;
-untested: autodiff, ``rollback``, ``DsaDecoder`` / ``make_step``. A call without a cache runs
-the plain pipeline whole on every device of the sequence axis (no split).
+``axis`` and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step``
+(one compilation per chunk length; ``rollback`` through it). A chunk's queries are
+replicated over the sequence axis and run in tiles of ``block_q`` (``ops.by_query_tiles``,
+as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
+zig-zag split of a prefill's queries yet: every device scores every query against its own
+pools, so the indexer's scoring and the attention are split, the projections are not. Not
+supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations, fp8
+caches, ``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
+pipeline whole on every device of the sequence axis (no split).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from glm5_dsa_jax.cache.contiguous import stored_pools, window_of
 from glm5_dsa_jax.cache.fp8 import rotate_index_rows
 from glm5_dsa_jax.cache.interface import Chunk
 from glm5_dsa_jax.cpu_policy import from_store, to_store
+from glm5_dsa_jax.model.ops import by_query_tiles
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
 
@@ -199,6 +203,14 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
         latent_store=_write_rows(cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
                                  local_slots, chunk.fits),
         key_valid=_write_rows(cache.key_valid, mask, local_slots, chunk.fits))
+    rows = from_store(cache.latent_store, cache.dtype)
+
+    def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
+        with jax.named_scope("sparse_attention"):
+            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc),
+                                              scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
+            return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
+
     if layer.indexer is not None:
         kp = cfg.index_kpool
         p_loc = cache.pooled_store.shape[1]
@@ -213,19 +225,21 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             cache = stored_pools(cache, win, pooled, pooled_valid, chunk, max_pools=n_pools, pool_offset=pool_off)
         qi = rotate_index_rows(qi, cache.rotate_index)
         select_k = cfg.select_k(n_pools)
-        q_pos = chunk.q_pos
-        pools = _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis)
-        with jax.named_scope("expand_to_tokens"):
-            tail = _tail(cache, pools, n_vis, q_pos, kp, length, tok_off, seq_axis) if cfg.tail_width else None
-            token_ids = pk.expand_selection(pools, cache.first_key, tail, kpool=kp, out_width=cfg.out_width,
-                                            implementation="xla")
-            topk = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+
+        def tile(q_lat, q_pos, qi, w, n_vis):
+            pools = _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis)
+            with jax.named_scope("expand_to_tokens"):
+                tail = _tail(cache, pools, n_vis, q_pos, kp, length, tok_off, seq_axis) if cfg.tail_width else None
+                token_ids = pk.expand_selection(pools, cache.first_key, tail, kpool=kp, out_width=cfg.out_width,
+                                                implementation="xla")
+                token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+            return token_ids, attend(q_lat, token_ids)
+
+        topk, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+                                     (chunk.n_vis, 0))
     else:
         topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
-    with jax.named_scope("sparse_attention"):
-        rows = from_store(cache.latent_store, cache.dtype)
-        part, lse = pk.sparse_mla_partial(q_lat, rows, _held(topk, tok_off, l_loc), scale=cfg.softmax_scale,
-                                          value_width=cfg.kv_lora_rank)
-        o_lat = merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
+        _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
+                                  (topk, -1))
     out = layer.output_projection(o_lat, mask, reduce_axis=reduce_axis)
     return out, topk, cache.end_chunk(chunk)
