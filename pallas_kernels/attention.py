@@ -131,7 +131,9 @@ def sparse_mla_partial(
     log-sum-exp: ``sum_i exp(lse_i - LSE) out_i`` with ``LSE = log sum_i exp(lse_i)``.
     Plain jnp (the ``"xla"`` implementation); no custom gradient."""
     check_operands(q, latent, token_ids, latent_scale)
-    return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale, value_width=value_width)
+    v = check_value_width(value_width, q.shape[3])
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, "xla")
+    return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
 
 
 def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value_width=None):

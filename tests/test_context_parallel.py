@@ -42,11 +42,11 @@ def inputs(config, batch):
     return padded_batch(config, PADS[:batch], S + STEPS, seed=0)
 
 
-def run(layer, config, batch=2, jit=False, prev=None):
+def run(layer, config, batch=2, jit=False, prev=None, dtype=None):
     """A chunk of ``S`` then ``STEPS`` decode steps: ``([(out, topk)], cache)`` as numpy.
     ``prev``: a full layer's top-k rows per call (a shared layer's ``prev_topk``)."""
     x, mask = inputs(config, batch)
-    cache = layer.init_cache(batch, MAX_LEN)
+    cache = layer.init_cache(batch, MAX_LEN, dtype)
     if jit:
         f, state = jitted_call(layer)
         call = lambda *a, **kw: f(state, *a, **kw)  # noqa: E731
@@ -134,6 +134,18 @@ def test_shared_layer():
     got, cache = run(layer, cfg(), prev=want_full)
     assert cache.pooled_store is None
     assert_same(got, want)
+
+
+def test_fp8_cache():
+    """An fp8 cache: each shard quantises and writes its own rows and pools, the scales with
+    them (split like the rows)."""
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8), cfg(), dtype="fp8")
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg(), dtype="fp8")
+    assert cache.is_fp8 and cache.latent_scale.sharding.spec[1] == "cp"
+    assert cache.pooled_scale.sharding.spec[1] == "cp"
+    assert_same(got, want)
+    assert_same_cache(cache, want_cache)
 
 
 def test_rope_model():

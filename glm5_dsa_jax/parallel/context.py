@@ -43,15 +43,16 @@ of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB
 (1,089 B a token in bf16).
 
 Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
-float caches, ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
+float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its own),
+``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
 ``axis`` and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step``
 (one compilation per chunk length; ``rollback`` through it). A chunk's queries are
 replicated over the sequence axis and run in tiles of ``block_q`` (``ops.by_query_tiles``,
 as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
 zig-zag split of a prefill's queries yet: every device scores every query against its own
 pools, so the indexer's scoring and the attention are split, the projections are not. Not
-supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations, fp8
-caches, ``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
+supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations,
+``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
 pipeline whole on every device of the sequence axis (no split).
 """
 
@@ -62,7 +63,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.contiguous import stored_pools, window_of
-from glm5_dsa_jax.cache.fp8 import rotate_index_rows
+from glm5_dsa_jax.cache.fp8 import quantize_latent_rows, rotate_index_rows
 from glm5_dsa_jax.cache.interface import Chunk
 from glm5_dsa_jax.cpu_policy import from_store, to_store
 from glm5_dsa_jax.model.ops import by_query_tiles
@@ -180,9 +181,9 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     if attention != "sparse":
         raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports attention='sparse' only, "
                          f"got attention={attention!r}")
-    if cache.is_fp8 or getattr(cache, "pages", None) is not None:
-        raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports float contiguous caches "
-                         "(DsaCache) only, not fp8 or paged ones")
+    if getattr(cache, "pages", None) is not None:
+        raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports the contiguous cache "
+                         "(DsaCache) only, not the paged one")
     cfg = layer.cfg
     cp = layer.placement.seq_shards
     shard = jax.lax.axis_index(seq_axis)
@@ -199,15 +200,19 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     rope = layer.rope(chunk.positions if position_ids is None else position_ids)
     q_resid, q_lat, latent = layer.project(x, rope)
     local_slots = _held(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
+    upd = {}
+    if cache.is_fp8:  # quantised once, here, as append_rows does
+        latent, scale = quantize_latent_rows(latent, cache.latent_format)
+        upd["latent_scale"] = _write_rows(cache.latent_scale, scale, local_slots, chunk.fits)
     cache = cache.replace(
         latent_store=_write_rows(cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
                                  local_slots, chunk.fits),
-        key_valid=_write_rows(cache.key_valid, mask, local_slots, chunk.fits))
+        key_valid=_write_rows(cache.key_valid, mask, local_slots, chunk.fits), **upd)
     rows = from_store(cache.latent_store, cache.dtype)
 
     def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
         with jax.named_scope("sparse_attention"):
-            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc),
+            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), cache.latent_scale,
                                               scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
             return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
 
