@@ -230,6 +230,10 @@ def test_cache_placed_otherwise_refused_unchanged():
     with pytest.raises(ValueError, match=r"placed as P\(\) but a context-parallel layer needs P\(None, 'cp'\)"):
         layer(x[:, :S], attention_mask=mask[:, :S], cache=cache)
     assert int(cache.length) == 0
+    split = layer.init_cache(2, MAX_LEN)
+    with pytest.raises(ValueError, match=r"seq_axis='cp'\) supports attention='sparse' only, got attention='dense'"):
+        layer(x[:, :S], attention_mask=mask[:, :S], cache=split, attention="dense")
+    assert int(split.length) == 0 and not np.asarray(split.key_valid).any()
 
 
 def decode_with_rollback(layer):
