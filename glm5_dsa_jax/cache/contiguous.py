@@ -83,6 +83,7 @@ __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
     "default_stage_dtype", "latent_fp8_format", "store_rows", "window_of", "stored_pools",
+    "scatter_rows",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -133,6 +134,10 @@ class DsaCache:
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
     #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
     rotate_index: bool = struct.field(pytree_node=False, default=False)
+
+    #: The fields with a token (slot or pool) axis, axis 1: what a sequence axis splits
+    #: (context parallelism, ``parallel.placement``); everything else is per row or scalar.
+    TOKEN_AXIS_FIELDS = ("latent_store", "key_valid", "latent_scale", "pooled_store", "pool_valid", "pooled_scale")
 
     @property
     def stage_width(self) -> int:
@@ -580,6 +585,30 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
             cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
             cache.length, fits),
         key_valid=write_rows(cache.key_valid, mask, cache.length, fits),
+        **upd,
+    )
+
+
+def _scatter(buf, rows, slots, fits):
+    size = buf.shape[1]
+    idx = jnp.where((slots >= 0) & fits, slots, size)  # past the end: dropped
+    return buf.at[:, idx].set(rows.astype(buf.dtype), mode="drop")
+
+
+def scatter_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, slots: jax.Array, fits) -> DsaCache:
+    """``append_rows`` for one shard of a cache whose slots are split over devices (context
+    parallelism, ``glm5_dsa_jax.parallel.context``): the chunk's rows ``[B, S, C]`` and
+    validity ``[B, S]`` written at this shard's own slots ``slots [S]`` (``-1``: a slot
+    another shard holds), nothing when not ``fits``; an fp8 cache quantises the rows here,
+    once. A scatter whose indices past the end are dropped: unlike ``write_rows`` it may
+    rewrite the shard's buffer on XLA:CPU (an ``O(L / cp)`` pass per step)."""
+    upd = {}
+    if cache.is_fp8:
+        latent, scale = quantize_latent_rows(latent, cache.latent_format)
+        upd["latent_scale"] = _scatter(cache.latent_scale, scale, slots, fits)
+    return cache.replace(
+        latent_store=_scatter(cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype), slots, fits),
+        key_valid=_scatter(cache.key_valid, mask, slots, fits),
         **upd,
     )
 

@@ -2,18 +2,21 @@
 
 ``shard_layer(layer, mesh, axis="tp", batch_axis=None, seq_axis="cp")`` records the
 sequence axis on the layer's ``Placement``; its contiguous caches (``DsaCache``) then hold
-a contiguous range of the timeline on each device of that axis (``placement.SEQ_FIELDS``
+a contiguous range of the timeline on each device of that axis (``DsaCache.TOKEN_AXIS_FIELDS``
 on axis 1: device ``i`` of ``cp`` holds slots ``[i * L/cp, (i+1) * L/cp)`` of the latent
 rows and their validity, and pools ``[i * P/cp, (i+1) * P/cp)`` of the pooled keys and their
 validity), and a call with such a cache runs ``forward`` here as the body of the call's
-one ``shard_map`` (``parallel.execution``), instead of ``DsaAttention.forward``.
+one ``shard_map`` (``parallel.execution``), instead of ``DsaAttention.forward``. It reads and
+writes a shard through the cache's own operations (``attention_rows``, ``pool_keys``,
+``contiguous.scatter_rows``, ``window_of``, ``stored_pools``): only the cache package
+touches the stored buffers.
 
 ``forward`` is the layer's pipeline (``DsaAttention``'s class doc) with the three steps that
 read token-axis state done per shard and merged:
 
 * **Writes.** Every device projects the whole chunk (the call's rows are replicated over
   the sequence axis) and writes only the latent rows and pools that fall in its range
-  (``write_rows``, ``contiguous.stored_pools``); the replicated bookkeeping (``length``,
+  (``contiguous.scatter_rows``, ``contiguous.stored_pools``); the replicated bookkeeping (``length``,
   the incomplete pool's stage, ``first_key``, ``n_valid``) is computed identically on
   every device, so it stays replicated without a collective.
 * **Selection** (a full layer): each device scores the pools it holds
@@ -62,10 +65,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cache.contiguous import stored_pools, window_of
-from glm5_dsa_jax.cache.fp8 import quantize_latent_rows, rotate_index_rows
+from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
+from glm5_dsa_jax.cache.fp8 import rotate_index_rows
 from glm5_dsa_jax.cache.interface import Chunk
-from glm5_dsa_jax.cpu_policy import from_store, to_store
 from glm5_dsa_jax.model.ops import by_query_tiles
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
@@ -125,14 +127,6 @@ def _held(ids, offset, size):
     return jnp.where((ids >= 0) & (local >= 0) & (local < size), local, -1)
 
 
-def _write_rows(buf, rows, slots, fits):
-    """``buf[:, slots] = rows`` for the slots this shard holds (``slots`` already local,
-    ``-1`` elsewhere), nothing when not ``fits``: a dropped scatter (indices past the end)."""
-    size = buf.shape[1]
-    idx = jnp.where((slots >= 0) & fits, slots, size)
-    return buf.at[:, idx].set(rows.astype(buf.dtype), mode="drop")
-
-
 def _tail(cache, pools, n_vis, q_pos, kpool, length, tok_off, seq_axis):
     """``DsaCache.visible_tail`` with ``key_valid`` split over ``seq_axis``: the tail slots
     of ``pk.visible_tail``, their validity read by the shard that holds each and summed."""
@@ -156,11 +150,12 @@ def _tail(cache, pools, n_vis, q_pos, kpool, length, tok_off, seq_axis):
 def _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis):
     """The merged global top-``select_k`` pool ids ``[B, Q, select_k]`` (module doc)."""
     kp = layer.cfg.index_kpool
-    p_loc = cache.pooled_store.shape[1]
-    keys = from_store(cache.pooled_store, cache.dtype)
-    with jax.named_scope("score_pools"):
-        scores = pk.index_scores(qi, w, keys, cache.pool_valid, cache.first_key + pool_off * kp, q_pos,
-                                 cache.pooled_scale, kpool=kp, implementation="xla")
+    p_loc = cache.max_pools  # this shard's
+    source = cache.pool_keys()
+    keys, valid, first_key = source.operands()
+    with jax.named_scope("score_pools"):  # this shard's pool grid starts pool_off pools in
+        scores = pk.index_scores(qi, w, keys, valid, first_key + pool_off * kp, q_pos, source.scale,
+                                 kpool=kp, implementation="xla")
     with jax.named_scope("select_pools"):
         k_loc = min(select_k, p_loc)
         local = pk.topk_pools(scores, k_loc, implementation="xla")
@@ -187,7 +182,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     cfg = layer.cfg
     cp = layer.placement.seq_shards
     shard = jax.lax.axis_index(seq_axis)
-    l_loc = cache.latent_store.shape[1]
+    l_loc = cache.max_length  # this shard's slots
     length = l_loc * cp  # the whole timeline's capacity
     tok_off = shard * l_loc
     b, s = mask.shape
@@ -200,25 +195,18 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     rope = layer.rope(chunk.positions if position_ids is None else position_ids)
     q_resid, q_lat, latent = layer.project(x, rope)
     local_slots = _held(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
-    upd = {}
-    if cache.is_fp8:  # quantised once, here, as append_rows does
-        latent, scale = quantize_latent_rows(latent, cache.latent_format)
-        upd["latent_scale"] = _write_rows(cache.latent_scale, scale, local_slots, chunk.fits)
-    cache = cache.replace(
-        latent_store=_write_rows(cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
-                                 local_slots, chunk.fits),
-        key_valid=_write_rows(cache.key_valid, mask, local_slots, chunk.fits), **upd)
-    rows = from_store(cache.latent_store, cache.dtype)
+    cache = scatter_rows(cache, latent, mask, local_slots, chunk.fits)
+    rows, row_scale = cache.attention_rows()
 
     def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
         with jax.named_scope("sparse_attention"):
-            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), cache.latent_scale,
+            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), row_scale,
                                               scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
             return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
 
     if layer.indexer is not None:
         kp = cfg.index_kpool
-        p_loc = cache.pooled_store.shape[1]
+        p_loc = cache.max_pools  # this shard's
         n_pools = p_loc * cp
         pool_off = shard * p_loc
         qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)

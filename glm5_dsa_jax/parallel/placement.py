@@ -25,8 +25,8 @@ Invariants:
   copy it. Under tensor parallelism alone a cache not yet on the mesh is replicated onto
   it, as the call's inputs are.
 * **Split over the sequence axis** (``Placement.seq_axis``, context parallelism, contiguous
-  caches only): the cache's token-axis fields (``SEQ_FIELDS``: the latent rows, their
-  validity and fp8 scales, the pooled keys, their validity and scales) are split on their
+  caches only): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
+  rows, their validity and fp8 scales, the pooled keys, their validity and scales) are split on their
   axis 1 (slots / pools) into ``cp`` contiguous ranges, device ``i`` of the axis holding
   slots ``[i * L / cp, (i + 1) * L / cp)`` and pools ``[i * P / cp, (i + 1) * P / cp)``;
   everything else (``length``, the incomplete pool's stage, ``first_key``, ``n_valid``)
@@ -49,11 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 __all__ = [
     "Placement", "put", "replicate", "check_dp_mesh", "check_batch", "cache_specs",
     "cache_shardings", "place_cache", "check_cache_placement", "check_seq_mesh", "check_seq_split",
-    "SEQ_FIELDS",
 ]
-
-#: The fields of a contiguous cache (``DsaCache``) split over a sequence axis, on axis 1.
-SEQ_FIELDS = ("latent_store", "key_valid", "latent_scale", "pooled_store", "pool_valid", "pooled_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,18 +178,19 @@ def check_seq_split(max_length: int, kpool: int, cp: int, seq_axis: str) -> None
             "whole pools; make the cache with a multiple of that")
 
 
-def _seq_split_field(path) -> bool:
+def _seq_split_field(cache, path) -> bool:
     last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in SEQ_FIELDS
+    fields = getattr(cache, "TOKEN_AXIS_FIELDS", ())
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in fields
 
 
 def cache_specs(cache, batch_axis: str | None, seq_axis: str | None = None):
     """``PartitionSpec`` per field of a cache (``None`` leaves kept): ``P(batch_axis)`` on
     the leading axis of every array of rank >= 1, ``P()`` for a scalar (the module doc);
-    every field ``P()`` without a batch axis. With a ``seq_axis`` the ``SEQ_FIELDS`` are
-    also split on their axis 1 over it (``P(batch_axis, seq_axis)``)."""
+    every field ``P()`` without a batch axis. With a ``seq_axis`` the cache's
+    ``TOKEN_AXIS_FIELDS`` are also split on their axis 1 over it (``P(batch_axis, seq_axis)``)."""
     def spec(path, a):
-        if seq_axis is not None and _seq_split_field(path):
+        if seq_axis is not None and _seq_split_field(cache, path):
             return P(batch_axis, seq_axis)
         return P(batch_axis) if batch_axis and np.ndim(a) else P()
     return jax.tree_util.tree_map_with_path(spec, cache)
@@ -207,11 +204,10 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None, seq_
 
 def _check_seq_splits(cache, mesh, seq_axis) -> None:
     cp = int(mesh.shape[seq_axis])
-    if getattr(cache, "pages", None) is not None:
+    if not hasattr(cache, "TOKEN_AXIS_FIELDS"):
         raise ValueError(f"a paged cache cannot be split over the sequence axis {seq_axis!r} (size {cp}) "
                          "yet: context parallelism supports the contiguous cache (DsaCache) only")
-    kpool = getattr(cache, "kpool", 1) if getattr(cache, "pooled_store", None) is not None else 1
-    check_seq_split(int(cache.latent_store.shape[1]), kpool, cp, seq_axis)
+    check_seq_split(cache.max_length, cache.kpool if cache.has_indexer else 1, cp, seq_axis)
 
 
 def _check_splits(cache, mesh, batch_axis, seq_axis=None) -> None:

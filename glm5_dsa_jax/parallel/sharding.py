@@ -165,7 +165,7 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = Non
     ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
     axis over it and the scalars replicated (``placement.cache_specs``). Use it for a
     decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves. With a
-    ``seq_axis`` the token-axis fields (``placement.SEQ_FIELDS``) are split on axis 1 too."""
+    ``seq_axis`` the token-axis fields (``DsaCache.TOKEN_AXIS_FIELDS``) are split on axis 1 too."""
     return pl.cache_shardings(cache, mesh, batch_axis, seq_axis)
 
 
