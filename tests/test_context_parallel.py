@@ -157,12 +157,15 @@ def test_rope_model():
     assert_split(cache, 4)
 
 
+_order_key = jax.jit(pk.order_key)
+
+
 def _range_best(scores, offset, k):
     """A device's ``k`` best pools of its range under ``topk_pools``' order (a plain sort:
     higher ``order_key`` first, the lower id on ties; ``-inf`` never): ``(keys, global ids)``,
     ``-1`` ids after."""
-    keys = np.asarray(pk.order_key(scores))
-    never = int(pk.order_key(np.float32(-np.inf)))
+    keys = np.asarray(_order_key(scores))
+    never = int(_order_key(np.float32(-np.inf)))
     b, q, n = scores.shape
     out_k = np.full((b, q, k), np.iinfo(np.int32).min, np.int32)
     out_i = np.full((b, q, k), -1, np.int32)
@@ -180,12 +183,12 @@ def test_merge_candidates_is_topk_pools():
     rng = np.random.default_rng(0)
     for cp, n_pools, select_k in ((2, 16, 4), (4, 16, 6), (8, 32, 5), (4, 8, 8)):
         scores = rng.choice(np.float32([-np.inf, -1.0, 0.0, -0.0, 2.5]), size=(2, 3, n_pools))
-        want = pk.topk_pools_reference(jax.numpy.asarray(scores), select_k)
+        want = jax.jit(pk.topk_pools_reference, static_argnums=1)(scores, select_k)
         p_loc = n_pools // cp
         parts = [_range_best(scores[..., i * p_loc:(i + 1) * p_loc], i * p_loc, min(select_k, p_loc))
                  for i in range(cp)]
         keys, ids = (np.concatenate([p[j] for p in parts], -1) for j in (0, 1))
-        got = context.merge_candidates(jax.numpy.asarray(keys), jax.numpy.asarray(ids), select_k)
+        got = jax.jit(context.merge_candidates, static_argnums=2)(keys, ids, select_k)
         np.testing.assert_array_equal(got, want, err_msg=f"cp {cp}, P {n_pools}, K {select_k}")
 
 
