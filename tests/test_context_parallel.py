@@ -15,6 +15,8 @@ full of ties. Bad input: ``ValueError`` naming the sizes, the layer and cache un
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -260,3 +262,33 @@ def test_decoder_with_rollback():
     assert_same(got, want)
     assert_split(dec.cache, 4)
     assert dec.step.traces == 2
+
+
+def step_collectives(layer, max_length):
+    """``[(result type, op)]`` of every collective in the compiled decode step of a
+    ``DsaDecoder`` of ``max_length`` slots (tuple all-reduces, which XLA combines, included)."""
+    dec = gd.DsaDecoder(layer, 2, max_length)
+    x, mask = inputs(cfg(), 2)
+    hlo = dec.step.lower(dec.params, x[:, :1], mask[:, :1], dec.cache).compile().as_text()
+    ops = r"all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+    found = [re.search(rf"= (.*?) ({ops})(?:-start)?\(", ln) for ln in hlo.splitlines()]
+    return sorted((re.sub(r"\{[\d,]+\}", "", m.group(1)), m.group(2)) for m in found if m)
+
+
+def test_bytes_crossing_devices_do_not_grow_with_the_context():
+    """The decode step's collectives at 64 and 1024 slots are the same ops on the same
+    shapes: the candidates' two all-gathers ``s32[B, 1, cp * K]``, the tail's validity, the
+    partials' ``pmax`` and ``psum`` ``[B, 1, H_local(, V)]``, the ``o_proj`` ``psum``."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    small, large = step_collectives(layer, 64), step_collectives(layer, 1024)
+    assert small == large
+    c = cfg()
+    k, v, h_loc = c.max_select_k, c.kv_lora_rank, c.num_attention_heads // 2
+    assert small == sorted([
+        (f"s32[2,1,{4 * k}]", "all-gather"), (f"s32[2,1,{4 * k}]", "all-gather"),  # keys, ids
+        (f"s32[2,1,{c.index_kpool - 1}]", "all-reduce"),  # the tail's validity
+        (f"f32[2,1,{h_loc}]", "all-reduce"),  # pmax of the log-sum-exp
+        (f"(f32[2,1,{h_loc},{v}], f32[2,1,{h_loc}])", "all-reduce"),  # weighted partials, weights
+        (f"f32[2,1,{c.hidden_size}]", "all-reduce"),  # o_proj over tp
+    ]), small
+
