@@ -43,7 +43,8 @@ tail's validity ``psum`` ``(KP - 1) * 4``, the partials' ``psum`` ``H_local * (V
 (float32 outputs and weights) and ``pmax`` ``H_local * 4``. At GLM-5.3-Flash decode
 (``select_k`` 512, ``KP`` 4, ``V`` 512, 64 heads on tp 8: 8 local heads) with cp 8: 32 KiB
 of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB per layer
-(1,089 B a token in bf16).
+(1,089 B a token in bf16). ``tests/test_context_parallel.py`` reads these collectives in
+the compiled decode step: the same ops on the same shapes at 64 and 1024 slots.
 
 Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
 float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its own),
