@@ -28,7 +28,9 @@ read token-axis state done per shard and merged:
   total order (higher key first, the lower pool id on equal keys; ``-inf`` never), listed
   ascending, ``-1`` after. Each device's ``K'`` best under that order contain every one of
   its pools in the global best ``select_k``, so the merged ids are the unsharded layer's
-  bit for bit. The expansion to tokens is replicated; the visible tail's validity
+  bit for bit. (Every row is scored: the unsharded layer's short-context path, which
+  selects every candidate without a score, gives the same ids unless a score is NaN,
+  which only non-finite inputs make; ``pk.visible_pool_ids``.) The expansion to tokens is replicated; the visible tail's validity
   (``key_valid`` at the ``KP - 1`` tail slots) is read where it lives and ``psum``-ed.
 * **Attention**: each device attends over the selected tokens it holds (the others are
   ``-1`` for it: ``pk.sparse_mla_partial``), returning its partial output and log-sum-exp;
