@@ -85,13 +85,14 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     def jitted_for(cache):
         """The compiled step for a cache of this structure. A placed layer gets explicit
         shardings, so the parameters stay where shard_layer put them and the inputs,
-        outputs and cache (replicated, or split over a batch axis) never move."""
+        outputs and cache (replicated, or split over a batch axis and a sequence axis)
+        never move."""
         key = None if mesh is None else jax.tree.structure(cache)
         if key not in jits and mesh is None:
             jits[key] = jax.jit(step_fn, donate_argnames=donated)
         elif key not in jits:
             rows = batch_sharding(layer)
-            cache_sh = cache_shardings(cache, mesh, layer.batch_axis)
+            cache_sh = cache_shardings(cache, mesh, layer.batch_axis, layer.placement.seq_axis)
             jits[key] = jax.jit(
                 step_fn, donate_argnames=donated,
                 in_shardings=(jax.tree.map(lambda a: a.sharding, params), rows, rows, cache_sh, rows),

@@ -101,7 +101,7 @@ from pallas_kernels._common import (
     resolve_implementation, triton_calls,
 )
 from pallas_kernels.attention import (
-    MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_reference,
+    MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference,
 )
 from pallas_kernels.attention_backward import (
     SparseMlaBackwardBlockSizes, sparse_mla_backward, sparse_mla_backward_reference,
@@ -141,7 +141,7 @@ __all__ = [
     "KpoolCompressBlockSizes", "first_valid", "kpool_compress", "kpool_compress_reference",
     "num_pools",
     "MosaicSparseMlaBlockSizes", "SparseMlaBlockSizes", "mla_masked_attention", "sparse_mla",
-    "sparse_mla_reference", "SparseMlaBackwardBlockSizes", "sparse_mla_backward",
+    "sparse_mla_partial", "sparse_mla_reference", "SparseMlaBackwardBlockSizes", "sparse_mla_backward",
     "sparse_mla_backward_reference", "SelectionTranspose", "selection_transpose",
     "topk_to_mask", "causal_mla", "causal_mla_reference", "causal_visible",
     "MosaicTopkPoolsBlockSizes", "TopkPoolsBlockSizes", "order_key", "topk_pools", "topk_pools_reference",

@@ -90,7 +90,8 @@ from pallas_kernels.attention_backward import sparse_mla_backward
 from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
 from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
 
-__all__ = ["sparse_mla", "sparse_mla_reference", "SparseMlaBlockSizes", "MosaicSparseMlaBlockSizes"]
+__all__ = ["sparse_mla", "sparse_mla_reference", "sparse_mla_partial", "SparseMlaBlockSizes",
+           "MosaicSparseMlaBlockSizes"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -117,6 +118,22 @@ def sparse_mla_reference(
     """
     return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale,
                                value_width=value_width)[0]
+
+
+def sparse_mla_partial(
+    q: jax.Array, latent: jax.Array, token_ids: jax.Array, latent_scale: jax.Array | None = None,
+    *, scale: float, value_width: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out [B, Q, H, V] in q.dtype, lse [B, Q, H] float32)``: ``sparse_mla_reference``
+    over the ids a caller holds and its log-sum-exp (``-inf``, output zeros, where a row
+    holds none): one part of an attention whose rows are split over devices (context
+    parallelism, ``glm5_dsa_jax.parallel.context``), whose parts merge exactly by their
+    log-sum-exp: ``sum_i exp(lse_i - LSE) out_i`` with ``LSE = log sum_i exp(lse_i)``.
+    Plain jnp (the ``"xla"`` implementation); no custom gradient."""
+    check_operands(q, latent, token_ids, latent_scale)
+    v = check_value_width(value_width, q.shape[3])
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, "xla")
+    return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
 
 
 def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value_width=None):

@@ -82,7 +82,8 @@ from pallas_kernels import first_valid
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
-    "default_stage_dtype", "latent_fp8_format", "store_rows",
+    "default_stage_dtype", "latent_fp8_format", "store_rows", "window_of", "stored_pools",
+    "scatter_rows",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -133,6 +134,10 @@ class DsaCache:
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
     #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
     rotate_index: bool = struct.field(pytree_node=False, default=False)
+
+    #: The fields with a token (slot or pool) axis, axis 1: what a sequence axis splits
+    #: (context parallelism, ``parallel.placement``); everything else is per row or scalar.
+    TOKEN_AXIS_FIELDS = ("latent_store", "key_valid", "latent_scale", "pooled_store", "pool_valid", "pooled_scale")
 
     @property
     def stage_width(self) -> int:
@@ -265,68 +270,15 @@ class DsaCache:
 
     def pool_window(self, keys: jax.Array, gate: jax.Array, chunk: Chunk) -> PoolWindow:
         """The ``PoolWindow`` of a chunk's indexer keys ``[B, S, D]`` and gate logits: slots
-        ``length - KP .. length + S - 1`` (the stage, then the chunk)."""
-        mask = chunk.mask
-        kp = self.kpool
-        s = keys.shape[1]
-        length, big = self.length, self.max_length
-        win_start = length - kp
-        chunk_first = first_valid(mask)
-        first_key = jnp.where(
-            self.first_key < big, self.first_key,
-            jnp.where(chunk_first < s, length + chunk_first, big),
-        ).astype(jnp.int32)
-        rel = first_key - win_start
-        first_pool = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
-        return PoolWindow(
-            keys=jnp.concatenate([self.stage_keys[:, -kp:], keys.astype(self.stage_keys.dtype)], axis=1),
-            gate=jnp.concatenate([self.stage_gate[:, -kp:], gate], axis=1),
-            valid=jnp.concatenate([self.stage_valid[:, -kp:], mask], axis=1),
-            first_key=first_key,
-            first_pool=first_pool.astype(jnp.int32),
-        )
+        ``length - KP .. length + S - 1`` (the stage, then the chunk); ``window_of``."""
+        return window_of(self, keys, gate, chunk, self.max_length)
 
     def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
                     chunk: Chunk) -> "DsaCache":
         """Write the pools of ``window`` that complete in this chunk, once, and keep the last
         ``H`` slots of the stage's first ``H - KP`` then the window as the new stage (nothing
-        when not ``chunk.fits``).
-
-        ``pooled [B, n, D]`` / ``pooled_valid [B, n]`` are ``kpool_compress`` of the window
-        from ``window.first_pool``; a pool is new when its last slot lies in the chunk.
-        """
-        fits = chunk.fits
-        kp, h = self.kpool, self.stage_width
-        s = window.keys.shape[1] - kp
-        length = self.length
-        win_start = length - kp
-        wfirst, first_key = window.first_pool[:, None], window.first_key
-        q = jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
-        last = win_start + wfirst + (q + 1) * kp - 1  # timeline slot of each pool's end
-        pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
-        new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
-        new &= pool_ids < self.max_pools
-        pooled = rotate_index_rows(pooled, self.rotate_index)
-        bufs, rows = [self.pooled_store, self.pool_valid], [pooled, pooled_valid]
-        if self.is_fp8:  # quantised once, here
-            rows[0], scale = quantize_rows(pooled)
-            bufs.append(self.pooled_scale)
-            rows.append(scale)
-        rows[0] = to_store(rows[0], self.dtype, self.pooled_store.dtype)
-        pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
-
-        def staged(old, win):  # slots length - H .. length + S - 1, then the last H
-            return jnp.where(fits, jnp.concatenate([old[:, :h - kp], win], 1)[:, s:], old)
-
-        return self.replace(
-            pooled_store=pooled_cache,
-            pool_valid=pool_valid,
-            pooled_scale=scale[0] if scale else None,
-            stage_keys=staged(self.stage_keys, window.keys),
-            stage_gate=staged(self.stage_gate, window.gate),
-            stage_valid=staged(self.stage_valid, window.valid),
-            first_key=jnp.where(fits, first_key, self.first_key),
-        )
+        when not ``chunk.fits``): ``stored_pools`` on the whole pool buffer."""
+        return stored_pools(self, window, pooled, pooled_valid, chunk, max_pools=self.max_pools)
 
     def live_pools(self, q_pos: jax.Array) -> jax.Array:
         """``[B, Q]`` the pools complete at each query (``visible_pools`` from ``first_key``)."""
@@ -362,6 +314,78 @@ class DsaCache:
         s = chunk.mask.shape[1]
         return self.replace(**upd, length=jnp.where(chunk.fits, chunk.start + s, chunk.start).astype(jnp.int32))
 
+
+def window_of(cache: DsaCache, keys: jax.Array, gate: jax.Array, chunk: Chunk, max_length: int) -> PoolWindow:
+    """``DsaCache.pool_window`` of ``cache`` whose timeline holds ``max_length`` slots
+    (``first_key == max_length``: no valid slot yet). A context-parallel shard passes the
+    whole timeline's capacity (``parallel.context``), the cache its own."""
+    mask = chunk.mask
+    kp = cache.kpool
+    s = keys.shape[1]
+    length, big = cache.length, max_length
+    win_start = length - kp
+    chunk_first = first_valid(mask)
+    first_key = jnp.where(
+        cache.first_key < big, cache.first_key,
+        jnp.where(chunk_first < s, length + chunk_first, big),
+    ).astype(jnp.int32)
+    rel = first_key - win_start
+    first_pool = jnp.where(first_key >= big, kp + s, jnp.where(rel >= 0, rel, jnp.mod(rel, kp)))
+    return PoolWindow(
+        keys=jnp.concatenate([cache.stage_keys[:, -kp:], keys.astype(cache.stage_keys.dtype)], axis=1),
+        gate=jnp.concatenate([cache.stage_gate[:, -kp:], gate], axis=1),
+        valid=jnp.concatenate([cache.stage_valid[:, -kp:], mask], axis=1),
+        first_key=first_key,
+        first_pool=first_pool.astype(jnp.int32),
+    )
+
+
+def stored_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
+                 chunk: Chunk, *, max_pools: int, pool_offset=0) -> DsaCache:
+    """``DsaCache.store_pools`` on a timeline of ``max_pools`` pools of which ``cache``'s
+    buffers hold pools ``pool_offset .. pool_offset + cache.max_pools - 1`` (a context-
+    parallel shard, ``parallel.context``; the cache itself: 0 and all): the pools of
+    ``window`` completing in this chunk are written once, those in the held range only,
+    and the last ``H`` slots of the stage's first ``H - KP`` then the window are kept as
+    the new stage (nothing when not ``chunk.fits``).
+
+    ``pooled [B, n, D]`` / ``pooled_valid [B, n]`` are ``kpool_compress`` of the window
+    from ``window.first_pool``; a pool is new when its last slot lies in the chunk.
+    """
+    fits = chunk.fits
+    kp, h = cache.kpool, cache.stage_width
+    s = window.keys.shape[1] - kp
+    length = cache.length
+    win_start = length - kp
+    wfirst, first_key = window.first_pool[:, None], window.first_key
+    q = jnp.arange(pooled.shape[1], dtype=jnp.int32)[None]
+    last = win_start + wfirst + (q + 1) * kp - 1  # timeline slot of each pool's end
+    pool_ids = (win_start + wfirst - first_key[:, None]) // kp + q  # pool id on the grid
+    new = (last >= length) & (last < length + s) & (wfirst < kp + s) & fits
+    new &= pool_ids < max_pools
+    pool_ids = pool_ids - pool_offset  # the held range's own index
+    new &= (pool_ids >= 0) & (pool_ids < cache.max_pools)
+    pooled = rotate_index_rows(pooled, cache.rotate_index)
+    bufs, rows = [cache.pooled_store, cache.pool_valid], [pooled, pooled_valid]
+    if cache.is_fp8:  # quantised once, here
+        rows[0], scale = quantize_rows(pooled)
+        bufs.append(cache.pooled_scale)
+        rows.append(scale)
+    rows[0] = to_store(rows[0], cache.dtype, cache.pooled_store.dtype)
+    pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
+
+    def staged(old, win):  # slots length - H .. length + S - 1, then the last H
+        return jnp.where(fits, jnp.concatenate([old[:, :h - kp], win], 1)[:, s:], old)
+
+    return cache.replace(
+        pooled_store=pooled_cache,
+        pool_valid=pool_valid,
+        pooled_scale=scale[0] if scale else None,
+        stage_keys=staged(cache.stage_keys, window.keys),
+        stage_gate=staged(cache.stage_gate, window.gate),
+        stage_valid=staged(cache.stage_valid, window.valid),
+        first_key=jnp.where(fits, first_key, cache.first_key),
+    )
 
 
 def store_rows(cache, updates: dict) -> dict:
@@ -561,6 +585,30 @@ def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> Ds
             cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype),
             cache.length, fits),
         key_valid=write_rows(cache.key_valid, mask, cache.length, fits),
+        **upd,
+    )
+
+
+def _scatter(buf, rows, slots, fits):
+    size = buf.shape[1]
+    idx = jnp.where((slots >= 0) & fits, slots, size)  # past the end: dropped
+    return buf.at[:, idx].set(rows.astype(buf.dtype), mode="drop")
+
+
+def scatter_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, slots: jax.Array, fits) -> DsaCache:
+    """``append_rows`` for one shard of a cache whose slots are split over devices (context
+    parallelism, ``glm5_dsa_jax.parallel.context``): the chunk's rows ``[B, S, C]`` and
+    validity ``[B, S]`` written at this shard's own slots ``slots [S]`` (``-1``: a slot
+    another shard holds), nothing when not ``fits``; an fp8 cache quantises the rows here,
+    once. A scatter whose indices past the end are dropped: unlike ``write_rows`` it may
+    rewrite the shard's buffer on XLA:CPU (an ``O(L / cp)`` pass per step)."""
+    upd = {}
+    if cache.is_fp8:
+        latent, scale = quantize_latent_rows(latent, cache.latent_format)
+        upd["latent_scale"] = _scatter(cache.latent_scale, scale, slots, fits)
+    return cache.replace(
+        latent_store=_scatter(cache.latent_store, to_store(latent, cache.dtype, cache.latent_store.dtype), slots, fits),
+        key_valid=_scatter(cache.key_valid, mask, slots, fits),
         **upd,
     )
 

@@ -94,7 +94,7 @@ from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_f
 from glm5_dsa_jax.model.indexer_loss import check_modes, dense_tile_kl, mean_loss, sparse_tile_kl
 from glm5_dsa_jax.model.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.model.layout import ParamFactory, hf_weight_shapes
-from glm5_dsa_jax.model.ops import absorb_o, absorb_q, dense, layer_norm, matmul, rms_norm
+from glm5_dsa_jax.model.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
 from glm5_dsa_jax.parallel.execution import run, run_fn
 from glm5_dsa_jax.parallel.placement import Placement, place_cache
 from glm5_dsa_jax.model.rope import apply_rope, rope_cos_sin
@@ -360,7 +360,8 @@ class DsaAttention(nnx.Module):
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype;
         ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
         once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
-        must divide by its size). ``ValueError`` for an fp8 cache this layer's kernels
+        must divide by its size) and by slot and pool over a ``seq_axis`` (``max_length``
+        must divide by its size times ``index_kpool``, ``ValueError`` naming both). ``ValueError`` for an fp8 cache this layer's kernels
         cannot read (``fp8.check_readable``). ``max_rollback``: slots the batch can always
         take back (``DsaCache.rollback``); ``latent_layout``: how an fp8 cache scales a latent
         row, ``rotate_index``: whether its indexer keys are Hadamard-rotated (``cache.init_cache``)."""
@@ -369,7 +370,7 @@ class DsaAttention(nnx.Module):
                            max_rollback=max_rollback, latent_layout=latent_layout, rotate_index=rotate_index)
         check_cache_readable(cache, self.implementation)
         p = self.placement
-        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis)
+        return cache if p is None else place_cache(cache, p.mesh, p.batch_axis, p.seq_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None, max_rollback: int = 1,
@@ -385,6 +386,10 @@ class DsaAttention(nnx.Module):
         always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index`` as
         ``init_cache``'s."""
         p = self.placement
+        if p is not None and p.seq_axis is not None:
+            raise ValueError(f"layer {self.layer_idx} splits its caches' tokens over seq_axis {p.seq_axis!r} "
+                             f"(size {p.seq_shards}): the paged cache is not supported under context "
+                             "parallelism yet; use init_cache")
         cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
                                  has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
                                  stage_dtype=self.dtype, shards=1 if p is None else p.data_shards,
@@ -767,33 +772,3 @@ def _scoring_step(scorer):
             return scorer(*args)
 
     return scores
-
-
-def by_query_tiles(fn, block_q: int, *arrays):
-    """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
-    cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
-    ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
-    tensor is built. One tile (a decode step) is a plain call, several a ``lax.map`` (every
-    call is traced: an eager call runs as one jitted program, ``parallel.execution``).
-    It lives beside ``forward``, the one pipeline that tiles its queries.
-
-    Under autodiff a tile's residuals are stacked per tile (``lax.map``), but loop-invariant
-    ones (the latent rows every tile reads) are inputs of the map's body, hoisted by
-    ``lax.scan``, never stacked; ``forward`` keeps the rest to the ids
-    (``DsaAttention(remat_tiles=True)``)."""
-    b, s = arrays[0][0].shape[:2]
-    bq = min(block_q, s)
-    n_tiles = -(-s // bq)
-    pad = n_tiles * bq - s
-
-    def tiles(a, fill):
-        if pad:
-            a = jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
-        return jnp.moveaxis(a.reshape((b, n_tiles, bq) + a.shape[2:]), 1, 0)
-
-    args = tuple(tiles(a, fill) for a, fill in arrays)
-    if n_tiles == 1:
-        outs = jax.tree.map(lambda a: a[None], fn(*(a[0] for a in args)))
-    else:
-        outs = jax.lax.map(lambda t: fn(*t), args)
-    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)

@@ -46,6 +46,13 @@ Invariants:
   handed to the pipeline as the scalar of a one-shard table and put back after.
 * Top-k rows are the unplaced layer's, bit for bit: each row's indexer arithmetic runs on
   one device over whole, replicated operands and does not depend on its neighbours.
+* **Context parallelism** (a ``Placement.seq_axis``): a call with a cache runs
+  ``parallel.context.forward`` as its body instead of the plain pipeline (the cache's
+  token-axis fields are split over that axis, ``placement.cache_specs``); its collectives
+  are the candidates' all-gather, the tail's and the attention partials' ``psum`` /
+  ``pmax`` over the sequence axis, then the ``o_proj`` ``psum`` as above. Its top-k rows
+  are the unplaced layer's bit for bit too (``context``'s module doc says why). A call
+  without a cache runs the plain pipeline whole on every device of the sequence axis.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from jax.sharding import PartitionSpec as P
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.cache import init_cache
 from glm5_dsa_jax.cpu_policy import float32_products
+from glm5_dsa_jax.parallel import context
 from glm5_dsa_jax.parallel.placement import cache_specs, check_batch
 
 __all__ = ["run", "run_fn"]
@@ -71,6 +79,10 @@ def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis, modes
     (never with a cache) ``(out, topk, (kl_sum [B], n_loss_queries [B]))``."""
     attention, indexer_loss = modes
     kw = dict(reduce_axis=reduce_axis, attention=attention, indexer_loss=indexer_loss)
+    seq_axis = None if layer.placement is None else layer.placement.seq_axis
+    if cache is not None and seq_axis is not None:  # context parallelism: the cache's tokens are split
+        return context.forward(layer, x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis,
+                               seq_axis=seq_axis, attention=attention)
     if cache is None:
         b, s, _ = x.shape
         fresh = init_cache(layer.cfg, b, s, has_indexer=layer.has_indexer, dtype=layer.dtype,
@@ -125,7 +137,7 @@ def run_fn(layer, fn, rows: tuple, cache=None):
     rows = placement.place_rows(*rows)
     cache = placement.place_call_cache(cache)
     row = placement.row_spec
-    cache_spec = P() if cache is None else cache_specs(cache, bax)
+    cache_spec = P() if cache is None else cache_specs(cache, bax, placement.seq_axis)
     specs = (((row,) * len(rows), cache_spec), (row, cache_spec))  # in, out
     graphdef, state = nnx.split(layer)
     spec_leaves, spec_tree = jax.tree.flatten(specs, is_leaf=_is_spec)

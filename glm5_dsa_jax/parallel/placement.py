@@ -24,6 +24,15 @@ Invariants:
   (``check_cache_placement``, ``ValueError`` otherwise): moving it silently would gather or
   copy it. Under tensor parallelism alone a cache not yet on the mesh is replicated onto
   it, as the call's inputs are.
+* **Split over the sequence axis** (``Placement.seq_axis``, context parallelism, contiguous
+  caches only): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
+  rows, their validity and fp8 scales, the pooled keys, their validity and scales) are split on their
+  axis 1 (slots / pools) into ``cp`` contiguous ranges, device ``i`` of the axis holding
+  slots ``[i * L / cp, (i + 1) * L / cp)`` and pools ``[i * P / cp, (i + 1) * P / cp)``;
+  everything else (``length``, the incomplete pool's stage, ``first_key``, ``n_valid``)
+  is replicated over it (split by sequence over a batch axis as before). The capacity must
+  divide by ``cp * kpool`` (``check_seq_split``), so that every device holds whole pools
+  and ``P / cp`` of them. The call's rows are replicated over the sequence axis.
 * Host values are placed also when the mesh spans processes (``jax.distributed``: every
   process passes the same host values and keeps its shards); ``Explicit`` and ``Auto``
   axis types alike.
@@ -39,18 +48,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 __all__ = [
     "Placement", "put", "replicate", "check_dp_mesh", "check_batch", "cache_specs",
-    "cache_shardings", "place_cache", "check_cache_placement",
+    "cache_shardings", "place_cache", "check_cache_placement", "check_seq_mesh", "check_seq_split",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a layer runs: ``mesh``, the head ``axis`` and, for data parallelism, the
-    ``batch_axis`` its rows and caches are split over. Set once, by ``shard_layer``."""
+    """Where a layer runs: ``mesh``, the head ``axis``, for data parallelism the
+    ``batch_axis`` its rows and caches are split over, and for context parallelism the
+    ``seq_axis`` its caches' tokens are split over. Set once, by ``shard_layer``."""
 
     mesh: jax.sharding.Mesh
     axis: str
     batch_axis: str | None = None
+    seq_axis: str | None = None
+
+    @property
+    def seq_shards(self) -> int:
+        """The size of the sequence axis (1 without one)."""
+        return 1 if self.seq_axis is None else int(self.mesh.shape[self.seq_axis])
 
     @property
     def explicit(self) -> bool:
@@ -87,6 +103,9 @@ class Placement:
         ``check_cache_placement``) or replicated onto the mesh (tensor parallelism alone)."""
         if cache is None:
             return None
+        if self.seq_axis is not None:
+            check_cache_placement(cache, self.mesh, self.batch_axis, self.seq_axis)
+            return cache
         if self.batch_axis is None:
             return replicate(cache, self.mesh)
         check_cache_placement(cache, self.mesh, self.batch_axis)
@@ -136,20 +155,66 @@ def check_batch(rows: int, mesh: jax.sharding.Mesh, batch_axis: str, what: str =
                          f"axis {batch_axis!r} (each shard takes {what} / {dp} rows)")
 
 
-def cache_specs(cache, batch_axis: str | None):
+def check_seq_mesh(mesh: jax.sharding.Mesh, axis: str | None, batch_axis: str | None, seq_axis: str) -> int:
+    """The size of ``seq_axis`` on ``mesh``; ``ValueError`` when it is the head or the batch
+    axis, or not an axis of the mesh."""
+    for other, what in ((axis, "axis (the heads)"), (batch_axis, "batch_axis (the sequences)")):
+        if other is not None and seq_axis == other:
+            raise ValueError(f"seq_axis and {what} are both {seq_axis!r}: a sequence's tokens must be "
+                             "split over a mesh axis of their own")
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"mesh has axes {tuple(mesh.axis_names)} (shape {dict(mesh.shape)}) but no "
+                         f"axis {seq_axis!r} to split the sequence's tokens over")
+    return int(mesh.shape[seq_axis])
+
+
+def check_seq_split(max_length: int, kpool: int, cp: int, seq_axis: str) -> None:
+    """``ValueError`` unless a contiguous cache of ``max_length`` slots splits into ``cp``
+    ranges of whole pools (``max_length % (cp * kpool) == 0``)."""
+    if max_length % (cp * kpool):
+        raise ValueError(
+            f"cache capacity max_length={max_length} is not divisible by cp * kpool = {cp} * {kpool} = "
+            f"{cp * kpool}: the {cp} devices of mesh axis {seq_axis!r} each hold a contiguous range of "
+            "whole pools; make the cache with a multiple of that")
+
+
+def _seq_split_field(cache, path) -> bool:
+    last = path[-1] if path else None
+    fields = getattr(cache, "TOKEN_AXIS_FIELDS", ())
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name in fields
+
+
+def cache_specs(cache, batch_axis: str | None, seq_axis: str | None = None):
     """``PartitionSpec`` per field of a cache (``None`` leaves kept): ``P(batch_axis)`` on
     the leading axis of every array of rank >= 1, ``P()`` for a scalar (the module doc);
-    every field ``P()`` without a batch axis."""
-    return jax.tree.map(lambda a: P(batch_axis) if batch_axis and np.ndim(a) else P(), cache)
+    every field ``P()`` without a batch axis. With a ``seq_axis`` the cache's
+    ``TOKEN_AXIS_FIELDS`` are also split on their axis 1 over it (``P(batch_axis, seq_axis)``)."""
+    def spec(path, a):
+        if seq_axis is not None and _seq_split_field(cache, path):
+            return P(batch_axis, seq_axis)
+        return P(batch_axis) if batch_axis and np.ndim(a) else P()
+    return jax.tree_util.tree_map_with_path(spec, cache)
 
 
-def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None):
+def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None, seq_axis: str | None = None):
     """``cache_specs`` as ``NamedSharding``s on ``mesh``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache, batch_axis),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs(cache, batch_axis, seq_axis),
                         is_leaf=lambda s: isinstance(s, P))
 
 
-def _check_splits(cache, mesh, batch_axis) -> None:
+def _check_seq_splits(cache, mesh, seq_axis) -> None:
+    cp = int(mesh.shape[seq_axis])
+    if not hasattr(cache, "TOKEN_AXIS_FIELDS"):
+        raise ValueError(f"a paged cache cannot be split over the sequence axis {seq_axis!r} (size {cp}) "
+                         "yet: context parallelism supports the contiguous cache (DsaCache) only")
+    check_seq_split(cache.max_length, cache.kpool if cache.has_indexer else 1, cp, seq_axis)
+
+
+def _check_splits(cache, mesh, batch_axis, seq_axis=None) -> None:
+    if seq_axis is not None:
+        _check_seq_splits(cache, mesh, seq_axis)
+    if batch_axis is None:
+        return
     dp = int(mesh.shape[batch_axis])
     pages = getattr(cache, "pages", None)  # a paged cache's page table
     if pages is not None and pages.shards != dp:
@@ -165,12 +230,12 @@ def _check_splits(cache, mesh, batch_axis) -> None:
                              f"make it with a multiple of {dp}")
 
 
-def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None):
+def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None, seq_axis: str | None = None):
     """``cache`` placed as ``cache_shardings`` says (traced leaves: a constraint)."""
-    if batch_axis is None:
+    if batch_axis is None and seq_axis is None:
         return replicate(cache, mesh)
-    _check_splits(cache, mesh, batch_axis)
-    return jax.tree.map(put, cache, cache_shardings(cache, mesh, batch_axis))
+    _check_splits(cache, mesh, batch_axis, seq_axis)
+    return jax.tree.map(put, cache, cache_shardings(cache, mesh, batch_axis, seq_axis))
 
 
 def _trim(spec) -> P:
@@ -182,12 +247,13 @@ def _trim(spec) -> P:
     return P(*parts)
 
 
-def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> None:
+def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str | None,
+                          seq_axis: str | None = None) -> None:
     """``ValueError`` unless every concrete field of ``cache`` is on ``mesh`` as
     ``cache_shardings`` says (a traced field is checked only when its type carries a
     sharding, i.e. under ``Explicit`` axes)."""
-    _check_splits(cache, mesh, batch_axis)
-    want = cache_specs(cache, batch_axis)
+    _check_splits(cache, mesh, batch_axis, seq_axis)
+    want = cache_specs(cache, batch_axis, seq_axis)
     leaves = jax.tree_util.tree_flatten_with_path(cache)[0]
     specs = jax.tree.leaves(want, is_leaf=lambda s: isinstance(s, P))
     for (path, a), spec in zip(leaves, specs):
@@ -212,7 +278,13 @@ def check_cache_placement(cache, mesh: jax.sharding.Mesh, batch_axis: str) -> No
                 f"(devices {[d.id for d in mesh.devices.flat]}): make the cache with the placed "
                 "layer's init_cache / init_paged_cache, or sharding.place_cache it")
         if _trim(got) != _trim(spec):
+            if seq_axis is None:
+                raise ValueError(
+                    f"cache field {name} is placed as {_trim(got)} but a data-parallel layer needs {spec} "
+                    f"(split by sequence over {batch_axis!r}): make the cache with the placed layer's "
+                    "init_cache / init_paged_cache, or sharding.place_cache(cache, mesh, batch_axis=...)")
             raise ValueError(
-                f"cache field {name} is placed as {_trim(got)} but a data-parallel layer needs {spec} "
-                f"(split by sequence over {batch_axis!r}): make the cache with the placed layer's "
-                "init_cache / init_paged_cache, or sharding.place_cache(cache, mesh, batch_axis=...)")
+                f"cache field {name} is placed as {_trim(got)} but a context-parallel layer needs {spec} "
+                f"(split by sequence over batch_axis {batch_axis!r}, by slot over seq_axis {seq_axis!r}): "
+                "make the cache with the placed layer's init_cache, or "
+                "sharding.place_cache(cache, mesh, batch_axis=..., seq_axis=...)")

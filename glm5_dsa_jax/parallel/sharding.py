@@ -22,6 +22,10 @@ Invariants:
   by its own data shard; the only collective of a step is the ``o_proj`` all-reduce
   within the tp group, and no cache is gathered, because each device holds the cache rows
   of exactly the sequences it computes.
+* **Context parallelism** (``seq_axis="cp"``): a contiguous cache's slots and pools are
+  split into ``cp`` contiguous ranges (``placement``'s module doc); decode and chunked
+  prefill score, select and attend per range and merge (``glm5_dsa_jax.parallel.context``:
+  what crosses devices, what is supported).
 * ``shard_layer`` places a layer: parameters by those specs, and one ``Placement(mesh,
   axis, batch_axis)`` recorded on the layer (``layer.placement``; ``layer.mesh`` reads
   it), the only attribute of the layer set from outside. Its caches (``init_cache``) and
@@ -44,6 +48,7 @@ from jax.sharding import NamedSharding
 
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.parallel import placement as pl
+from glm5_dsa_jax.parallel.context import check_supported
 from glm5_dsa_jax.parallel.placement import Placement, put
 from glm5_dsa_jax.parallel.plan import ShardKind, TensorPlan, TpPlan, check_tp_size, partition_specs
 from glm5_dsa_jax.model.weights import param_variable
@@ -80,9 +85,12 @@ def check_tp_mesh(cfg, mesh: jax.sharding.Mesh, axis: str) -> None:
     check_tp_size(cfg, int(mesh.shape[axis]), axis)
 
 
-def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: str | None = None):
+def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: str | None = None,
+                seq_axis: str | None = None):
     """Place ``layer`` (a ``DsaAttention``) on ``mesh``, heads split over ``axis`` (and the
-    batch over ``batch_axis``, when given: data parallelism, see the module doc).
+    batch over ``batch_axis``, when given: data parallelism, see the module doc; and each
+    contiguous cache's tokens over ``seq_axis``, when given: context parallelism,
+    ``glm5_dsa_jax.parallel.context``).
 
     * Every parameter is put on ``NamedSharding(mesh, partition_specs(...)[path])`` and its
       ``out_sharding`` metadata is set to that spec (it survives ``nnx.split``/``merge``).
@@ -94,10 +102,14 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
       allowed (everything not head-sharded is replicated over them).
     * ``batch_axis``: the layer's calls split their rows, and its caches their sequences
       (and pages), over that axis; the batch of a call must divide by its size.
+    * ``seq_axis``: the layer's contiguous caches split their slots and pools into
+      contiguous ranges over that axis (capacity divisible by its size times ``kpool``);
+      ``implementation="xla"`` only, no paged cache yet (``parallel.context``).
 
     Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
-    mesh without ``axis`` or ``batch_axis``, ``batch_axis == axis``, an axis size that does
-    not divide the heads, or a layer (or one of its parameters) already placed on another
+    mesh without ``axis``, ``batch_axis`` or ``seq_axis``, two of them equal, an axis size
+    that does not divide the heads, a ``seq_axis`` on a layer of another implementation than
+    ``"xla"``, or a layer (or one of its parameters) already placed on another
     mesh or axes. Returns ``layer``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
@@ -108,14 +120,17 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
     check_tp_mesh(layer.cfg, mesh, axis)
     if batch_axis is not None:
         pl.check_dp_mesh(mesh, axis, batch_axis)
-    placement = Placement(mesh, axis, batch_axis)
+    if seq_axis is not None:
+        pl.check_seq_mesh(mesh, axis, batch_axis, seq_axis)
+        check_supported(layer.implementation, seq_axis)
+    placement = Placement(mesh, axis, batch_axis, seq_axis)
     old = layer.mesh
     if old is not None and layer.placement != placement:
         raise ValueError(
             f"layer {layer.layer_idx} is already placed on mesh {dict(old.shape)} (axis "
-            f"{layer.tp_axis!r}, batch_axis {layer.batch_axis!r}, devices "
-            f"{[d.id for d in old.devices.flat]}); cannot place it on mesh {dict(mesh.shape)} "
-            f"(axis {axis!r}, batch_axis {batch_axis!r}, devices "
+            f"{layer.tp_axis!r}, batch_axis {layer.batch_axis!r}, seq_axis {layer.placement.seq_axis!r}, "
+            f"devices {[d.id for d in old.devices.flat]}); cannot place it on mesh {dict(mesh.shape)} "
+            f"(axis {axis!r}, batch_axis {batch_axis!r}, seq_axis {seq_axis!r}, devices "
             f"{[d.id for d in mesh.devices.flat]}): build a new layer (or nnx.clone it before "
             "placing) to use another mesh"
         )
@@ -143,22 +158,27 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
 
 
 # ------------------------------------------------------------------------------- caches
-def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
+def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None,
+                    seq_axis: str | None = None):
     """The placement of a cache (``DsaCache`` or ``PagedCache``) on ``mesh`` (a pytree of
     ``NamedSharding``, ``None`` leaves kept): every field replicated, or with a
     ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
     axis over it and the scalars replicated (``placement.cache_specs``). Use it for a
-    decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves."""
-    return pl.cache_shardings(cache, mesh, batch_axis)
+    decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves. With a
+    ``seq_axis`` the token-axis fields (``DsaCache.TOKEN_AXIS_FIELDS``) are split on axis 1 too."""
+    return pl.cache_shardings(cache, mesh, batch_axis, seq_axis)
 
 
-def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None):
+def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None, seq_axis: str | None = None):
     """``cache`` placed as ``cache_shardings`` describes (works on traced values too, as a
     constraint). ``ValueError`` when a leading axis does not divide by ``batch_axis``'s
-    size, or a paged cache's page table was not made with that many shards."""
+    size, a paged cache's page table was not made with that many shards, or (with a
+    ``seq_axis``) the cache is paged or its capacity does not divide by ``cp * kpool``."""
     if batch_axis is not None:
         pl.check_dp_mesh(mesh, None, batch_axis)
-    return pl.place_cache(cache, mesh, batch_axis)
+    if seq_axis is not None:
+        pl.check_seq_mesh(mesh, None, batch_axis, seq_axis)
+    return pl.place_cache(cache, mesh, batch_axis, seq_axis)
 
 
 def batch_sharding(layer) -> NamedSharding:

@@ -1,0 +1,241 @@
+"""Context parallelism: one sequence's contiguous cache split over a mesh axis, for decode and chunked prefill.
+
+``shard_layer(layer, mesh, axis="tp", batch_axis=None, seq_axis="cp")`` records the
+sequence axis on the layer's ``Placement``; its contiguous caches (``DsaCache``) then hold
+a contiguous range of the timeline on each device of that axis (``DsaCache.TOKEN_AXIS_FIELDS``
+on axis 1: device ``i`` of ``cp`` holds slots ``[i * L/cp, (i+1) * L/cp)`` of the latent
+rows and their validity, and pools ``[i * P/cp, (i+1) * P/cp)`` of the pooled keys and their
+validity), and a call with such a cache runs ``forward`` here as the body of the call's
+one ``shard_map`` (``parallel.execution``), instead of ``DsaAttention.forward``. It reads and
+writes a shard through the cache's own operations (``attention_rows``, ``pool_keys``,
+``contiguous.scatter_rows``, ``window_of``, ``stored_pools``): only the cache package
+touches the stored buffers.
+
+``forward`` is the layer's pipeline (``DsaAttention``'s class doc) with the three steps that
+read token-axis state done per shard and merged:
+
+* **Writes.** Every device projects the whole chunk (the call's rows are replicated over
+  the sequence axis) and writes only the latent rows and pools that fall in its range
+  (``contiguous.scatter_rows``, ``contiguous.stored_pools``); the replicated bookkeeping (``length``,
+  the incomplete pool's stage, ``first_key``, ``n_valid``) is computed identically on
+  every device, so it stays replicated without a collective.
+* **Selection** (a full layer): each device scores the pools it holds
+  (``pk.index_scores`` over its range, whose pool grid starts ``i * P/cp`` pools after
+  ``first_key``: the same candidate rule and the same per-pool arithmetic as the whole
+  row's) and keeps its best ``K' = min(select_k, P/cp)`` by ``pk.topk_pools``; the
+  candidates (``order_key`` int32 and global pool id int32) are all-gathered over the
+  sequence axis and merged by ``merge_candidates``: the ``select_k`` best under ``topk_pools``'
+  total order (higher key first, the lower pool id on equal keys; ``-inf`` never), listed
+  ascending, ``-1`` after. Each device's ``K'`` best under that order contain every one of
+  its pools in the global best ``select_k``, so the merged ids are the unsharded layer's
+  bit for bit. (Every row is scored: the unsharded layer's short-context path, which
+  selects every candidate without a score, gives the same ids unless a score is NaN,
+  which only non-finite inputs make; ``pk.visible_pool_ids``.) The expansion to tokens is replicated; the visible tail's validity
+  (``key_valid`` at the ``KP - 1`` tail slots) is read where it lives and ``psum``-ed.
+* **Attention**: each device attends over the selected tokens it holds (the others are
+  ``-1`` for it: ``pk.sparse_mla_partial``), returning its partial output and log-sum-exp;
+  the partials are merged by ``merge_partials`` (``pmax`` of the log-sum-exp, ``psum`` of
+  the weighted outputs and weights), exact up to float rounding. Then ``o_proj`` as
+  everywhere (its ``psum`` over the head axis).
+
+Bytes crossing devices per step and query row, independent of the context length (the
+collectives' operands; a ring all-gather or all-reduce moves about as much per device):
+the candidates' all-gather ``cp * K' * 8`` (an int32 key and an int32 id each), the
+tail's validity ``psum`` ``(KP - 1) * 4``, the partials' ``psum`` ``H_local * (V + 1) * 4``
+(float32 outputs and weights) and ``pmax`` ``H_local * 4``. At GLM-5.3-Flash decode
+(``select_k`` 512, ``KP`` 4, ``V`` 512, 64 heads on tp 8: 8 local heads) with cp 8: 32 KiB
+of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB per layer
+(1,089 B a token in bf16). ``tests/test_context_parallel.py`` reads these collectives in
+the compiled decode step: the same ops on the same shapes at 64 and 1024 slots.
+
+Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
+float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its own),
+``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
+``axis`` and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step``
+(one compilation per chunk length; ``rollback`` through it). A chunk's queries are
+replicated over the sequence axis and run in tiles of ``block_q`` (``ops.by_query_tiles``,
+as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
+zig-zag split of a prefill's queries yet: every device scores every query against its own
+pools, so the indexer's scoring and the attention are split, the projections are not. Not
+supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations,
+``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
+pipeline whole on every device of the sequence axis (no split).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
+from glm5_dsa_jax.cache.fp8 import rotate_index_rows
+from glm5_dsa_jax.cache.interface import Chunk
+from glm5_dsa_jax.model.ops import by_query_tiles
+
+__all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
+
+#: The implementations a context-parallel layer runs (the per-shard selection and attention
+#: are plain jnp).
+CP_IMPLEMENTATIONS = ("xla",)
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+def _neg_inf_key():
+    """``order_key(-inf)``: the key of a pool that is never selected."""
+    return pk.order_key(jnp.full((), -jnp.inf, jnp.float32))
+
+
+def check_supported(implementation: str, seq_axis: str) -> None:
+    """``ValueError`` unless a layer of ``implementation`` can split its tokens over ``seq_axis``."""
+    if implementation not in CP_IMPLEMENTATIONS:
+        raise ValueError(
+            f"context parallelism (seq_axis={seq_axis!r}) supports implementation in {CP_IMPLEMENTATIONS} "
+            f"only, got {implementation!r}: build the layer with implementation='xla'")
+
+
+def merge_candidates(keys: jax.Array, ids: jax.Array, select_k: int) -> jax.Array:
+    """``[..., select_k]`` int32 pool ids: the ``select_k`` best of the candidates ``keys
+    [..., N]`` (``order_key`` int32) with global pool ids ``ids [..., N]`` (``-1``: none)
+    under ``topk_pools``' rule: higher key first, the lower id on equal keys, never a key
+    of ``-inf`` (``NEG_INF_KEY``); listed in ascending id order, then ``-1``."""
+    valid = (ids >= 0) & (keys > _neg_inf_key())
+    neg = jnp.where(valid, -keys, _BIG)
+    idk = jnp.where(valid, ids, _BIG)
+    neg, idk = jax.lax.sort((neg, idk), dimension=-1, num_keys=2)
+    n = idk.shape[-1]
+    top = idk[..., :select_k]
+    if n < select_k:
+        top = jnp.concatenate([top, jnp.full(top.shape[:-1] + (select_k - n,), _BIG, jnp.int32)], -1)
+    top = jnp.sort(top, axis=-1)
+    return jnp.where(top < _BIG, top, -1).astype(jnp.int32)
+
+
+def merge_partials(out: jax.Array, lse: jax.Array, seq_axis: str) -> jax.Array:
+    """The attention over every device's tokens from each device's part ``out [B, Q, H,
+    V]`` and ``lse [B, Q, H]`` (``pk.sparse_mla_partial``), in float32, inside a
+    ``shard_map`` over ``seq_axis``; zeros where no device holds a token of the row."""
+    m = jax.lax.pmax(lse, seq_axis)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # 0 where this device holds none (lse = -inf)
+    num = jax.lax.psum(out.astype(jnp.float32) * w[..., None], seq_axis)
+    den = jax.lax.psum(w, seq_axis)
+    return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+def _held(ids, offset, size):
+    """Global ids -> this shard's own index (``-1`` where another shard holds the id)."""
+    local = ids - offset
+    return jnp.where((ids >= 0) & (local >= 0) & (local < size), local, -1)
+
+
+def _tail(cache, pools, n_vis, q_pos, kpool, length, tok_off, seq_axis):
+    """``DsaCache.visible_tail`` with ``key_valid`` split over ``seq_axis``: the tail slots
+    of ``pk.visible_tail``, their validity read by the shard that holds each and summed."""
+    first_key = cache.first_key
+    width = kpool - 1
+    count = n_vis % kpool
+    start = first_key[:, None] + n_vis - count
+    off = jnp.arange(width, dtype=jnp.int32)
+    ids = start[..., None] + off
+    ok = (off < count[..., None]) & (ids < length) & (ids <= q_pos[..., None])
+    size = cache.key_valid.shape[1]
+    local = _held(jnp.where(ok, ids, -1), tok_off, size)
+    held = jnp.take_along_axis(cache.key_valid, jnp.clip(local, 0, size - 1).reshape(local.shape[0], -1), axis=1)
+    held = (held.reshape(local.shape) & (local >= 0)).astype(jnp.int32)
+    ok &= jax.lax.psum(held, seq_axis) > 0
+    tail = jnp.where(ok, ids, -1).astype(jnp.int32)
+    t_pool = jnp.where(tail >= 0, (tail - first_key[:, None, None]) // kpool, -2)
+    return jnp.where((t_pool[..., None] == pools[..., None, :]).any(-1), -1, tail)
+
+
+def _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis):
+    """The merged global top-``select_k`` pool ids ``[B, Q, select_k]`` (module doc)."""
+    kp = layer.cfg.index_kpool
+    p_loc = cache.max_pools  # this shard's
+    source = cache.pool_keys()
+    keys, valid, first_key = source.operands()
+    with jax.named_scope("score_pools"):  # this shard's pool grid starts pool_off pools in
+        scores = pk.index_scores(qi, w, keys, valid, first_key + pool_off * kp, q_pos, source.scale,
+                                 kpool=kp, implementation="xla")
+    with jax.named_scope("select_pools"):
+        k_loc = min(select_k, p_loc)
+        local = pk.topk_pools(scores, k_loc, implementation="xla")
+        key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
+        key = jnp.where(local >= 0, key, _neg_inf_key())
+        ids = jnp.where(local >= 0, local + pool_off, -1)
+        all_keys = jax.lax.all_gather(key, seq_axis, axis=2, tiled=True)  # [B, Q, cp * K']
+        all_ids = jax.lax.all_gather(ids, seq_axis, axis=2, tiled=True)
+        return merge_candidates(all_keys, all_ids, select_k)
+
+
+def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=None, seq_axis: str,
+            attention: str = "sparse"):
+    """``(out, topk, cache)``: ``DsaAttention.forward`` of ``layer`` on this device's shard
+    of a contiguous cache split over ``seq_axis`` (module doc), inside the call's
+    ``shard_map``. Same inputs and outputs as ``DsaAttention.forward`` (``out`` and ``topk``
+    replicated over ``seq_axis``)."""
+    if attention != "sparse":
+        raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports attention='sparse' only, "
+                         f"got attention={attention!r}")
+    if getattr(cache, "pages", None) is not None:
+        raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports the contiguous cache "
+                         "(DsaCache) only, not the paged one")
+    cfg = layer.cfg
+    cp = layer.placement.seq_shards
+    shard = jax.lax.axis_index(seq_axis)
+    l_loc = cache.max_length  # this shard's slots
+    length = l_loc * cp  # the whole timeline's capacity
+    tok_off = shard * l_loc
+    b, s = mask.shape
+    start = cache.length
+    slots = start + jnp.arange(s, dtype=jnp.int32)[None]
+    n_vis = None if cache.n_valid is None else cache.n_valid[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32)
+    chunk = Chunk(mask=mask, q_pos=jnp.where(mask, slots, -1), positions=jnp.broadcast_to(slots, (b, s)),
+                  n_vis=n_vis, fits=start + s <= length, start=start)
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    rope = layer.rope(chunk.positions if position_ids is None else position_ids)
+    q_resid, q_lat, latent = layer.project(x, rope)
+    local_slots = _held(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
+    cache = scatter_rows(cache, latent, mask, local_slots, chunk.fits)
+    rows, row_scale = cache.attention_rows()
+
+    def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
+        with jax.named_scope("sparse_attention"):
+            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), row_scale,
+                                              scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
+            return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
+
+    if layer.indexer is not None:
+        kp = cfg.index_kpool
+        p_loc = cache.max_pools  # this shard's
+        n_pools = p_loc * cp
+        pool_off = shard * p_loc
+        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
+        with jax.named_scope("compress_pools"):
+            win = window_of(cache, ki, gate, chunk, length)
+            pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
+                                                        layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
+                                                        implementation="xla")
+            cache = stored_pools(cache, win, pooled, pooled_valid, chunk, max_pools=n_pools, pool_offset=pool_off)
+        qi = rotate_index_rows(qi, cache.rotate_index)
+        select_k = cfg.select_k(n_pools)
+
+        def tile(q_lat, q_pos, qi, w, n_vis):
+            pools = _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis)
+            with jax.named_scope("expand_to_tokens"):
+                tail = _tail(cache, pools, n_vis, q_pos, kp, length, tok_off, seq_axis) if cfg.tail_width else None
+                token_ids = pk.expand_selection(pools, cache.first_key, tail, kpool=kp, out_width=cfg.out_width,
+                                                implementation="xla")
+                token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+            return token_ids, attend(q_lat, token_ids)
+
+        topk, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+                                     (chunk.n_vis, 0))
+    else:
+        topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
+        _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
+                                  (topk, -1))
+    out = layer.output_projection(o_lat, mask, reduce_axis=reduce_axis)
+    return out, topk, cache.end_chunk(chunk)
