@@ -109,7 +109,7 @@ from pallas_kernels.attention_backward import (
 from pallas_kernels.causal_attention import causal_mla, causal_mla_reference, causal_visible
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 from pallas_kernels.expansion import (
-    ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference,
+    ExpandSelectionBlockSizes, compact_row, expand_selection, expand_selection_reference, tail_slots,
     visible_tail,
 )
 from pallas_kernels.pooling import (
@@ -133,6 +133,7 @@ __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
     "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "triton_calls",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
+    "tail_slots",
     "visible_tail",
     "IndexScoresBlockSizes", "MosaicIndexScoresBlockSizes", "index_scores",
     "index_scores_reference", "pool_last_token",

@@ -33,7 +33,7 @@ from pallas_kernels._common import (
 
 __all__ = [
     "expand_selection", "expand_selection_reference", "ExpandSelectionBlockSizes",
-    "visible_tail", "compact_row",
+    "visible_tail", "tail_slots", "compact_row",
 ]
 
 
@@ -91,15 +91,22 @@ def visible_tail(
       ``[B, Q, KP - 1]`` int32 token ids, ``-1`` where empty.
     """
     length = key_valid.shape[-1]
-    width = kpool - 1
-    count = n_vis % kpool
-    start = first_key[:, None] + n_vis - count
-    off = jnp.arange(width, dtype=jnp.int32)
-    ids = start[..., None] + off
-    ok = (off < count[..., None]) & (ids < length) & (ids <= q_pos[..., None])
+    ids, ok = tail_slots(first_key, n_vis, q_pos, kpool, length)
     safe = jnp.clip(ids, 0, length - 1)
     ok &= jax.vmap(lambda v, i: v[i])(key_valid, safe)
     return jnp.where(ok, ids, -1).astype(jnp.int32)
+
+
+def tail_slots(first_key: jax.Array, n_vis: jax.Array, q_pos: jax.Array, kpool: int, length: int):
+    """``visible_tail`` before the validity read: ``(ids, ok)``, each ``[B, Q, KP - 1]``, the
+    slots after each query's last complete pool and whether each is one of its ``n_vis %
+    KP`` visible ones within ``length`` slots (a context-parallel shard reads the validity
+    of the slots it holds: ``glm5_dsa_jax.parallel.context``)."""
+    count = n_vis % kpool
+    start = first_key[:, None] + n_vis - count
+    off = jnp.arange(kpool - 1, dtype=jnp.int32)
+    ids = start[..., None] + off
+    return ids, (off < count[..., None]) & (ids < length) & (ids <= q_pos[..., None])
 
 
 def compact_row(ids: jax.Array, out_width: int) -> jax.Array:

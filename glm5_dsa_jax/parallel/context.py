@@ -134,12 +134,7 @@ def _tail(cache, pools, n_vis, q_pos, kpool, length, tok_off, seq_axis):
     """``DsaCache.visible_tail`` with ``key_valid`` split over ``seq_axis``: the tail slots
     of ``pk.visible_tail``, their validity read by the shard that holds each and summed."""
     first_key = cache.first_key
-    width = kpool - 1
-    count = n_vis % kpool
-    start = first_key[:, None] + n_vis - count
-    off = jnp.arange(width, dtype=jnp.int32)
-    ids = start[..., None] + off
-    ok = (off < count[..., None]) & (ids < length) & (ids <= q_pos[..., None])
+    ids, ok = pk.tail_slots(first_key, n_vis, q_pos, kpool, length)
     size = cache.key_valid.shape[1]
     local = _held(jnp.where(ok, ids, -1), tok_off, size)
     held = jnp.take_along_axis(cache.key_valid, jnp.clip(local, 0, size - 1).reshape(local.shape[0], -1), axis=1)
