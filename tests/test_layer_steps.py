@@ -10,7 +10,7 @@
   compile nothing. Counted with jax's backend-compile events. The same holds for a full
   layer followed by its shared layer (``prev_topk``), ``"xla"`` and ``"pallas_interpret"``,
   unplaced and placed on TP meshes of 2 and 8 devices, and for prefill chunks of several
-  query tiles (``ops.by_query_tiles``). Before eager calls were cached, a full + shared
+  query tiles (``DsaAttention.by_query_tiles``). Before eager calls were cached, a full + shared
   pair of eager steps compiled 6 (unplaced, ``"pallas_interpret"``: one per kernel) to 90
   (TP 2 or 8, ``"xla"``: the ``shard_map`` bodies op by op) programs.
 * ``DsaAttention.check_inputs`` is the public check ``decode.DsaDecoder`` uses.

@@ -94,7 +94,7 @@ from glm5_dsa_jax.cpu_policy import clear_float32_copies, float32_params, uses_f
 from glm5_dsa_jax.model.indexer_loss import check_modes, dense_tile_kl, mean_loss, sparse_tile_kl
 from glm5_dsa_jax.model.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.model.layout import ParamFactory, hf_weight_shapes
-from glm5_dsa_jax.model.ops import absorb_o, absorb_q, by_query_tiles, dense, layer_norm, matmul, rms_norm
+from glm5_dsa_jax.model.ops import absorb_o, absorb_q, dense, layer_norm, matmul, query_tiles, rms_norm
 from glm5_dsa_jax.parallel.execution import run, run_fn
 from glm5_dsa_jax.parallel.placement import Placement, place_cache
 from glm5_dsa_jax.model.rope import apply_rope, rope_cos_sin
@@ -503,13 +503,13 @@ class DsaAttention(nnx.Module):
                 return res + (loss_tile(*loss_queries, q_pos, q_lat, pools, row_slots(token_ids)),)
 
             loss_q = () if indexer_loss is None else ((qi_l, 0), (w_l, 0))
-            topk, o_lat, *kl = by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+            topk, o_lat, *kl = self.by_query_tiles(tile, self.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
                                               (chunk.n_vis, 0), *loss_q)
             if kl:
                 loss_rows = jax.tree.map(lambda a: a.sum(1), kl[0])
         else:
             topk = remat.name(self.reused_token_ids(prev_topk, chunk.q_pos), remat.TOKEN_IDS)
-            _, o_lat = by_query_tiles(lambda q_lat, ids, q_pos: (ids, attend(q_lat, ids, q_pos)), self.block_q,
+            _, o_lat = self.by_query_tiles(lambda q_lat, ids, q_pos: (ids, attend(q_lat, ids, q_pos)), self.block_q,
                                       (q_lat, 0), (topk, -1), (chunk.q_pos, -1))
         out = self.output_projection(remat.name(o_lat, remat.O_LAT), mask, reduce_axis=reduce_axis)
         if loss_rows is None:
@@ -654,6 +654,17 @@ class DsaAttention(nnx.Module):
             if small == big:
                 return run(big)
             return jax.lax.cond(jnp.max(n_live) <= big, lambda: run(small), lambda: run(big))
+
+    @staticmethod
+    def by_query_tiles(fn, block_q: int, *arrays):
+        """``fn`` over ``ops.query_tiles(block_q, *arrays)``, joined back to ``[B, S, ...]``:
+        one tile (a decode step) a plain call, several a ``lax.map`` (every call is traced:
+        an eager call runs as one jitted program). ``fn`` is called from this module, so a
+        call's stack stays flat (``tests/test_call_stack.py``); ``parallel.context`` uses it too."""
+        tiles, untile = query_tiles(block_q, *arrays)
+        if tiles[0].shape[0] == 1:
+            return untile(jax.tree.map(lambda a: a[None], fn(*(a[0] for a in tiles))))
+        return untile(jax.lax.map(lambda t: fn(*t), tiles))
 
     def pool_tile(self, qi_shape, n_pools: int) -> int:
         """Pools per tile of ``score_and_select`` for queries ``qi [B, Q, Hi, D]`` over ``P =

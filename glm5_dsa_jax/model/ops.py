@@ -14,8 +14,8 @@ Invariants:
   call's ``shard_map`` (``glm5_dsa_jax.parallel.execution``) each device holds its heads
   only and the partial sums are ``psum``-ed over ``reduce_axis``, the step's one
   collective.
-* ``by_query_tiles`` cuts a call's queries into tiles of ``block_q`` (one tile: a plain
-  call; several: a ``lax.map``), so no pipeline builds a ``[S, P]`` or ``[S, S]`` tensor.
+* ``query_tiles`` cuts a call's queries into tiles of ``block_q`` (``DsaAttention.by_query_tiles``
+  runs a function over them), so no pipeline builds a ``[S, P]`` or ``[S, S]`` tensor.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from glm5_dsa_jax.cpu_policy import float32_products
 
-__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "by_query_tiles"]
+__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "query_tiles"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -85,14 +85,12 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     return matmul("...i,io->...o", x, w)
 
 
-def by_query_tiles(fn, block_q: int, *arrays):
-    """``fn`` over tiles of ``block_q`` queries: each ``(array [B, S, ...], fill)`` is
-    cut along S (the last tile padded with ``fill``), and ``fn``'s outputs (each
-    ``[B, block_q, ...]``) are joined back to ``[B, S, ...]``. So no ``[S, P]`` score
-    tensor is built. One tile (a decode step) is a plain call, several a ``lax.map`` (every
-    call is traced: an eager call runs as one jitted program, ``parallel.execution``).
-    The two pipelines that tile their queries use it: ``DsaAttention.forward`` and the
-    context-parallel ``parallel.context.forward`` (hence here, below both).
+def query_tiles(block_q: int, *arrays):
+    """``(tiles, untile)``: each ``(array [B, S, ...], fill)`` cut along S into tiles of
+    ``block_q`` queries, ``[T, B, block_q, ...]`` (the last tile padded with ``fill``), and
+    ``untile``, which joins per-tile outputs ``[T, B, block_q, ...]`` back to ``[B, S, ...]``.
+    So no ``[S, P]`` score tensor is built. ``DsaAttention.by_query_tiles`` maps a tile
+    function over them (from the layer's own module: its call stack stays flat).
 
     Under autodiff a tile's residuals are stacked per tile (``lax.map``), but loop-invariant
     ones (the latent rows every tile reads) are inputs of the map's body, hoisted by
@@ -108,9 +106,7 @@ def by_query_tiles(fn, block_q: int, *arrays):
             a = jnp.concatenate([a, jnp.full((b, pad) + a.shape[2:], fill, a.dtype)], axis=1)
         return jnp.moveaxis(a.reshape((b, n_tiles, bq) + a.shape[2:]), 1, 0)
 
-    args = tuple(tiles(a, fill) for a, fill in arrays)
-    if n_tiles == 1:
-        outs = jax.tree.map(lambda a: a[None], fn(*(a[0] for a in args)))
-    else:
-        outs = jax.lax.map(lambda t: fn(*t), args)
-    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)
+    def untile(outs):
+        return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape((b, n_tiles * bq) + a.shape[3:])[:, :s], outs)
+
+    return tuple(tiles(a, fill) for a, fill in arrays), untile

@@ -10,7 +10,7 @@ Invariants:
 
 * Every named residual is ``O(tokens)``: per token it is a row of fixed width (``residual_widths``),
   whatever the context. Nothing ``[queries, pools]`` or ``[queries, keys]`` is ever named or
-  saved: the indexer's scores live inside one query tile (``ops.by_query_tiles``) and are
+  saved: the indexer's scores live inside one query tile (``DsaAttention.by_query_tiles``) and are
   not differentiated (``forward`` stops the gradient of the indexer's outputs: the selection
   is discrete). So a training step's activation memory per token per layer is flat in the
   context under every policy here (``tests/test_grad_layer.py`` checks it with the compiled

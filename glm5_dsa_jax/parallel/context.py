@@ -53,7 +53,7 @@ float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing
 ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
 ``axis`` and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step``
 (one compilation per chunk length; ``rollback`` through it). A chunk's queries are
-replicated over the sequence axis and run in tiles of ``block_q`` (``ops.by_query_tiles``,
+replicated over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``,
 as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
 zig-zag split of a prefill's queries yet: every device scores every query against its own
 pools, so the indexer's scoring and the attention are split, the projections are not. Not
@@ -71,7 +71,6 @@ import pallas_kernels as pk
 from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
 from glm5_dsa_jax.cache.fp8 import rotate_index_rows
 from glm5_dsa_jax.cache.interface import Chunk
-from glm5_dsa_jax.model.ops import by_query_tiles
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
 
@@ -226,11 +225,11 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             return token_ids, attend(q_lat, token_ids)
 
-        topk, o_lat = by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+        topk, o_lat = layer.by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
                                      (chunk.n_vis, 0))
     else:
         topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
-        _, o_lat = by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
+        _, o_lat = layer.by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
                                   (topk, -1))
     out = layer.output_projection(o_lat, mask, reduce_axis=reduce_axis)
     return out, topk, cache.end_chunk(chunk)
