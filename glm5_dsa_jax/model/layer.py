@@ -361,10 +361,11 @@ class DsaAttention(nnx.Module):
         ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
         once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
         must divide by its size) and by slot and pool over a ``seq_axis`` (``max_length``
-        must divide by its size times ``index_kpool``, ``ValueError`` naming both). ``ValueError`` for an fp8 cache this layer's kernels
-        cannot read (``fp8.check_readable``). ``max_rollback``: slots the batch can always
-        take back (``DsaCache.rollback``); ``latent_layout``: how an fp8 cache scales a latent
-        row, ``rotate_index``: whether its indexer keys are Hadamard-rotated (``cache.init_cache``)."""
+        must divide by its size times ``index_kpool``, ``ValueError`` naming both).
+        ``ValueError`` for an fp8 cache this layer's kernels cannot read
+        (``fp8.check_readable``). ``max_rollback``: slots the batch can always take back
+        (``DsaCache.rollback``); ``latent_layout``: how an fp8 cache scales a latent row,
+        ``rotate_index``: whether its indexer keys are Hadamard-rotated (``cache.init_cache``)."""
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
                            dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype,
                            max_rollback=max_rollback, latent_layout=latent_layout, rotate_index=rotate_index)
