@@ -128,16 +128,18 @@ class DsaDecoder:
     >>> out, topk = dec(next_hidden, next_mask)  # one decode step, [B, 1, hidden]
 
     For a ``"shared"`` layer pass ``prev_topk``, the top-k its full layer returned for
-    the same chunk. ``cache_dtype``, ``max_rollback``, ``latent_layout`` and ``rotate_index``
-    are ``DsaAttention.init_cache``'s (an fp8 cache's format: ``glm5_dsa_jax.cache.fp8``).
+    the same chunk. ``cache_dtype``, ``max_rollback``, ``latent_layout``, ``rotate_index`` and
+    ``index_keys`` are ``DsaAttention.init_cache``'s (an fp8 cache's format: ``glm5_dsa_jax.cache.fp8``).
     """
 
     def __init__(self, layer: DsaAttention, batch_size: int, max_length: int, *, cache_dtype=None,
-                 max_rollback: int = 1, latent_layout: str = "group", rotate_index: bool = False):
+                 max_rollback: int = 1, latent_layout: str = "group", rotate_index: bool = False,
+                 index_keys: str = "e4m3"):
         self.layer = layer
         self.step, self.params = make_step(layer)
         self.cache = layer.init_cache(batch_size, max_length, dtype=cache_dtype, max_rollback=max_rollback,
-                                      latent_layout=latent_layout, rotate_index=rotate_index)
+                                      latent_layout=latent_layout, rotate_index=rotate_index,
+                                      index_keys=index_keys)
         self.length = 0  # host mirror of cache.length
         self._rollback = jax.jit(rollback_timeline, donate_argnums=0)
 
@@ -193,12 +195,13 @@ class PagedDecoder:
 
     def __init__(self, layer: DsaAttention, max_seqs: int, num_pages: int, page_size: int = 64, *,
                  cache_dtype=None, pages_per_seq: int | None = None, max_rollback: int = 1,
-                 latent_layout: str = "group", rotate_index: bool = False):
+                 latent_layout: str = "group", rotate_index: bool = False, index_keys: str = "e4m3"):
         self.layer = layer
         self.step, self.params = make_step(layer)
         self.cache = layer.init_paged_cache(max_seqs, num_pages, page_size, cache_dtype,
                                             pages_per_seq=pages_per_seq, max_rollback=max_rollback,
-                                            latent_layout=latent_layout, rotate_index=rotate_index)
+                                            latent_layout=latent_layout, rotate_index=rotate_index,
+                                            index_keys=index_keys)
         self._release = jax.jit(_release, donate_argnums=0)
         self._rollback = jax.jit(_rollback, donate_argnums=0)
         self._fork = jax.jit(_fork, donate_argnums=0)

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["FP8", "key_dot_dtype", "check_key_scale"]
+__all__ = ["FP8", "INT8", "key_dot_dtype", "check_key_scale", "check_key_groups", "dequantize_key_groups"]
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
+#: int8 pooled indexer keys (an fp8 cache's ``index_keys="int8"``): one scale per group of
+#: columns, ``[..., G]``, dequantised to float32 before the dot (a group's scale does not
+#: commute with the sum over the key's columns, so it cannot wait for the head sum).
+INT8 = jnp.dtype(jnp.int8)
 
 
 def key_dot_dtype(q_dtype):
@@ -36,9 +40,9 @@ def check_key_scale(name, keys, scale_name, scale, shape_doc):
     """``scale`` (float, ``keys.shape[:2]``) must come with e4m3 ``keys`` and only with
     them; else ``ValueError`` naming both and the sizes (shared by the scoring wrappers and
     ``sparse_mla``)."""
-    if (scale is None) != (keys.dtype != FP8):
+    if (scale is None) != (keys.dtype not in (FP8, INT8)):
         raise ValueError(
-            f"{scale_name} must be given exactly when {name} is {FP8.name} (fp8); got {name} "
+            f"{scale_name} must be given exactly when {name} is {FP8.name} (fp8) or int8; got {name} "
             f"{keys.dtype} and {scale_name} {None if scale is None else tuple(scale.shape)}")
     if scale is not None:
         if tuple(scale.shape) != tuple(keys.shape[:2]):
@@ -46,3 +50,26 @@ def check_key_scale(name, keys, scale_name, scale, shape_doc):
                              f"{tuple(scale.shape)}")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise ValueError(f"{scale_name} must be float, got dtype {scale.dtype}")
+
+
+def check_key_groups(name, keys, scale_name, scale, shape_doc):
+    """``check_key_scale`` for keys that may be int8, whose scale is ``shape_doc`` plus a
+    trailing ``G`` (a divisor of the key width ``D``): ``ValueError`` naming both and the
+    sizes otherwise."""
+    if keys.dtype == INT8:
+        d = keys.shape[-1]
+        if scale is None or scale.ndim != keys.ndim or scale.shape[-1] < 1 or d % scale.shape[-1]:
+            raise ValueError(
+                f"{scale_name} of int8 {name} must be {shape_doc[:-1]}, G] with G dividing the key width "
+                f"D = {d}; got {None if scale is None else tuple(scale.shape)}")
+        scale, shape_doc = scale[..., 0], shape_doc[:-1] + ", G]"
+    check_key_scale(name, keys, scale_name, scale, shape_doc)
+
+
+def dequantize_key_groups(keys, scale):
+    """int8 ``keys [..., D]`` times their group scales ``scale [..., G]`` (each scale for
+    ``D / G`` consecutive columns), in float32: what the references and the kernels' loads
+    dot with the queries."""
+    g, d = scale.shape[-1], keys.shape[-1]
+    grouped = keys.astype(jnp.float32).reshape(*keys.shape[:-1], g, d // g)
+    return (grouped * scale.astype(jnp.float32)[..., None]).reshape(keys.shape)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._dtypes import FP8, key_dot_dtype
+from pallas_kernels._dtypes import FP8, INT8, key_dot_dtype
 
 __all__ = [
     "pool_last_token", "candidates", "visible_pools", "reference_dot_dtype", "score_dot_dtype", "FLOAT_DTYPES",
@@ -66,6 +66,8 @@ def score_dot_dtype(q_dtype, key_dtype):
     accumulator); else float32 (IEEE, ``allow_tf32=False``)."""
     if jnp.dtype(key_dtype) == FP8:
         return key_dot_dtype(q_dtype)
+    if jnp.dtype(key_dtype) == INT8:  # dequantised to float32 at the load (``_dtypes.INT8``)
+        return jnp.dtype(jnp.float32)
     if q_dtype == key_dtype and q_dtype != jnp.float32:
         return q_dtype
     return jnp.float32
@@ -76,9 +78,9 @@ FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 def check_triton_dtypes(q, w, keys_name, keys):
     """``ValueError`` unless ``q``, the keys and ``w`` are float32, bfloat16 or float16 (the
-    keys may also be e4m3), as the Triton kernels take them."""
+    keys may also be e4m3 or int8), as the Triton kernels take them."""
     for name, x in (("q", q), (keys_name, keys), ("w", w)):
-        if x.dtype not in FLOAT_DTYPES and not (name == keys_name and x.dtype == FP8):
+        if x.dtype not in FLOAT_DTYPES and not (name == keys_name and x.dtype in (FP8, INT8)):
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got dtype {x.dtype}")
 
 

@@ -37,6 +37,14 @@ Invariants (both sources):
   the query's dtype (exact for bf16 / f16, whose products stay exact in float32) inside
   the kernel; the reference does the same conversion, the same dot and the same order
   (``pallas_kernels._dtypes``).
+* int8 keys: with ``pooled_scale`` ``[B, P, G]`` (``[N, PPP, G]`` paged; ``G`` divides
+  ``D``) the keys are ``int8`` and the key of a pool is each ``D / G``-column group times
+  its scale. A group's scale does not commute with the sum over the columns, so the key is
+  dequantised to float32 before the dot: in the reference (``_dtypes.dequantize_key_groups``)
+  and in the Triton kernel at the tile's load (one gather of the ``[block_p, block_d]``
+  scales per tile); the dot is float32 (IEEE, ``allow_tf32=False``), the score the float32
+  score of the dequantised key. Under ``"mosaic"`` the Triton kernel runs (int8 is not a
+  wgmma operand here). The keys get no gradient (a serving format; ``float0``).
 * Nothing a sequence does not own is read: a ``-1`` (or out-of-range) page entry and a
   pool at or past ``pool_counts[b]`` are never loaded (the reference's gather fills them
   with zeros; the kernels mask the load or skip the tile), so whatever such a page holds
@@ -95,6 +103,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -102,7 +111,7 @@ from pallas_kernels._common import (
     Implementation, check_positive_int, check_power_of_two, check_rank, check_triton_params,
     eager_jit, kernel_family, next_power_of_two, without_mosaic,
 )
-from pallas_kernels._dtypes import check_key_scale
+from pallas_kernels._dtypes import INT8, check_key_groups, dequantize_key_groups
 from pallas_kernels._mosaic import mosaic_takes
 from pallas_kernels._scores import (
     candidates, channels, check_triton_dtypes, pool_last_token, reference_dot_dtype,
@@ -189,6 +198,8 @@ def index_scores_reference(
       ``[B, Q, P]`` float32 scores, ``-inf`` where the pool is not a candidate.
     """
     d = q.shape[-1]
+    if pooled.dtype == INT8:  # int8 keys: their group scales before the dot (float32)
+        pooled, pooled_scale = dequantize_key_groups(pooled, pooled_scale), None
     # Products of 16-bit floats are exact in float32, so a dot in the inputs' dtype with a
     # float32 accumulator is the float32 computation (up to summation order) without
     # converting the whole pooled cache to float32 on every step.
@@ -201,7 +212,7 @@ def index_scores_reference(
     score = jnp.einsum(
         "bqh,bqhp->bqp", w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST
     )
-    if pooled_scale is not None:  # fp8 keys: the pool's scale, after the head sum
+    if pooled_scale is not None:  # e4m3 keys: the pool's scale, after the head sum
         score = score * pooled_scale.astype(jnp.float32)[:, None, :]
     return _finish_scores(score, pool_valid, first_key, q_pos, kpool)
 
@@ -334,7 +345,7 @@ def index_scores(
         raise ValueError(f"first_key must be [B] = ({b},), got {tuple(first_key.shape)}")
     if q_pos.shape != (b, nq):
         raise ValueError(f"q_pos must be [B, Q] = {(b, nq)}, got {tuple(q_pos.shape)}")
-    check_key_scale("pooled", pooled, "pooled_scale", pooled_scale, "[B, P]")
+    check_key_groups("pooled", pooled, "pooled_scale", pooled_scale, "[B, P]")
     return _run_scores(
         (q, w, pooled, pool_valid, first_key, q_pos), pooled_scale, kpool=kpool,
         implementation=implementation, mosaic=mosaic, blocks=blocks,
@@ -378,7 +389,7 @@ def index_scores_paged(
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
     check_positive_int("kpool", kpool)
-    check_key_scale("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
+    check_key_groups("pooled_pages", pooled_pages, "pooled_scale", pooled_scale, "[N, PPP]")
     return _run_scores(
         (q, w, pooled_pages, block_table, pool_counts, q_pos), pooled_scale, kpool=kpool,
         implementation=implementation, mosaic=mosaic, blocks=blocks,
@@ -441,8 +452,12 @@ def _differentiable(forward, backward, args, pooled_scale):
         return forward(q, w, keys, rest, scale), (q, w, keys, rest, scale)
 
     def scores_bwd(res, g):
-        dq, dw, dkeys = backward(*res, g)
-        rest, scale = res[3], res[4]
+        q, w, keys, rest, scale = res
+        if keys.dtype == INT8:  # int8 keys (a serving format) get no gradient; read dequantised
+            dq, dw, _ = backward(q, w, dequantize_key_groups(keys, scale), rest, None, g)
+            dkeys = np.zeros(keys.shape, jax.dtypes.float0)
+        else:
+            dq, dw, dkeys = backward(*res, g)
         return dq, dw, dkeys, tuple(None for _ in rest), None if scale is None else jnp.zeros_like(scale)
 
     scores.defvjp(scores_fwd, scores_bwd)
@@ -569,10 +584,26 @@ def _load_keys(ref, index, rows, rows_ok, ch_ok, ch_safe, dot_dtype):
     return plgpu.load(tile, mask=jnp.broadcast_to(mask, kshape), other=0.0).astype(dot_dtype)
 
 
+def _group_scales(scale_ref, index, rows, rows_ok, ch_safe, groups: int, dim: int):
+    """int8 keys' scales spread over the tile's ``[block_p, block_d]`` lanes: lane ``(i, c)``
+    gets ``scale_ref[*index, rows[i], c // (dim / groups)]`` (a padding channel its last
+    group's; its key is 0), 0 in a row not ``rows_ok`` (None: every row). One indexer, as
+    ``_load_keys``' (Triton lowers one gather per load)."""
+    kshape = (rows.shape[0], ch_safe.shape[0])
+    col = ch_safe // (dim // groups)
+    tile = scale_ref.at[(*index, jnp.broadcast_to(rows[:, None], kshape), jnp.broadcast_to(col[None, :], kshape))]
+    if rows_ok is None:
+        return plgpu.load(tile)
+    return plgpu.load(tile, mask=jnp.broadcast_to(rows_ok[:, None], kshape), other=0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ContiguousKeys:
     """``index_scores``' key source: ``keys_ref = pooled [B, P, D]``, ``table_ref =
-    pool_valid [B, P]`` (int8), ``row_ref = first_key [B]``, scales ``[B, P]``."""
+    pool_valid [B, P]`` (int8), ``row_ref = first_key [B]``, scales ``[B, P]`` (e4m3) or
+    ``[B, P, G]`` (int8 keys, ``groups = G``: dequantised here, before the dot)."""
+
+    groups: int = 0
 
     def live_bound(self, valid_ref, fk_ref, *, b, qpos, kpool):
         # ``first_key + (p + 1)*KP - 1 <= q_pos`` iff ``p < (q_pos - first_key + 1) // KP``.
@@ -585,7 +616,11 @@ class _ContiguousKeys:
         keys = _load_keys(pooled_ref, (b,), pool_safe, None, ch_ok, ch_safe, dot_dtype)
         loaded = plgpu.load(valid_ref.at[b, pool_safe]) != 0
         last = fk_ref[b] + (pool + 1) * kpool - 1  # last token of every pool
-        pscale = plgpu.load(pscale_ref[0].at[b, pool_safe]) if pscale_ref else None
+        pscale = None
+        if self.groups:  # int8 keys: dequantised before the dot
+            keys = keys * _group_scales(pscale_ref[0], (b,), pool_safe, None, ch_safe, self.groups, dim)
+        elif pscale_ref:
+            pscale = plgpu.load(pscale_ref[0].at[b, pool_safe])
         return keys, loaded, last, pscale
 
 
@@ -593,10 +628,12 @@ class _ContiguousKeys:
 class _PagedKeys:
     """``index_scores_paged``' key source: ``keys_ref = pooled_pages`` viewed flat ``[N *
     PPP, D]`` (``n_slots`` rows), ``table_ref = block_table [B, PG]``, ``row_ref =
-    pool_counts [B]``, scales ``[N * PPP]``; ``first_key = 0``."""
+    pool_counts [B]``, scales ``[N * PPP]`` (e4m3) or ``[N * PPP, G]`` (int8, ``groups =
+    G``); ``first_key = 0``."""
 
     ppp: int
     n_slots: int
+    groups: int = 0
 
     def live_bound(self, bt_ref, counts_ref, *, b, qpos, kpool):
         seen = jnp.max(visible_pools(qpos, 0, kpool))  # pools the tile's queries can see
@@ -614,7 +651,9 @@ class _PagedKeys:
         slot = jnp.where(loaded, page * ppp + pool_safe % ppp, 0)
         keys = _load_keys(keys_ref, (), slot, loaded, ch_ok, ch_safe, dot_dtype)
         pscale = None
-        if pscale_ref:  # fp8 keys: each loaded pool's scale (0 where not loaded: no candidate)
+        if self.groups:  # int8 keys: dequantised before the dot
+            keys = keys * _group_scales(pscale_ref[0], (), slot, loaded, ch_safe, self.groups, dim)
+        elif pscale_ref:  # e4m3 keys: each loaded pool's scale (0 where not loaded: no candidate)
             pscale = plgpu.load(pscale_ref[0].at[slot], mask=loaded, other=0.0)
         return keys, loaded, (pool + 1) * kpool - 1, pscale
 
@@ -715,7 +754,8 @@ def _index_scores_pallas(
         first_key.astype(jnp.int32), q_pos.astype(jnp.int32),
         *(() if pooled_scale is None else (pooled_scale.astype(jnp.float32),)),
     )
-    return _launch_scores(operands, source=_ContiguousKeys(), name="index_scores",
+    groups = pooled_scale.shape[-1] if pooled.dtype == INT8 else 0
+    return _launch_scores(operands, source=_ContiguousKeys(groups), name="index_scores",
                          n_pools=n_pools, kpool=kpool, block_sizes=block_sizes,
                          interpret=interpret)
 
@@ -740,8 +780,10 @@ def _index_scores_paged_pallas(
     operands = (
         q, w.astype(jnp.float32), pooled_pages.reshape(n_slots, dim),
         block_table.astype(jnp.int32), pool_counts.astype(jnp.int32), q_pos.astype(jnp.int32),
-        *(() if pooled_scale is None else (pooled_scale.reshape(n_slots).astype(jnp.float32),)),
+        *(() if pooled_scale is None else
+          (pooled_scale.reshape((n_slots,) + pooled_scale.shape[2:]).astype(jnp.float32),)),
     )
-    return _launch_scores(operands, source=_PagedKeys(ppp, n_slots), name="index_scores_paged",
+    groups = pooled_scale.shape[-1] if pooled_pages.dtype == INT8 else 0
+    return _launch_scores(operands, source=_PagedKeys(ppp, n_slots, groups), name="index_scores_paged",
                          n_pools=n_pools, kpool=kpool, block_sizes=block_sizes,
                          interpret=interpret)

@@ -146,12 +146,13 @@ def _assert_pages_halves(cache, cases):
     np.testing.assert_array_equal(np.asarray(cache.pages.n_free).reshape(-1), cache.num_pages // shards - per)
 
 
-def _paged(layer, cases, dtype=None):
-    """A ``WIDE`` cache, or for fewer cases one of a row per case and half."""
+def _paged(layer, cases, dtype=None, **fmt):
+    """A ``WIDE`` cache, or for fewer cases one of a row per case and half (``fmt``: an fp8
+    cache's format keywords)."""
     if len(cases) == len(ALL_CASES):
-        return layer.init_paged_cache(dtype=dtype, **WIDE)
+        return layer.init_paged_cache(dtype=dtype, **WIDE, **fmt)
     rows = 2 * len(cases)
-    return layer.init_paged_cache(dtype=dtype, **(WIDE | dict(max_seqs=rows, num_pages=2 * rows)))
+    return layer.init_paged_cache(dtype=dtype, **(WIDE | dict(max_seqs=rows, num_pages=2 * rows)), **fmt)
 
 
 @pytest.mark.parametrize("implementation,cases", [
@@ -168,12 +169,16 @@ def test_drafts_rolled_back_equal_the_accepted_ones(cfg, implementation, cases):
     _assert_pages_halves(cache, cases)
 
 
-def test_rollback_on_an_fp8_cache(cfg):
-    """The same equivalence on an fp8 cache: each row is quantised once, alike on both rows
-    of a case, so the continuations agree within float32 rounding. (Placed caches, TP 2 and
-    data x tp: ``tests/test_serving_schedules.py``, against each sequence run alone.)"""
+@pytest.mark.parametrize("index_keys", ["e4m3", "int8"])
+def test_rollback_on_an_fp8_cache(cfg, index_keys):
+    """The same equivalence on an fp8 cache (e4m3 or int8 pooled keys): each row is quantised
+    once, alike on both rows of a case, so the continuations agree within float32 rounding.
+    (Placed caches, TP 2 and data x tp: ``tests/test_serving_schedules.py``, against each
+    sequence run alone.)"""
     layer = layer_of(cfg)
-    outs, tops, cache = _run_halves(_eager(layer), _rollback, _paged(layer, ALL_CASES, dtype="fp8"), cfg,
+    cache = _paged(layer, ALL_CASES, dtype="fp8", index_keys=index_keys)
+    assert cache.pooled_dtype == (jnp.int8 if index_keys == "int8" else jnp.float8_e4m3fn)
+    outs, tops, cache = _run_halves(_eager(layer), _rollback, cache, cfg,
                                     ALL_CASES, decode=False)
     _assert_halves_same(outs, tops, ALL_CASES)
     _assert_pages_halves(cache, ALL_CASES)

@@ -70,8 +70,8 @@ from flax import struct
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import (
-    FP8, LatentFormat, check_latent_layout, check_rotate_index, is_fp8, latent_format, quantize_latent_rows,
-    quantize_rows, rotate_index_rows,
+    FP8, IndexFormat, LatentFormat, check_latent_layout, check_rotate_index, index_format, is_fp8, latent_format,
+    quantize_index, quantize_latent_rows, rotate_index_rows,
 )
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.model.config import DsaConfig
@@ -82,7 +82,7 @@ from pallas_kernels import first_valid
 __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
-    "default_stage_dtype", "latent_fp8_format", "store_rows", "window_of", "stored_pools",
+    "default_stage_dtype", "latent_fp8_format", "index_fp8_format", "store_rows", "window_of", "stored_pools",
     "scatter_rows",
 ]
 
@@ -126,7 +126,7 @@ class DsaCache:
     first_key: jax.Array | None = None  # [B] int32
     n_valid: jax.Array | None = None  # [B] int32
     latent_scale: jax.Array | None = None  # [B, max_length(, G)] float32, fp8 caches only
-    pooled_scale: jax.Array | None = None  # [B, max_pools] float32, fp8 caches only
+    pooled_scale: jax.Array | None = None  # [B, max_pools(, G)] float32, fp8 caches only
     stage_from: jax.Array | None = None  # [] int32: first slot the stage may hold (rollback)
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
@@ -134,6 +134,8 @@ class DsaCache:
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
     #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
     rotate_index: bool = struct.field(pytree_node=False, default=False)
+    #: fp8 caches: how a pooled key is stored (``fp8.IndexFormat``; None for a float cache)
+    index_format: IndexFormat | None = struct.field(pytree_node=False, default=None)
 
     #: The fields with a token (slot or pool) axis, axis 1: what a sequence axis splits
     #: (context parallelism, ``parallel.placement``); everything else is per row or scalar.
@@ -171,7 +173,13 @@ class DsaCache:
     def pooled(self) -> jax.Array | None:
         """``[B, max_pools, index_head_dim]`` pooled keys in the cache ``dtype`` (None on a
         shared-indexer layer; e4m3 for an fp8 cache: times ``pooled_scale``)."""
-        return None if self.pooled_store is None else from_store(self.pooled_store, self.dtype)
+        return None if self.pooled_store is None else from_store(self.pooled_store, self.pooled_dtype)
+
+    @property
+    def pooled_dtype(self) -> jnp.dtype:
+        """The dtype ``pooled`` reads as: the cache dtype, or the fp8 cache's ``index_format``'s
+        (e4m3 or int8)."""
+        return self.dtype if self.index_format is None else self.index_format.dtype
 
     @property
     def is_fp8(self) -> bool:
@@ -287,7 +295,7 @@ class DsaCache:
     def pool_keys(self) -> "ContiguousPoolKeys":
         """The pooled keys, ``pool_valid`` and ``first_key``: ``index_scores``' key source."""
         return ContiguousPoolKeys(self.pooled_store, self.pool_valid, self.first_key, self.pooled_scale,
-                                  dtype=self.dtype)
+                                  dtype=self.pooled_dtype)
 
     def pool_origin(self) -> jax.Array:
         """``[B]`` the slot where each row's pool grid starts: ``first_key``."""
@@ -368,10 +376,10 @@ def stored_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_
     pooled = rotate_index_rows(pooled, cache.rotate_index)
     bufs, rows = [cache.pooled_store, cache.pool_valid], [pooled, pooled_valid]
     if cache.is_fp8:  # quantised once, here
-        rows[0], scale = quantize_rows(pooled)
+        rows[0], scale = quantize_index(pooled, cache.index_format)
         bufs.append(cache.pooled_scale)
         rows.append(scale)
-    rows[0] = to_store(rows[0], cache.dtype, cache.pooled_store.dtype)
+    rows[0] = to_store(rows[0], cache.pooled_dtype, cache.pooled_store.dtype)
     pooled_cache, pool_valid, *scale = write_pools(bufs, rows, pool_ids, new)
 
     def staged(old, win):  # slots length - H .. length + S - 1, then the last H
@@ -398,9 +406,10 @@ def store_rows(cache, updates: dict) -> dict:
             store = getattr(cache, name + "_store").dtype
             rows = updates.pop(name)
             if cache.is_fp8:
-                rows, updates[name + "_scale"] = (quantize_rows(rows) if name == "pooled"
+                rows, updates[name + "_scale"] = (quantize_index(rows, cache.index_format) if name == "pooled"
                                                   else quantize_latent_rows(rows, cache.latent_format))
-            updates[name + "_store"] = to_store(rows, cache.dtype, store)
+            updates[name + "_store"] = to_store(rows, cache.pooled_dtype if name == "pooled" else cache.dtype,
+                                                store)
     return updates
 
 
@@ -436,6 +445,7 @@ def init_cache(
     max_rollback: int = 1,
     latent_layout: str = "group",
     rotate_index: bool = False,
+    index_keys: str = "e4m3",
 ) -> DsaCache:
     """An empty cache for ``batch_size`` sequences of up to ``max_length`` slots.
 
@@ -448,9 +458,12 @@ def init_cache(
     ``"group"`` (default) or ``"row"``, how an fp8 latent row is scaled (``latent_fp8_format``).
     ``rotate_index`` (static, default off): store Hadamard-rotated pooled keys, the layer
     rotating its indexer queries (``glm5_dsa_jax.cache.fp8``; needs a power-of-two
-    ``index_head_dim``).
+    ``index_head_dim``). ``index_keys`` (static, fp8 only): ``"e4m3"`` (default, one scale a
+    pooled key) or ``"int8"`` (a scale per 32 columns; with ``rotate_index=True`` the
+    format that keeps the indexer's recall >= 0.99 at 32K, ``glm5_dsa_jax.cache.fp8``).
     """
     dtype = check_cache_dtype(dtype)
+    ifmt = index_fp8_format(cfg, dtype, index_keys)
     fmt = latent_fp8_format(cfg, dtype, latent_layout)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
@@ -481,8 +494,9 @@ def init_cache(
     return DsaCache(
         **base,
         rotate_index=check_rotate_index(d, rotate_index),
-        pooled_store=jnp.zeros((b, max_pools, d), st),
-        pooled_scale=jnp.ones((b, max_pools), jnp.float32) if is_fp8(dtype) else None,
+        index_format=ifmt,
+        pooled_store=jnp.zeros((b, max_pools, d), st if ifmt is None else store_dtype(ifmt.dtype)),
+        pooled_scale=None if ifmt is None else jnp.ones((b, max_pools, *ifmt.scale_shape), jnp.float32),
         pool_valid=jnp.zeros((b, max_pools), bool),
         stage_keys=jnp.zeros((b, h, d), stage_dtype),
         stage_gate=jnp.zeros((b, h, d), jnp.float32),
@@ -503,6 +517,13 @@ def latent_fp8_format(cfg: DsaConfig, dtype, latent_layout: str = "group") -> La
     if not is_fp8(dtype):
         return None
     return latent_format(cfg.kv_lora_rank, cfg.qk_rope_head_dim, latent_layout)
+
+
+def index_fp8_format(cfg: DsaConfig, dtype, index_keys: str = "e4m3") -> IndexFormat | None:
+    """The ``fp8.IndexFormat`` of a cache of ``dtype`` for ``cfg`` (None for a float cache);
+    ``ValueError`` naming ``index_keys`` unless it is one of ``fp8.INDEX_KEY_FORMATS``."""
+    fmt = index_format(cfg.index_head_dim, index_keys)
+    return fmt if is_fp8(dtype) else None
 
 
 def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:

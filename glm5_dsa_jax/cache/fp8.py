@@ -1,7 +1,8 @@
 """fp8 caches: latent rows and pooled indexer keys in e4m3 (``float8_e4m3fn``) with float32
 scales (one per row; a RoPE latent row's default ``"group"`` layout: one per 128 columns of
-``c`` and one for ``k_rot``), quantised once where a row is written and dequantised inside
-the kernels that read it.
+``c`` and one for ``k_rot``), or pooled keys in int8 with a scale per 32 columns
+(``index_keys="int8"``), quantised once where a row is written and dequantised inside the
+kernels that read it.
 
 Invariants:
 
@@ -43,16 +44,34 @@ Invariants:
   is per channel, so it applies *after* pooling (to the pooled key and to the query), not
   to the stage. A cache's static ``rotate_index`` says that its ``store_pools`` stores
   rotated pooled keys (``rotate_index_rows``; ``cache.pooled`` then holds them rotated) and
-  that the layer rotates its indexer queries once after ``DsaIndexer.project``. Off by
-  default: measured with ``glm5-dsa accuracy`` it does not raise the fp8 indexer's recall
-  (GLM-5.3-Flash, 32K: 0.958 rotated against 0.969; ``docs/fp8.md``).
+  that the layer rotates its indexer queries once after ``DsaIndexer.project``
+  (``index_queries``). Off by default. Measured with ``glm5-dsa accuracy``, it does not
+  raise the recall of e4m3 keys (GLM-5.3-Flash, 32K: 0.958 rotated against 0.969), whose
+  error is relative to each value; it does raise int8 keys' (0.985 -> 0.992;
+  ``docs/fp8.md``).
+* **int8 pooled keys** (``IndexFormat``, ``index_keys="int8"``; issue 26's recall goal).
+  Each 32-column group of a pooled key gets ``scale = amax / 127`` and ``q =
+  round(x / scale)`` in ``[-127, 127]``: every value within ``amax / 254`` of the original,
+  a uniform step where e4m3's is relative (up to 6 % of a value): the fp8 indexer's misses
+  are near-ties that e4m3's relative error swaps. An all-zero group gets 1 (exact zeros); a
+  non-finite group gets NaN, so the key scores NaN and is never a candidate, as a NaN key of
+  a float cache (``quantize_index`` writes 0 for its values). Groups, not one scale a key:
+  measured by emulation on a filled 32K cache, one scale a key reached recall 0.9896 and
+  32-column groups 0.9912 (GLM-5.3-Flash, seed 0). Bytes: ``D + 4 * D / 32`` = 144 a key
+  at D = 128 (e4m3: 132); GLM-5.3-Flash 552 a token, within its 560. A group's scale does
+  not commute with the sum over the key's columns, so the kernels dequantise int8 keys to
+  float32 before the dot (``pallas_kernels._dtypes.INT8``) and dot in float32, with the
+  rotated queries left float32 (``index_queries``). The stored values are ``int8``; the
+  scales ``[..., G]``; a cache's static ``index_format`` says which (``pooled_dtype``).
 * **Quantise once.** Only the caches' writes (``write_latent`` and ``store_pools`` of
-  either cache, and ``replace(latent=, pooled=)``) call ``quantize_rows``;
+  either cache, and ``replace(latent=, pooled=)``) call ``quantize_latent_rows`` /
+  ``quantize_index``;
   the stage of the incomplete pool stays in the compute dtype (it is pooled later).
 * **Dequantise in the kernels.** ``index_scores`` / ``index_scores_paged`` take
   ``pooled_scale`` and multiply each pool's head-summed score by it (``score = scale_p *
   sum_h w_h relu(q_h . k8_p / sqrt(D))``: ``scale_p > 0`` commutes with the ReLU, so this
-  is the score of the dequantised key, with one multiply per (query, pool)); ``sparse_mla``
+  is the score of the dequantised key, with one multiply per (query, pool); int8 keys:
+  their group scales before the dot, see above); ``sparse_mla``
   takes ``latent_scale`` (see its module doc). The ``"xla"`` references do the same
   arithmetic in the same order, so the top-k of ``"xla"`` and Pallas agree bit for bit.
 * **Which kernels can read e4m3.** Triton converts e4m3 only on compute capability 8.9 and
@@ -72,7 +91,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FP8", "E4M3_MAX", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
+__all__ = ["FP8", "E4M3_MAX", "INT8", "INT8_MAX", "INDEX_KEY_FORMATS", "INDEX_GROUP", "IndexFormat",
+           "index_format", "check_index_keys", "quantize_index", "dequantize_index", "index_queries", "is_fp8", "quantize_rows", "dequantize_rows", "LATENT_LAYOUTS",
            "LatentFormat", "latent_format", "check_latent_layout", "quantize_latent", "quantize_latent_rows",
            "dequantize_latent", "hadamard", "rotate_index_rows", "check_rotate_index",
            "check_readable", "check_cache_readable"]
@@ -87,6 +107,16 @@ LATENT_LAYOUTS = ("row", "group")
 LATENT_GROUP = 128
 #: Compute capability from which Triton converts e4m3 (sm_89: Ada; Hopper is 9.0).
 MIN_CAPABILITY = (8, 9)
+
+
+#: The int8 pooled-key dtype (``index_keys="int8"``) and its largest magnitude used.
+INT8 = jnp.dtype(jnp.int8)
+INT8_MAX = 127.0
+#: The pooled-key formats of an fp8 cache (``IndexFormat.keys``): e4m3 with one scale a key,
+#: or int8 with one scale per ``INDEX_GROUP`` columns (module doc: why).
+INDEX_KEY_FORMATS = ("e4m3", "int8")
+#: Columns per scale of the ``"int8"`` pooled keys.
+INDEX_GROUP = 32
 
 
 def is_fp8(dtype) -> bool:
@@ -221,6 +251,88 @@ def dequantize_latent(q: jax.Array, scale: jax.Array, fmt: LatentFormat) -> jax.
     return q.astype(jnp.float32) * jnp.take(scale.astype(jnp.float32), cols, axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexFormat:
+    """How an fp8 cache stores a pooled indexer key of ``width`` (``index_head_dim``) values.
+
+    ``keys="e4m3"``: e4m3 values and one float32 scale a key (``quantize_rows``; the scale
+    multiplies the head-summed score, after the dot). ``keys="int8"``: int8 values and one
+    float32 scale per ``group`` columns (``amax / 127`` each), dequantised to float32 before
+    the dot. Static (hashable)."""
+
+    width: int
+    keys: str = "e4m3"
+    group: int = INDEX_GROUP
+
+    def __post_init__(self):
+        if self.keys not in INDEX_KEY_FORMATS:
+            raise ValueError(f"index_keys must be one of {INDEX_KEY_FORMATS}, got {self.keys!r}")
+        if self.keys == "int8" and (self.group < 1 or self.width % self.group):
+            raise ValueError(f"int8 pooled keys need a group dividing index_head_dim {self.width}, "
+                             f"got group {self.group}")
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The stored values' dtype: ``float8_e4m3fn`` or ``int8``."""
+        return FP8 if self.keys == "e4m3" else INT8
+
+    @property
+    def n_groups(self) -> int:
+        """Scales a key: 1 for e4m3, ``width / group`` for int8."""
+        return 1 if self.keys == "e4m3" else self.width // self.group
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The trailing shape of a cache's ``pooled_scale``: ``()`` (e4m3), ``(G,)`` (int8)."""
+        return () if self.keys == "e4m3" else (self.n_groups,)
+
+    @property
+    def bytes_per_pool(self) -> int:
+        """Bytes of one stored pooled key with its scales: ``width + 4 * n_groups``."""
+        return self.width + 4 * self.n_groups
+
+
+def index_format(width: int, keys: str = "e4m3") -> IndexFormat:
+    """The pooled-key format of an fp8 cache: int8 keys take ``INDEX_GROUP``-column groups
+    (one group of ``width`` when 32 does not divide it: the tiny test presets)."""
+    check_index_keys(keys)
+    return IndexFormat(width, keys, INDEX_GROUP if width % INDEX_GROUP == 0 else width)
+
+
+def check_index_keys(keys) -> str:
+    """``keys`` if it is one of ``INDEX_KEY_FORMATS``, else ``ValueError`` naming
+    ``index_keys`` (the caches' static option)."""
+    if keys not in INDEX_KEY_FORMATS:
+        raise ValueError(f"index_keys must be one of {INDEX_KEY_FORMATS}, got {keys!r}")
+    return keys
+
+
+def quantize_index(x: jax.Array, fmt: IndexFormat) -> tuple[jax.Array, jax.Array]:
+    """Pooled keys ``x [..., width]`` -> ``(values, scale)`` in ``fmt``: e4m3,
+    ``quantize_rows`` (``scale [...]``); int8, ``round(x / s)`` with ``s = amax / 127`` per
+    group (``scale [..., G]``; an all-zero group gets 1, a non-finite one NaN, so the key's
+    scores are NaN and it is never a candidate, as a NaN float key)."""
+    if fmt.keys == "e4m3":
+        return quantize_rows(x)
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], fmt.n_groups, fmt.group)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(jnp.isfinite(amax), jnp.where(amax > 0, amax / INT8_MAX, 1.0), jnp.nan)
+    q = jnp.where(jnp.isfinite(xf), jnp.round(xf / jnp.where(jnp.isfinite(scale), scale, 1.0)[..., None]), 0.0)
+    q = jnp.clip(q, -INT8_MAX, INT8_MAX).astype(INT8).reshape(x.shape)
+    return q, scale.astype(jnp.float32)
+
+
+def dequantize_index(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """Stored pooled keys ``q [..., D]`` times their scales, in float32: ``scale [...]`` (one
+    a key) or ``[..., G]`` (one per ``D / G`` columns)."""
+    qf = q.astype(jnp.float32)
+    s = scale.astype(jnp.float32)
+    if s.ndim == q.ndim - 1:
+        return qf * s[..., None]
+    g = s.shape[-1]
+    return (qf.reshape(*q.shape[:-1], g, q.shape[-1] // g) * s[..., None]).reshape(q.shape)
+
+
 @functools.lru_cache(maxsize=None)
 def _hadamard_matrix(d: int) -> np.ndarray:
     h = np.ones((1, 1), np.float32)
@@ -240,12 +352,23 @@ def hadamard(x: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def rotate_index_rows(x: jax.Array, rotate: bool) -> jax.Array:
+def rotate_index_rows(x: jax.Array, rotate: bool, keep_float32: bool = False) -> jax.Array:
     """``x [..., D]`` (pooled indexer keys, or indexer queries) ``hadamard``-rotated and cast
-    back to ``x``'s dtype when ``rotate`` (a cache's static ``rotate_index``), else ``x``
-    itself: the caches' ``store_pools`` rotate the pooled keys they store, the layer its
-    indexer queries, so every score is the unrotated one up to rounding (module doc)."""
-    return hadamard(x).astype(x.dtype) if rotate else x
+    back to ``x``'s dtype (``keep_float32``: left in float32) when ``rotate`` (a cache's
+    static ``rotate_index``), else ``x`` itself: the caches' ``store_pools`` rotate the
+    pooled keys they store, the layer its indexer queries, so every score is the unrotated
+    one up to rounding (module doc). The queries of int8 keys stay float32: their dot is in
+    float32 anyway, and a rounded rotated query would add an error the unrotated one has not."""
+    if not rotate:
+        return x
+    return hadamard(x) if keep_float32 else hadamard(x).astype(x.dtype)
+
+
+def index_queries(qi: jax.Array, rotate: bool, fmt: "IndexFormat | None") -> jax.Array:
+    """The indexer queries ``qi [..., D]`` as a cache of static ``rotate_index = rotate`` and
+    pooled-key format ``fmt`` scores them: ``rotate_index_rows``, left in float32 for int8
+    keys (their dot is in float32)."""
+    return rotate_index_rows(qi, rotate, keep_float32=fmt is not None and fmt.keys == "int8")
 
 
 def check_rotate_index(index_head_dim: int, rotate_index) -> bool:

@@ -87,10 +87,10 @@ from flax import struct
 import pallas_kernels as pk
 from glm5_dsa_jax.cache import eager
 from glm5_dsa_jax.cache.contiguous import (
-    check_cache_dtype, default_stage_dtype, latent_fp8_format, store_rows, visible_pools,
+    check_cache_dtype, default_stage_dtype, index_fp8_format, latent_fp8_format, store_rows, visible_pools,
 )
 from glm5_dsa_jax.cache.fp8 import (
-    LatentFormat, check_rotate_index, is_fp8, quantize_latent_rows, quantize_rows, rotate_index_rows,
+    IndexFormat, LatentFormat, check_rotate_index, is_fp8, quantize_index, quantize_latent_rows, rotate_index_rows,
 )
 from glm5_dsa_jax.cache.interface import Chunk, PoolWindow
 from glm5_dsa_jax.cache.pages import (
@@ -119,7 +119,7 @@ class PagedCache:
     stage_keys: jax.Array | None = None  # [max_seqs, H, index_head_dim], cache dtype (H: stage_width)
     stage_gate: jax.Array | None = None  # [max_seqs, H, index_head_dim] float32
     latent_scale: jax.Array | None = None  # [N, page_size(, G)] float32, fp8 caches only
-    pooled_scale: jax.Array | None = None  # [N, PPP] float32, fp8 caches only
+    pooled_scale: jax.Array | None = None  # [N, PPP(, G)] float32, fp8 caches only
     stage_from: jax.Array | None = None  # [max_seqs] int32: first position the stage may hold
     dtype: jnp.dtype = struct.field(pytree_node=False, default=jnp.dtype(jnp.bfloat16))
     kpool: int = struct.field(pytree_node=False, default=1)  # KP, the pool size (index_kpool)
@@ -127,6 +127,8 @@ class PagedCache:
     latent_format: LatentFormat | None = struct.field(pytree_node=False, default=None)
     #: pooled keys stored Hadamard-rotated, indexer queries rotated by the layer (``fp8``)
     rotate_index: bool = struct.field(pytree_node=False, default=False)
+    #: fp8 caches: how a pooled key is stored (``fp8.IndexFormat``; None for a float cache)
+    index_format: IndexFormat | None = struct.field(pytree_node=False, default=None)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -188,6 +190,11 @@ class PagedCache:
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
+
+    @property
+    def pooled_dtype(self) -> jnp.dtype:
+        """The dtype the pooled-key pages read as (``DsaCache.pooled_dtype``)."""
+        return self.dtype if self.index_format is None else self.index_format.dtype
 
     @property
     def stage_width(self) -> int:
@@ -408,9 +415,9 @@ class PagedCache:
         upd = {}
         pooled = rotate_index_rows(pooled, self.rotate_index)
         if self.is_fp8:  # quantised once, here
-            pooled, scale = quantize_rows(pooled)
+            pooled, scale = quantize_index(pooled, self.index_format)
             upd["pooled_scale"] = _scatter_scales(self.pooled_scale, scale, slots)
-        rows = to_store(pooled, self.dtype, self.pooled_store.dtype)
+        rows = to_store(pooled, self.pooled_dtype, self.pooled_store.dtype)
         h = self.stage_width
         take = n_new[:, None] + jnp.arange(h, dtype=jnp.int32)[None]
         # Positions old - H .. new - 1: the stage's entries before the window's, then the window.
@@ -433,7 +440,7 @@ class PagedCache:
         """The pooled-key pages, block table and pool counts: ``index_scores_paged``' key source."""
         kp = self.kpool
         return PagedPoolKeys(self.pooled_store, self.pages.block_table, self.pages.lengths // kp,
-                             self.pooled_scale, dtype=self.dtype)
+                             self.pooled_scale, dtype=self.pooled_dtype)
 
     def pool_origin(self) -> jax.Array:
         """``[max_seqs]`` zeros: a sequence's pool grid starts at position 0."""
@@ -481,6 +488,7 @@ def init_paged_cache(
     max_rollback: int = 1,
     latent_layout: str = "group",
     rotate_index: bool = False,
+    index_keys: str = "e4m3",
 ) -> PagedCache:
     """An empty paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
     ``max_seqs`` sequences, each of up to ``pages_per_seq * page_size`` tokens (default
@@ -493,9 +501,10 @@ def init_paged_cache(
     ``ValueError``. ``stage_dtype`` as ``cache.init_cache``'s. ``max_rollback`` (static, an
     int >= 0): tokens a sequence can always take back (``PagedCache.rollback``); the stage
     keeps ``max(KP, KP - 1 + max_rollback)`` raw positions (``glm5_dsa_jax.cache.rollback``).
-    ``latent_layout``, ``rotate_index``: as ``cache.init_cache``'s.
+    ``latent_layout``, ``rotate_index``, ``index_keys``: as ``cache.init_cache``'s.
     """
     dtype = check_cache_dtype(dtype)
+    ifmt = index_fp8_format(cfg, dtype, index_keys)
     fmt = latent_fp8_format(cfg, dtype, latent_layout)
     stage_dtype = default_stage_dtype(dtype, stage_dtype)
     fp8 = is_fp8(dtype)
@@ -526,8 +535,9 @@ def init_paged_cache(
     return PagedCache(
         **base,
         rotate_index=check_rotate_index(d, rotate_index),
-        pooled_store=jnp.zeros((num_pages, page_size // kp, d), st),
-        pooled_scale=jnp.ones((num_pages, page_size // kp), jnp.float32) if fp8 else None,
+        index_format=ifmt,
+        pooled_store=jnp.zeros((num_pages, page_size // kp, d), st if ifmt is None else store_dtype(ifmt.dtype)),
+        pooled_scale=None if ifmt is None else jnp.ones((num_pages, page_size // kp, *ifmt.scale_shape), jnp.float32),
         stage_keys=jnp.zeros((max_seqs, h, d), stage_dtype),
         stage_gate=jnp.zeros((max_seqs, h, d), jnp.float32),
         stage_from=jnp.zeros((max_seqs,), jnp.int32),
@@ -640,7 +650,7 @@ def _compact(a: jax.Array, order: jax.Array) -> jax.Array:
 class PagedPoolKeys:
     """The key source of index scoring on a paged cache (``interface.PooledKeys``): the
     pooled-key pages ``[N, PPP, D]`` (stored), ``block_table [B, PG]``, ``pool_counts [B]``
-    (each row's complete pools) and the fp8 scales ``[N, PPP]`` (or None)."""
+    (each row's complete pools) and the fp8 scales ``[N, PPP(, G)]`` (or None)."""
 
     stored: jax.Array
     block_table: jax.Array
@@ -671,7 +681,8 @@ class PagedPoolKeys:
         keys = from_store(keys.reshape(b, tile, d), self.dtype)
         scale = None
         if self.scale is not None:
-            scale = jnp.take(self.scale.reshape(n * ppp), slot.reshape(-1), mode="fill",
-                             fill_value=0).reshape(b, tile)
+            g = self.scale.shape[2:]  # () or (G,): int8 keys' group scales
+            scale = jnp.take(self.scale.reshape((n * ppp,) + g), slot.reshape(-1), axis=0, mode="fill",
+                             fill_value=0).reshape((b, tile) + g)
         valid = (page >= 0) & (p[None] < self.pool_counts[:, None])
         return keys, valid, jnp.full((b,), start * kpool, jnp.int32), scale

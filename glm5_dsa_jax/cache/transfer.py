@@ -27,7 +27,8 @@ Invariants:
 * **What a load compares** (``geometry``): the latent row width, the layer kind (indexer
   state or not), ``KP`` and the index head dim, the cache dtype (fp8 included), an fp8
   cache's scales a latent row (``latent_scale_groups``: 1, or ``G`` of the ``"group"``
-  layout), whether the pooled keys are rotated (``rotate_index``) and the stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
+  layout), whether the pooled keys are rotated (``rotate_index``), an fp8 cache's pooled-key
+  format (``index_keys``: e4m3, or int8 with group scales) and the stage dtype. Not compared: ``num_pages``, ``page_size``, ``max_seqs``, the mesh; a length
   past the target's ``max_length`` is refused.
 * **A load refuses before it writes** (``check_load``, eager): a traced cache, a row out of
   range or in use, another geometry, too long, or too few free pages in the row's data
@@ -81,8 +82,8 @@ class ExportedSequence:
 
     latent: np.ndarray  # [length, CR], the cache dtype (e4m3 values for an fp8 cache)
     latent_scale: np.ndarray | None = None  # [length] or [length, G] float32, fp8 only
-    pooled: np.ndarray | None = None  # [length // KP, D], the cache dtype: the complete pools
-    pooled_scale: np.ndarray | None = None  # [length // KP] float32, fp8 only
+    pooled: np.ndarray | None = None  # [length // KP, D], the cache dtype (fp8: e4m3 or int8 keys): the complete pools
+    pooled_scale: np.ndarray | None = None  # [length // KP] (e4m3) or [length // KP, G] (int8) float32, fp8 only
     stage_keys: np.ndarray | None = None  # [H, D], the stage dtype: positions length - H ..
     stage_gate: np.ndarray | None = None  # [H, D] float32
     stage_from: np.ndarray | None = None  # [] int32: first position whose raw key the stage holds
@@ -114,17 +115,26 @@ def geometry(source) -> dict:
     ``{name: value}`` with ``latent_width``, ``has_indexer``, ``kpool``, ``index_head_dim``
     (both None without an indexer), ``dtype``, ``latent_scale_groups`` (scales a latent
     row: 1 or the ``"group"`` layout's ``G``; None for a float cache), ``rotate_index``
-    (rotated pooled keys), ``stage_dtype`` (None without an indexer)."""
+    (rotated pooled keys), ``index_keys`` (an fp8 cache's pooled-key format, ``"e4m3"`` or
+    ``"int8"``; None for a float cache or without an indexer), ``index_scale_groups`` (scales a
+    pooled key: 1, or int8's ``G``), ``stage_dtype`` (None without an indexer)."""
     if isinstance(source, ExportedSequence):
         width, stage, kp = source.latent.shape[-1], source.stage_keys, source.kpool
         row_axes = 1  # [length(, G)]
+        keys = None if source.pooled is None else np.dtype(source.pooled.dtype)
+        pool_axes = 1  # [length // KP(, G)]
     else:
         width, stage, kp = source.latent_store.shape[-1], source.stage_keys, source.kpool
         row_axes = 2  # [N, page_size(, G)]
+        keys = None if source.pooled_store is None else jnp.dtype(source.pooled_dtype)
+        pool_axes = 2  # [N, PPP(, G)]
     sc = source.latent_scale
     groups = None if sc is None else int(np.prod(np.shape(sc)[row_axes:], dtype=int))
     return dict(latent_width=int(width), has_indexer=stage is not None, latent_scale_groups=groups,
                 rotate_index=bool(source.rotate_index),
+                index_keys=None if keys is None or sc is None else ("int8" if keys == np.int8 else "e4m3"),
+                index_scale_groups=None if keys is None or source.pooled_scale is None else
+                int(np.prod(np.shape(source.pooled_scale)[pool_axes:], dtype=int)),
                 kpool=None if stage is None else kp,
                 index_head_dim=None if stage is None else int(stage.shape[-1]),
                 dtype=jnp.dtype(source.dtype).name,
@@ -161,7 +171,7 @@ def _global_pages(cache, row, local):
 
 # ---------------------------------------------------------------------------- export
 def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, stage_gate, ids, row,
-            *, dtype):
+            *, dtype, pooled_dtype):
     """The pages ``ids`` of every pool (as the cache ``dtype``) and the stage of ``row``."""
     def take(a, at):
         if a is None:
@@ -170,12 +180,12 @@ def _gather(latent_store, latent_scale, pooled_store, pooled_scale, stage_keys, 
         return a.at[at].get(out_sharding=None if sharding is None else NamedSharding(sharding.mesh, P()))
 
     return (from_store(take(latent_store, ids), dtype), take(latent_scale, ids),
-            None if pooled_store is None else from_store(take(pooled_store, ids), dtype),
+            None if pooled_store is None else from_store(take(pooled_store, ids), pooled_dtype),
             take(pooled_scale, ids),
             *(None if a is None else take(a, row[None])[0] for a in (stage_keys, stage_gate)))
 
 
-_GATHER = jax.jit(_gather, static_argnames="dtype")
+_GATHER = jax.jit(_gather, static_argnames=("dtype", "pooled_dtype"))
 
 
 def export_sequence(cache, row: int) -> ExportedSequence:
@@ -195,7 +205,7 @@ def export_sequence(cache, row: int) -> ExportedSequence:
     with mesh_of(cache):
         got = _GATHER(cache.latent_store, cache.latent_scale, cache.pooled_store, cache.pooled_scale,
                       cache.stage_keys, cache.stage_gate, _global_pages(cache, row, local), np.int32(row),
-                      dtype=cache.dtype)
+                      dtype=cache.dtype, pooled_dtype=getattr(cache, "pooled_dtype", cache.dtype))
     lat, lat_scale, pooled, pooled_scale, stage_keys, stage_gate = (
         None if a is None else np.asarray(a) for a in got)
     width = lat.shape[-1]
@@ -207,7 +217,8 @@ def export_sequence(cache, row: int) -> ExportedSequence:
         # The whole stage and the first position it holds: the rollback state goes along.
         held = max(int(np.asarray(cache.stage_from)[row]), length - cache.stage_width, 0)
         out.update(pooled=pooled.reshape(-1, pooled.shape[-1])[:n_pools],
-                   pooled_scale=None if pooled_scale is None else pooled_scale.reshape(-1)[:n_pools],
+                   pooled_scale=None if pooled_scale is None else
+                   pooled_scale.reshape((-1,) + pooled_scale.shape[2:])[:n_pools],
                    stage_keys=stage_keys, stage_gate=stage_gate, stage_from=np.int32(held), kpool=kp)
     return ExportedSequence(**out, rotate_index=cache.rotate_index)
 
@@ -240,8 +251,11 @@ def check_exported(exported) -> None:
         if np.ndim(e.stage_keys) != 2 or np.shape(e.stage_keys)[0] < kp:
             raise ValueError(f"ExportedSequence.stage_keys must be [H >= kpool={kp}, D], got {np.shape(e.stage_keys)}")
         h, d = np.shape(e.stage_keys)
-        want.update(pooled=((length // kp, d), lat.dtype), stage_gate=((h, d), np.float32),
-                    pooled_scale=((length // kp,), np.float32) if fp8 else None, stage_from=((), np.int32))
+        # An fp8 cache's pooled keys: e4m3 with a scale each, or int8 with G scales each.
+        int8 = fp8 and e.pooled is not None and np.asarray(e.pooled).dtype == np.int8
+        pgroups = (np.shape(e.pooled_scale)[1] if np.ndim(e.pooled_scale) == 2 else "G",) if int8 else ()
+        want.update(pooled=((length // kp, d), np.int8 if int8 else lat.dtype), stage_gate=((h, d), np.float32),
+                    pooled_scale=((length // kp, *pgroups), np.float32) if fp8 else None, stage_from=((), np.int32))
     for name, spec in want.items():
         a = getattr(e, name)
         got = None if a is None else f"{np.asarray(a).dtype.name} {tuple(np.shape(a))}"
@@ -326,10 +340,10 @@ def _write(cache, payload: dict, row):
     local = jnp.sum(jnp.where(is_row[:, None], pages.block_table[:, :n], 0), axis=0)
     dest = jnp.where(ok & (local >= 0), _global_pages(cache, row, local), cache.num_pages)
 
-    def put(store, content, stored=True):
+    def put(store, content, stored=True, dtype=cache.dtype):
         if store is None:
             return None
-        content = to_store(content, cache.dtype, store.dtype) if stored else content
+        content = to_store(content, dtype, store.dtype) if stored else content
         return store.at[dest].set(content.astype(store.dtype), mode="drop", out_sharding=explicit_sharding(store))
 
     upd = dict(pages=pages, status=jnp.where(is_row, status, cache.status),
@@ -342,7 +356,7 @@ def _write(cache, payload: dict, row):
         def staged(a):  # the export's last entries right-aligned in the H-wide stage
             return jnp.concatenate([jnp.zeros((h - a.shape[0],) + a.shape[1:], a.dtype), a], 0)[None]
 
-        upd.update(pooled_store=put(cache.pooled_store, payload["pooled"]),
+        upd.update(pooled_store=put(cache.pooled_store, payload["pooled"], dtype=cache.pooled_dtype),
                    pooled_scale=put(cache.pooled_scale, payload["pooled_scale"], False),
                    stage_keys=jnp.where(sel, staged(payload["stage_keys"]), cache.stage_keys),
                    stage_gate=jnp.where(sel, staged(payload["stage_gate"]), cache.stage_gate),

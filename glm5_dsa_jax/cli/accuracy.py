@@ -18,7 +18,7 @@ from glm5_dsa_jax.cli.args import (
     UsageError, check_context, nonnegative_int, positive_float, positive_int, positive_int_list,
 )
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
-from glm5_dsa_jax.tools.cache_accuracy import DEFAULT_FORMAT, FORMATS, NEAR_TIE, measure_formats
+from glm5_dsa_jax.tools.cache_accuracy import ACCURATE_FORMAT, DEFAULT_FORMAT, FORMATS, NEAR_TIE, measure_formats
 
 
 def _formats(s: str) -> list[str]:
@@ -51,10 +51,12 @@ def add_parser(sub) -> None:
                         "the preset's max_position_embeddings")
     p.add_argument("--queries", type=positive_int, default=16, help="query tokens measured per context")
     p.add_argument("--preset", default="glm53-flash", choices=PRESETS, help="the layer's shapes")
-    p.add_argument("--formats", type=_formats, default=f"row,{DEFAULT_FORMAT}",
+    p.add_argument("--formats", type=_formats, default=f"row,{DEFAULT_FORMAT},{ACCURATE_FORMAT}",
                    help=f"comma-separated fp8 cache formats, of {', '.join(FORMATS)}: the latent layout "
-                        "(one scale a row, or per 128 columns with k_rot apart), '+hadamard' for rotated "
-                        f"indexer keys (default: before, and the caches' default {DEFAULT_FORMAT})")
+                        "(one scale a row, or per 128 columns with k_rot apart), '+int8' for int8 pooled "
+                        "keys with a scale per 32 columns (else e4m3, a scale a key), '+hadamard' for "
+                        f"rotated indexer keys (default: before, the caches' default {DEFAULT_FORMAT}, "
+                        f"and {ACCURATE_FORMAT})")
     p.add_argument("--scales", type=_scales, default="1",
                    help="comma-separated factors on the prompt's hidden states (e.g. 1,1e4,1e6)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the weights and the prompt")
@@ -82,10 +84,10 @@ def main(args) -> int:
         print(json.dumps(dict(preset=args.preset, near_tie=NEAR_TIE, rows=rows)))
         return 0
     print(f"{args.preset}: fp8 cache against bf16 cache, {args.queries} queries after the context")
-    print(f"{'context':>8} {'format':>15} {'x':>6} {'recall':>8} {'rel L2':>9} {'same sel':>9} {'changed':>8} "
+    print(f"{'context':>8} {'format':>20} {'x':>6} {'recall':>8} {'rel L2':>9} {'same sel':>9} {'changed':>8} "
           f"{'ties':>5} {'near':>5} {'gap med':>9} {'gap max':>9}")
     for r in rows:
-        print(f"{r['context']:>8} {r['format']:>15} {r['x_scale']:6.0e} {r['recall']:8.4f} {r['rel_l2']:9.2e} "
+        print(f"{r['context']:>8} {r['format']:>20} {r['x_scale']:6.0e} {r['recall']:8.4f} {r['rel_l2']:9.2e} "
               f"{r['rel_l2_same_selection']:9.2e} {r['changed']:>8} {r['ties']:>5} {r['near_ties']:>5} "
               f"{r['gap_median']:9.1e} {r['gap_max']:9.1e}")
     print("same sel: the output error over the bf16 selection (the fp8 rows' own error)")

@@ -86,7 +86,7 @@ import pallas_kernels as pk
 from glm5_dsa_jax.model import layout, remat
 from glm5_dsa_jax.cache import Chunk, DsaCache, LayerCache, PagedCache, init_cache, init_paged_cache
 from glm5_dsa_jax.cache.contiguous import live_pool_tiles
-from glm5_dsa_jax.cache.fp8 import check_cache_readable, rotate_index_rows
+from glm5_dsa_jax.cache.fp8 import check_cache_readable, index_queries
 from glm5_dsa_jax.cache.interface import tile_scorer
 from glm5_dsa_jax.model.chunk_rows import rows_with_chunk_gradient
 from glm5_dsa_jax.model.config import DsaConfig
@@ -356,7 +356,8 @@ class DsaAttention(nnx.Module):
 
     # ------------------------------------------------------------------ cache
     def init_cache(self, batch_size: int, max_length: int, dtype=None, *, max_rollback: int = 1,
-                   latent_layout: str = "group", rotate_index: bool = False) -> DsaCache:
+                   latent_layout: str = "group", rotate_index: bool = False,
+                   index_keys: str = "e4m3") -> DsaCache:
         """An empty decode cache for this layer (``dtype`` defaults to the compute dtype;
         ``"fp8"``: e4m3 rows, the stage in the compute dtype), replicated on ``self.mesh``
         once the layer is placed, split by sequence over a ``batch_axis`` (``batch_size``
@@ -365,17 +366,20 @@ class DsaAttention(nnx.Module):
         ``ValueError`` for an fp8 cache this layer's kernels cannot read
         (``fp8.check_readable``). ``max_rollback``: slots the batch can always take back
         (``DsaCache.rollback``); ``latent_layout``: how an fp8 cache scales a latent row,
-        ``rotate_index``: whether its indexer keys are Hadamard-rotated (``cache.init_cache``)."""
+        ``rotate_index``: whether its indexer keys are Hadamard-rotated, ``index_keys``: how an
+        fp8 cache stores them, ``"e4m3"`` or ``"int8"`` (``cache.init_cache``)."""
         cache = init_cache(self.cfg, batch_size, max_length, has_indexer=self.has_indexer,
                            dtype=self.dtype if dtype is None else dtype, stage_dtype=self.dtype,
-                           max_rollback=max_rollback, latent_layout=latent_layout, rotate_index=rotate_index)
+                           max_rollback=max_rollback, latent_layout=latent_layout, rotate_index=rotate_index,
+                           index_keys=index_keys)
         check_cache_readable(cache, self.implementation)
         p = self.placement
         return cache if p is None else place_cache(cache, p.mesh, p.batch_axis, p.seq_axis)
 
     def init_paged_cache(self, max_seqs: int, num_pages: int, page_size: int = 64, dtype=None, *,
                          pages_per_seq: int | None = None, max_rollback: int = 1,
-                         latent_layout: str = "group", rotate_index: bool = False) -> PagedCache:
+                         latent_layout: str = "group", rotate_index: bool = False,
+                         index_keys: str = "e4m3") -> PagedCache:
         """An empty paged cache (``glm5_dsa_jax.cache.paged``): ``num_pages`` pages of
         ``page_size`` tokens shared by ``max_seqs`` sequences (row ``b`` of a call is
         sequence ``b``), each of up to ``pages_per_seq * page_size`` tokens; ``dtype``
@@ -384,8 +388,8 @@ class DsaAttention(nnx.Module):
         sequences and ``num_pages / dp`` pages per data shard (``pages``' module doc;
         ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
         ``ValueError`` unless both divide by ``dp``). ``max_rollback``: tokens a sequence can
-        always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index`` as
-        ``init_cache``'s."""
+        always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index``,
+        ``index_keys`` as ``init_cache``'s."""
         p = self.placement
         if p is not None and p.seq_axis is not None:
             raise ValueError(f"layer {self.layer_idx} splits its caches' tokens over seq_axis {p.seq_axis!r} "
@@ -395,7 +399,7 @@ class DsaAttention(nnx.Module):
                                  has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
                                  stage_dtype=self.dtype, shards=1 if p is None else p.data_shards,
                                  max_rollback=max_rollback, latent_layout=latent_layout,
-                                 rotate_index=rotate_index)
+                                 rotate_index=rotate_index, index_keys=index_keys)
         if p is not None:
             cache = place_cache(cache, p.mesh, p.batch_axis)
         check_cache_readable(cache, self.implementation)
@@ -492,7 +496,7 @@ class DsaAttention(nnx.Module):
                                                prevent_cse=False)
             cache = self.compress_pools(cache, ki, gate, chunk)  # pooled before any query scores
             # A cache storing rotated pooled keys (``rotate_index``): the queries too, once.
-            qi = rotate_index_rows(qi, cache.rotate_index)
+            qi = index_queries(qi, cache.rotate_index, cache.index_format)
             select_k = self.cfg.select_k(cache.max_pools)
 
             def tile(q_lat, q_pos, qi, w, n_vis, *loss_queries):

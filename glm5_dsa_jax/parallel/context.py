@@ -69,7 +69,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
-from glm5_dsa_jax.cache.fp8 import rotate_index_rows
+from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.interface import Chunk
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
@@ -213,7 +213,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                                                         layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
                                                         implementation="xla")
             cache = stored_pools(cache, win, pooled, pooled_valid, chunk, max_pools=n_pools, pool_offset=pool_off)
-        qi = rotate_index_rows(qi, cache.rotate_index)
+        qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(n_pools)
 
         def tile(q_lat, q_pos, qi, w, n_vis):
