@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
     d.add_argument("--cache-dtype", default=None, choices=["bfloat16", "fp8"],
                    help="the sparse rows' cache dtype (default: the layer's, bfloat16); the dense "
                         "rows keep bfloat16")
-    d.add_argument("--cp", type=positive_int, default=1,
+    d.add_argument("--cp", type=positive_int, default=1, metavar="N",
                    help="context parallelism: time the sparse step with the cache split over N devices "
                         "against cp 1 instead (contiguous cache, --implementation xla only; N virtual "
                         "CPU devices on a CPU host)")

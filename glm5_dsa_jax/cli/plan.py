@@ -47,7 +47,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size: heads split over it")
     p.add_argument("--dp", type=positive_int, default=1,
                    help="data-parallel size: the batch and the caches split by sequence")
-    p.add_argument("--cp", type=positive_int, default=1,
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
                    help="context-parallel size: each sequence's contiguous cache (token rows, pooled "
                         "keys) split over it; the context must divide by cp x index_kpool")
     p.add_argument("--batch", type=positive_int, default=None,

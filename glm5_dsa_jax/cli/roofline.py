@@ -64,7 +64,9 @@ DEFAULT_CHUNK = 2048
 def add_parser(sub) -> None:
     """``glm5-dsa roofline``: per kernel of one DSA layer, the bytes it moves, its FLOPs, its
     programs and the time a GPU's bandwidth and peak FLOPs bound it to, for one decode
-    step and one prefill chunk (the model: glm5_dsa_jax.tools.roofline)."""
+    step and one prefill chunk (the model: glm5_dsa_jax.tools.roofline). With --cp N also the
+    decode step on one of N devices that each hold 1/N of the sequence (context parallelism),
+    what crosses devices over NVLink, and a line against cp 1."""
     p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU (a model, no GPU needed)",
                        description=add_parser.__doc__)
     p.add_argument("--gpu", required=True, choices=sorted(GPUS), help="the GPU whose bandwidth and FLOPs bound the kernels")
@@ -78,7 +80,7 @@ def add_parser(sub) -> None:
                    help="the model's shapes (glm53_flash: an alias of glm53-flash)")
     p.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                    help="latent rows and pooled keys: bf16, or e4m3 with a float32 scale per row")
-    p.add_argument("--cp", type=positive_int, default=1,
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
                    help="context parallelism: also the decode step on one of N devices each holding 1/N "
                         "of the sequence (worst case: every selected row on that device), what crosses "
                         "devices, against cp 1; --context must divide by N x index_kpool")
