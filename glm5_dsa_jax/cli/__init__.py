@@ -35,12 +35,13 @@ examples:
   glm5-dsa plan --tp 8 --context 131072         shard plan and memory per device
   glm5-dsa roofline --gpu h200 --context 131072 bytes, FLOPs and bound time per kernel
   glm5-dsa bench decode --preset tiny --contexts 256,1024
+  glm5-dsa plan --cp 8 --context 1048576        a sequence's cache split over 8 devices
   glm5-dsa train-indexer --out run1             train the tiny layer's indexer, about a minute
 
 environment: on a host without a GPU (no /dev/nvidia<N>, no nvidia-smi) the command pins
 jax to the CPU unless JAX_PLATFORMS is set, so an installed CUDA plugin prints no "Unable to
 load CUDA" traceback (elsewhere: set JAX_PLATFORMS=cpu before importing jax). A command
-that needs N devices (convert --tp N) makes N virtual CPU devices itself on such a host,
+that needs N devices (convert --tp N, bench decode --cp N) makes N virtual CPU devices itself on such a host,
 as XLA_FLAGS=--xla_force_host_platform_device_count=N would.
 """
 

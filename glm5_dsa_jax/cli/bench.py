@@ -3,7 +3,7 @@
 What each row measures is documented with the measuring code: ``glm5_dsa_jax.tools.bench``
 (decode, and its floor of bytes and FLOPs), ``glm5_dsa_jax.tools.bench_train`` (train: forward +
 backward time and peak memory). This module only parses the flags, runs ``bench.run`` /
-``bench_train.run`` and prints. With ``--json`` the progress lines go to stderr so stdout
+``bench_train.run`` (``bench_cp.run`` with ``--cp N``) and prints. With ``--json`` the progress lines go to stderr so stdout
 is one JSON object.
 """
 
@@ -16,7 +16,8 @@ import pallas_kernels as pk
 from glm5_dsa_jax.cli.args import (UsageError, nonnegative_int, positive_float, positive_int,
                                    positive_int_list)
 from glm5_dsa_jax.model.config import DsaConfig
-from glm5_dsa_jax.tools import bench, bench_train
+from glm5_dsa_jax.cli.host import need_devices
+from glm5_dsa_jax.tools import bench, bench_cp, bench_train
 
 
 def add_parser(sub) -> None:
@@ -34,7 +35,9 @@ def add_parser(sub) -> None:
         "per batch size; print the median step time against its floor, the larger of the bytes it "
         "must read over the measured read bandwidth and the FLOPs it must do over the measured "
         "matmul rate (what each row measures: glm5_dsa_jax.tools.bench). Progress lines go to stdout, or to stderr with "
-        "--json.")
+        "--json. With --cp N: instead, the sparse step with its contiguous cache split over N devices "
+        "(shard_layer(..., seq_axis='cp'); virtual CPU devices on a CPU host) against the same step on "
+        "one device, with per-device cache, read and crossing bytes (glm5_dsa_jax.tools.bench_cp).")
     d.add_argument("--contexts", type=positive_int_list, default="4096,16384,65536,131072",
                    help="comma-separated cache lengths in tokens; the largest plus the timed steps "
                         "must fit the preset's max_position_embeddings")
@@ -57,6 +60,10 @@ def add_parser(sub) -> None:
     d.add_argument("--cache-dtype", default=None, choices=["bfloat16", "fp8"],
                    help="the sparse rows' cache dtype (default: the layer's, bfloat16); the dense "
                         "rows keep bfloat16")
+    d.add_argument("--cp", type=positive_int, default=1, metavar="N",
+                   help="context parallelism: time the sparse step with the cache split over N devices "
+                        "against cp 1 instead (contiguous cache, --implementation xla only; N virtual "
+                        "CPU devices on a CPU host)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=main, prog=d.prog)
     _add_train_parser(benchmarks)
@@ -109,10 +116,52 @@ def check(args) -> None:
             raise UsageError(f"--capacity: {e}") from None
 
 
+def check_cp(args) -> None:
+    """``UsageError`` for what ``--cp`` cannot run yet (context parallelism's first slice)."""
+    if args.cp == 1:
+        return
+    if args.cache != "contiguous":
+        raise UsageError(f"--cp {args.cp} needs --cache contiguous: the {args.cache} cache is not split over "
+                         "a sequence axis yet")
+    if args.implementation != "xla":
+        raise UsageError(f"--cp {args.cp} needs --implementation xla: context parallelism does not run "
+                         f"{args.implementation} yet")
+    if args.capacity is not None:
+        raise UsageError(f"--capacity does not go with --cp {args.cp}: the cp run sizes both caches itself "
+                         "(the default capacity rounded up to a multiple of cp x index_kpool)")
+
+
+def main_cp(args, log) -> int:
+    """``--cp N``: ``bench_cp.run`` and its table (cp N against cp 1 per batch and context)."""
+    need_devices(args.cp, "--cp")
+    log(f"glm5-dsa bench decode --cp {args.cp}: preset {args.preset}, contexts {args.contexts}, batch "
+        f"{args.batch}, {args.iters} timed steps per row")
+    res = bench_cp.run(args.preset, args.contexts, args.batch, args.iters, args.cp, log=log,
+                       cache_dtype=args.cache_dtype)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"\n{'cp':>3} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} {'x cp1':>6} "
+          f"{'cache MB/dev':>13} {'read MB/dev':>12} {'cross KB/dev':>13} {'same top-k':>10}")
+    base = {(r["batch"], r["context"]): r["median_ms"] for r in res["rows"] if r["cp"] == 1}
+    for r in res["rows"]:
+        print(f"{r['cp']:>3} {r['batch']:>5} {r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} "
+              f"{r['median_ms'] / base[r['batch'], r['context']]:6.2f} {r['cache_bytes_per_device'] / 1e6:13.3f} "
+              f"{r['read_bytes_per_device'] / 1e6:12.3f} {r['crossing_bytes_per_device'] / 1e3:13.2f} "
+              f"{str(r['same_topk']):>10}")
+    print(f"\n({res['devices']} {res['device']} devices; on a CPU they are virtual and share the host's "
+          "cores: the times show the split's overhead, not N accelerators' gain; read MB/dev assumes every "
+          "selected row on one device)")
+    return 0
+
+
 def main(args) -> int:
     check(args)
+    check_cp(args)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (
         lambda *a: print(*a, flush=True))
+    if args.cp > 1:
+        return main_cp(args, log)
     log(f"glm5-dsa bench decode: preset {args.preset}, contexts {args.contexts}, batch {args.batch}, "
         f"{args.iters} timed steps per row")
     res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,

@@ -1,13 +1,21 @@
 """``glm5-dsa plan``: print the tensor-parallel shard plan of one DSA layer and the
-per-device memory of the model's DSA attention on a ``--dp`` x ``--tp`` mesh.
+per-device memory of the model's DSA attention on a ``--dp`` x ``--cp`` x ``--tp`` mesh.
 
 The plan itself (which tensors split by head, the bytes each rank holds, the indexer
 all-reduce that replicating the indexer avoids, and why) is ``TpPlan``; the per-device
 weights and caches (bf16 and fp8, contiguous and paged) and the sequences that fit are
 ``MemoryPlan``. This module builds both from a preset or a ``config.json`` and prints rank
 ``--rank``'s tensor table, the per-rank totals and the memory table, or one JSON object. A
-TP size that does not divide the heads, a batch not divisible by ``--dp`` or a bad config
-is a one-line error with exit status 2.
+TP size that does not divide the heads, a batch not divisible by ``--dp``, a context not
+divisible by ``--cp`` times the pool size or a bad config is a one-line error with exit
+status 2.
+
+``--cp N`` (context parallelism, ``glm5_dsa_jax.parallel.context``): each device holds
+``1/N`` of a sequence's token rows and pooled keys of the contiguous cache, and the rest of
+the cache (the incomplete pool's stage, ``first_key``, ``n_valid``, ``length``) whole; the
+memory table then shows the contiguous cache only (the paged cache is not split over a
+sequence axis yet), per device at ``--cp N`` against ``--cp 1``, and the longest context
+whose caches fit a device (``MemoryPlan.context_that_fits``) at both.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import json
 import sys
 
-from glm5_dsa_jax.cli.args import check_context, nonnegative_int, positive_float, positive_int
+from glm5_dsa_jax.cli.args import UsageError, check_context, nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.memory_plan import MemoryPlan
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
@@ -28,7 +36,10 @@ def add_parser(subparsers) -> None:
     """``glm5-dsa plan``: print one DSA layer's tensor-parallel shard plan (rank --rank's
     tensors, the per-rank totals) and the per-device memory of the model's DSA attention
     (weights, bf16 and fp8 caches, contiguous and paged, the sequences that fit) on a
-    --dp x --tp mesh. A plan: no devices are needed."""
+    --dp x --cp x --tp mesh. With --cp N each device holds 1/N of a sequence's contiguous
+    cache (its token rows and pooled keys; the incomplete pool's stage replicated) and the
+    table compares the cache per device and the context that fits against --cp 1. A plan:
+    no devices are needed."""
     p = subparsers.add_parser(
         "plan", help="print the tensor-parallel shard plan of one DSA layer",
         description=add_parser.__doc__,
@@ -36,6 +47,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size: heads split over it")
     p.add_argument("--dp", type=positive_int, default=1,
                    help="data-parallel size: the batch and the caches split by sequence")
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
+                   help="context-parallel size: each sequence's contiguous cache (token rows, pooled "
+                        "keys) split over it; the context must divide by cp x index_kpool")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="sequences on the whole mesh for the cache figures (default: 8 x --dp)")
     p.add_argument("--memory-gib", type=positive_float, default=80.0,
@@ -60,10 +74,13 @@ def main(args) -> int:
         context = args.context or cfg.max_position_embeddings
         check_context(context, cfg)
         batch = args.batch or 8 * args.dp
+        check_cp(args.cp, context, cfg)
         mem = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context,
-                         elem_bytes=args.elem_bytes)
+                         elem_bytes=args.elem_bytes, cp=args.cp)
         memory = int(args.memory_gib * 2**30)
         rows = mem.rows(memory, PLAN_CACHE_DTYPES)
+        one = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context, elem_bytes=args.elem_bytes)
+        cp_rows = cp_table(mem, one, memory) if args.cp > 1 else None
     except (ValueError, FileNotFoundError) as e:
         print(f"glm5-dsa plan: error: {e}", file=sys.stderr)
         return 2
@@ -74,7 +91,11 @@ def main(args) -> int:
         d["context"] = context
         d["memory"] = dict(dp=args.dp, tp=args.tp, batch=batch, context=context,
                            dsa_layers=len(mem.layers), device_memory_bytes=memory,
-                           weight_bytes_per_device=mem.weight_bytes, caches=rows)
+                           weight_bytes_per_device=mem.weight_bytes, caches=rows, cp=args.cp)
+        if cp_rows is not None:
+            d["memory"]["context_parallel"] = dict(
+                cp=args.cp, replicated_cache_bytes_per_device=mem.replicated_cache_bytes(),
+                replicated_fields=REPLICATED_OVER_CP, rows=cp_rows)
         print(json.dumps(d, indent=2))
         return 0
     print(plan.table())
@@ -92,6 +113,9 @@ def main(args) -> int:
         f"({context // cfg.index_kpool:,} pools x {SCORE_BYTES} B)"
     )
     print()
+    if cp_rows is not None:
+        print_cp(args, mem, cp_rows, batch, context)
+        return 0
     print(f"memory per device, {len(mem.layers)} DSA layers, mesh data={args.dp} x tp={args.tp}, "
           f"{batch} sequences of {context:,} tokens ({batch // args.dp} per data group):")
     print(f"  attention weights: {fmt_bytes(mem.weight_bytes)} (split over tp, replicated over data)")
@@ -103,3 +127,57 @@ def main(args) -> int:
     print("  (caches split over data by sequence, replicated over tp; attention only: no MoE, "
           "embeddings or activations)")
     return 0
+
+
+#: The contiguous cache's fields every device of the cp axis holds whole.
+REPLICATED_OVER_CP = ("stage_keys", "stage_gate", "stage_valid", "first_key", "n_valid", "length", "stage_from")
+
+
+def check_cp(cp: int, context: int, cfg) -> None:
+    """``UsageError`` unless ``context`` splits into ``cp`` ranges of whole pools."""
+    unit = cp * cfg.index_kpool
+    if cp > 1 and context % unit:
+        raise UsageError(
+            f"--cp {cp}: --context {context:,} is not divisible by cp x index_kpool = {cp} x "
+            f"{cfg.index_kpool} = {unit} (each of the {cp} devices holds a contiguous range of whole "
+            f"pools); e.g. --context {context // unit * unit:,}")
+
+
+def cp_table(mem: MemoryPlan, one: MemoryPlan, memory: int) -> list[dict]:
+    """Per cache dtype: the contiguous cache per device, the context that fits (capped at
+    ``max_position_embeddings``; ``context_that_fits_memory``: what the memory alone allows)
+    and the sequences that fit, at ``mem.cp`` against ``one`` (cp 1)."""
+    out = []
+    for dtype in PLAN_CACHE_DTYPES:
+        fits, fits1 = mem.context_that_fits(memory, dtype=dtype), one.context_that_fits(memory, dtype=dtype)
+        top = mem.cfg.max_position_embeddings
+        out.append(dict(cache="contiguous", dtype=dtype, cache_bytes_per_device=mem.cache_bytes(dtype=dtype),
+                        cache_bytes_per_device_cp1=one.cache_bytes(dtype=dtype),
+                        context_that_fits=min(fits, top), context_that_fits_cp1=min(fits1, top),
+                        context_that_fits_memory=fits, context_that_fits_memory_cp1=fits1,
+                        sequences_that_fit=mem.sequences_that_fit(memory, dtype=dtype),
+                        sequences_that_fit_cp1=one.sequences_that_fit(memory, dtype=dtype)))
+    return out
+
+
+def print_cp(args, mem: MemoryPlan, rows: list[dict], batch: int, context: int) -> None:
+    """The memory table of a ``--cp`` plan: per device at ``--cp`` against ``--cp 1``."""
+    cfg, top = mem.cfg, mem.cfg.max_position_embeddings
+    print(f"memory per device, {len(mem.layers)} DSA layers, mesh data={args.dp} x cp={args.cp} x "
+          f"tp={args.tp}, {batch} sequences of {context:,} tokens ({batch // args.dp} per data group, "
+          f"each split over {args.cp} devices):")
+    print(f"  attention weights: {fmt_bytes(mem.weight_bytes)} (split over tp, replicated over data and cp)")
+    print(f"  replicated over cp: {fmt_bytes(mem.replicated_cache_bytes())} of cache per device "
+          f"({', '.join(REPLICATED_OVER_CP)}: the incomplete pool's stage and the bookkeeping)")
+    print(f"  {'cache':<11}{'dtype':<10}{'cache/device':>14}{'at cp 1':>12}  "
+          f"{'context that fits':>18}{'at cp 1':>12}  sequences that fit (cp 1)")
+    mark = lambda n: f"{min(n, top):,}" + ("*" if n > top else "")  # noqa: E731
+    for r in rows:
+        print(f"  {r['cache']:<11}{r['dtype']:<10}{fmt_bytes(r['cache_bytes_per_device']):>14}"
+              f"{fmt_bytes(r['cache_bytes_per_device_cp1']):>12}  {mark(r['context_that_fits_memory']):>18}"
+              f"{mark(r['context_that_fits_memory_cp1']):>12}  {r['sequences_that_fit']:,} "
+              f"({r['sequences_that_fit_cp1']:,})")
+    print(f"  (context that fits: tokens per sequence for {batch // args.dp} sequences per data group "
+          f"in {args.memory_gib:g} GiB/device; * = capped at max_position_embeddings {top:,}; the paged "
+          f"cache is not split over cp yet; attention only: no MoE, embeddings or activations; index_kpool "
+          f"{cfg.index_kpool})")

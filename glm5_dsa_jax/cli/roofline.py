@@ -8,6 +8,12 @@ than the context (the default chunk, 2048, is cut to a shorter context), a non-p
 size; with ``--train``, a ``--chunk``, an fp8 ``--cache-dtype`` (a training step keeps no
 cache) or ``--indexer-loss`` without ``--train``.
 
+``--cp N`` adds the decode step on one device of a sequence axis of ``N`` devices
+(``roofline.cp_rows``: phase ``decode_cpN``, the interconnect rows over the GPU's NVLink
+figure or ``--interconnect-gb-s``) and a summary against cp 1: bytes and bound per device,
+bytes crossing devices. Refused (exit 2): ``--cp`` with ``--train``, a context not
+divisible by ``N`` times the pool size.
+
 ``--train`` prints ``roofline.train_rows`` instead: the forward and backward of one training
 step over ``--context`` tokens per sequence, and the dense-mask formulation's attention, then
 the sparse attention's forward + backward (``sparse_mla``, its backward kernels and the
@@ -20,7 +26,7 @@ import json
 import sys
 
 from glm5_dsa_jax.tools import roofline
-from glm5_dsa_jax.cli.args import UsageError, check_context, positive_int
+from glm5_dsa_jax.cli.args import UsageError, check_context, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
 from glm5_dsa_jax.tools.roofline import GPUS, RooflineRow
 
@@ -34,13 +40,14 @@ def _fmt_bytes(n: int) -> str:
 
 def format_table(rs: list[RooflineRow], measured: dict | None = None) -> str:
     """A text table of ``rows``; ``measured`` ``{(phase, kernel): seconds}`` adds a column."""
-    head = (f"{'phase':<8} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'memory us':>10} "
+    pw = max([8] + [len(r.phase) for r in rs])  # decode_cp8 is wider than the other phases
+    head = (f"{'phase':<{pw}} {'kernel':<26} {'bytes':>11} {'GFLOP':>10} {'programs':>9} {'memory us':>10} "
             f"{'compute us':>10} {'bound us':>10} {'limit':<7}")
     if measured is not None:
         head += f" {'measured us':>12} {'x bound':>8}"
     lines = [head, "-" * len(head)]
     for r in rs:
-        line = (f"{r.phase:<8} {r.kernel:<26} {_fmt_bytes(r.bytes):>11} {r.flops / 1e9:10.3f} "
+        line = (f"{r.phase:<{pw}} {r.kernel:<26} {_fmt_bytes(r.bytes):>11} {r.flops / 1e9:10.3f} "
                 f"{r.programs if r.programs else '':>9} {r.memory_s * 1e6:10.2f} {r.compute_s * 1e6:10.2f} "
                 f"{r.bound_s * 1e6:10.2f} {r.limit:<7}")
         if measured is not None:
@@ -57,7 +64,9 @@ DEFAULT_CHUNK = 2048
 def add_parser(sub) -> None:
     """``glm5-dsa roofline``: per kernel of one DSA layer, the bytes it moves, its FLOPs, its
     programs and the time a GPU's bandwidth and peak FLOPs bound it to, for one decode
-    step and one prefill chunk (the model: glm5_dsa_jax.tools.roofline)."""
+    step and one prefill chunk (the model: glm5_dsa_jax.tools.roofline). With --cp N also the
+    decode step on one of N devices that each hold 1/N of the sequence (context parallelism),
+    what crosses devices over NVLink, and a line against cp 1."""
     p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU (a model, no GPU needed)",
                        description=add_parser.__doc__)
     p.add_argument("--gpu", required=True, choices=sorted(GPUS), help="the GPU whose bandwidth and FLOPs bound the kernels")
@@ -71,6 +80,13 @@ def add_parser(sub) -> None:
                    help="the model's shapes (glm53_flash: an alias of glm53-flash)")
     p.add_argument("--cache-dtype", default="bfloat16", choices=["bfloat16", "fp8"],
                    help="latent rows and pooled keys: bf16, or e4m3 with a float32 scale per row")
+    p.add_argument("--cp", type=positive_int, default=1, metavar="N",
+                   help="context parallelism: also the decode step on one of N devices each holding 1/N "
+                        "of the sequence (worst case: every selected row on that device), what crosses "
+                        "devices, against cp 1; --context must divide by N x index_kpool")
+    p.add_argument("--interconnect-gb-s", type=positive_float, default=None,
+                   help="with --cp: GB/s one device sends to the others (default: half the GPU's "
+                        "datasheet NVLink total, i.e. one direction)")
     p.add_argument("--train", action="store_true",
                    help="one training step instead: forward + backward of every kernel over --context "
                         "tokens per sequence, against the dense-mask formulation (MaxText's)")
@@ -84,6 +100,38 @@ def add_parser(sub) -> None:
 #: The rows of the sparse attention's forward + backward (``--train``'s summary line).
 SPARSE_ATTENTION_ROWS = ("sparse_mla", "xla:lse_delta", "sparse_mla_bwd:dq", "selection_transpose",
                          "sparse_mla_bwd:dlatent")
+
+
+def check_cp(args, cfg) -> None:
+    """``UsageError`` for a ``--cp`` the context does not split into, or that does not go with
+    the other flags."""
+    if args.cp == 1:
+        if args.interconnect_gb_s is not None:
+            raise UsageError("--interconnect-gb-s needs --cp N (N > 1): it times what crosses devices")
+        return
+    if args.train:
+        raise UsageError(f"--cp {args.cp} does not go with --train: the context-parallel rows are the decode step's")
+    unit = args.cp * cfg.index_kpool
+    if args.context % unit:
+        raise UsageError(f"--cp {args.cp}: --context {args.context:,} is not divisible by cp x index_kpool = "
+                         f"{args.cp} x {cfg.index_kpool} = {unit} (each device holds whole pools); e.g. "
+                         f"--context {max(unit, args.context // unit * unit):,}")
+
+
+def cp_summary(cfg, args, rs: list[RooflineRow], cp_rs: list[RooflineRow]) -> dict:
+    """The decode step per device at ``--cp`` against cp 1: bytes, FLOPs and bound, and
+    what crosses devices (bytes and bound)."""
+    one = next(r for r in rs if (r.phase, r.kernel) == ("decode", "total"))
+    tot = cp_rs[-1]
+    link = [r for r in cp_rs if r.limit == "interconnect"]
+    local = [r for r in cp_rs[:-1] if r.limit != "interconnect"]
+    spec = GPUS[args.gpu]
+    return dict(cp=args.cp, interconnect_bytes_per_s=(spec.interconnect if args.interconnect_gb_s is None
+                                                      else args.interconnect_gb_s * 1e9),
+                cp1_bytes=one.bytes, cp1_flops=one.flops, cp1_bound_s=one.bound_s,
+                device_bytes=sum(r.bytes for r in local), device_flops=sum(r.flops for r in local),
+                crossing_bytes=sum(r.bytes for r in link), crossing_s=sum(r.bound_s for r in link),
+                bound_s=tot.bound_s, assumption="worst case: every selected latent row on one device")
 
 
 def check_train(args) -> None:
@@ -127,6 +175,7 @@ def main_train(args, cfg) -> int:
 def main(args) -> int:
     cfg = DsaConfig.preset(args.preset.replace("_", "-"))
     check_context(args.context, cfg)
+    check_cp(args, cfg)
     check_train(args)
     if args.train:
         return main_train(args, cfg)
@@ -137,6 +186,9 @@ def main(args) -> int:
     try:
         rs = roofline.rows(cfg, args.gpu, args.context, args.batch, chunk=chunk,
                            cache_dtype=args.cache_dtype)
+        link = None if args.interconnect_gb_s is None else args.interconnect_gb_s * 1e9
+        cp_rs = (roofline.cp_rows(cfg, args.gpu, args.context, args.batch, args.cp, cache_dtype=args.cache_dtype,
+                                  interconnect=link) if args.cp > 1 else [])
     except ValueError as e:
         print(f"glm5-dsa roofline: {e}", file=sys.stderr)
         return 2
@@ -145,13 +197,23 @@ def main(args) -> int:
         print(json.dumps({"gpu": args.gpu, "gpu_name": spec.name, "bandwidth": spec.bandwidth,
                           "peak_flops": spec.peak_flops, "source": spec.source,
                           "context": args.context, "batch": args.batch, "chunk": chunk,
-                          "preset": args.preset, "cache_dtype": args.cache_dtype,
-                          "rows": [r.as_dict() for r in rs]}))
+                          "preset": args.preset, "cache_dtype": args.cache_dtype, "cp": args.cp,
+                          "rows": [r.as_dict() for r in rs + cp_rs],
+                          **({"context_parallel": cp_summary(cfg, args, rs, cp_rs)} if cp_rs else {})}))
         return 0
     print(f"{spec.name}: {spec.bandwidth / 1e12:.3g} TB/s, {spec.peak_flops / 1e12:.0f} TFLOPS bf16 "
           f"({spec.source})")
     print(f"one layer of {args.preset.replace('_', '-')} ({cfg.model_type}), batch {args.batch}, "
           f"context {args.context:,}, prefill chunk {chunk:,} queries per sequence, "
           f"{args.cache_dtype} cache\n")
-    print(format_table(rs))
+    print(format_table(rs + cp_rs))
+    if cp_rs:
+        c = cp_summary(cfg, args, rs, cp_rs)
+        print(f"\ndecode per device at cp {args.cp} (decode_cp{args.cp}; worst case: every selected latent row "
+              f"on one device) against cp 1: {c['device_bytes'] / 1e6:.2f} MB read/written vs "
+              f"{c['cp1_bytes'] / 1e6:.2f} MB, {c['device_flops'] / 1e9:.3f} vs {c['cp1_flops'] / 1e9:.3f} GFLOP, "
+              f"bound {c['bound_s'] * 1e6:.2f} us vs {c['cp1_bound_s'] * 1e6:.2f} us "
+              f"({c['cp1_bound_s'] / c['bound_s']:.2f}x); crossing devices {c['crossing_bytes'] / 1e3:.1f} KB "
+              f"per device, {c['crossing_s'] * 1e6:.2f} us at {c['interconnect_bytes_per_s'] / 1e9:g} GB/s "
+              f"(launch latency not counted)")
     return 0

@@ -1,8 +1,9 @@
 """The tools behind the ``glm5-dsa`` command, kept apart from the layer they measure.
 
-``bench`` (the decode benchmark), ``roofline`` (bytes, FLOPs and bound time per kernel),
+``bench`` (the decode benchmark), ``bench_cp`` (the decode step split over a sequence
+axis against one device, ``bench decode --cp N``), ``roofline`` (bytes, FLOPs and bound time per kernel),
 ``cache_accuracy`` (fp8 cache against bf16 cache), ``demo`` (a padded batch, prefill then
-decode), ``memory_plan`` (per-device weights and caches on a mesh), ``gpu_compile``
+decode), ``memory_plan`` (per-device weights and caches on a data x cp x tp mesh), ``gpu_compile``
 (deviceless compile of every Pallas kernel for NVIDIA GPUs) and ``indexer_training``
 (``train_indexer``: the lightning indexer's two training stages, ``glm5-dsa train-indexer``). Each imports the layer, its
 caches and kernels; nothing in the layer imports a tool, so the layer runs without them

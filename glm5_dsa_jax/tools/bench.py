@@ -90,7 +90,7 @@ PAGE_SIZE = 64
 CACHE_KINDS = ("contiguous", "paged")
 
 __all__ = ["filled_cache", "filled_paged_cache", "run", "default_capacity", "check_capacity",
-           "PAGE_SIZE", "CACHE_KINDS"]
+           "time_steps", "read_bandwidth", "PAGE_SIZE", "CACHE_KINDS"]
 
 
 def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0,
@@ -182,7 +182,7 @@ def _peak_bytes(compiled) -> int:
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def _time_steps(step, args, cache, iters: int, warmup: int = 1) -> float:
+def time_steps(step, args, cache, iters: int, warmup: int = 1) -> float:
     """Median milliseconds of ``step(*args, cache)``, threading the donated cache through
     (each step appends one token, so the context grows by ``iters + warmup``)."""
     times = []
@@ -408,7 +408,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                 n0 = dense_traces["n"]
                 dcache = filled_cache(layer, b, ctx, cap)
                 dense_peak = _peak_bytes(dense_step.lower(dense_params, x, dcache).compile())
-                t_dense = _time_steps(dense_step, (dense_params, x), dcache, iters)
+                t_dense = time_steps(dense_step, (dense_params, x), dcache, iters)
                 del dcache
                 # dense: compilations so far at this batch's capacity; dense_fit: this one's.
                 dense_compiles[impl] = dense_compiles.get(impl, 0) + dense_traces["n"] - n0
@@ -418,7 +418,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                                  capacity=cap, cache_dtype=jnp.dtype(layer.dtype).name))
                 log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
                     f"compiles={compiles}")
-            t_sparse = _time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), kv, iters)
+            t_sparse = time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), kv, iters)
             rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
                              compiles=step.traces - traces0, peak_bytes=step_peak,
                              cache=cache, capacity=max_length, cache_dtype=cache_dtype.name))

@@ -48,6 +48,13 @@ Invariants and assumptions (why the numbers are what they are):
   output activations once. Element-wise work around them (RoPE, the norms, joining
   ``[q_lat, q_rot]`` and ``[c, k_rot]``) is fused by XLA and not counted.
 
+Context parallelism (``cp_rows``, ``glm5-dsa roofline --cp N``): the decode step on one
+device of a sequence axis of ``N`` devices, each holding ``1/N`` of the pools and latent
+rows: the indexer's kernels over its ``P/N`` pools, ``sparse_mla`` over every selected row
+(the worst case: the whole selection on one device), the merges, and what crosses devices
+(``cp_crossing_bytes``) over the GPU's NVLink (``GpuSpec.interconnect``, one direction) or
+a given bandwidth. ``cp_rows``' doc lists every row.
+
 ``weight_bytes`` and ``step_read_bytes`` (the bytes a step must read at least) and
 ``step_flops`` (the FLOPs it must do) are also the floor of ``glm5-dsa bench decode``: one
 home for those facts.
@@ -129,7 +136,7 @@ from pallas_kernels import (
 
 __all__ = ["GPUS", "GpuSpec", "RooflineRow", "rows", "kernel_bounds", "gpu_for_device_kind",
            "weight_bytes", "Matmul", "matmuls", "matmul_weights", "step_read_bytes", "selected_ids",
-           "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES"]
+           "cache_row_bytes", "train_rows", "TRAIN_PHASES", "SORT_PASSES", "cp_rows", "cp_crossing_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +145,21 @@ class GpuSpec:
     bandwidth: float  # bytes / s, HBM
     peak_flops: float  # dense bf16 tensor-core FLOP / s
     source: str
+    #: bytes / s one GPU sends (one direction) over NVLink: half the datasheet's total
+    #: bidirectional NVLink bandwidth (0: none known, pass one to ``cp_rows``)
+    interconnect: float = 0.0
 
 
 # NVIDIA's datasheets (SXM parts; dense, i.e. without 2:4 sparsity).
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("H100 SXM5 80GB", 3.35e12, 989e12, "NVIDIA H100 datasheet: 3.35 TB/s HBM3, 989 TFLOPS bf16 dense"),
-    "h200": GpuSpec("H200 SXM 141GB", 4.8e12, 989e12, "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 989 TFLOPS bf16 dense"),
-    "a100": GpuSpec("A100 SXM4 80GB", 2.039e12, 312e12, "NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOPS bf16 dense"),
-    "b200": GpuSpec("B200 SXM 180GB", 8.0e12, 2250e12, "NVIDIA B200 (HGX) datasheet: 8 TB/s HBM3e, 2.25 PFLOPS bf16 dense"),
+    "h100": GpuSpec("H100 SXM5 80GB", 3.35e12, 989e12,
+                    "NVIDIA H100 datasheet: 3.35 TB/s HBM3, 989 TFLOPS bf16 dense, NVLink 900 GB/s", 450e9),
+    "h200": GpuSpec("H200 SXM 141GB", 4.8e12, 989e12,
+                    "NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 989 TFLOPS bf16 dense, NVLink 900 GB/s", 450e9),
+    "a100": GpuSpec("A100 SXM4 80GB", 2.039e12, 312e12,
+                    "NVIDIA A100 datasheet: 2,039 GB/s HBM2e, 312 TFLOPS bf16 dense, NVLink 600 GB/s", 300e9),
+    "b200": GpuSpec("B200 SXM 180GB", 8.0e12, 2250e12,
+                    "NVIDIA B200 (HGX) datasheet: 8 TB/s HBM3e, 2.25 PFLOPS bf16 dense, NVLink 1.8 TB/s", 900e9),
 }
 
 
@@ -311,16 +325,20 @@ def cache_row_bytes(width: int, elem_bytes: int = 2, cache_dtype=None) -> int:
     return width * dt.itemsize + (4 if is_fp8(dt) else 0)
 
 
-def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int, cache_dtype=None):
+def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int, cache_dtype=None,
+                 cp: int = 1):
     """(kernel, bytes, flops, programs) of the pipeline kernels for ``queries`` queries per
-    sequence at positions ``context - queries .. context - 1``."""
+    sequence at positions ``context - queries .. context - 1``; ``cp``: on one device of a
+    sequence axis of that size (``cp_rows``: its ``P/cp`` pools scored, its best ``K'``
+    kept, every selected row attended in the worst case, the log-sum-exp written)."""
     b, s, n = batch, queries, context
     kp, d, hi = cfg.index_kpool, cfg.index_head_dim, cfg.index_n_heads
     # Latent rows and queries are CR = kv_cache_dim wide ([c, k_rot] with RoPE), values and
     # outputs V = kv_lora_rank (the layer's value_width).
     nh, cr, v = cfg.num_attention_heads, cfg.kv_cache_dim, cfg.kv_lora_rank
-    pools = max(1, n // kp)  # cache capacity in pools (cache sized to the context)
-    select_k = cfg.select_k(pools)
+    select_k = cfg.select_k(max(1, n // kp))  # cache capacity in pools (cache sized to the context)
+    pools = max(1, n // kp // cp)  # the pools this device holds and scores
+    k_loc = min(select_k, pools)  # its candidates (parallel.context: K')
     width = cfg.out_width
     out = []
 
@@ -347,7 +365,7 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
     # least TopkPoolsBlockSizes.MIN_SEGMENTS segments) one per split_p-pool segment of it.
     topk_blocks = TopkPoolsBlockSizes()
     passes = 32 // topk_blocks.radix_bits + 1
-    by = b * s * (passes * pools * 4 + select_k * 4)
+    by = b * s * (passes * pools * 4 + k_loc * 4)
     fl = b * s * pools * (passes - 1) * (2 ** topk_blocks.radix_bits) * 2
     out.append(("topk_pools", by, fl, b * s * topk_blocks.programs_per_row(pools)))
 
@@ -367,6 +385,8 @@ def _kernel_rows(cfg: DsaConfig, context: int, batch: int, queries: int, eb: int
               + s * nh * (cr + v) * eb)
     if blk.num_splits > 1:  # float32 partials (acc, max, sum) written and merged
         by += 2 * b * s * blk.num_splits * nh * (v + 2) * 4
+    if cp > 1:  # sparse_mla_partial: the log-sum-exp too, float32
+        by += b * s * nh * 4
     fl = b * nh * ids * (2 * cr + 2 * v + 5)  # scores over CR, values over V
     out.append(("sparse_mla", by, fl, b * s * n_hb * blk.num_splits))
     return out
@@ -437,6 +457,79 @@ def kernel_bounds(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int, 
     for kernel, by, fl, progs in _kernel_rows(cfg, context, batch, queries, elem_bytes, cache_dtype):
         out[kernel] = _bounded(spec, f"q{queries}", kernel, by, fl, progs)
     return out
+
+
+def cp_crossing_bytes(cfg: DsaConfig, context: int, batch: int, cp: int) -> dict[str, int]:
+    """Bytes one device sends per decode step (one query per sequence) on a sequence axis of
+    ``cp`` devices (``parallel.context``'s collectives, as a ring moves them): the
+    candidates' all-gather (``cp * K'`` int32 keys and ids, of which ``(cp - 1) * K' * 8``
+    come from the others), the tail's validity ``psum`` (``KP - 1`` int32), the
+    partials' ``psum`` (``H * (V + 1)`` float32: outputs and weights) and ``pmax`` (``H``
+    float32); an all-reduce of ``n`` bytes sends ``2 (cp - 1) / cp * n``. ``H`` is every
+    head (the roofline's layer has no tp; on tp ``t`` a device merges ``H / t``).
+    Independent of the context once ``P/cp >= select_k``."""
+    kp, nh, v = cfg.index_kpool, cfg.num_attention_heads, cfg.kv_lora_rank
+    select_k = cfg.select_k(max(1, context // kp))
+    k_loc = min(select_k, max(1, context // kp // cp))
+    ring = lambda n: 2 * (cp - 1) * n // cp  # noqa: E731  an all-reduce's bytes sent per device
+    out = {"candidates": batch * (cp - 1) * k_loc * 8,
+           "tail_valid": batch * ring(cfg.tail_width * 4),
+           "partials": batch * (ring(nh * (v + 1) * 4) + ring(nh * 4))}
+    out["total"] = sum(out.values())
+    return out
+
+
+def cp_rows(cfg: DsaConfig, gpu: str | GpuSpec, context: int, batch: int = 1, cp: int = 2, *,
+            elem_bytes: int = 2, cache_dtype=None, interconnect: float | None = None) -> list[RooflineRow]:
+    """The decode step on one device of a sequence axis of ``cp`` devices (context
+    parallelism, ``glm5_dsa_jax.parallel.context``), phase ``"decode_cp{cp}"``, every row
+    then ``"total"``; compare with ``rows(..., phases=("decode",))`` (cp 1).
+
+    Per device: the projections, ``kpool_compress`` and the cache write as at cp 1 (every
+    device projects the step's token and keeps the replicated stage); ``index_scores`` and
+    ``topk_pools`` over its ``P/cp`` pools (exact: each holds ``1/cp`` of them), its ``K' =
+    min(select_k, P/cp)`` candidates; ``expand_selection`` of the merged ``select_k``;
+    ``sparse_mla`` over **every** selected latent row (the worst case: the selection all on
+    this device; balanced it reads ``1/cp`` of them) and its log-sum-exp written;
+    ``cp:merge_candidates`` (the ``cp * K'`` candidates read, sorted, ``select_k`` ids
+    written; FLOPs: a compare per element and sort level, roughly) and
+    ``cp:merge_partials`` (the partial outputs and weights read, reduced, written, float32).
+    Then one ``interconnect:`` row per collective (``cp_crossing_bytes``): ``bound_s`` is
+    its bytes over ``interconnect`` (bytes / s one device sends; default the GPU's NVLink
+    figure, ``GpuSpec.interconnect``), ``limit`` ``"interconnect"``, no memory or compute
+    part; a collective's launch latency (microseconds) is not counted. The total is the
+    sum of the bounds: nothing overlaps."""
+    spec = GPUS[gpu] if isinstance(gpu, str) else gpu
+    for name, val in (("context", context), ("batch", batch), ("cp", cp), ("elem_bytes", elem_bytes)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+    if context % (cp * cfg.index_kpool):
+        raise ValueError(f"context {context} is not divisible by cp * index_kpool = {cp} * {cfg.index_kpool} = "
+                         f"{cp * cfg.index_kpool}: each of the cp devices holds a contiguous range of whole pools")
+    link = spec.interconnect if interconnect is None else interconnect
+    if not link > 0:
+        raise ValueError(f"no interconnect bandwidth for {spec.name}: pass interconnect (bytes / s)")
+    cache_row_bytes(1, elem_bytes, cache_dtype)  # a ValueError naming a bad cache dtype
+    b, nh, v = batch, cfg.num_attention_heads, cfg.kv_lora_rank
+    select_k = cfg.select_k(max(1, context // cfg.index_kpool))
+    k_loc = min(select_k, context // cfg.index_kpool // cp)
+    n_cand = cp * k_loc
+    items = (_projection_rows(cfg, b, 1, elem_bytes)
+             + _kernel_rows(cfg, context, b, 1, elem_bytes, cache_dtype, cp=cp)
+             + [_cache_write_row(cfg, b, 1, elem_bytes, cache_dtype)])
+    if cp > 1:
+        items += [("cp:merge_candidates", b * (n_cand * 8 + select_k * 4),
+                   b * n_cand * max(1, math.ceil(math.log2(n_cand))), 0),
+                  ("cp:merge_partials", b * nh * (2 * (v + 1) * 4 + 4 + v * elem_bytes), b * nh * (3 * v + 4), 0)]
+    phase = f"decode_cp{cp}"
+    out = [_bounded(spec, phase, kernel, by, fl, progs) for kernel, by, fl, progs in items]
+    if cp > 1:
+        for name, by in cp_crossing_bytes(cfg, context, b, cp).items():
+            if name != "total" and by:
+                out.append(RooflineRow(phase, f"interconnect:{name}", int(by), 0, 0, by / link, "interconnect",
+                                       0.0, 0.0))
+    return out + [_bounded(spec, phase, "total", sum(r.bytes for r in out), sum(r.flops for r in out), 0,
+                           bound_s=sum(r.bound_s for r in out))]
 
 
 def gpu_for_device_kind(kind: str) -> str | None:
