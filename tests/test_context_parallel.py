@@ -44,11 +44,11 @@ def inputs(config, batch):
     return padded_batch(config, PADS[:batch], S + STEPS, seed=0)
 
 
-def run(layer, config, batch=2, jit=False, prev=None, dtype=None):
+def run(layer, config, batch=2, jit=False, prev=None, dtype=None, **fmt):
     """A chunk of ``S`` then ``STEPS`` decode steps: ``([(out, topk)], cache)`` as numpy.
     ``prev``: a full layer's top-k rows per call (a shared layer's ``prev_topk``)."""
     x, mask = inputs(config, batch)
-    cache = layer.init_cache(batch, MAX_LEN, dtype)
+    cache = layer.init_cache(batch, MAX_LEN, dtype, **fmt)
     if jit:
         f, state = jitted_call(layer)
         call = lambda *a, **kw: f(state, *a, **kw)  # noqa: E731
@@ -138,12 +138,14 @@ def test_shared_layer():
     assert_same(got, want)
 
 
-def test_fp8_cache():
-    """An fp8 cache: each shard quantises and writes its own rows and pools, the scales with
-    them (split like the rows)."""
-    want, want_cache = run(f32_layer(cfg(), 1, block_q=8), cfg(), dtype="fp8")
+@pytest.mark.parametrize("index_keys", ["e4m3", "int8"])
+def test_fp8_cache(index_keys):
+    """An fp8 cache (e4m3 or int8 pooled keys): each shard quantises and writes its own rows
+    and pools, the scales with them (split like the rows)."""
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8), cfg(), dtype="fp8", index_keys=index_keys)
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
-    got, cache = run(layer, cfg(), dtype="fp8")
+    got, cache = run(layer, cfg(), dtype="fp8", index_keys=index_keys)
+    assert cache.index_format.keys == index_keys
     assert cache.is_fp8 and cache.latent_scale.sharding.spec[1] == "cp"
     assert cache.pooled_scale.sharding.spec[1] == "cp"
     assert_same(got, want)

@@ -45,17 +45,17 @@ def layer_of(implementation="xla", layer_idx=1):
     return f32_layer(cfg(), layer_idx, implementation=implementation, block_q=8)
 
 
-def run(layer, kinds=("prefill", "contiguous", "paged"), steps=STEPS, cache_dtype=None):
+def run(layer, kinds=("prefill", "contiguous", "paged"), steps=STEPS, cache_dtype=None, **fmt):
     """No-cache prefill (jitted), then the decoders: a chunk of S, then ``steps`` steps
-    (caches of ``cache_dtype``, default the layer's)."""
+    (caches of ``cache_dtype``, default the layer's; ``fmt``: an fp8 cache's format keywords)."""
     x, mask = inputs()
     res = {}
     if "prefill" in kinds:
         f, state = jitted_call(layer)
         res["prefill"] = [f(state, x[:, :S], attention_mask=mask[:, :S])]
-    decoders = {"contiguous": lambda: gd.DsaDecoder(layer, B, MAX_LEN, cache_dtype=cache_dtype),
+    decoders = {"contiguous": lambda: gd.DsaDecoder(layer, B, MAX_LEN, cache_dtype=cache_dtype, **fmt),
                 "paged": lambda: gd.PagedDecoder(layer, B, NUM_PAGES, PAGE, pages_per_seq=PAGES_PER_SEQ,
-                                                 cache_dtype=cache_dtype)}
+                                                 cache_dtype=cache_dtype, **fmt)}
     made = {}
     for name in ("contiguous", "paged"):
         if name in kinds:
@@ -106,16 +106,19 @@ def test_dp_equals_unsharded(shape, mode, kinds, reference):
     check_placement(mesh, made)
 
 
-def test_dp_fp8_caches_equal_unsharded():
-    """fp8 caches split by sequence: the row scales (``latent_scale``, ``pooled_scale``) go
-    with their rows to each data shard; top-k and outputs as the unsharded fp8 layer's."""
+@pytest.mark.parametrize("index_keys", ["e4m3", "int8"])
+def test_dp_fp8_caches_equal_unsharded(index_keys):
+    """fp8 caches split by sequence: the row scales (``latent_scale``, ``pooled_scale``: e4m3
+    keys' one a pool, int8 keys' ``[.., G]``) go with their rows to each data shard; top-k and
+    outputs as the unsharded fp8 layer's."""
     kinds = ("contiguous", "paged")
-    want, _ = run(layer_of(), kinds, steps=1, cache_dtype="fp8")
+    want, _ = run(layer_of(), kinds, steps=1, cache_dtype="fp8", index_keys=index_keys)
     mesh = mesh_of((2, 4), "explicit")
     layer = sh.shard_layer(layer_of(), mesh, "tp", batch_axis="data")
-    got, made = run(layer, kinds, steps=1, cache_dtype="fp8")
+    got, made = run(layer, kinds, steps=1, cache_dtype="fp8", index_keys=index_keys)
     assert_equal_results(got, want)
     assert all(d.cache.is_fp8 and d.cache.latent_scale is not None for d in made.values())
+    assert all(d.cache.index_format.keys == index_keys for d in made.values())
     check_placement(mesh, made)
 
 
