@@ -220,3 +220,20 @@ def check_selection(cfg, mask, ours, hf) -> tuple[int, int, int]:
                         f"row {b}, query {t}: candidate {q} (tokens {sorted(tokens[q])}) scores "
                         f"{row[q]:.7g} by HF's indexer, HF's cutoff is {cutoff:.7g}: no tie")
     return n_tied, n_sparse, n_rows
+
+
+def paged_scores_both(rng, q, w, keys, q_pos, quantize, kpool: int):
+    """``keys [B, P, D]`` (numpy; ``P`` a multiple of 4) in pages of 4 pools in a shuffled page
+    order, quantised by ``quantize(pages) -> (values, scales)``, scored by
+    ``pk.index_scores_paged`` under ``"xla"`` and ``"pallas_interpret"`` with random pool
+    counts: ``(xla, pallas)`` scores as numpy."""
+    import pallas_kernels as pk
+    b, p, d = keys.shape
+    table = rng.permutation(b * p // 4).reshape(b, p // 4).astype(np.int32)
+    pages = np.zeros((b * p // 4, 4, d), np.float32)
+    pages[table.reshape(-1)] = keys.reshape(b * p // 4, 4, d)
+    values, scales = quantize(jnp.asarray(pages))
+    counts = jnp.asarray(rng.integers(0, p + 1, b), jnp.int32)
+    return tuple(np.asarray(pk.index_scores_paged(q, w, values, jnp.asarray(table), counts, q_pos, scales,
+                                                  kpool=kpool, implementation=i))
+                 for i in ("xla", "pallas_interpret"))

@@ -34,7 +34,7 @@ import pallas_kernels as pk
 from glm5_dsa_jax.cache import fp8
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.cache.fp8 import quantize_rows, dequantize_rows
-from helpers import F32_REORDER, f32_layer, hidden_states, jitted_call, padded_batch
+from helpers import F32_REORDER, f32_layer, hidden_states, jitted_call, padded_batch, paged_scores_both
 from helpers import rope_tiny as rope_cfg  # glm_moe_dsa: the cache row is [c, k_rot], 24 + 8 wide
 
 CFG = gd.DsaConfig.tiny()
@@ -154,14 +154,7 @@ def test_index_scores_fp8_same_topk_ties_included(seed, n_dup, dtype):
     for k in (4, 9):
         np.testing.assert_array_equal(pk.topk_pools(jnp.asarray(a), k), pk.topk_pools(jnp.asarray(c), k))
     # paged: the same keys in pages of 4 pools, in a shuffled page order
-    pages = rng.permutation(b * p // 4)
-    table = pages.reshape(b, p // 4).astype(np.int32)
-    kpages = np.zeros((b * p // 4, 4, d), np.float32)
-    kpages[table.reshape(-1)] = keys.reshape(b * p // 4, 4, d)
-    k8p, sp = quantize_rows(jnp.asarray(kpages))
-    counts = jnp.asarray(rng.integers(0, p + 1, b), jnp.int32)
-    pa, pc = (np.asarray(pk.index_scores_paged(q, w, k8p, jnp.asarray(table), counts, q_pos, sp, kpool=kp,
-                                               implementation=i)) for i in ("xla", "pallas_interpret"))
+    pa, pc = paged_scores_both(rng, q, w, keys, q_pos, quantize_rows, kp)
     np.testing.assert_array_equal(np.isinf(pa), np.isinf(pc))
     np.testing.assert_allclose(pa[np.isfinite(pa)], pc[np.isfinite(pc)], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(pk.topk_pools(jnp.asarray(pa), 5), pk.topk_pools(jnp.asarray(pc), 5))

@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import IndexFormat, dequantize_index, index_format, quantize_index
+from helpers import paged_scores_both
 
 FEW = settings(max_examples=8, deadline=None)
 
@@ -118,13 +119,7 @@ def test_int8_scores_are_the_dequantised_keys_scores(seed, dtype):
         assert (np.abs(x[live] - got[live]) <= bound[live]).all()
     np.testing.assert_array_equal(pk.topk_pools(jnp.asarray(x), 5), pk.topk_pools(jnp.asarray(c), 5))
     # paged: the same keys in pages of 4 pools, in a shuffled page order
-    table = rng.permutation(b * p // 4).reshape(b, p // 4).astype(np.int32)
-    kpages = np.zeros((b * p // 4, 4, d), np.float32)
-    kpages[table.reshape(-1)] = keys.reshape(b * p // 4, 4, d)
-    k8p, sp = quantize_index(jnp.asarray(kpages), index_format(d, "int8"))
-    counts = jnp.asarray(rng.integers(0, p + 1, b), jnp.int32)
-    pa, pc = (np.asarray(pk.index_scores_paged(q, w, k8p, jnp.asarray(table), counts, q_pos, sp, kpool=kp,
-                                               implementation=i)) for i in ("xla", "pallas_interpret"))
+    pa, pc = paged_scores_both(rng, q, w, keys, q_pos, lambda x: quantize_index(x, index_format(d, "int8")), kp)
     np.testing.assert_array_equal(np.isinf(pa), np.isinf(pc))
     np.testing.assert_allclose(pa[np.isfinite(pa)], pc[np.isfinite(pc)], rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(pk.topk_pools(jnp.asarray(pa), 5), pk.topk_pools(jnp.asarray(pc), 5))
