@@ -203,11 +203,15 @@ def index_scores_reference(
     # Products of 16-bit floats are exact in float32, so a dot in the inputs' dtype with a
     # float32 accumulator is the float32 computation (up to summation order) without
     # converting the whole pooled cache to float32 on every step.
+    # The query and head axes merge into one ``[B, Q*Hi, D]`` operand: the same products and
+    # sums, but XLA:CPU's dot of one free axis ran about 1.8x faster than with two at batch
+    # 1 (0.30 vs 0.55 ms for a 8192-pool tile at GLM-5.3-Flash shapes; no change at batch 8).
     dt = reference_dot_dtype(q.dtype, pooled.dtype)
+    b, nq, hi = q.shape[:3]
     s = jnp.einsum(
-        "bqhd,bpd->bqhp", q.astype(dt), pooled.astype(dt),
+        "bxd,bpd->bxp", q.astype(dt).reshape(b, nq * hi, d), pooled.astype(dt),
         precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-    )
+    ).reshape(b, nq, hi, pooled.shape[1])
     s = jax.nn.relu(s * (d**-0.5))
     score = jnp.einsum(
         "bqh,bqhp->bqp", w.astype(jnp.float32), s, precision=jax.lax.Precision.HIGHEST
