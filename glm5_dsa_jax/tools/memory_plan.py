@@ -185,10 +185,11 @@ class MemoryPlan:
         if kind == "paged":
             unit = math.lcm(unit, self.page_size)
         room = memory_bytes - self.weight_bytes
-        # Caches grow linearly in whole units: two sizes give the slope and the fixed part.
-        a, b = self.cache_bytes(kind, dtype, context=64 * unit), self.cache_bytes(kind, dtype, context=128 * unit)
-        per_unit = (b - a) // 64
-        fixed = a - 64 * per_unit
+        # Caches grow linearly in whole units: two sizes give the slope and the fixed part
+        # (one and two units: a cache past max_position_embeddings cannot be made).
+        a, b = self.cache_bytes(kind, dtype, context=unit), self.cache_bytes(kind, dtype, context=2 * unit)
+        per_unit = b - a
+        fixed = a - per_unit
         if room < fixed + per_unit:
             return 0
         return unit * ((room - fixed) // per_unit)
