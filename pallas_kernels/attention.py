@@ -63,6 +63,12 @@ beyond float rounding.
 The Mosaic GPU kernel (``"mosaic"``, ``pallas_kernels.mosaic_attention``, its block sizes
 ``MosaicSparseMlaBlockSizes``) keeps this contract for 16-bit ``q`` and ``latent`` of one
 dtype; other dtypes (float32: wgmma's is TF32; an fp8 cache) run the Triton kernel here.
+
+``sparse_mla_partial`` is the same launch under every implementation returning the output
+and its log-sum-exp ``[B, Q, H]`` (``-inf`` for a row with no valid id; the Triton kernel's
+``lse`` output, the Mosaic kernel's ``return_lse``, the reference's): one device's part of
+an attention whose rows are split over devices, merged by the log-sum-exp (context
+parallelism). The forward only: no custom gradient.
 """
 
 from __future__ import annotations
