@@ -234,16 +234,16 @@ def test_mosaic_kernels_per_shard(monkeypatch):
         np.testing.assert_allclose(o2, o1, atol=tol, rtol=tol, err_msg=f"step {step}")
 
 
-def _lowered_cp8_decode(implementation, context=1 << 20):
+def _lowered_cp8_decode(implementation, tp, context=1 << 20):
     """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token) of
-    GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, 1)`` mesh with a
+    GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a
     ``context``-slot bf16 cache, lowered for CUDA without a GPU: the layer built under
-    ``nnx.eval_shape`` (shapes only) and placed on ``pk.cuda_mesh`` (8 abstract H100s;
+    ``nnx.eval_shape`` (shapes only) and placed on ``pk.cuda_mesh`` (8 * tp abstract H100s;
     ``shard_layer`` needs a concrete mesh: it puts the parameters), the step traced on
     abstract parameters, rows and cache carrying the shardings it is compiled with."""
     config = gd.DsaConfig.glm53_flash()
     idx = config.dsa_layers[0]
-    mesh = pk.cuda_mesh("h100", (8, 1), ("cp", "tp"))
+    mesh = pk.cuda_mesh("h100", (8, tp), ("cp", "tp"))
     layer = nnx.eval_shape(lambda: gd.DsaAttention(config, idx, rngs=nnx.Rngs(0), implementation=implementation))
     layer.placement = Placement(mesh, "tp", None, "cp")
     cache = jax.eval_shape(lambda: gd.init_cache(config, 1, context, has_indexer=True, dtype=jnp.bfloat16))
@@ -267,17 +267,19 @@ def _collectives(text):
         r'"stablehlo\.(all_gather|all_reduce)"\(.*?\) -> (tensor<[^>]*>)', text, re.S)]
 
 
-@pytest.mark.parametrize("implementation", ["pallas", pytest.param("mosaic", marks=NEEDS_MOSAIC)])
-def test_decode_step_lowers_for_cuda_at_cp8(implementation):
-    """GLM-5.3-Flash decode at a 1M-token context on cp 8 lowers for CUDA
-    (``_lowered_cp8_decode``): one program of 8 partitions whose kernels run at per-shard
-    shapes (the scoring grid covers ``P / 8`` pools; ``"pallas"``: every step a Triton
-    launch; ``"mosaic"``: the Mosaic scoring, selection and attention, Triton for the two
-    steps without a Mosaic kernel), and whose collectives are the candidates' all-gathers
-    ``[1, 1, 8 * select_k]`` and the small all-reduces, nothing context-sized."""
-    config, text = _lowered_cp8_decode(implementation)
-    assert "mhlo.num_partitions = 8" in text
-    k, h, v = config.max_select_k, config.num_attention_heads, config.kv_lora_rank
+@pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
+                                                pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
+def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
+    """GLM-5.3-Flash decode at a 1M-token context on cp 8 (and tp 1 or 8) lowers for CUDA
+    (``_lowered_cp8_decode``): one program of ``8 * tp`` partitions whose kernels run at
+    per-shard shapes (the scoring grid covers ``P / 8`` pools, the attention ``H / tp``
+    heads; ``"pallas"``: every step a Triton launch; ``"mosaic"``: the Mosaic scoring,
+    selection and attention, Triton for the two steps without a Mosaic kernel), and whose
+    collectives are the candidates' all-gathers ``[1, 1, 8 * select_k]`` and the small
+    all-reduces, nothing context-sized."""
+    config, text = _lowered_cp8_decode(implementation, tp)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    k, h, v = config.max_select_k, config.num_attention_heads // tp, config.kv_lora_rank
     p_loc = (1 << 20) // config.index_kpool // 8
     calls = pk.triton_calls(text)
     names = [c["name"] for c in calls]
@@ -286,7 +288,7 @@ def test_decode_step_lowers_for_cuda_at_cp8(implementation):
         assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
         block_p = pk.IndexScoresBlockSizes().block_p
         assert np.prod(calls[1]["grid"]) * block_p == p_loc, calls[1]
-        assert calls[-1]["grid"][0] == h // pk.SparseMlaBlockSizes().block_h, calls[-1]
+        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
     else:
         assert names == ["kpool_compress", "expand_selection"], names
         assert "stablehlo.custom_call @mosaic_gpu" in text
