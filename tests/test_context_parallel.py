@@ -252,8 +252,11 @@ def _lowered_cp8_decode(implementation, tp, context=1 << 20):
     shardings = sh.param_shardings(layer)
     rows = NamedSharding(mesh, P())
     step, params = gd.make_step(layer)
-    params = jax.tree_util.tree_map_with_path(lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings.get(
-        tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)), params)
+    def placed(path, a):  # a parameter's head split, else replicated
+        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+
+    params = jax.tree_util.tree_map_with_path(placed, params)
     x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
     m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
     with use_abstract_mesh(mesh):
