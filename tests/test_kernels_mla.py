@@ -223,6 +223,30 @@ def test_partial_returns_the_kernels_lse(num_splits):
     np.testing.assert_allclose(merged, np.asarray(want_out), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("groups", [None, 3])
+def test_partial_reads_fp8_rows(groups):
+    """fp8 rows (an fp8 cache's shard): e4m3 ``latent`` with one scale a row (``[B, L]``) or
+    3 groups a row (``[B, L, 3]``: two of the 32 value columns, one of ``k_rot``), the
+    Triton partial equal to the reference's, out and lse."""
+    rng = np.random.default_rng(8)
+    b, nq, h, c, v, length, width = 1, 2, 3, 40, 32, 24, 16
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float8_e4m3fn)
+    shape = (b, length) if groups is None else (b, length, groups)
+    row_scale = jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)
+    ids_np = _ids(rng, b, nq, width, length, modes=("prefix",))
+    ids_np[0, 1] = -1
+    ids = jnp.asarray(ids_np)
+    kw = dict(scale=0.2, value_width=v)
+    out, lse = sparse_mla_partial(q, lat, ids, row_scale, **kw, implementation="pallas_interpret")
+    want_out, want_lse = jax.jit(lambda *a: sparse_mla_partial(*a, **kw))(q, lat, ids, row_scale)
+    np.testing.assert_array_equal(out, sparse_mla(q, lat, ids, row_scale, **kw, implementation="pallas_interpret"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
+    lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+    assert lse[0, 1].tolist() == want_lse[0, 1].tolist() == [-np.inf] * h
+    np.testing.assert_allclose(lse[0, 0], want_lse[0, 0], rtol=2e-6, atol=2e-6)
+
+
 def test_partial_checks_like_sparse_mla():
     """Bad block sizes and operands: the ``ValueError`` of ``sparse_mla``, under every
     implementation."""
