@@ -57,8 +57,12 @@ output of the same kernel launch ``pk.sparse_mla`` makes and its log-sum-exp (Tr
 kernel's ``lse`` output; Mosaic: ``return_lse``; a step or dtype without a Mosaic kernel
 falls back to Triton as in the unsharded layer). The merges (``merge_candidates``,
 ``merge_partials``, the tail's ``psum``) are plain jnp and collectives whatever the
-implementation. A shard scores all its ``P/cp`` pools: the unsharded layer's bound to the
-live pools (``n_live``, the ``"xla"`` streaming top-k) is not used per shard.
+implementation. The live bound per shard: the Triton and Mosaic scoring kernels end a tile
+past the pools its queries can see (the shard's pool grid starts ``pool_off`` pools after
+``first_key``), and their top-k reads only the shard's visible pools (``n_live`` cut to the
+shard's range), so a shard past the live tokens costs one empty pass. The ``"xla"`` path
+scores and selects over all ``P/cp`` pools of the shard (the unsharded layer's streaming
+top-k over live tiles is not used per shard).
 
 Supported here (the first slices of issue 27): the contiguous cache, every implementation
 above, float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its
@@ -172,7 +176,13 @@ def _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis):
                                  kpool=kp, implementation=layer.implementation)
     with jax.named_scope("select_pools"):
         k_loc = min(select_k, p_loc)
-        local = pk.topk_pools(scores, k_loc, implementation=layer.implementation)
+        # The pools of this shard each query can see (its live bound: a Pallas top-k reads
+        # no further, so a shard past the live tokens costs one empty pass, not P/cp pools).
+        n_live = None
+        if layer.implementation != "xla":
+            seen = jnp.maximum(q_pos - first_key[:, None] + 1, 0) // kp
+            n_live = jnp.clip(seen - pool_off, 0, p_loc).astype(jnp.int32)
+        local = pk.topk_pools(scores, k_loc, implementation=layer.implementation, n_live=n_live)
         key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
         key = jnp.where(local >= 0, key, _neg_inf_key())
         ids = jnp.where(local >= 0, local + pool_off, -1)
