@@ -161,11 +161,8 @@ class IndexScoresBlockSizes:
     def resolve(self, n_queries: int, n_pools: int, float32_dot: bool = False) -> "IndexScoresBlockSizes":
         """The launch sizes for ``Q = n_queries``, ``P = n_pools``, a float32 dot or not."""
         self.validate()
-        out = dataclasses.replace(
-            self,
-            block_q=min(self.block_q, next_power_of_two(n_queries)),
-            block_p=min(self.block_p, next_power_of_two(n_pools, 16)),
-        )
+        out = dataclasses.replace(self, block_q=min(self.block_q, next_power_of_two(n_queries)),
+                                  block_p=min(self.block_p, next_power_of_two(n_pools, 16)))
         if float32_dot and out.block_q == 1:
             out = dataclasses.replace(out, block_p=min(out.block_p, FLOAT32_DECODE_BLOCK_P),
                                       num_warps=max(out.num_warps, FLOAT32_DECODE_WARPS))
