@@ -239,8 +239,9 @@ def test_mosaic_kernels_per_shard(monkeypatch):
         np.testing.assert_allclose(o2, o1, atol=tol, rtol=tol, err_msg=f"step {step}")
 
 
-def _lowered_cp8_decode(implementation, tp, context=1 << 20):
-    """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token) of
+def _lowered_cp8_decode(implementation, tp, context=1 << 20, chunk=1):
+    """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token; or a
+    prefill chunk of ``chunk`` tokens) of
     GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a
     ``context``-slot bf16 cache, lowered for CUDA without a GPU: the layer built under
     ``nnx.eval_shape`` (shapes only) and placed on ``pk.cuda_mesh`` (8 * tp abstract H100s;
@@ -262,8 +263,8 @@ def _lowered_cp8_decode(implementation, tp, context=1 << 20):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
 
     params = jax.tree_util.tree_map_with_path(placed, params)
-    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
-    m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
+    x = jax.ShapeDtypeStruct((1, chunk, config.hidden_size), jnp.bfloat16, sharding=rows)
+    m = jax.ShapeDtypeStruct((1, chunk), jnp.bool_, sharding=rows)
     with use_abstract_mesh(mesh):
         lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
     return config, lowered.as_text()
@@ -308,6 +309,28 @@ def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
         ("all_reduce", f"tensor<1x1x{h}x{v}xf32>"), ("all_reduce", f"tensor<1x1x{h}xf32>"),  # partials, weights
         ("all_reduce", f"tensor<1x1x{config.hidden_size}xbf16>"),  # o_proj over tp, in the layer's dtype
     ]), _collectives(text)
+
+
+def test_prefill_chunk_lowers_for_cuda_at_cp8():
+    """A 4,096-token prefill chunk of GLM-5.3-Flash at a 1M-token context on (cp, tp) = (8,
+    8), ``"pallas"``, lowers for CUDA: each device projects 512 of the chunk's rows, whose
+    projections are all-gathered (``q_lat`` of the 8 local heads, the latent rows, the
+    indexer's queries, weights, keys and gates), scores its ``P / 8`` pools in the Triton
+    kernel, and runs ``o_proj`` (its tp all-reduce) on its 512 rows, the outputs
+    all-gathered; no collective is context-sized."""
+    chunk, tp = 4096, 8
+    config, text = _lowered_cp8_decode("pallas", tp, chunk=chunk)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    mine, h = chunk // 8, config.num_attention_heads // tp
+    cr, hid, hi, d = config.kv_cache_dim, config.hidden_size, config.index_n_heads, config.index_head_dim
+    found = _collectives(text)
+    for want in (f"1x{chunk}x{h}x{cr}xbf16", f"1x{chunk}x{cr}xbf16", f"1x{chunk}x{hi}x{d}xbf16",
+                 f"1x{chunk}x{hid}xbf16"):  # q_lat, rows, indexer queries, the outputs
+        assert ("all_gather", f"tensor<{want}>") in found, (want, found)
+    assert ("all_reduce", f"tensor<1x{mine}x{hid}xbf16>") in found, found  # o_proj over tp on 512 rows
+    assert ("all_reduce", f"tensor<1x{chunk}x{hid}xbf16>") not in found, found
+    assert not [t for _, t in found if str(config.max_position_embeddings // 8) in t], found
+    assert "index_scores" in [c["name"] for c in pk.triton_calls(text)]
 
 
 _order_key = jax.jit(pk.order_key)

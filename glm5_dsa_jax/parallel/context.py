@@ -88,7 +88,7 @@ supported yet (``ValueError``): the paged cache, ``attention="dense"``. Untested
 gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every
 mesh, ``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded layer, and
 the decode step of GLM-5.3-Flash at cp 8 (tp 1 and 8) lowered for CUDA (``"pallas"``,
-``"mosaic"``); never run on a GPU here. A call without a cache runs the plain pipeline whole
+``"mosaic"``), and a 4,096-token prefill chunk at (cp, tp) = (8, 8); never run on a GPU here. A call without a cache runs the plain pipeline whole
 on every device of the sequence axis (no split).
 """
 
