@@ -13,6 +13,8 @@ of the pages taken (the free stack's round-robin). Bad input: ``ValueError`` nam
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -202,3 +204,32 @@ def test_cache_placed_otherwise_refused_unchanged():
     with pytest.raises(ValueError, match=r"attention='dense' needs a contiguous cache \(DsaCache\) or none"):
         layer(x, attention_mask=mask, cache=split, attention="dense")
     assert not np.asarray(split.lengths).any() and not np.asarray(split.latent_store).any()
+
+
+def step_collectives(layer, num_pages):
+    """``[(result type, op)]`` of every collective in the compiled decode step of a
+    ``PagedDecoder`` of ``num_pages`` pages (as ``test_context_parallel.step_collectives``)."""
+    dec = gd.PagedDecoder(layer, 2, num_pages, PAGE)
+    x, mask = padded_batch(cfg(), PADS[:2], 1, seed=0)
+    hlo = dec.step.lower(dec.params, x, mask, dec.cache).compile().as_text()
+    ops = r"all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+    found = [re.search(rf"= (.*?) ({ops})(?:-start)?\(", ln) for ln in hlo.splitlines()]
+    return sorted((re.sub(r"\{[\d,]+\}", "", m.group(1)), m.group(2)) for m in found if m)
+
+
+def test_bytes_crossing_devices_do_not_grow_with_the_pool():
+    """The decode step's collectives at 16 and 128 pages are the same ops on the same
+    shapes: the candidates' two all-gathers ``s32[B, 1, cp * K]``, the partials' ``pmax`` and
+    ``psum`` ``[B, 1, H_local(, V)]``, the ``o_proj`` ``psum``; no page table, pool or key
+    crosses devices."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    small, large = step_collectives(layer, PAGES), step_collectives(layer, 8 * PAGES)
+    assert small == large
+    c = cfg()
+    k, v, h_loc = c.max_select_k, c.kv_lora_rank, c.num_attention_heads // 2
+    assert small == sorted([
+        (f"s32[2,1,{4 * k}]", "all-gather"), (f"s32[2,1,{4 * k}]", "all-gather"),  # keys, ids
+        (f"f32[2,1,{h_loc}]", "all-reduce"),  # pmax of the log-sum-exp
+        (f"(f32[2,1,{h_loc},{v}], f32[2,1,{h_loc}])", "all-reduce"),  # weighted partials, weights
+        (f"f32[2,1,{c.hidden_size}]", "all-reduce"),  # o_proj over tp
+    ]), small

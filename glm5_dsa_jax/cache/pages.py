@@ -58,6 +58,11 @@ shard's rows never name another shard's page and a step run per shard reads only
 pools. ``reserve`` / ``release`` / ``truncate`` / ``fork`` / ``check`` run per shard (rows take pages in
 row order within their shard; a fork never crosses shards); the invariants above hold per shard.
 
+**Sequence shards** (context parallelism, ``glm5_dsa_jax.parallel.context_paged``): a
+table made with ``seq_shards = cp`` is an ordinary table whose fresh free stack hands a
+shard's pages out round-robin over ``cp`` contiguous blocks of them (the devices that hold
+them); nothing else differs, and no rule depends on the order.
+
 Why a stack: taking ``n`` pages is a slice of its top and returning them a write of the
 top, both without a data-dependent shape, so one compiled step serves every step whatever
 sequences join or leave. Why rows take pages in row order, each all or nothing: a row

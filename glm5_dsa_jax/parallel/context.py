@@ -57,7 +57,8 @@ replicated over the sequence axis and run in tiles of ``block_q`` (``DsaAttentio
 as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
 zig-zag split of a prefill's queries yet: every device scores every query against its own
 pools, so the indexer's scoring and the attention are split, the projections are not. Not
-supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations,
+supported yet (``ValueError``): the Pallas and Mosaic implementations (the paged cache:
+``parallel.context_paged``),
 ``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
 pipeline whole on every device of the sequence axis (no split).
 """

@@ -18,12 +18,15 @@ Design (why it is this way):
   naming the sizes (``placement.check_page_split``, ``pages.init_page_table``).
 * **How pages spread.** A cp layer's ``init_paged_cache`` makes its page table with
   ``seq_shards=cp``: the fresh free stack hands pages out round-robin over the ``cp``
-  blocks (``0, N/cp, 2N/cp, .., 1, N/cp + 1, ..``), so consecutive pages of a sequence lie
-  on consecutive devices and each device holds ``1/cp`` of a long sequence's pages (to
-  one page). Released pages go back in reverse order of taking, which keeps the rotation
-  for sequences released whole; after rollbacks and forks the spread can become uneven,
-  which costs balance (a device may hold more of a sequence) and never correctness: every
-  step below is exact whatever device holds which page.
+  blocks (``0, N/cp, 2N/cp, .., 1, N/cp + 1, ..``), so the pages taken lie evenly on the
+  devices (to one page, on a fresh table), and one sequence taking pages alone (a long
+  prefill, a lone decode) rotates over them. Rows that take pages in lockstep (rows take
+  pages in row order, so ``B`` rows each taking one page a step with ``B % cp == 0``) can
+  put one sequence's pages mostly on some devices, and churn (release, rollback, fork)
+  reorders the stack. That costs nothing here but balance of memory per sequence: every
+  step below is exact whatever device holds which page, and the scoring width is the
+  static bound ``PGL`` below, not the actual spread. (Per-device free stacks, logical
+  page ``j`` on device ``j % cp``, would bound it by ``pages_per_seq / cp``: not done.)
 * **Writes** land on the owner only: every device projects the chunk (its rows are
   replicated over the sequence axis) and ``PagedCache.write_latent`` / ``store_pools``
   with ``page_offset = i * N/cp`` drop the rows of pages it does not hold.

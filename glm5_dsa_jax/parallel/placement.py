@@ -24,8 +24,8 @@ Invariants:
   (``check_cache_placement``, ``ValueError`` otherwise): moving it silently would gather or
   copy it. Under tensor parallelism alone a cache not yet on the mesh is replicated onto
   it, as the call's inputs are.
-* **Split over the sequence axis** (``Placement.seq_axis``, context parallelism, contiguous
-  caches only): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
+* **Split over the sequence axis** (``Placement.seq_axis``, context parallelism; a
+  contiguous cache): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
   rows, their validity and fp8 scales, the pooled keys, their validity and scales) are split on their
   axis 1 (slots / pools) into ``cp`` contiguous ranges, device ``i`` of the axis holding
   slots ``[i * L / cp, (i + 1) * L / cp)`` and pools ``[i * P / cp, (i + 1) * P / cp)``;
@@ -33,6 +33,11 @@ Invariants:
   is replicated over it (split by sequence over a batch axis as before). The capacity must
   divide by ``cp * kpool`` (``check_seq_split``), so that every device holds whole pools
   and ``P / cp`` of them. The call's rows are replicated over the sequence axis.
+* **A paged cache over the sequence axis** splits its page pools (its class's
+  ``PAGE_AXIS_FIELDS``) on their page axis into ``cp`` blocks of whole pages (within each
+  data shard's block under a batch axis: ``P((batch_axis, seq_axis))``); the page table,
+  stage and status are replicated over it. ``num_pages / dp`` must divide by ``cp``
+  (``check_page_split``). ``parallel.context_paged`` says why.
 * Host values are placed also when the mesh spans processes (``jax.distributed``: every
   process passes the same host values and keeps its shards); ``Explicit`` and ``Auto``
   axis types alike.
