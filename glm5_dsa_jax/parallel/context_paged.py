@@ -51,18 +51,20 @@ Design (why it is this way):
 Bytes crossing devices per step and query row, independent of the context length: as the
 contiguous cache's (``context``'s module doc) without the tail's validity ``psum``: the
 candidates' all-gather ``cp * K' * 8`` and the partials' ``H_local * (V + 1) * 4 +
-H_local * 4``. Work per device: scoring ``1/cp`` of a sequence's pools (to a page, on a
-balanced table), attention over its own selected rows; the projections, the page
-bookkeeping and the pooling of the chunk's keys are replicated.
+H_local * 4``. Work per device: scoring ``PGL * PPP`` pools a row (the static bound
+``PGL = min(pages_per_seq, N/cp)`` pages, whatever the spread: ``1/cp`` of the unsharded
+capacity only when ``pages_per_seq = N``), attention over its own selected rows; the
+projections, the page bookkeeping and the pooling of the chunk's keys are replicated.
 
 Supported: ``implementation="xla"``, ``attention="sparse"``, float and fp8 caches, full and
 shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per data
 shard as before, its pages split over cp within the shard), eager and jitted,
-``PagedDecoder`` (one compilation per chunk length) including ``release``; ``rollback``,
-``fork``, ``export`` / ``load`` run their jitted global-view programs on the split pools
-(untested under cp). Not supported: the Pallas / Mosaic implementations and
-``attention="dense"`` (``ValueError``, as the contiguous cache); no zig-zag split of a
-prefill's queries (every device scores every query against its own pools).
+``PagedDecoder`` (one compilation per chunk length) including ``release``, ``export``
+(``tests/test_context_parallel_paged.py``); ``rollback``, ``fork`` and ``load`` run their
+jitted global-view programs on the split pools (untested under cp). Not supported: the
+Pallas / Mosaic implementations (``ValueError`` at ``shard_layer``) and ``attention="dense"``
+(refused for any paged cache); no zig-zag split of a prefill's queries (every device
+scores every query against its own pools).
 """
 
 from __future__ import annotations
