@@ -53,8 +53,10 @@ contiguous cache's (``context``'s module doc) without the tail's validity ``psum
 candidates' all-gather ``cp * K' * 8`` and the partials' ``H_local * (V + 1) * 4 +
 H_local * 4``. Work per device: scoring ``PGL * PPP`` pools a row (the static bound
 ``PGL = min(pages_per_seq, N/cp)`` pages, whatever the spread: ``1/cp`` of the unsharded
-capacity only when ``pages_per_seq = N``), attention over its own selected rows; the
-projections, the page bookkeeping and the pooling of the chunk's keys are replicated.
+capacity only when ``pages_per_seq = N``; like the contiguous cp path, and unlike the
+unsharded ``"xla"`` layer, which streams only the live pool tiles, it does not shrink with a
+short context), attention over its own selected rows; the projections, the page
+bookkeeping and the pooling of the chunk's keys are replicated.
 
 Supported: ``implementation="xla"``, ``attention="sparse"``, float and fp8 caches, full and
 shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per data
