@@ -189,6 +189,11 @@ def test_page_count_not_divisible_refused():
         sh.place_cache(f32_layer(cfg(), 1).init_paged_cache(2, 18, PAGE), layer.mesh, seq_axis="cp")
     with pytest.raises(ValueError, match=r"num_pages=18 gives 18 pages per data shard, not divisible by the 4"):
         gd.init_paged_cache(cfg(), 2, 18, PAGE, seq_shards=4)
+    pallas = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((4, 2)),
+                            axis="tp", seq_axis="cp")
+    with pytest.raises(ValueError, match=r"a paged cache under context parallelism \(seq_axis='cp'\) supports "
+                                         r"implementation in \('xla',\) only, got 'pallas_interpret'"):
+        pallas.init_paged_cache(2, PAGES, PAGE)
 
 
 def test_cache_placed_otherwise_refused_unchanged():

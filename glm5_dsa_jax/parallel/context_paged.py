@@ -64,7 +64,8 @@ shard as before, its pages split over cp within the shard), eager and jitted,
 ``PagedDecoder`` (one compilation per chunk length) including ``release``, ``export``
 (``tests/test_context_parallel_paged.py``); ``rollback``, ``fork`` and ``load`` run their
 jitted global-view programs on the split pools (untested under cp). Not supported: the
-Pallas / Mosaic implementations (``ValueError`` at ``shard_layer``) and ``attention="dense"``
+Pallas / Mosaic implementations (``ValueError`` at ``init_paged_cache`` and at the call,
+``check_supported``; the contiguous cache runs them per shard) and ``attention="dense"``
 (refused for any paged cache); no zig-zag split of a prefill's queries (every device
 scores every query against its own pools).
 """
@@ -80,7 +81,21 @@ from glm5_dsa_jax.cache.paged import token_slots
 from glm5_dsa_jax.cpu_policy import from_store
 from glm5_dsa_jax.parallel.context import merge_candidates, merge_partials
 
-__all__ = ["forward", "held_pages"]
+__all__ = ["forward", "held_pages", "check_supported", "PAGED_CP_IMPLEMENTATIONS"]
+
+#: The implementations a paged cache under context parallelism runs (its per-shard
+#: selection and attention are plain jnp).
+PAGED_CP_IMPLEMENTATIONS = ("xla",)
+
+
+def check_supported(implementation: str, seq_axis: str) -> None:
+    """``ValueError`` unless a layer of ``implementation`` can split a paged cache's pools
+    over ``seq_axis``."""
+    if implementation not in PAGED_CP_IMPLEMENTATIONS:
+        raise ValueError(
+            f"a paged cache under context parallelism (seq_axis={seq_axis!r}) supports implementation in "
+            f"{PAGED_CP_IMPLEMENTATIONS} only, got {implementation!r}: build the layer with "
+            "implementation='xla', or use init_cache (the contiguous cache runs every implementation)")
 
 
 def _held(ids, offset, size):
@@ -151,6 +166,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     if attention != "sparse":
         raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports attention='sparse' only, "
                          f"got attention={attention!r}")
+    check_supported(layer.implementation, seq_axis)
     cfg = layer.cfg
     n_loc = cache.num_pages  # this shard's pages
     page_off = jax.lax.axis_index(seq_axis) * n_loc

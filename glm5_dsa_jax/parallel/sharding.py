@@ -104,16 +104,15 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
     * ``batch_axis``: the layer's calls split their rows, and its caches their sequences
       (and pages), over that axis; the batch of a call must divide by its size.
     * ``seq_axis``: the layer's contiguous caches split their slots and pools into
-      contiguous ranges over that axis (capacity divisible by its size times ``kpool``;
-      ``parallel.context``), its paged caches their page pools into blocks of pages
-      (``num_pages / dp`` divisible by its size; ``parallel.context_paged``);
-      ``implementation="xla"`` only.
+      contiguous ranges over that axis (capacity divisible by its size times ``kpool``);
+      every step runs the layer's own kernels per shard (``parallel.context``); its
+      paged caches split their page pools into blocks of pages (``num_pages / dp``
+      divisible by its size; ``implementation="xla"`` only: ``parallel.context_paged``).
 
     Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
     mesh without ``axis``, ``batch_axis`` or ``seq_axis``, two of them equal, an axis size
-    that does not divide the heads, a ``seq_axis`` on a layer of another implementation than
-    ``"xla"``, or a layer (or one of its parameters) already placed on another
-    mesh or axes. Returns ``layer``.
+    that does not divide the heads, or a layer (or one of its parameters) already placed on
+    another mesh or axes. Returns ``layer``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(
