@@ -397,8 +397,6 @@ def test_capacity_not_divisible_refused():
         layer.init_cache(2, 40)
     with pytest.raises(ValueError, match=r"max_length=36 is not divisible by cp \* kpool = 4 \* 4 = 16"):
         sh.place_cache(f32_layer(cfg(), 1).init_cache(2, 36), layer.mesh, seq_axis="cp")
-    with pytest.raises(ValueError, match="paged cache is not supported under context parallelism"):
-        layer.init_paged_cache(2, 8, 8)
 
 
 def test_cache_placed_otherwise_refused_unchanged():

@@ -142,7 +142,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the attention mass per pool; the indexer loss (its definition, the parameter filters)
     ("glm5_dsa_jax.model.attention_mass", "glm5_dsa_jax.model.indexer_loss"),
     # context parallelism's pipeline; the one execution of a call (takes the layer, imports none)
-    ("glm5_dsa_jax.parallel.context", "glm5_dsa_jax.parallel.execution"),  # the one execution of a call (takes the layer, imports none)
+    ("glm5_dsa_jax.parallel.context", "glm5_dsa_jax.parallel.context_paged", "glm5_dsa_jax.parallel.execution"),  # the one execution of a call (takes the layer, imports none)
     ("glm5_dsa_jax.model.layer", "glm5_dsa_jax.model"),  # the layer (``model/__init__`` imports nothing)
     # the TP plan; shard_layer (the parallel package's __init__ imports nothing)
     ("glm5_dsa_jax.parallel",),

@@ -130,6 +130,10 @@ class PagedCache:
     #: fp8 caches: how a pooled key is stored (``fp8.IndexFormat``; None for a float cache)
     index_format: IndexFormat | None = struct.field(pytree_node=False, default=None)
 
+    #: The page pools (axis 0: the physical page): what a sequence axis splits (context
+    #: parallelism, ``parallel.context_paged``); the page table, stage and status are replicated.
+    PAGE_AXIS_FIELDS = ("latent_store", "latent_scale", "pooled_store", "pooled_scale")
+
     # ------------------------------------------------------------------ geometry
     @property
     def max_seqs(self) -> int:
@@ -353,11 +357,14 @@ class PagedCache:
         return self.replace(pages=pages, status=status), Chunk(
             mask=mask, q_pos=q_pos, positions=q_pos, n_vis=q_pos + 1, fits=True, start=old)
 
-    def write_latent(self, latent: jax.Array, chunk: Chunk) -> "PagedCache":
+    def write_latent(self, latent: jax.Array, chunk: Chunk, page_offset=0) -> "PagedCache":
         """The chunk's latent rows ``[B, S, CR]`` written at their positions (``-1``: not
         written), through the (already reserved) block table; an fp8 cache quantises them
-        here, once, and writes their scales beside them."""
+        here, once, and writes their scales beside them. ``page_offset``: the first page
+        id this store holds (a shard of a pool split over a sequence axis,
+        ``parallel.context_paged``); rows on pages it does not hold are not written."""
         slots = token_slots(self.pages.block_table, chunk.q_pos, self.page_size)
+        slots = _held_slots(slots, page_offset, self.page_size, self.num_pages)
         upd = {}
         if self.is_fp8:
             latent, scale = quantize_latent_rows(latent, self.latent_format)
@@ -394,14 +401,15 @@ class PagedCache:
         return PoolWindow(win_keys, win_gate, valid, None, first_pool)
 
     def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
-                    chunk: Chunk) -> "PagedCache":
+                    chunk: Chunk, page_offset=0) -> "PagedCache":
         """Write the pools of the window that complete in this chunk (their last token is at
         a position below the new length) into their pages, once, and keep each row's last
         ``H`` entries (positions ``new - H .. new - 1``) of the stage's first ``H - KP``
         then the window as its new stage.
 
         ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
-        ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``."""
+        ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``.
+        ``page_offset`` as ``write_latent``'s (the stage is every shard's, written alike)."""
         n_new = chunk.mask.sum(axis=1, dtype=jnp.int32)
         old_lengths = self.pages.lengths - n_new
         kp = self.kpool
@@ -412,6 +420,7 @@ class PagedCache:
         j = jnp.clip(pool_id // ppp, 0, self.pages_per_seq - 1)
         page = jnp.take_along_axis(self.pages.block_table, j, axis=1)
         slots = jnp.where(new & (page >= 0), page * ppp + pool_id % ppp, -1)
+        slots = _held_slots(slots, page_offset, ppp, self.num_pages)
         upd = {}
         pooled = rotate_index_rows(pooled, self.rotate_index)
         if self.is_fp8:  # quantised once, here
@@ -485,6 +494,7 @@ def init_paged_cache(
     dtype=jnp.bfloat16,
     stage_dtype=None,
     shards: int = 1,
+    seq_shards: int = 1,
     max_rollback: int = 1,
     latent_layout: str = "group",
     rotate_index: bool = False,
@@ -495,6 +505,9 @@ def init_paged_cache(
     ``pages_per_seq``: every page of a shard, capped at ``max_position_embeddings``).
     ``shards > 1``: the page table is that many independent tables (``pages.init_page_table``,
     which checks that ``max_seqs`` and ``num_pages`` divide by it; the data-parallel layout).
+    ``seq_shards > 1``: each shard's pages are handed out round-robin over that many
+    contiguous blocks (the devices of a sequence axis, ``pages.init_page_table``), so a
+    sequence's pages spread evenly over them (context parallelism).
 
     ``page_size`` must be a multiple of ``index_kpool`` (a page holds whole pools) and
     ``dtype`` one of ``cache.CACHE_DTYPES`` or ``"fp8"``; anything else raises
@@ -515,7 +528,7 @@ def init_paged_cache(
                          f"holds whole pools), got {page_size!r}")
     if pages_per_seq is None and isinstance(num_pages, int) and isinstance(shards, int) and shards > 0:
         pages_per_seq = max(1, min(num_pages // shards, cfg.max_position_embeddings // page_size))
-    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq, shards=shards)
+    table = init_page_table(max_seqs, num_pages, page_size, pages_per_seq, shards=shards, seq_shards=seq_shards)
     if table.max_length > cfg.max_position_embeddings:
         raise ValueError(f"pages_per_seq * page_size = {table.max_length} exceeds "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
@@ -608,6 +621,16 @@ def token_slots(block_table: jax.Array, positions: jax.Array, page_size: int) ->
     page = jnp.take_along_axis(block_table, j, axis=1)
     slot = page * page_size + flat % page_size
     return jnp.where((flat >= 0) & (page >= 0), slot, -1).reshape(positions.shape)
+
+
+def _held_slots(slots: jax.Array, page_offset, per_page: int, n_pages: int) -> jax.Array:
+    """Flat slots ``page * per_page + row`` of the whole pool -> slots of a store that holds
+    pages ``page_offset .. page_offset + n_pages - 1`` (``-1`` elsewhere). ``page_offset``
+    the int 0 (the whole pool): ``slots`` unchanged."""
+    if isinstance(page_offset, int) and page_offset == 0:
+        return slots
+    local = slots - page_offset * per_page
+    return jnp.where((slots >= 0) & (local >= 0) & (local < n_pages * per_page), local, -1)
 
 
 def _scatter_rows(store: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:

@@ -58,6 +58,11 @@ shard's rows never name another shard's page and a step run per shard reads only
 pools. ``reserve`` / ``release`` / ``truncate`` / ``fork`` / ``check`` run per shard (rows take pages in
 row order within their shard; a fork never crosses shards); the invariants above hold per shard.
 
+**Sequence shards** (context parallelism, ``glm5_dsa_jax.parallel.context_paged``): a
+table made with ``seq_shards = cp`` is an ordinary table whose fresh free stack hands a
+shard's pages out round-robin over ``cp`` contiguous blocks of them (the devices that hold
+them); nothing else differs, and no rule depends on the order.
+
 Why a stack: taking ``n`` pages is a slice of its top and returning them a write of the
 top, both without a data-dependent shape, so one compiled step serves every step whatever
 sequences join or leave. Why rows take pages in row order, each all or nothing: a row
@@ -647,15 +652,21 @@ def release_mask(rows, max_seqs: int, what: str = "release") -> jax.Array:
 
 
 def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
-                    pages_per_seq: int | None = None, *, shards: int = 1) -> PageTable:
+                    pages_per_seq: int | None = None, *, shards: int = 1, seq_shards: int = 1) -> PageTable:
     """An empty table: every page free, every sequence empty.
 
     ``pages_per_seq`` (default: all of a shard's pages) bounds one sequence's length at
     ``pages_per_seq * page_size`` tokens. ``shards > 1``: that many independent tables
-    (module doc); ``max_seqs`` and ``num_pages`` must divide by it.
+    (module doc); ``max_seqs`` and ``num_pages`` must divide by it. ``seq_shards > 1``
+    (context parallelism: a shard's ``n`` pages split into that many contiguous blocks of
+    ``n / seq_shards``, one per device of a sequence axis): the free stack hands pages out
+    round-robin over the blocks (``0, n/c, 2n/c, .., 1, n/c + 1, ..``), so on a fresh table
+    consecutive pages of a sequence lie on consecutive devices; ``n`` must divide by it.
+    Pages go back to the stack in reverse order of taking, which keeps the rotation for a
+    sequence released whole; after other churn the spread is uneven (never wrong).
     """
     for name, v in (("max_seqs", max_seqs), ("num_pages", num_pages), ("page_size", page_size),
-                    ("shards", shards)):
+                    ("shards", shards), ("seq_shards", seq_shards)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if max_seqs % shards or num_pages % shards:
@@ -663,14 +674,21 @@ def init_page_table(max_seqs: int, num_pages: int, page_size: int = 64,
             f"max_seqs={max_seqs} and num_pages={num_pages} must both divide by the {shards} "
             f"data shards (each shard owns max_seqs/{shards} sequences and num_pages/{shards} pages)")
     n = num_pages // shards
+    if n % seq_shards:
+        raise ValueError(
+            f"num_pages={num_pages} gives {n} pages per data shard, not divisible by the {seq_shards} "
+            f"devices of the sequence axis (each holds a block of pages / {seq_shards}): make it a "
+            f"multiple of {shards * seq_shards}")
     pages_per_seq = n if pages_per_seq is None else pages_per_seq
     if not isinstance(pages_per_seq, int) or isinstance(pages_per_seq, bool) or pages_per_seq <= 0:
         raise ValueError(f"pages_per_seq must be a positive int, got {pages_per_seq!r}")
     return PageTable(
         block_table=jnp.full((max_seqs, pages_per_seq), -1, jnp.int32),
         lengths=jnp.zeros((max_seqs,), jnp.int32),
-        # Popped from the top: pages are handed out 0, 1, 2, ... on a fresh table.
-        free=jnp.tile(jnp.arange(n - 1, -1, -1, dtype=jnp.int32), shards),
+        # Popped from the top: pages are handed out 0, 1, 2, ... on a fresh table (round-robin
+        # over the seq_shards blocks: 0, n/c, .., 1, n/c + 1, ..).
+        free=jnp.tile(jnp.asarray(np.arange(n, dtype=np.int32).reshape(seq_shards, -1).T.reshape(-1)[::-1]),
+                      shards),
         n_free=jnp.asarray(num_pages, jnp.int32) if shards == 1 else jnp.full((shards,), n, jnp.int32),
         owner=jnp.full((num_pages,), -1, jnp.int32),
         refs=jnp.zeros((num_pages,), jnp.int32),

@@ -95,8 +95,9 @@ from glm5_dsa_jax.model.indexer_loss import check_modes, dense_tile_kl, mean_los
 from glm5_dsa_jax.model.inputs import check_inputs, check_position_ids
 from glm5_dsa_jax.model.layout import ParamFactory, hf_weight_shapes
 from glm5_dsa_jax.model.ops import absorb_o, absorb_q, dense, layer_norm, matmul, query_tiles, rms_norm
+from glm5_dsa_jax.parallel.context_paged import check_supported as check_paged_cp
 from glm5_dsa_jax.parallel.execution import run, run_fn
-from glm5_dsa_jax.parallel.placement import Placement, place_cache
+from glm5_dsa_jax.parallel.placement import Placement, check_page_split, place_cache
 from glm5_dsa_jax.model.rope import apply_rope, rope_cos_sin
 from glm5_dsa_jax.model.weights import hf_to_params, param_variable
 
@@ -387,21 +388,24 @@ class DsaAttention(nnx.Module):
         split by sequence and page over a ``batch_axis``: one page table of ``max_seqs / dp``
         sequences and ``num_pages / dp`` pages per data shard (``pages``' module doc;
         ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
-        ``ValueError`` unless both divide by ``dp``). ``max_rollback``: tokens a sequence can
+        ``ValueError`` unless both divide by ``dp``), and its page pools by page over a
+        ``seq_axis`` (``num_pages / dp`` must divide by its size ``cp``; pages handed out
+        round-robin over the cp blocks: ``parallel.context_paged``; ``implementation="xla"``
+        only, ``ValueError`` otherwise). ``max_rollback``: tokens a sequence can
         always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index``,
         ``index_keys`` as ``init_cache``'s."""
         p = self.placement
         if p is not None and p.seq_axis is not None:
-            raise ValueError(f"layer {self.layer_idx} splits its caches' tokens over seq_axis {p.seq_axis!r} "
-                             f"(size {p.seq_shards}): the paged cache is not supported under context "
-                             "parallelism yet; use init_cache")
+            check_paged_cp(self.implementation, p.seq_axis)
+            check_page_split(num_pages, p.data_shards, p.seq_shards, p.seq_axis)
         cache = init_paged_cache(self.cfg, max_seqs, num_pages, page_size, pages_per_seq=pages_per_seq,
                                  has_indexer=self.has_indexer, dtype=self.dtype if dtype is None else dtype,
                                  stage_dtype=self.dtype, shards=1 if p is None else p.data_shards,
+                                 seq_shards=1 if p is None else p.seq_shards,
                                  max_rollback=max_rollback, latent_layout=latent_layout,
                                  rotate_index=rotate_index, index_keys=index_keys)
         if p is not None:
-            cache = place_cache(cache, p.mesh, p.batch_axis)
+            cache = place_cache(cache, p.mesh, p.batch_axis, p.seq_axis)
         check_cache_readable(cache, self.implementation)
         return cache
 

@@ -14,7 +14,7 @@ touches the stored buffers.
 ``forward`` is the layer's pipeline (``DsaAttention``'s class doc) with the three steps that
 read token-axis state done per shard and merged:
 
-* **Projections** (``_row_split``). The call's rows are replicated over the sequence axis;
+* **Projections** (``row_split``). The call's rows are replicated over the sequence axis;
   a prefill chunk of ``S`` rows is split: each device projects ``ceil(S / cp)`` of them
   (``DsaAttention.project`` and the indexer's), and the projected rows (``q_lat``, the
   latent rows, the indexer's queries, weights, keys and gate logits) are all-gathered once;
@@ -83,7 +83,8 @@ in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a ti
 indexer's scoring and the attention are split by the pools and tokens a device holds, and
 the projections by rows (above). No zig-zag split of a prefill's queries for the scoring
 and attention: each device scores every query of the chunk against its own pools. Not
-supported yet (``ValueError``): the paged cache, ``attention="dense"``. Untested: autodiff
+supported yet (``ValueError``): ``attention="dense"`` (the paged cache:
+``parallel.context_paged``, ``"xla"`` only). Untested: autodiff
 (under the Pallas and Mosaic implementations not possible: ``sparse_mla_partial`` has no
 gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every
 mesh, ``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded layer, and
@@ -102,7 +103,8 @@ from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
 from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.interface import Chunk
 
-__all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
+__all__ = ["forward", "merge_candidates", "merge_partials", "held_ids", "row_split", "check_supported",
+           "CP_IMPLEMENTATIONS"]
 
 #: The implementations a context-parallel layer runs: every one a layer holds (``"auto"`` is
 #: resolved when the layer is built). Each step of a shard runs the layer's own kernel.
@@ -154,7 +156,7 @@ def merge_partials(out: jax.Array, lse: jax.Array, seq_axis: str) -> jax.Array:
     return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
-def _held(ids, offset, size):
+def held_ids(ids, offset, size):
     """Global ids -> this shard's own index (``-1`` where another shard holds the id)."""
     local = ids - offset
     return jnp.where((ids >= 0) & (local >= 0) & (local < size), local, -1)
@@ -166,7 +168,7 @@ def _tail(cache, pools, n_vis, q_pos, kpool, length, tok_off, seq_axis):
     first_key = cache.first_key
     ids, ok = pk.tail_slots(first_key, n_vis, q_pos, kpool, length)
     size = cache.key_valid.shape[1]
-    local = _held(jnp.where(ok, ids, -1), tok_off, size)
+    local = held_ids(jnp.where(ok, ids, -1), tok_off, size)
     held = jnp.take_along_axis(cache.key_valid, jnp.clip(local, 0, size - 1).reshape(local.shape[0], -1), axis=1)
     held = (held.reshape(local.shape) & (local >= 0)).astype(jnp.int32)
     ok &= jax.lax.psum(held, seq_axis) > 0
@@ -227,18 +229,18 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                   n_vis=n_vis, fits=start + s <= length, start=start)
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     rope = layer.rope(chunk.positions if position_ids is None else position_ids)
-    rows_of, gathered = _row_split(s, cp, shard, seq_axis)
+    rows_of, gathered = row_split(s, cp, shard, seq_axis)
     x_mine, rope_mine = rows_of(x), None if rope is None else tuple(rows_of(r) for r in rope)
     q_resid, q_lat, latent = layer.project(x_mine, rope_mine)
     idx = None if layer.indexer is None else layer.indexer.project(x_mine, q_resid, rope_mine)
     q_lat, latent, idx = gathered((q_lat, latent, idx))
-    local_slots = _held(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
+    local_slots = held_ids(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
     cache = scatter_rows(cache, latent, mask, local_slots, chunk.fits)
     rows, row_scale = cache.attention_rows()
 
     def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
         with jax.named_scope("sparse_attention"):
-            part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), row_scale,
+            part, lse = pk.sparse_mla_partial(q_lat, rows, held_ids(token_ids, tok_off, l_loc), row_scale,
                                               scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank,
                                               implementation=layer.implementation)
             return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
@@ -277,7 +279,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     return out, topk, cache.end_chunk(chunk)
 
 
-def _row_split(s: int, cp: int, shard, seq_axis: str):
+def row_split(s: int, cp: int, shard, seq_axis: str):
     """``(rows_of, gathered)`` for a chunk of ``s`` rows: ``rows_of(a)`` this device's
     ``ceil(s / cp)`` rows of ``a [B, s, ...]`` (the chunk padded with zeros to a multiple of
     ``cp``), ``gathered(tree)`` the whole chunk's ``[B, s, ...]`` from every device's rows

@@ -52,6 +52,8 @@ Invariants:
   are the candidates' all-gather, the tail's and the attention partials' ``psum`` /
   ``pmax`` over the sequence axis, then the ``o_proj`` ``psum`` as above. Its top-k rows
   are the unplaced layer's bit for bit too (``context``'s module doc says why). A call
+  with a paged cache runs ``parallel.context_paged.forward`` instead (its page pools are
+  split by page over that axis, the page table replicated). A call
   without a cache runs the plain pipeline whole on every device of the sequence axis.
 """
 
@@ -66,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.cache import init_cache
 from glm5_dsa_jax.cpu_policy import float32_products
-from glm5_dsa_jax.parallel import context
+from glm5_dsa_jax.parallel import context, context_paged
 from glm5_dsa_jax.parallel.placement import cache_specs, check_batch
 
 __all__ = ["run", "run_fn"]
@@ -80,6 +82,9 @@ def _pipeline(layer, x, mask, cache, prev_topk, position_ids, reduce_axis, modes
     attention, indexer_loss = modes
     kw = dict(reduce_axis=reduce_axis, attention=attention, indexer_loss=indexer_loss)
     seq_axis = None if layer.placement is None else layer.placement.seq_axis
+    if cache is not None and seq_axis is not None and getattr(cache, "pages", None) is not None:
+        return context_paged.forward(layer, x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis,
+                                     seq_axis=seq_axis, attention=attention)  # the paged cache's pools are split
     if cache is not None and seq_axis is not None:  # context parallelism: the cache's tokens are split
         return context.forward(layer, x, mask, cache, prev_topk, position_ids, reduce_axis=reduce_axis,
                                seq_axis=seq_axis, attention=attention)

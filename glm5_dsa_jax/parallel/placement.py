@@ -24,8 +24,8 @@ Invariants:
   (``check_cache_placement``, ``ValueError`` otherwise): moving it silently would gather or
   copy it. Under tensor parallelism alone a cache not yet on the mesh is replicated onto
   it, as the call's inputs are.
-* **Split over the sequence axis** (``Placement.seq_axis``, context parallelism, contiguous
-  caches only): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
+* **Split over the sequence axis** (``Placement.seq_axis``, context parallelism; a
+  contiguous cache): the cache's token-axis fields (its class's ``TOKEN_AXIS_FIELDS``: the latent
   rows, their validity and fp8 scales, the pooled keys, their validity and scales) are split on their
   axis 1 (slots / pools) into ``cp`` contiguous ranges, device ``i`` of the axis holding
   slots ``[i * L / cp, (i + 1) * L / cp)`` and pools ``[i * P / cp, (i + 1) * P / cp)``;
@@ -33,6 +33,11 @@ Invariants:
   is replicated over it (split by sequence over a batch axis as before). The capacity must
   divide by ``cp * kpool`` (``check_seq_split``), so that every device holds whole pools
   and ``P / cp`` of them. The call's rows are replicated over the sequence axis.
+* **A paged cache over the sequence axis** splits its page pools (its class's
+  ``PAGE_AXIS_FIELDS``) on their page axis into ``cp`` blocks of whole pages (within each
+  data shard's block under a batch axis: ``P((batch_axis, seq_axis))``); the page table,
+  stage and status are replicated over it. ``num_pages / dp`` must divide by ``cp``
+  (``check_page_split``). ``parallel.context_paged`` says why.
 * Host values are placed also when the mesh spans processes (``jax.distributed``: every
   process passes the same host values and keeps its shards); ``Explicit`` and ``Auto``
   axis types alike.
@@ -49,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 __all__ = [
     "Placement", "put", "replicate", "check_dp_mesh", "check_batch", "cache_specs",
     "cache_shardings", "place_cache", "check_cache_placement", "check_seq_mesh", "check_seq_split",
+    "check_page_split",
 ]
 
 
@@ -178,20 +184,24 @@ def check_seq_split(max_length: int, kpool: int, cp: int, seq_axis: str) -> None
             "whole pools; make the cache with a multiple of that")
 
 
-def _seq_split_field(cache, path) -> bool:
+def _seq_split_field(cache, path, kind: str) -> bool:
     last = path[-1] if path else None
-    fields = getattr(cache, "TOKEN_AXIS_FIELDS", ())
+    fields = getattr(cache, kind, ())
     return isinstance(last, jax.tree_util.GetAttrKey) and last.name in fields
 
 
 def cache_specs(cache, batch_axis: str | None, seq_axis: str | None = None):
     """``PartitionSpec`` per field of a cache (``None`` leaves kept): ``P(batch_axis)`` on
     the leading axis of every array of rank >= 1, ``P()`` for a scalar (the module doc);
-    every field ``P()`` without a batch axis. With a ``seq_axis`` the cache's
-    ``TOKEN_AXIS_FIELDS`` are also split on their axis 1 over it (``P(batch_axis, seq_axis)``)."""
+    every field ``P()`` without a batch axis. With a ``seq_axis`` a contiguous cache's
+    ``TOKEN_AXIS_FIELDS`` are also split on their axis 1 over it (``P(batch_axis, seq_axis)``)
+    and a paged cache's ``PAGE_AXIS_FIELDS`` (its page pools) on their page axis, within
+    each data shard's block of pages (``P((batch_axis, seq_axis))``)."""
     def spec(path, a):
-        if seq_axis is not None and _seq_split_field(cache, path):
+        if seq_axis is not None and _seq_split_field(cache, path, "TOKEN_AXIS_FIELDS"):
             return P(batch_axis, seq_axis)
+        if seq_axis is not None and _seq_split_field(cache, path, "PAGE_AXIS_FIELDS"):
+            return P((batch_axis, seq_axis) if batch_axis else seq_axis)
         return P(batch_axis) if batch_axis and np.ndim(a) else P()
     return jax.tree_util.tree_map_with_path(spec, cache)
 
@@ -202,11 +212,22 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None, seq_
                         is_leaf=lambda s: isinstance(s, P))
 
 
+def check_page_split(num_pages: int, data_shards: int, cp: int, seq_axis: str) -> None:
+    """``ValueError`` unless a paged cache of ``num_pages`` pages (``data_shards`` blocks of
+    them over a batch axis) splits each block into ``cp`` blocks of whole pages."""
+    if num_pages % (data_shards * cp):
+        raise ValueError(
+            f"paged cache num_pages={num_pages} is not divisible by data shards * cp = {data_shards} * {cp} = "
+            f"{data_shards * cp}: the {cp} devices of mesh axis {seq_axis!r} each hold a block of "
+            f"every data shard's pages; make the cache with a multiple of that")
+
+
 def _check_seq_splits(cache, mesh, seq_axis) -> None:
     cp = int(mesh.shape[seq_axis])
-    if not hasattr(cache, "TOKEN_AXIS_FIELDS"):
-        raise ValueError(f"a paged cache cannot be split over the sequence axis {seq_axis!r} (size {cp}) "
-                         "yet: context parallelism supports the contiguous cache (DsaCache) only")
+    pages = getattr(cache, "pages", None)
+    if pages is not None:
+        check_page_split(cache.num_pages, pages.shards, cp, seq_axis)
+        return
     check_seq_split(cache.max_length, cache.kpool if cache.has_indexer else 1, cp, seq_axis)
 
 

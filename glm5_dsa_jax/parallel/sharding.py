@@ -25,7 +25,8 @@ Invariants:
 * **Context parallelism** (``seq_axis="cp"``): a contiguous cache's slots and pools are
   split into ``cp`` contiguous ranges (``placement``'s module doc); decode and chunked
   prefill score, select and attend per range and merge (``glm5_dsa_jax.parallel.context``:
-  what crosses devices, what is supported).
+  what crosses devices, what is supported); a paged cache's page pools are split by page
+  into ``cp`` blocks, its page table replicated (``glm5_dsa_jax.parallel.context_paged``).
 * ``shard_layer`` places a layer: parameters by those specs, and one ``Placement(mesh,
   axis, batch_axis)`` recorded on the layer (``layer.placement``; ``layer.mesh`` reads
   it), the only attribute of the layer set from outside. Its caches (``init_cache``) and
@@ -104,8 +105,9 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
       (and pages), over that axis; the batch of a call must divide by its size.
     * ``seq_axis``: the layer's contiguous caches split their slots and pools into
       contiguous ranges over that axis (capacity divisible by its size times ``kpool``);
-      every step runs the layer's own kernels per shard; no paged cache yet
-      (``parallel.context``).
+      every step runs the layer's own kernels per shard (``parallel.context``); its
+      paged caches split their page pools into blocks of pages (``num_pages / dp``
+      divisible by its size; ``implementation="xla"`` only: ``parallel.context_paged``).
 
     Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
     mesh without ``axis``, ``batch_axis`` or ``seq_axis``, two of them equal, an axis size
@@ -165,7 +167,8 @@ def cache_shardings(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = Non
     ``batch_axis`` every field of rank >= 1 split on its leading (batch / sequence / page)
     axis over it and the scalars replicated (``placement.cache_specs``). Use it for a
     decode step's ``in_shardings`` / ``out_shardings`` so the cache never moves. With a
-    ``seq_axis`` the token-axis fields (``DsaCache.TOKEN_AXIS_FIELDS``) are split on axis 1 too."""
+    ``seq_axis`` the token-axis fields (``DsaCache.TOKEN_AXIS_FIELDS``) are split on axis 1
+    too, a paged cache's pools (``PagedCache.PAGE_AXIS_FIELDS``) on their page axis."""
     return pl.cache_shardings(cache, mesh, batch_axis, seq_axis)
 
 
@@ -173,7 +176,8 @@ def place_cache(cache, mesh: jax.sharding.Mesh, batch_axis: str | None = None, s
     """``cache`` placed as ``cache_shardings`` describes (works on traced values too, as a
     constraint). ``ValueError`` when a leading axis does not divide by ``batch_axis``'s
     size, a paged cache's page table was not made with that many shards, or (with a
-    ``seq_axis``) the cache is paged or its capacity does not divide by ``cp * kpool``."""
+    ``seq_axis``) a contiguous cache's capacity does not divide by ``cp * kpool`` or a paged
+    cache's pages (per data shard) by ``cp``."""
     if batch_axis is not None:
         pl.check_dp_mesh(mesh, None, batch_axis)
     if seq_axis is not None:

@@ -1,0 +1,217 @@
+"""Context parallelism with a paged cache: the page pools split over a mesh axis, for decode and chunked prefill.
+
+``shard_layer(layer, mesh, axis="tp", seq_axis="cp")`` then ``layer.init_paged_cache(...)``
+(or ``PagedDecoder(layer, ...)``): the paged cache's **page pools** are split over the
+sequence axis, its **page table stays replicated**, and a call with such a cache runs
+``forward`` here as the body of the call's one ``shard_map`` (``parallel.execution``).
+
+Design (why it is this way):
+
+* **Where a page lives.** The pools (``PagedCache.PAGE_AXIS_FIELDS``: the latent pages,
+  the pooled-key pages and their fp8 scales) are split on their page axis into ``cp``
+  contiguous blocks: device ``i`` of the axis holds physical pages ``[i * N/cp, (i+1) *
+  N/cp)`` (under a batch axis too: within each data shard's block of pages,
+  ``P((batch_axis, seq_axis))``). A page's owner is a function of its physical id alone,
+  so the block table, lengths, free stack, owner record, stage and status (all small)
+  stay replicated and every device runs the page bookkeeping (``pages.reserve``) itself,
+  identically, without a collective. ``N / dp`` not divisible by ``cp``: ``ValueError``
+  naming the sizes (``placement.check_page_split``, ``pages.init_page_table``).
+* **How pages spread.** A cp layer's ``init_paged_cache`` makes its page table with
+  ``seq_shards=cp``: the fresh free stack hands pages out round-robin over the ``cp``
+  blocks (``0, N/cp, 2N/cp, .., 1, N/cp + 1, ..``), so the pages taken lie evenly on the
+  devices (to one page, on a fresh table), and one sequence taking pages alone (a long
+  prefill, a lone decode) rotates over them. Rows that take pages in lockstep (rows take
+  pages in row order, so ``B`` rows each taking one page a step with ``B % cp == 0``) can
+  put one sequence's pages mostly on some devices, and churn (release, rollback, fork)
+  reorders the stack. That costs nothing here but balance of memory per sequence: every
+  step below is exact whatever device holds which page, and the scoring width is the
+  static bound ``PGL`` below, not the actual spread. (Per-device free stacks, logical
+  page ``j`` on device ``j % cp``, would bound it by ``pages_per_seq / cp``: not done.)
+* **Writes** land on the owner only: a prefill chunk's projections are split by rows
+  (``context.row_split``: each device projects ``ceil(S / cp)`` rows, gathered once; ``o_proj``
+  the same) and ``PagedCache.write_latent`` / ``store_pools``
+  with ``page_offset = i * N/cp`` drop the rows of pages it does not hold.
+* **Selection** (a full layer): each device gathers, per sequence, the pages of its block
+  table that it holds (at most ``PGL = min(pages_per_seq, N/cp)`` of them, in logical
+  order) and their pooled keys, ``[B, PGL * PPP, D]``, once per call; it scores them
+  (``pk.index_scores``, the same per-pool arithmetic as the unsharded layer's) with the
+  unsharded candidate rule applied on each pool's *logical* id ``p`` (``(p + 1) * KP - 1 <=
+  q_pos`` and ``p`` below the sequence's complete pools), keeps its ``K' = min(select_k,
+  PGL * PPP)`` best by ``pk.topk_pools`` (ties: the lower index, which is the lower logical
+  id), and the candidates (``order_key`` and logical pool id, int32 each) are
+  all-gathered and merged by ``context.merge_candidates``: the unsharded layer's ids bit
+  for bit (``context``'s module doc says why; the unsharded short-context path, which
+  takes every candidate unscored, agrees unless a score is NaN). Expanding pools to
+  token positions (``pk.expand_selection``) and the visible tail (a paged sequence has no
+  holes: no validity to read) are replicated.
+* **Attention**: the token positions map to global latent slots through the replicated
+  block table (``paged.token_slots``); a device attends over the slots it holds
+  (``pk.sparse_mla_partial``, the others ``-1`` for it) and the partials are merged by
+  their log-sum-exp (``context.merge_partials``); then ``o_proj`` as everywhere.
+
+Bytes crossing devices per step and query row, independent of the context length: as the
+contiguous cache's (``context``'s module doc) without the tail's validity ``psum``: the
+candidates' all-gather ``cp * K' * 8`` and the partials' ``H_local * (V + 1) * 4 +
+H_local * 4``. Work per device: scoring ``PGL * PPP`` pools a row (the static bound
+``PGL = min(pages_per_seq, N/cp)`` pages, whatever the spread: ``1/cp`` of the unsharded
+capacity only when ``pages_per_seq = N``; like the contiguous cp path, and unlike the
+unsharded ``"xla"`` layer, which streams only the live pool tiles, it does not shrink with a
+short context), attention over its own selected rows, the projections of ``ceil(S / cp)``
+rows; the page bookkeeping and the pooling of the chunk's keys are replicated.
+
+Supported: ``implementation="xla"``, ``attention="sparse"``, float and fp8 caches, full and
+shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per data
+shard as before, its pages split over cp within the shard), eager and jitted,
+``PagedDecoder`` (one compilation per chunk length) including ``release``, ``export``
+(``tests/test_context_parallel_paged.py``); ``rollback``, ``fork`` and ``load`` run their
+jitted global-view programs on the split pools (untested under cp). Not supported: the
+Pallas / Mosaic implementations (``ValueError`` at ``init_paged_cache`` and at the call,
+``check_supported``; the contiguous cache runs them per shard) and ``attention="dense"``
+(refused for any paged cache); no zig-zag split of a prefill's queries (every device
+scores every query against its own pools).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from glm5_dsa_jax.cache.fp8 import index_queries
+from glm5_dsa_jax.cache.paged import token_slots
+from glm5_dsa_jax.cpu_policy import from_store
+from glm5_dsa_jax.parallel.context import held_ids, merge_candidates, merge_partials, row_split
+
+__all__ = ["forward", "held_pages", "check_supported", "PAGED_CP_IMPLEMENTATIONS"]
+
+#: The implementations a paged cache under context parallelism runs (its per-shard
+#: selection and attention are plain jnp).
+PAGED_CP_IMPLEMENTATIONS = ("xla",)
+
+
+def check_supported(implementation: str, seq_axis: str) -> None:
+    """``ValueError`` unless a layer of ``implementation`` can split a paged cache's pools
+    over ``seq_axis``."""
+    if implementation not in PAGED_CP_IMPLEMENTATIONS:
+        raise ValueError(
+            f"a paged cache under context parallelism (seq_axis={seq_axis!r}) supports implementation in "
+            f"{PAGED_CP_IMPLEMENTATIONS} only, got {implementation!r}: build the layer with "
+            "implementation='xla', or use init_cache (the contiguous cache runs every implementation)")
+
+
+def held_pages(block_table: jax.Array, page_offset, n_local: int) -> tuple[jax.Array, jax.Array]:
+    """``(logical [B, PGL], local [B, PGL])`` int32: per sequence, the block-table slots
+    (logical pages) whose physical page this shard holds (pages ``page_offset ..
+    page_offset + n_local - 1``), ascending, and those pages' local ids; ``-1`` after.
+    ``PGL = min(pages_per_seq, n_local)``: a sequence cannot hold more of this shard's pages."""
+    pg = block_table.shape[1]
+    local = held_ids(block_table, page_offset, n_local)
+    order = jnp.argsort(local < 0, axis=1, stable=True)[:, :min(pg, n_local)]  # held first, in order
+    local = jnp.take_along_axis(local, order, axis=1)
+    return jnp.where(local >= 0, order, -1).astype(jnp.int32), local
+
+
+def _held_pool_keys(cache, logical, local):
+    """The pooled keys of the held pages ``[B, M = PGL * PPP, D]`` (compute dtype), their
+    fp8 scales (or None), logical pool ids ``[B, M]`` (``-1``: none) and validity (a
+    complete pool of the sequence on a held page)."""
+    ppp = cache.pools_per_page
+    b, pgl = local.shape
+    page = jnp.maximum(local, 0).reshape(-1)
+    keys = from_store(jnp.take(cache.pooled_store, page, axis=0), cache.pooled_dtype)
+    keys = keys.reshape(b, pgl * ppp, keys.shape[-1])
+    scale = None
+    if cache.pooled_scale is not None:
+        g = cache.pooled_scale.shape[2:]
+        scale = jnp.take(cache.pooled_scale, page, axis=0).reshape((b, pgl * ppp) + g)
+    pool = (logical[..., None] * ppp + jnp.arange(ppp, dtype=jnp.int32)).reshape(b, -1)
+    pool = jnp.where(jnp.repeat(local >= 0, ppp, axis=1), pool, -1)
+    valid = (pool >= 0) & (pool < (cache.lengths // cache.kpool)[:, None])
+    return keys, scale, pool, valid
+
+
+def _select(cache, held, qi, w, q_pos, select_k, kpool, seq_axis):
+    """The merged global top-``select_k`` logical pool ids ``[B, Q, select_k]`` (module doc)."""
+    keys, scale, pool, valid = held
+    b = keys.shape[0]
+    with jax.named_scope("score_pools"):  # every held pool a candidate here, then the logical rule
+        big = jnp.full_like(q_pos, jnp.iinfo(jnp.int32).max // 2)
+        scores = pk.index_scores(qi, w, keys, valid, jnp.zeros((b,), jnp.int32), big, scale, kpool=kpool,
+                                 implementation="xla")
+        visible = (pool[:, None, :] + 1) * kpool - 1 <= q_pos[..., None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+    with jax.named_scope("select_pools"):
+        k_loc = min(select_k, pool.shape[1])
+        local = pk.topk_pools(scores, k_loc, implementation="xla")
+        key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
+        key = jnp.where(local >= 0, key, pk.order_key(jnp.full((), -jnp.inf, jnp.float32)))
+        ids = jnp.where(local >= 0, jnp.take_along_axis(jnp.broadcast_to(pool[:, None], scores.shape),
+                                                        jnp.maximum(local, 0), axis=-1), -1)
+        all_keys = jax.lax.all_gather(key, seq_axis, axis=2, tiled=True)  # [B, Q, cp * K']
+        all_ids = jax.lax.all_gather(ids, seq_axis, axis=2, tiled=True)
+        return merge_candidates(all_keys, all_ids, select_k)
+
+
+def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=None, seq_axis: str,
+            attention: str = "sparse"):
+    """``(out, topk, cache)``: ``DsaAttention.forward`` of ``layer`` on this device's block
+    of a paged cache's pools split over ``seq_axis`` (module doc), inside the call's
+    ``shard_map``. Same inputs and outputs as ``DsaAttention.forward`` (``out`` and ``topk``
+    replicated over ``seq_axis``)."""
+    if attention != "sparse":
+        raise ValueError(f"context parallelism (seq_axis={seq_axis!r}) supports attention='sparse' only, "
+                         f"got attention={attention!r}")
+    check_supported(layer.implementation, seq_axis)
+    cfg = layer.cfg
+    n_loc = cache.num_pages  # this shard's pages
+    page_off = jax.lax.axis_index(seq_axis) * n_loc
+    ps = cache.page_size
+    cache, chunk = cache.begin_chunk(mask)  # the replicated page table: the same on every device
+    mask = chunk.mask
+    x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
+    rope = layer.rope(chunk.positions if position_ids is None else position_ids)
+    rows_of, gathered = row_split(x.shape[1], layer.placement.seq_shards, jax.lax.axis_index(seq_axis), seq_axis)
+    x_mine, rope_mine = rows_of(x), None if rope is None else tuple(rows_of(r) for r in rope)
+    q_resid, q_lat, latent = layer.project(x_mine, rope_mine)
+    idx = None if layer.indexer is None else layer.indexer.project(x_mine, q_resid, rope_mine)
+    q_lat, latent, idx = gathered((q_lat, latent, idx))
+    cache = cache.write_latent(latent, chunk, page_offset=page_off)
+    rows, row_scale = cache.attention_rows()
+
+    def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
+        slots = held_ids(token_slots(cache.block_table, token_ids, ps), page_off * ps, n_loc * ps)
+        with jax.named_scope("sparse_attention"):
+            part, lse = pk.sparse_mla_partial(q_lat, rows, slots, row_scale, scale=cfg.softmax_scale,
+                                              value_width=cfg.kv_lora_rank)
+            return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
+
+    if layer.indexer is not None:
+        kp = cfg.index_kpool
+        qi, w, ki, gate = idx
+        with jax.named_scope("compress_pools"):
+            win = cache.pool_window(ki, gate, chunk)
+            pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
+                                                        layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
+                                                        implementation="xla")
+            cache = cache.store_pools(win, pooled, pooled_valid, chunk, page_offset=page_off)
+        qi = index_queries(qi, cache.rotate_index, cache.index_format)
+        select_k = cfg.select_k(cache.max_pools)
+        held = _held_pool_keys(cache, *held_pages(cache.block_table, page_off, n_loc))
+
+        def tile(q_lat, q_pos, qi, w, n_vis):
+            pools = _select(cache, held, qi, w, q_pos, select_k, kp, seq_axis)
+            with jax.named_scope("expand_to_tokens"):
+                tail = cache.visible_tail(pools, n_vis, q_pos, kp) if cfg.tail_width else None
+                token_ids = pk.expand_selection(pools, cache.pool_origin(), tail, kpool=kp, out_width=cfg.out_width,
+                                                implementation="xla")
+                token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+            return token_ids, attend(q_lat, token_ids)
+
+        topk, o_lat = layer.by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
+                                           (chunk.n_vis, 0))
+    else:
+        topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
+        _, o_lat = layer.by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
+                                        (topk, -1))
+    out = gathered(layer.output_projection(rows_of(o_lat), rows_of(mask), reduce_axis=reduce_axis))
+    return out, topk, cache.end_chunk(chunk)

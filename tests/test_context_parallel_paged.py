@@ -1,0 +1,239 @@
+"""Context parallelism with a paged cache (issue 27): ``shard_layer(layer, mesh, axis="tp",
+seq_axis="cp")`` then ``init_paged_cache`` / ``PagedDecoder`` on the 8 virtual CPU devices of
+conftest.py, against the unsharded paged layer. Float32 throughout.
+
+What is compared: a prefill in two chunks (more pools than ``select_k``, the rows' valid
+tokens at different offsets: left padding of different depths) then decode steps, on (cp,
+tp) = (2, 4), (4, 2), (8, 1) and (data, cp, tp) = (2, 2, 2): top-k rows bit for bit, outputs
+to ``F32_REORDER`` (the attention merged from per-device partials by their log-sum-exp,
+``o_proj`` all-reduced over tp), each sequence's content (``export``: latent rows and pools
+in timeline order) to ``F32_REORDER``, each device holding ``1/cp`` of the page pools and
+of the pages taken (the free stack's round-robin). Bad input: ``ValueError`` naming the sizes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import glm5_dsa_jax as gd
+from glm5_dsa_jax.parallel import sharding as sh
+from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
+from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
+
+ATOL = RTOL = F32_REORDER
+SPANS = [(0, 20), (20, 40), (40, 41), (41, 42), (42, 43)]  # two prefill chunks (one length), three steps
+PAGES, PAGE = 16, 8  # 16 pages of 8 tokens (2 pools each): cp 2, 4 and 8 divide; 43 tokens = 6 pages a row
+PADS = (0, 5, 2, 9)
+
+
+def mesh_of(shape, names=("cp", "tp"), mode="explicit"):
+    kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[mode]
+    return jax.make_mesh(tuple(shape), names, axis_types=(kind,) * len(shape))
+
+
+def run(layer, config, batch=2, jit=False, prev=None, dtype=None, num_pages=PAGES):
+    """The chunks and steps of ``SPANS``: ``([(out, topk)], cache)`` as numpy. ``prev``: a
+    full layer's results per call (a shared layer's ``prev_topk``)."""
+    x, mask = padded_batch(config, PADS[:batch], SPANS[-1][1], seed=0)
+    cache = layer.init_paged_cache(batch, num_pages, PAGE, dtype)
+    call = layer
+    if jit:
+        f, state = jitted_call(layer)
+        call = lambda *a, **kw: f(state, *a, **kw)  # noqa: E731
+    res = []
+    for i, (a, b) in enumerate(SPANS):
+        kw = {} if prev is None else dict(prev_topk=prev[i][1])
+        out, topk, cache = call(x[:, a:b], attention_mask=mask[:, a:b], cache=cache, **kw)
+        res.append((np.asarray(out), np.asarray(topk)))
+    return res, cache
+
+
+def assert_same(got, want):
+    for i, ((o, t), (o0, t0)) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(t, t0, err_msg=f"call {i}: top-k")
+        np.testing.assert_allclose(o, o0, atol=ATOL, rtol=RTOL, err_msg=f"call {i}: out")
+
+
+def assert_same_content(cache, want):
+    """Every sequence's exported content (timeline order, no page ids) equals the unsharded
+    cache's: lengths and pools bit for bit, float rows to ``F32_REORDER``."""
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(want.lengths))
+    for row in range(cache.max_seqs):
+        got, ref = cache.export(row), want.export(row)
+        for name in ("latent", "pooled", "stage_keys"):
+            a, b = getattr(got, name), getattr(ref, name)
+            if a is not None:
+                np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL, err_msg=f"row {row}: {name}")
+
+
+def assert_split(cache, cp, data=None):
+    """Each device holds ``1/cp`` (of its data shard's) pages of every pool; the page table,
+    the stage and the status are not split over cp; the pages taken spread evenly (to one)."""
+    want = P((data, "cp")) if data else P("cp")
+    for name in gd.PagedCache.PAGE_AXIS_FIELDS:
+        a = getattr(cache, name)
+        if a is None:
+            continue
+        assert trim(a.sharding.spec) == want, (name, a.sharding.spec)
+        dp = 1 if data is None else 2
+        assert all(s.data.shape[0] == a.shape[0] // (dp * cp) for s in a.addressable_shards), name
+    for name in ("block_table", "lengths", "free", "owner", "refs"):
+        assert "cp" not in str(getattr(cache.pages, name).sharding.spec), name
+    for name in ("stage_keys", "stage_gate", "status"):
+        assert "cp" not in str(getattr(cache, name).sharding.spec), name
+    dp = 1 if data is None else 2
+    per_device = cache.num_pages // dp // cp
+    tables = np.asarray(cache.block_table).reshape(dp, -1, cache.pages_per_seq)
+    for k, table in enumerate(tables):  # a data shard's rows: its pages, local ids
+        held = np.bincount(table[table >= 0] // per_device, minlength=cp)
+        assert held.max() - held.min() <= 1, (k, table, held)
+
+
+P = jax.sharding.PartitionSpec
+
+
+def trim(spec):
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {2: run(f32_layer(cfg(), 1, block_q=8), cfg(), 2)}
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)])
+def test_chunks_then_decode_equal_unsharded(reference, shape):
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg())
+    want, want_cache = reference[2]
+    assert_same(got, want)
+    assert_split(cache, shape[0])
+    assert_same_content(cache, want_cache)
+
+
+def test_data_cp_tp_mesh():
+    """A batch axis too: one page table per data shard, its pages split over cp."""
+    mesh = mesh_of((2, 2, 2), ("data", "cp", "tp"))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh, axis="tp", batch_axis="data", seq_axis="cp")
+    got, cache = run(layer, cfg(), batch=4, num_pages=2 * PAGES)
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8), cfg(), batch=4, num_pages=2 * PAGES)
+    assert_same(got, want)
+    assert_split(cache, 2, data="data")
+    assert_same_content(cache, want_cache)
+
+
+def test_jitted_auto_axes_fp8():
+    """Under ``jax.jit`` on ``Auto`` axes, with an fp8 cache (each owner quantises its rows
+    and writes their scales beside them)."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2), mode="auto"), axis="tp", seq_axis="cp")
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8), cfg(), dtype="fp8")
+    got, cache = run(layer, cfg(), jit=True, dtype="fp8")
+    assert cache.is_fp8 and trim(cache.latent_scale.sharding.spec) == P("cp")
+    assert_same(got, want)
+    assert_same_content(cache, want_cache)
+
+
+def test_shared_layer_and_rope(reference):
+    """A shared layer attends over its full layer's ids; a RoPE model (kpool 1)."""
+    want, _ = run(f32_layer(cfg(), 2, block_q=8), cfg(), prev=reference[2][0])
+    layer = sh.shard_layer(f32_layer(cfg(), 2, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg(), prev=reference[2][0])
+    assert cache.pooled_store is None
+    assert_same(got, want)
+    config = rope_tiny(index_topk=8, num_attention_heads=2)  # kpool 1: select_k 8 of up to 43 pools
+    want, _ = run(f32_layer(config, 0, block_q=8), config)
+    layer = sh.shard_layer(f32_layer(config, 0, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, cache = run(layer, config)
+    assert_same(got, want)
+    assert_split(cache, 4)
+
+
+def decode(layer):
+    """``PagedDecoder``: two chunks, three steps, a release of row 0 and a new sequence
+    there: ``(results, decoder)``."""
+    dec = gd.PagedDecoder(layer, 2, PAGES, PAGE)
+    x, mask = padded_batch(cfg(), PADS[:2], SPANS[-1][1], seed=0)
+    got = [dec(x[:, a:b], mask[:, a:b]) for a, b in SPANS[:2]]
+    got += [dec(x[:, a:b], mask[:, a:b]) for a, b in SPANS[2:]]
+    dec.release(np.array([True, False]))
+    got += [dec(x[:, a:b], mask[:, a:b]) for a, b in SPANS[2:]]  # row 0 starts again
+    return jax.tree.map(np.asarray, got), dec
+
+
+def test_paged_decoder_one_compilation():
+    """``PagedDecoder`` on a cp layer: the pools keep their split between steps (in and out
+    shardings), one compilation for the chunks (one length) and one for every decode step,
+    through a release and a new sequence."""
+    want, _ = decode(f32_layer(cfg(), 1, block_q=8))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, dec = decode(layer)
+    assert_same(got, want)
+    assert trim(dec.cache.latent_store.sharding.spec) == P("cp")
+    assert dec.step.traces == 2
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_page_count_not_divisible_refused():
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    with pytest.raises(ValueError, match=r"num_pages=18 is not divisible by data shards \* cp = 1 \* 4 = 4"):
+        layer.init_paged_cache(2, 18, PAGE)
+    with pytest.raises(ValueError, match=r"num_pages=18 is not divisible by data shards \* cp = 1 \* 4 = 4"):
+        sh.place_cache(f32_layer(cfg(), 1).init_paged_cache(2, 18, PAGE), layer.mesh, seq_axis="cp")
+    with pytest.raises(ValueError, match=r"num_pages=18 gives 18 pages per data shard, not divisible by the 4"):
+        gd.init_paged_cache(cfg(), 2, 18, PAGE, seq_shards=4)
+    pallas = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((4, 2)),
+                            axis="tp", seq_axis="cp")
+    with pytest.raises(ValueError, match=r"a paged cache under context parallelism \(seq_axis='cp'\) supports "
+                                         r"implementation in \('xla',\) only, got 'pallas_interpret'"):
+        pallas.init_paged_cache(2, PAGES, PAGE)
+
+
+def test_cache_placed_otherwise_refused_unchanged():
+    """A replicated paged cache handed to a cp layer: refused, not silently split; dense
+    attention refused (as without cp: a paged cache keeps no per-slot mask); nothing written."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    cache = sh.place_cache(f32_layer(cfg(), 1).init_paged_cache(2, PAGES, PAGE), layer.mesh)
+    x, mask = padded_batch(cfg(), PADS[:2], 24, seed=0)
+    with pytest.raises(ValueError, match=r"placed as P\(\) but a context-parallel layer needs P\('cp',\)"):
+        layer(x, attention_mask=mask, cache=cache)
+    split = layer.init_paged_cache(2, PAGES, PAGE)
+    with pytest.raises(ValueError, match=r"attention='dense' needs a contiguous cache \(DsaCache\) or none"):
+        layer(x, attention_mask=mask, cache=split, attention="dense")
+    assert not np.asarray(split.lengths).any() and not np.asarray(split.latent_store).any()
+
+
+def step_collectives(layer, num_pages):
+    """``[(result type, op)]`` of every collective in the compiled decode step of a
+    ``PagedDecoder`` of ``num_pages`` pages (as ``test_context_parallel.step_collectives``)."""
+    dec = gd.PagedDecoder(layer, 2, num_pages, PAGE)
+    x, mask = padded_batch(cfg(), PADS[:2], 1, seed=0)
+    hlo = dec.step.lower(dec.params, x, mask, dec.cache).compile().as_text()
+    ops = r"all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
+    found = [re.search(rf"= (.*?) ({ops})(?:-start)?\(", ln) for ln in hlo.splitlines()]
+    return sorted((re.sub(r"\{[\d,]+\}", "", m.group(1)), m.group(2)) for m in found if m)
+
+
+def test_bytes_crossing_devices_do_not_grow_with_the_pool():
+    """The decode step's collectives at 16 and 128 pages are the same ops on the same
+    shapes: the candidates' two all-gathers ``s32[B, 1, cp * K]``, the partials' ``pmax`` and
+    ``psum`` ``[B, 1, H_local(, V)]``, the ``o_proj`` ``psum``; no page table, pool or key
+    crosses devices."""
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    small, large = step_collectives(layer, PAGES), step_collectives(layer, 8 * PAGES)
+    assert small == large
+    c = cfg()
+    k, v, h_loc = c.max_select_k, c.kv_lora_rank, c.num_attention_heads // 2
+    assert small == sorted([
+        (f"s32[2,1,{4 * k}]", "all-gather"), (f"s32[2,1,{4 * k}]", "all-gather"),  # keys, ids
+        (f"f32[2,1,{h_loc}]", "all-reduce"),  # pmax of the log-sum-exp
+        (f"(f32[2,1,{h_loc},{v}], f32[2,1,{h_loc}])", "all-reduce"),  # weighted partials, weights
+        (f"f32[2,1,{c.hidden_size}]", "all-reduce"),  # o_proj over tp
+    ]), small
