@@ -37,7 +37,7 @@ def test_plan_cp_bytes_are_a_placed_caches_bytes_per_device(layer_idx, dtype):
     placed = sh.place_cache(cache, mesh, None, "cp")
     assert cache_bytes(TINY, layer_idx, "contiguous", dtype, 2, 64, cp=4) == bench_cp.device_bytes(placed)
     assert cache_bytes(TINY, layer_idx, "contiguous", dtype, 2, 64, cp=1) == cache.nbytes()
-    with pytest.raises(ValueError, match="paged cache is not split over a sequence axis"):
+    with pytest.raises(ValueError, match="does not size a paged cache under context parallelism"):
         cache_bytes(TINY, layer_idx, "paged", dtype, 2, 64, cp=4)
 
 

@@ -121,11 +121,11 @@ def check_cp(args) -> None:
     if args.cp == 1:
         return
     if args.cache != "contiguous":
-        raise UsageError(f"--cp {args.cp} needs --cache contiguous: the {args.cache} cache is not split over "
-                         "a sequence axis yet")
+        raise UsageError(f"--cp {args.cp} needs --cache contiguous: the bench does not time a "
+                         f"{args.cache} cache under cp yet")
     if args.implementation != "xla":
-        raise UsageError(f"--cp {args.cp} needs --implementation xla: context parallelism does not run "
-                         f"{args.implementation} yet")
+        raise UsageError(f"--cp {args.cp} needs --implementation xla: the cp bench times the "
+                         f"xla layer only, not {args.implementation} (the layer runs it per shard)")
     if args.capacity is not None:
         raise UsageError(f"--capacity does not go with --cp {args.cp}: the cp run sizes both caches itself "
                          "(the default capacity rounded up to a multiple of cp x index_kpool)")

@@ -13,8 +13,8 @@ status 2.
 ``--cp N`` (context parallelism, ``glm5_dsa_jax.parallel.context``): each device holds
 ``1/N`` of a sequence's token rows and pooled keys of the contiguous cache, and the rest of
 the cache (the incomplete pool's stage, ``first_key``, ``n_valid``, ``length``) whole; the
-memory table then shows the contiguous cache only (the paged cache is not split over a
-sequence axis yet), per device at ``--cp N`` against ``--cp 1``, and the longest context
+memory table then shows the contiguous cache only (a paged cache under cp is not
+sized yet), per device at ``--cp N`` against ``--cp 1``, and the longest context
 whose caches fit a device (``MemoryPlan.context_that_fits``) at both.
 """
 
@@ -179,5 +179,5 @@ def print_cp(args, mem: MemoryPlan, rows: list[dict], batch: int, context: int) 
               f"({r['sequences_that_fit_cp1']:,})")
     print(f"  (context that fits: tokens per sequence for {batch // args.dp} sequences per data group "
           f"in {args.memory_gib:g} GiB/device; * = capped at max_position_embeddings {top:,}; the paged "
-          f"cache is not split over cp yet; attention only: no MoE, embeddings or activations; index_kpool "
+          f"cache under cp is not sized yet; attention only: no MoE, embeddings or activations; index_kpool "
           f"{cfg.index_kpool})")

@@ -26,8 +26,8 @@ Invariants:
   which from the field names, so a new field is counted on the right side). The context
   must divide by ``cp * index_kpool`` (whole pools on every device, as
   ``placement.check_seq_split`` requires of a cache). Weights are replicated over ``cp``.
-  The paged cache is not split over ``cp`` yet, so a ``cp > 1`` plan sizes the contiguous
-  cache only (``kinds``).
+  A ``cp > 1`` plan sizes the contiguous cache only (``kinds``): the paged cache splits its
+  page pools over ``cp`` (``parallel.context_paged``), but the plan does not size that yet.
 * What "fits" counts: this model's DSA attention weights (every DSA layer) and their
   caches, nothing else (no MoE / MLP weights, embeddings or activations): an upper bound on
   the sequences, for the part of device memory given to attention.
@@ -86,8 +86,8 @@ def cache_bytes(cfg: DsaConfig, layer_idx: int, kind: str, dtype: str, seqs: int
     has_indexer = cfg.has_indexer(layer_idx)
     if cp != 1:
         if kind not in CP_CACHE_KINDS:
-            raise ValueError(f"a {kind} cache is not split over a sequence axis yet (cp={cp}): "
-                             f"context parallelism supports {CP_CACHE_KINDS} only")
+            raise ValueError(f"the memory plan does not size a {kind} cache under context parallelism yet "
+                             f"(cp={cp}): it sizes {CP_CACHE_KINDS} only")
         token, other = cache_parts(cfg, layer_idx, dtype, seqs, context)
         return token // cp + other
     if kind == "contiguous":
@@ -145,7 +145,7 @@ class MemoryPlan:
     @property
     def kinds(self) -> tuple[str, ...]:
         """The cache kinds this plan sizes: ``CACHE_KINDS``, the contiguous one only when
-        ``cp > 1`` (the paged cache is not split over a sequence axis yet)."""
+        ``cp > 1`` (a paged cache under ``cp`` is not sized yet)."""
         return CACHE_KINDS if self.cp == 1 else CP_CACHE_KINDS
 
     @property
