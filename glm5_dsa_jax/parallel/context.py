@@ -58,7 +58,7 @@ as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a
 zig-zag split of a prefill's queries yet: every device scores every query against its own
 pools, so the indexer's scoring and the attention are split, the projections are not. Not
 supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations,
-``attention="dense"``. Untested: autodiff. A call without a cache runs the plain
+``attention="dense"``. Autodiff: ``jax.grad`` of a chunk equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``). A call without a cache runs the plain
 pipeline whole on every device of the sequence axis (no split).
 """
 
@@ -115,7 +115,7 @@ def merge_partials(out: jax.Array, lse: jax.Array, seq_axis: str) -> jax.Array:
     """The attention over every device's tokens from each device's part ``out [B, Q, H,
     V]`` and ``lse [B, Q, H]`` (``pk.sparse_mla_partial``), in float32, inside a
     ``shard_map`` over ``seq_axis``; zeros where no device holds a token of the row."""
-    m = jax.lax.pmax(lse, seq_axis)
+    m = jax.lax.pmax(jax.lax.stop_gradient(lse), seq_axis)  # a shift the result does not depend on
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m)  # 0 where this device holds none (lse = -inf)
     num = jax.lax.psum(out.astype(jnp.float32) * w[..., None], seq_axis)
