@@ -7,17 +7,24 @@ conftest.py, float32, the tiny preset with 8 heads (kpool 4, select_k 4).
 Compared: top-k rows bit for bit, outputs to ``F32_REORDER`` (the cp merge and the tp
 all-reduce add in other orders), the restored cache's fields bit for bit. Bad input: a
 capacity or batch that does not split, an axis missing, a paged cache: ``ValueError`` /
-``TypeError`` naming the sizes, the checkpoint directory unchanged.
+``TypeError`` naming the sizes, the checkpoint directory unchanged; a digest that does not
+match: ``CheckpointError``. A bfloat16 cache saved as floats (a GPU's stored form) restores
+on a CPU as its bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import glm5_dsa_jax as gd
+from glm5_dsa_jax.checkpoint import META_FILE
 from glm5_dsa_jax.parallel import sharding as sh
 from helpers import F32_REORDER, f32_layer, padded_batch
 from helpers import tiny8 as cfg
@@ -174,3 +181,23 @@ def test_layer_restore_axes_refused(unsharded, tmp_path):
         gd.restore_checkpoint(path, mesh, seq_axis="cp", implementation="pallas_interpret")
     both = gd.restore_checkpoint(path, mesh, batch_axis="data", seq_axis="cp")[1]
     assert both.placement == sh.Placement(mesh, "tp", "data", "cp")
+
+
+def test_digests_checked_and_another_platforms_stored_rows(unsharded, tmp_path):
+    """A digest that does not match: ``CheckpointError`` naming the field. A bfloat16 cache
+    saved as floats (how a GPU stores it) restores on a CPU as the CPU stores it (bits)."""
+    layer, _, _ = unsharded
+    cache = layer.init_cache(2, 32, "bfloat16")
+    _, cache = steps(layer, cache, [(0, 12)])
+    path = gd.save_cache(cache, tmp_path / "bf16")
+    meta = json.loads((path / META_FILE).read_text())
+    meta["checksums"]["key_valid"] = "0" * 16
+    (path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(gd.CheckpointError, match=r"key_valid: digest [0-9a-f]{16} does not match 0{16}"):
+        gd.restore_cache(path)
+    as_floats = dataclasses.replace(cache, latent_store=cache.latent, pooled_store=cache.pooled)
+    assert as_floats.latent_store.dtype == jnp.bfloat16 != cache.latent_store.dtype  # uint16 bits on a CPU
+    back = gd.restore_cache(gd.save_cache(as_floats, tmp_path / "floats"), jax.make_mesh((2, 4), ("cp", "tp")),
+                            seq_axis="cp")
+    assert_split(back, 2)
+    assert_fields_equal(back, cache)

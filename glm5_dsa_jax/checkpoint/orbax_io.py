@@ -1,5 +1,5 @@
 """Orbax checkpoints of DSA layers: ``save_checkpoint``, ``read_checkpoint_meta``,
-``restore_checkpoint``.
+``restore_checkpoint``; and of a contiguous decode cache: ``save_cache``, ``restore_cache``.
 
 Layout: ``path/params`` (an ``ocp.StandardCheckpointer`` tree ``{"layer_<i>": params}``)
 and ``path/glm5_dsa_jax.json`` (``META_FILE``: format, version, the ``DsaConfig``, the layer
@@ -28,7 +28,21 @@ Invariants:
   (``layout.Param.aliases``: ``kv_a_proj`` was once saved under its HF name), checked
   against the digest recorded under that name, and restored under its current one.
 * Restored layers go straight into their target shardings on any mesh whose axis divides
-  the head count (``assembly``), whatever the mesh they were saved from.
+  the head count (``assembly``), whatever the mesh they were saved from; with ``batch_axis``
+  / ``seq_axis`` they are placed for data / context parallelism (``shard_layer``'s checks,
+  before anything is read).
+* **Caches** (``save_cache`` / ``restore_cache``, a ``DsaCache`` only): ``path/cache`` (one
+  orbax array per field that is not ``None``, written shard by shard: a cache split over
+  ``cp`` or data shards is never gathered) and the same ``META_FILE`` (format
+  ``glm5_dsa_jax.orbax_cache``: the static fields, each array's shape and stored dtype, a
+  digest per array), saved with the same atomic swap. A restore rebuilds the cache from
+  the metadata and reads each field straight into its ``placement.cache_shardings`` place on
+  the given mesh and axes (each ``cp`` device reads its ``1/cp`` of the slots and pools),
+  whatever mesh it was saved from; a capacity or batch that does not split is a
+  ``ValueError`` naming the sizes before anything is read; digests are verified. The stored
+  rows come back in this platform's stored dtype (``cpu_policy``: a CPU keeps a 16-bit or
+  fp8 cache's bits). A layer checkpoint is not a cache and a cache not a layer checkpoint:
+  each restore refuses the other's format.
 """
 
 from __future__ import annotations
@@ -602,13 +616,19 @@ def restore_cache(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None
     bfloat16) come back in this platform's stored dtype. Nothing on disk changes."""
     path = Path(path).absolute()
     meta = _read_cache_meta(path)
-    saved = meta["arrays"]
-    statics = dict(
-        dtype=jnp.dtype(meta["dtype"]), kpool=int(meta["kpool"]), rotate_index=bool(meta["rotate_index"]),
-        latent_format=None if meta["latent_format"] is None else LatentFormat(**meta["latent_format"]),
-        index_format=None if meta["index_format"] is None else IndexFormat(**meta["index_format"]))
-    abstract = DsaCache(**{k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]))
-                           for k, v in saved.items()}, **statics)
+    try:
+        saved = meta["arrays"]
+        if not {"latent_store", "key_valid", "length"} <= set(saved):
+            raise KeyError(f"arrays {sorted(saved)} lack latent_store, key_valid or length")
+        statics = dict(
+            dtype=jnp.dtype(meta["dtype"]), kpool=int(meta["kpool"]), rotate_index=bool(meta["rotate_index"]),
+            latent_format=None if meta["latent_format"] is None else LatentFormat(**meta["latent_format"]),
+            index_format=None if meta["index_format"] is None else IndexFormat(**meta["index_format"]))
+        abstract = DsaCache(**{k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]))
+                               for k, v in saved.items()}, **statics)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"cache checkpoint {path}", [f"{META_FILE} does not describe a cache: {_short(e)}"]) \
+            from None
     _check_axes(mesh, None, batch_axis, seq_axis)
     if mesh is None:
         shardings = {k: SingleDeviceSharding(jax.local_devices()[0]) for k in saved}
@@ -633,6 +653,6 @@ def restore_cache(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None
     if problems:
         raise CheckpointError(where, problems)
     for k, float_dtype in (("latent_store", abstract.dtype), ("pooled_store", abstract.pooled_dtype)):
-        if k in arrays:  # the stored bits of another platform: this platform's stored dtype
+        if k in arrays and arrays[k].dtype != store_dtype(float_dtype):  # another platform's stored form
             arrays[k] = to_store(from_store(arrays[k], float_dtype), float_dtype, store_dtype(float_dtype))
     return DsaCache(**arrays, **statics)
