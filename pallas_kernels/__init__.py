@@ -92,13 +92,13 @@ Triton sparse-MLA forward and backward share (``gather_rows``, the id row's scan
 dots' dtypes); ``_order_key`` the
 order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``). The names other
 packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
-``lower_for_cuda`` / ``triton_calls``, ``order_key``) are exported here, so no module
+``lower_for_cuda`` / ``cuda_mesh`` / ``triton_calls``, ``order_key``) are exported here, so no module
 outside ``pallas_kernels`` imports a private one.
 """
 
 from pallas_kernels._common import (
-    IMPLEMENTATIONS, MOSAIC_MIN_JAX, Implementation, check_implementation, jax_version, lower_for_cuda,
-    resolve_implementation, triton_calls,
+    IMPLEMENTATIONS, MOSAIC_MIN_JAX, Implementation, check_implementation, cuda_mesh, jax_version,
+    lower_for_cuda, resolve_implementation, triton_calls,
 )
 from pallas_kernels.attention import (
     MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference,
@@ -131,7 +131,7 @@ from pallas_kernels.transpose import SelectionTranspose, selection_transpose
 
 __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
-    "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "triton_calls",
+    "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "cuda_mesh", "triton_calls",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "tail_slots",
     "visible_tail",

@@ -225,22 +225,31 @@ def check_rank(name: str, x, rank: int, layout: str) -> None:
 CUDA_DEVICE_KINDS = {"a100": "NVIDIA A100-SXM4-80GB", "h100": "NVIDIA H100", "h200": "NVIDIA H200"}
 
 
+def cuda_mesh(gpu: str = "h100", shape: tuple[int, ...] = (1,), names: tuple[str, ...] = ("cuda",)) -> AbstractMesh:
+    """An abstract mesh of ``prod(shape)`` abstract CUDA devices of kind ``gpu``, axes
+    ``names`` of sizes ``shape`` (``Auto``: see ``cuda_lowering``); no device is needed.
+    Under ``use_abstract_mesh(mesh)`` a ``jax.shard_map`` over it (e.g. a layer placed on it,
+    ``tests/test_context_parallel.py``) lowers for CUDA as a program of that many devices."""
+    kind = CUDA_DEVICE_KINDS.get(gpu.lower())
+    if kind is None:
+        raise ValueError(f"gpu must be one of {sorted(CUDA_DEVICE_KINDS)}, got {gpu!r}")
+    device = AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
+    return AbstractMesh(tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape),
+                        abstract_device=device)
+
+
 def cuda_lowering(gpu: str = "h100"):
     """A context in which ``jit(...).lower(lowering_platforms=("cuda",))`` works on a host
     without a GPU.
 
     Pallas' GPU lowering needs a compute capability. jax 0.10 assumed 9.0 when no GPU was
     present; jax >= 0.11 reads it from the device of the current mesh and, with none, raises
-    "No supported GPU devices found". An abstract mesh of one abstract CUDA device supplies
-    it (the API exists from 0.10.2 on). Its axis is ``Auto``: the layer's cache updates fail
-    jax's sharding-in-types check under the default (Explicit) axis type.
+    "No supported GPU devices found". An abstract mesh of one abstract CUDA device
+    (``cuda_mesh``) supplies it (the API exists from 0.10.2 on). Its axis is ``Auto``: the
+    layer's cache updates fail jax's sharding-in-types check under the default (Explicit)
+    axis type.
     """
-    kind = CUDA_DEVICE_KINDS.get(gpu.lower())
-    if kind is None:
-        raise ValueError(f"gpu must be one of {sorted(CUDA_DEVICE_KINDS)}, got {gpu!r}")
-    device = AbstractDevice(device_kind=kind, num_cores=None, platform="cuda")
-    mesh = AbstractMesh((1,), ("cuda",), axis_types=(AxisType.Auto,), abstract_device=device)
-    return use_abstract_mesh(mesh)
+    return use_abstract_mesh(cuda_mesh(gpu))
 
 
 def lower_for_cuda(fn, *avals, gpu: str = "h100"):

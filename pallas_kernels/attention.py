@@ -63,6 +63,12 @@ beyond float rounding.
 The Mosaic GPU kernel (``"mosaic"``, ``pallas_kernels.mosaic_attention``, its block sizes
 ``MosaicSparseMlaBlockSizes``) keeps this contract for 16-bit ``q`` and ``latent`` of one
 dtype; other dtypes (float32: wgmma's is TF32; an fp8 cache) run the Triton kernel here.
+
+``sparse_mla_partial`` is the same launch under every implementation returning the output
+and its log-sum-exp ``[B, Q, H]`` (``-inf`` for a row with no valid id; the Triton kernel's
+``lse`` output, the Mosaic kernel's ``return_lse``, the reference's): one device's part of
+an attention whose rows are split over devices, merged by the log-sum-exp (context
+parallelism). The forward only: no custom gradient.
 """
 
 from __future__ import annotations
@@ -122,18 +128,40 @@ def sparse_mla_reference(
 
 def sparse_mla_partial(
     q: jax.Array, latent: jax.Array, token_ids: jax.Array, latent_scale: jax.Array | None = None,
-    *, scale: float, value_width: int | None = None,
+    *, scale: float, value_width: int | None = None, implementation: Implementation = "xla",
+    block_sizes: SparseMlaBlockSizes | MosaicSparseMlaBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(out [B, Q, H, V] in q.dtype, lse [B, Q, H] float32)``: ``sparse_mla_reference``
-    over the ids a caller holds and its log-sum-exp (``-inf``, output zeros, where a row
-    holds none): one part of an attention whose rows are split over devices (context
+    """``(out [B, Q, H, V] in q.dtype, lse [B, Q, H] float32)``: ``sparse_mla`` over the
+    ids a caller holds and its log-sum-exp (``-inf``, output zeros, where a row holds
+    none): one part of an attention whose rows are split over devices (context
     parallelism, ``glm5_dsa_jax.parallel.context``), whose parts merge exactly by their
     log-sum-exp: ``sum_i exp(lse_i - LSE) out_i`` with ``LSE = log sum_i exp(lse_i)``.
-    Plain jnp (the ``"xla"`` implementation); no custom gradient."""
+
+    Operands, checks and ``implementation`` / ``block_sizes`` as ``sparse_mla``'s, and the
+    same kernel launch: ``"xla"`` the reference (``sparse_mla_reference``'s output and its
+    log-sum-exp), ``"pallas"`` / ``"pallas_interpret"`` the Triton kernel (its ``lse``
+    output, merged over its splits by ``combine_splits``), ``"mosaic"`` /
+    ``"mosaic_interpret"`` the Mosaic kernel with ``return_lse=True`` where it takes the
+    operands (16-bit ``q`` and ``latent`` of one dtype, a target with ``wgmma``), else the
+    Triton one, as ``sparse_mla`` falls back. So ``out`` is ``sparse_mla``'s bit for bit
+    under each implementation. The forward only: no custom gradient (the kernels' outputs
+    are not differentiable here; ``"xla"`` differentiates as plain jnp)."""
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes,
+                                                   MosaicSparseMlaBlockSizes)
     check_operands(q, latent, token_ids, latent_scale)
     v = check_value_width(value_width, q.shape[3])
-    latent_scale = check_group_scales(latent_scale, q.shape[3], v, "xla")
-    return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
+    latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
+    if mosaic and not mosaic_takes(q.dtype, latent.dtype):  # float32 or fp8 rows: as sparse_mla
+        implementation, mosaic, blocks = without_mosaic(implementation), False, SparseMlaBlockSizes()
+    if implementation == "xla":
+        return _reference_with_lse(q, latent, token_ids, latent_scale, scale=scale, value_width=v)
+    if mosaic:
+        return _sparse_mla_mosaic(q, latent, token_ids, scale=scale, value_width=v,
+                                  interpret=implementation == "mosaic_interpret", block_sizes=blocks,
+                                  return_lse=True)
+    return _sparse_mla_pallas(q, latent, token_ids, latent_scale, scale=scale, value_width=v,
+                              interpret=implementation == "pallas_interpret",
+                              block_sizes=blocks.resolve(q.shape, token_ids.shape[2]))
 
 
 def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value_width=None):

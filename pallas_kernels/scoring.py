@@ -129,6 +129,11 @@ __all__ = [
 ]
 
 
+#: A float32 dot of one query per program: its pool tile and least warps (``IndexScoresBlockSizes``).
+FLOAT32_DECODE_BLOCK_P = 32
+FLOAT32_DECODE_WARPS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexScoresBlockSizes:
     """Tiling of the Pallas ``index_scores`` and ``index_scores_paged`` (one kernel body).
@@ -138,7 +143,11 @@ class IndexScoresBlockSizes:
     * ``num_warps`` (a power of two), ``num_stages`` (an int >= 1): Triton's.
 
     Both tiles are capped at the padded problem size (``resolve``), so a decode step
-    (``Q = 1``) runs one query per program.
+    (``Q = 1``) runs one query per program. A float32 dot of one query per program
+    (float32 queries, int8 keys) is cut to ``FLOAT32_DECODE_BLOCK_P`` pools on at least
+    ``FLOAT32_DECODE_WARPS`` warps: its ``[Hi, D] x [D, 64]`` FMA dot on 4 warps spilled
+    ~6 KB a thread on sm_80 and sm_90 (ptxas, through ``glm5-dsa gpu-compile``), where the
+    16-query tile of a prefill, looping over its queries, does not.
     """
 
     block_q: int = 16
@@ -153,14 +162,19 @@ class IndexScoresBlockSizes:
         check_triton_params("IndexScoresBlockSizes", self.num_warps, self.num_stages)
         return self
 
-    def resolve(self, n_queries: int, n_pools: int) -> "IndexScoresBlockSizes":
-        """The sizes the kernel launches with for ``Q = n_queries``, ``P = n_pools``."""
+    def resolve(self, n_queries: int, n_pools: int, float32_dot: bool = False) -> "IndexScoresBlockSizes":
+        """The sizes the kernel launches with for ``Q = n_queries``, ``P = n_pools``, its dot
+        in float32 (``float32_dot``) or 16-bit."""
         self.validate()
-        return dataclasses.replace(
+        out = dataclasses.replace(
             self,
             block_q=min(self.block_q, next_power_of_two(n_queries)),
             block_p=min(self.block_p, next_power_of_two(n_pools, 16)),
         )
+        if float32_dot and out.block_q == 1:
+            out = dataclasses.replace(out, block_p=min(out.block_p, FLOAT32_DECODE_BLOCK_P),
+                                      num_warps=max(out.num_warps, FLOAT32_DECODE_WARPS))
+        return out
 
 
 def _finish_scores(score, pool_valid, first_key, q_pos, kpool):
@@ -713,12 +727,13 @@ def _launch_scores(operands, *, source, name, n_pools, kpool, block_sizes, inter
     the problem, the dot in ``score_dot_dtype``."""
     q, keys = operands[0], operands[2]
     b, n_q, heads, dim = q.shape
-    blocks = block_sizes.resolve(n_q, n_pools)
+    dot_dtype = score_dot_dtype(q.dtype, keys.dtype)
+    blocks = block_sizes.resolve(n_q, n_pools, float32_dot=dot_dtype == jnp.float32)
     kernel = functools.partial(
         _scores_kernel, source=source, kpool=kpool, n_q=n_q, n_pools=n_pools, heads=heads,
         dim=dim, block_q=blocks.block_q, block_p=blocks.block_p,
         block_h=next_power_of_two(heads, 16), block_d=next_power_of_two(dim, 16),
-        dot_dtype=score_dot_dtype(q.dtype, keys.dtype),
+        dot_dtype=dot_dtype,
     )
     return pl.pallas_call(
         kernel,

@@ -11,6 +11,13 @@ left padding of different depths) then decode steps on the contiguous cache, on 
 moves outputs by O(0.1)), the cache's contents gathered bit for bit, and each device holding
 ``1/cp`` of the token rows and pools. ``merge_candidates`` against ``topk_pools`` on scores
 full of ties. Bad input: ``ValueError`` naming the sizes, the layer and cache unchanged.
+
+The kernels per shard: a layer of ``implementation="pallas_interpret"`` (the Triton kernels
+in interpret mode) on (cp, tp) = (2, 4), and of ``"mosaic_interpret"`` in bfloat16 on cp 2
+(jax >= 0.11), against the unsharded layer; and the decode step at GLM-5.3-Flash shapes
+with cp 8 lowered for CUDA (no GPU: a layer built under ``nnx.eval_shape`` and placed on an
+abstract mesh of 8 abstract H100s, ``pk.cuda_mesh``), its kernels launched at per-shard
+shapes and its collectives the context-independent ones.
 """
 
 from __future__ import annotations
@@ -18,15 +25,17 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, use_abstract_mesh
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
 from glm5_dsa_jax.parallel import context
 from glm5_dsa_jax.parallel import sharding as sh
+from glm5_dsa_jax.parallel.placement import Placement
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
 from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
 
@@ -161,6 +170,141 @@ def test_rope_model():
     assert_split(cache, 4)
 
 
+# ------------------------------------------------------------------------------ kernels per shard
+NEEDS_MOSAIC = pytest.mark.skipif(
+    pk.jax_version() < pk.MOSAIC_MIN_JAX,
+    reason=f"Mosaic GPU kernels need jax >= {pk.MOSAIC_MIN_JAX} (this is jax {jax.__version__})")
+
+
+def test_pallas_kernels_per_shard(reference, monkeypatch):
+    """``implementation="pallas_interpret"``: every step of a shard runs the Triton kernel
+    (``kpool_compress``, ``index_scores``, ``topk_pools``, ``expand_selection``,
+    ``sparse_mla_partial``'s out and log-sum-exp; the launches are counted); prefill then
+    decode equal the unsharded layer (``"xla"``: the kernels' selections are its bit for
+    bit, ``test_layer_pallas.py``)."""
+    from jax.experimental import pallas
+
+    launched = []
+    pallas_call = pallas.pallas_call
+    monkeypatch.setattr(pallas, "pallas_call", lambda *a, **k: launched.append(k.get("name")) or pallas_call(*a, **k))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((2, 4)),
+                           axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg())
+    assert {"kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla"} <= set(
+        launched), launched
+    want, want_cache = reference[2]
+    assert_same(got, want)
+    assert_split(cache, 2)
+    assert_same_cache(cache, want_cache)
+
+
+@NEEDS_MOSAIC
+def test_mosaic_kernels_per_shard(monkeypatch):
+    """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
+    selection and attention kernels per shard, the attention's log-sum-exp from the same
+    launch): a chunk then a decode step equal the unsharded layer on the references, top-k
+    bit for bit, outputs within two bf16 ulps (both round the attention output and the
+    projections to bf16, in another order). Both devices interpret their kernels at once:
+    jax's end-of-kernel barrier check sees the other device's barriers, a no-op here as in
+    ``test_layer_mosaic.py::test_tp_sharded_layer_equals_xla`` (which says why)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    import pallas_kernels.attention as attention
+
+    monkeypatch.setattr(gpu_callbacks, "_assert_no_barriers_allocated", lambda token: token)
+    calls = []
+    mosaic = attention._sparse_mla_mosaic
+    monkeypatch.setattr(attention, "_sparse_mla_mosaic", lambda *a, **k: calls.append(k) or mosaic(*a, **k))
+    config = cfg(index_kpool=4, index_topk=4)  # one pool selected of up to 4
+    x, mask = padded_batch(config, (0, 2), 10, seed=14)
+    x = jnp.asarray(x, jnp.bfloat16)
+    runs = []
+    for impl, mesh in (("xla", None), ("mosaic_interpret", mesh_of((2, 1)))):
+        layer = f32_layer(config, 1, seed=4, dtype=jnp.bfloat16, implementation=impl, block_q=8)
+        if mesh is not None:
+            layer = sh.shard_layer(layer, mesh, axis="tp", seq_axis="cp")
+        cache = layer.init_cache(2, 16)
+        o, t, cache = layer(x[:, :9], attention_mask=mask[:, :9], cache=cache)
+        o2, t2, _ = layer(x[:, 9:], attention_mask=mask[:, 9:], cache=cache)
+        runs.append([(np.asarray(o, np.float32), np.asarray(t)), (np.asarray(o2, np.float32), np.asarray(t2))])
+    assert calls and all(k["return_lse"] for k in calls), calls
+    tol = 2 * 2.0**-8
+    for step, ((o1, t1), (o2, t2)) in enumerate(zip(*runs)):
+        np.testing.assert_array_equal(t2, t1, err_msg=f"step {step}")
+        np.testing.assert_allclose(o2, o1, atol=tol, rtol=tol, err_msg=f"step {step}")
+
+
+def _lowered_cp8_decode(implementation, tp, context=1 << 20):
+    """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token) of
+    GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a
+    ``context``-slot bf16 cache, lowered for CUDA without a GPU: the layer built under
+    ``nnx.eval_shape`` (shapes only) and placed on ``pk.cuda_mesh`` (8 * tp abstract H100s;
+    ``shard_layer`` needs a concrete mesh: it puts the parameters), the step traced on
+    abstract parameters, rows and cache carrying the shardings it is compiled with."""
+    config = gd.DsaConfig.glm53_flash()
+    idx = config.dsa_layers[0]
+    mesh = pk.cuda_mesh("h100", (8, tp), ("cp", "tp"))
+    layer = nnx.eval_shape(lambda: gd.DsaAttention(config, idx, rngs=nnx.Rngs(0), implementation=implementation))
+    layer.placement = Placement(mesh, "tp", None, "cp")
+    cache = jax.eval_shape(lambda: gd.init_cache(config, 1, context, has_indexer=True, dtype=jnp.bfloat16))
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
+                         sh.cache_shardings(cache, mesh, None, "cp"))
+    shardings = sh.param_shardings(layer)
+    rows = NamedSharding(mesh, P())
+    step, params = gd.make_step(layer)
+    def placed(path, a):  # a parameter's head split, else replicated
+        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+
+    params = jax.tree_util.tree_map_with_path(placed, params)
+    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
+    m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
+    with use_abstract_mesh(mesh):
+        lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
+    return config, lowered.as_text()
+
+
+def _collectives(text):
+    """``[(op, result type)]`` of the module's all-gathers and all-reduces, in order."""
+    return [(m.group(1), m.group(2)) for m in re.finditer(
+        r'"stablehlo\.(all_gather|all_reduce)"\(.*?\) -> (tensor<[^>]*>)', text, re.S)]
+
+
+@pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
+                                                pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
+def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
+    """GLM-5.3-Flash decode at a 1M-token context on cp 8 (and tp 1 or 8) lowers for CUDA
+    (``_lowered_cp8_decode``): one program of ``8 * tp`` partitions whose kernels run at
+    per-shard shapes (the scoring grid covers ``P / 8`` pools, the attention ``H / tp``
+    heads; ``"pallas"``: every step a Triton launch; ``"mosaic"``: the Mosaic scoring,
+    selection and attention, Triton for the two steps without a Mosaic kernel), and whose
+    collectives are the candidates' all-gathers ``[1, 1, 8 * select_k]`` and the small
+    all-reduces, nothing context-sized."""
+    config, text = _lowered_cp8_decode(implementation, tp)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    k, h, v = config.max_select_k, config.num_attention_heads // tp, config.kv_lora_rank
+    p_loc = (1 << 20) // config.index_kpool // 8
+    calls = pk.triton_calls(text)
+    names = [c["name"] for c in calls]
+    if implementation == "pallas":
+        assert names[:2] == ["kpool_compress", "index_scores"] and names[-2:] == ["expand_selection", "sparse_mla"]
+        assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
+        block_p = pk.IndexScoresBlockSizes().block_p
+        assert np.prod(calls[1]["grid"]) * block_p == p_loc, calls[1]
+        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
+    else:
+        assert names == ["kpool_compress", "expand_selection"], names
+        assert "stablehlo.custom_call @mosaic_gpu" in text
+        assert "tensor<1x" + f"{p_loc}xf32>" in text  # the shard's score row: P / 8 pools
+    assert sorted(_collectives(text)) == sorted([
+        ("all_gather", f"tensor<1x1x{8 * k}xi32>"), ("all_gather", f"tensor<1x1x{8 * k}xi32>"),  # keys, ids
+        ("all_reduce", f"tensor<1x1x{config.index_kpool - 1}xi32>"),  # the tail's validity
+        ("all_reduce", f"tensor<1x1x{h}xf32>"),  # pmax of the log-sum-exp
+        ("all_reduce", f"tensor<1x1x{h}x{v}xf32>"), ("all_reduce", f"tensor<1x1x{h}xf32>"),  # partials, weights
+        ("all_reduce", f"tensor<1x1x{config.hidden_size}xbf16>"),  # o_proj over tp, in the layer's dtype
+    ]), _collectives(text)
+
+
 _order_key = jax.jit(pk.order_key)
 
 
@@ -210,10 +354,10 @@ def test_bad_seq_axis_refused_layer_unchanged():
         with pytest.raises(ValueError, match=msg):
             sh.shard_layer(layer, mesh, axis="tp", **kw)
         assert layer.placement is None
-    pallas = f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret")
-    with pytest.raises(ValueError, match="implementation in \\('xla',\\) only, got 'pallas_interpret'"):
-        sh.shard_layer(pallas, mesh, axis="tp", seq_axis="cp")
-    assert pallas.placement is None
+    # Every implementation a layer holds runs per shard; an unresolved name is refused.
+    with pytest.raises(ValueError, match=r"seq_axis='cp'\) supports implementation in \('xla', 'pallas', "
+                                         r"'pallas_interpret', 'mosaic', 'mosaic_interpret'\), got 'auto'"):
+        context.check_supported("auto", "cp")
     after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer, nnx.Param)))
     jax.tree.map(np.testing.assert_array_equal, after, before)
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -558,53 +556,45 @@ def test_interrupted_first_save_leaves_nothing_loadable(base, tmp_path, monkeypa
     assert not list(tmp_path.iterdir())
 
 
-def _convert_cmd(src: Path, out: Path, *, sigint_while_loading: bool = False) -> list[str]:
+def _convert_cmd(src: Path, out: Path, *, sigint_at: str) -> list[str]:
+    """The ``glm5-dsa convert --overwrite`` command line, in a child that sends itself a real
+    SIGINT at a fixed point of its work: ``"loading"`` as it starts materialising the layers
+    (after every import and the read of the headers), ``"writing"`` as it writes the
+    metadata file into the partial sibling directory (the orbax tree is written, the swap
+    is not done). A hook, not a clock: a signal sent from outside after a sleep, or on
+    seeing the partial directory, could land during an import (where a library's bare
+    ``except:`` may swallow the KeyboardInterrupt, seen once on the jax 0.12 leg) or after
+    a fast machine had already finished (seen on the jax 0.12 leg too)."""
     args = ["convert", str(src), str(out), "--overwrite", "--no-progress", "--dtype", "float32"]
     # Ctrl-C raises KeyboardInterrupt in the child whatever the parent does with SIGINT: a
     # process started with SIGINT ignored (as a test worker may be, after some library set
     # SIG_IGN) keeps it ignored, and Python then installs no KeyboardInterrupt handler.
     hook = "import os, signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-    if sigint_while_loading:
-        # The process sends itself a real SIGINT when it starts materialising the layers,
-        # i.e. after every import and the read of the headers, while it loads. A signal sent
-        # from outside after a fixed sleep could land during an import, where a library's
-        # bare ``except:`` may swallow the KeyboardInterrupt (seen once on the jax 0.12 leg:
-        # the convert then finished).
-        hook += ("from glm5_dsa_jax.checkpoint import hf_import\n"
-                 "_materialize = hf_import._materialize\n"
-                 "def _interrupted(*a, **k):\n"
-                 "    os.kill(os.getpid(), signal.SIGINT)\n"
-                 "    return _materialize(*a, **k)\n"
-                 "hf_import._materialize = _interrupted\n")
+    module, name = {"loading": ("hf_import", "_materialize"), "writing": ("orbax_io", "_write_meta")}[sigint_at]
+    hook += (f"from glm5_dsa_jax.checkpoint import {module} as target\n"
+             f"_inner = target.{name}\n"
+             "def _interrupted(*a, **k):\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    return _inner(*a, **k)\n"
+             f"target.{name} = _interrupted\n")
     hook += "from glm5_dsa_jax.cli import main\nsys.exit(main(sys.argv[1:]))\n"
     return [sys.executable, "-c", hook, *args]
 
 
 def test_sigint_during_convert_keeps_previous_checkpoint(base, saved, tmp_path):
-    """A real Ctrl-C of ``glm5-dsa convert --overwrite``: once while it loads (early; the process
-    signals itself as materialising starts) and once while it writes (sent from here once its
-    partial sibling directory exists). The old checkpoint survives both."""
+    """A real Ctrl-C of ``glm5-dsa convert --overwrite``: once while it loads and once while it
+    writes the new checkpoint's partial directory (``_convert_cmd``). The old checkpoint
+    survives both, and no partial directory is left."""
     d = _clone(saved, tmp_path)
     src = _hf_dir(tmp_path / "hf_new", _tensors(_layers(21)))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    for when in ("early", "writing"):
-        p = subprocess.Popen(_convert_cmd(src, d, sigint_while_loading=when == "early"), env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.time() + 240
-        if when == "writing":
-            while time.time() < deadline and p.poll() is None and not any(
-                    q.name.startswith(".ckpt.partial") for q in tmp_path.iterdir()):
-                time.sleep(0.005)
-            assert p.poll() is None, "convert ended before it started writing"
-            p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=240)
-        if p.returncode == 0:  # finished before the signal landed: then it must be complete
-            pytest.fail(f"convert finished before SIGINT ({when}); cannot test the interruption")
+    for when in ("loading", "writing"):
+        p = subprocess.run(_convert_cmd(src, d, sigint_at=when), env=env, capture_output=True, timeout=240)
+        assert p.returncode != 0, f"convert finished through a SIGINT while {when}: {p.stderr[-2000:]!r}"
+        assert b"KeyboardInterrupt" in p.stderr, p.stderr[-2000:]
         _assert_same(ck.restore_checkpoint(d), base.layers)
-        assert not [q for q in tmp_path.iterdir() if q.name.startswith(".ckpt.partial")
-                    and (q / ck.META_FILE).exists()]
-        assert b"KeyboardInterrupt" in err, err[-2000:]
+        assert not [q for q in tmp_path.iterdir() if q.name.startswith(".ckpt.")], sorted(tmp_path.iterdir())
     # (that the same command without a signal replaces it: test_convert_overwrite_replaces)
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 
+import jax.numpy as jnp
 import pytest
 
 import glm5_dsa_jax as gd
@@ -115,6 +116,18 @@ def test_default_cases_cover_decode_prefill_1m_and_batches():
             assert f"{kernel} {kind} b8 128K paged" in ids
     assert not any(i.startswith(("kpool_compress", "expand_selection")) and "paged" in i
                    for i in ids)
+    # int8 pooled keys (an fp8 cache's index_keys="int8"): the scoring kernel only, every
+    # forward step, contiguous and paged; float32 queries, [.., G] group scales last
+    int8 = [c for c in cases if c.step.index_keys == "int8"]
+    assert {c.kernel for c in int8} == {"index_scores"}
+    assert {(c.step.kind, c.step.cache) for c in int8} == {(k, c) for k in ("decode", "prefill", "prompt")
+                                                            for c in ("contiguous", "paged")}
+    assert "index_scores decode b1 4K int8-keys" in ids and "index_scores decode b8 1M paged int8-keys" in ids
+    cfg = gd.DsaConfig.glm53_flash()
+    for cache in ("contiguous", "paged"):
+        _, avals = gc.cases.KERNELS["index_scores"](cfg, gc.Step("decode", 1, 4096, cache=cache, index_keys="int8"), {})
+        assert avals[0][1] == jnp.float32 and avals[2][1] == jnp.int8
+        assert avals[-1] == (avals[2][0][:-1] + (cfg.index_head_dim // 32,), jnp.float32)
     step = gc.Step("decode", 1, 1 << 20)
     assert (step.chunk, step.queries) == (1, 1)
     assert (gc.Step("prefill", 8, 4096).queries, gc.Step("prompt", 1, 1 << 20).chunk) == (64, 1 << 20)
@@ -131,6 +144,10 @@ def test_switch_point_cases_sit_on_every_path_switch():
     assert not tk.multi_program(8191) and tk.multi_program(8192)
     assert tk.resolve(2048).block_p < 2048  # the one-program row over more than one tile
     assert pk.IndexScoresBlockSizes().resolve(1, 16).block_p == 16  # the smallest pool tile
+    # a float32 dot of one query (int8 keys at decode) on a narrower tile, more warps (it spilled)
+    f32 = pk.IndexScoresBlockSizes().resolve(1, 8192, float32_dot=True)
+    assert (f32.block_p, f32.num_warps) == (pk.scoring.FLOAT32_DECODE_BLOCK_P, pk.scoring.FLOAT32_DECODE_WARPS)
+    assert pk.IndexScoresBlockSizes().resolve(16, 8192, float32_dot=True).block_p == 64  # a prefill tile: as before
     assert {c.step.context for c in gc.switch_point_cases()} == set(gc.cases.SWITCH_CONTEXTS)
     assert {c.kernel for c in gc.switch_point_cases()} == {
         "kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla"}
@@ -145,6 +162,7 @@ def test_switch_point_cases_sit_on_every_path_switch():
         (dict(steps=["train"]), "steps must be among"),
         (dict(dtypes=["float16"]), "dtypes must be among"),
         (dict(caches=["ring"]), "caches must be among"),
+        (dict(index_keys=["fp4"]), "index_keys must be among"),
     ],
 )
 def test_default_cases_reject_bad_input(kwargs, match):
@@ -161,6 +179,8 @@ def test_step_rejects_bad_fields():
         gc.Step("decode", 1, 4096, cache="ring")
     with pytest.raises(ValueError, match=r"multiple of PAGE_SIZE \(64\) for a paged step"):
         gc.Step("decode", 1, 4100, cache="paged")
+    with pytest.raises(ValueError, match="Step.index_keys must be one of"):
+        gc.Step("decode", 1, 4096, index_keys="e5m2")
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels._mla as mla_helpers
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda, triton_calls
-from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_reference
+from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,6 +175,92 @@ def test_bf16_within_bf16_tolerance():
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
     )
+
+
+_partial_reference = jax.jit(sparse_mla_partial, static_argnames=("scale", "value_width"))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_partial_returns_the_kernels_lse(num_splits):
+    """``sparse_mla_partial(implementation="pallas_interpret")``: the Triton launch's output
+    (``sparse_mla``'s bits, same blocks) and log-sum-exp (one split, or merged over 3 by
+    ``combine_splits``) against the reference's (``"xla"``); a row holding no id: output
+    zeros, lse ``-inf``. Two parts over disjoint ids merged by their lse (as
+    ``parallel.context.merge_partials`` does) give the attention over all of them."""
+    rng = np.random.default_rng(7)
+    b, nq, h, c, v, length, width = 2, 3, 5, 40, 32, 30, 24  # V < CR: RoPE's k_rot columns are scored only
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float32)
+    ids_np = _ids(rng, b, nq, width, length, modes=("prefix", "runs"))
+    ids_np[0, 0] = -1
+    ids_np[1, 2, :] = length + 1  # out of range: no token either
+    ids = jnp.asarray(ids_np)
+    kw = dict(scale=c**-0.5, value_width=v)
+    blocks = SparseMlaBlockSizes(num_splits=num_splits, block_w=16)
+    out, lse = sparse_mla_partial(q, lat, ids, **kw, implementation="pallas_interpret", block_sizes=blocks)
+    want_out, want_lse = _partial_reference(q, lat, ids, **kw)
+    assert out.shape == (b, nq, h, v) and lse.shape == (b, nq, h) and lse.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        out, sparse_mla(q, lat, ids, **kw, implementation="pallas_interpret", block_sizes=blocks))
+    out, lse = np.asarray(out), np.asarray(lse)
+    none = ~((ids_np >= 0) & (ids_np < length)).any(-1)
+    assert none[0, 0] and none[1, 2]
+    assert (lse[none] == -np.inf).all() and (out[none] == 0).all()
+    assert np.isfinite(lse[~none]).all()
+    np.testing.assert_array_equal(np.asarray(want_lse)[none], -np.inf)
+    np.testing.assert_allclose(out, np.asarray(want_out), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(lse[~none], np.asarray(want_lse)[~none], rtol=2e-6, atol=2e-6)
+
+    odd = ids_np % 2 == 1  # two "devices": the odd ids, the even ones
+    parts = [sparse_mla_partial(q, lat, jnp.asarray(np.where(sel, ids_np, -1)), **kw,
+                                implementation="pallas_interpret", block_sizes=blocks) for sel in (odd, ~odd)]
+    m = np.maximum(*(np.asarray(p[1]) for p in parts))
+    m = np.where(np.isfinite(m), m, 0.0)
+    w = [np.exp(np.asarray(p[1]) - m) for p in parts]
+    den = w[0] + w[1]
+    merged = sum(np.asarray(p[0]) * wi[..., None] for p, wi in zip(parts, w))
+    merged = np.where(den[..., None] > 0, merged / np.where(den > 0, den, 1.0)[..., None], 0.0)
+    np.testing.assert_allclose(merged, np.asarray(want_out), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("groups", [None, 3])
+def test_partial_reads_fp8_rows(groups):
+    """fp8 rows (an fp8 cache's shard): e4m3 ``latent`` with one scale a row (``[B, L]``) or
+    3 groups a row (``[B, L, 3]``: two of the 32 value columns, one of ``k_rot``), the
+    Triton partial equal to the reference's, out and lse."""
+    rng = np.random.default_rng(8)
+    b, nq, h, c, v, length, width = 1, 2, 3, 40, 32, 24, 16
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.float32)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.float8_e4m3fn)
+    shape = (b, length) if groups is None else (b, length, groups)
+    row_scale = jnp.asarray(rng.uniform(0.5, 2.0, shape), jnp.float32)
+    ids_np = _ids(rng, b, nq, width, length, modes=("prefix",))
+    ids_np[0, 1] = -1
+    ids = jnp.asarray(ids_np)
+    kw = dict(scale=0.2, value_width=v)
+    out, lse = sparse_mla_partial(q, lat, ids, row_scale, **kw, implementation="pallas_interpret")
+    want_out, want_lse = jax.jit(lambda *a: sparse_mla_partial(*a, **kw))(q, lat, ids, row_scale)
+    np.testing.assert_array_equal(out, sparse_mla(q, lat, ids, row_scale, **kw, implementation="pallas_interpret"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=2e-5, atol=2e-5)
+    lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+    assert lse[0, 1].tolist() == want_lse[0, 1].tolist() == [-np.inf] * h
+    np.testing.assert_allclose(lse[0, 0], want_lse[0, 0], rtol=2e-6, atol=2e-6)
+
+
+def test_partial_checks_like_sparse_mla():
+    """Bad block sizes and operands: the ``ValueError`` of ``sparse_mla``, under every
+    implementation."""
+    q = jnp.zeros((1, 1, 4, 16), jnp.float32)
+    lat = jnp.zeros((1, 8, 16), jnp.float32)
+    ids = jnp.zeros((1, 1, 4), jnp.int32)
+    for impl in ("xla", "pallas_interpret"):
+        with pytest.raises(ValueError, match="SparseMlaBlockSizes.block_w"):
+            sparse_mla_partial(q, lat, ids, scale=1.0, implementation=impl,
+                               block_sizes=SparseMlaBlockSizes(block_w=24))
+        with pytest.raises(ValueError, match="value_width"):
+            sparse_mla_partial(q, lat, ids, scale=1.0, value_width=17, implementation=impl)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        sparse_mla_partial(q, lat, ids, scale=1.0, implementation="triton")
 
 
 @settings(max_examples=10, deadline=None)

@@ -10,7 +10,8 @@
   compile nothing. Counted with jax's backend-compile events. The same holds for a full
   layer followed by its shared layer (``prev_topk``), ``"xla"`` and ``"pallas_interpret"``,
   unplaced and placed on TP meshes of 2 and 8 devices, and for prefill chunks of several
-  query tiles (``DsaAttention.by_query_tiles``). Before eager calls were cached, a full + shared
+  query tiles (``DsaAttention.by_query_tiles``), and on context-parallel meshes (``seq_axis="cp"``:
+  (cp, tp) = (2, 4) and (8, 1)). Before eager calls were cached, a full + shared
   pair of eager steps compiled 6 (unplaced, ``"pallas_interpret"``: one per kernel) to 90
   (TP 2 or 8, ``"xla"``: the ``shard_map`` bodies op by op) programs.
 * ``DsaAttention.check_inputs`` is the public check ``decode.DsaDecoder`` uses.
@@ -130,6 +131,40 @@ def test_eager_steps_compile_nothing_after_warmup(impl, tp, chunk):
         for i in range(5 + 2 * chunk, n, chunk):
             caches = step(i, chunk, caches)
     assert len(seen) == 0, f"{len(seen)} XLA compilations over 2 eager steps of {chunk} after warm-up"
+    assert int(caches[0].length) == int(caches[1].length) == n
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 4), (8, 1)])
+def test_eager_cp_steps_compile_nothing_after_warmup(cp, tp):
+    """The same on a context-parallel mesh (``seq_axis="cp"``, ``parallel.context``): a full
+    and a shared layer over a contiguous cache split into ``cp`` token ranges; after a
+    prefill chunk and two warm-up decode steps, three more eager steps compile nothing."""
+    cfg = gd.DsaConfig.tiny(num_attention_heads=8)
+    full, shared = make(cfg, 1, block_q=4), make(cfg, 2, block_q=4)
+    mesh = jax.make_mesh((cp, tp), ("cp", "tp"))
+    for layer in (full, shared):
+        shard_layer(layer, mesh, axis="tp", seq_axis="cp")
+    b, n, cap = 2, 21, 64  # cp * kpool divides the capacity
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b, n, cfg.hidden_size)).astype(np.float32)
+    mask = np.ones((b, n), bool)
+    mask[0, :3] = False  # left padding
+    caches = full.init_cache(b, cap), shared.init_cache(b, cap)
+    assert caches[0].latent_store.sharding.spec[1] == "cp"
+
+    def step(i, s, caches):
+        out, topk, c1 = full(x[:, i:i + s], attention_mask=mask[:, i:i + s], cache=caches[0])
+        out2, _, c2 = shared(out, attention_mask=mask[:, i:i + s], cache=caches[1], prev_topk=topk)
+        jax.block_until_ready(out2)
+        return c1, c2
+
+    caches = step(0, 16, caches)  # prefill
+    for i in (16, 17):  # warm-up steps
+        caches = step(i, 1, caches)
+    with backend_compiles() as seen:
+        for i in range(18, n):
+            caches = step(i, 1, caches)
+    assert len(seen) == 0, f"{len(seen)} XLA compilations over 3 eager cp decode steps after warm-up"
     assert int(caches[0].length) == int(caches[1].length) == n
 
 

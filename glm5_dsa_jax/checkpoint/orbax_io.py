@@ -417,8 +417,6 @@ def restore_checkpoint(
         raise ValueError(f"layers {missing} are not in the checkpoint (it holds {saved})")
     check_mesh(cfg, mesh, axis)
     _check_axes(mesh, axis, batch_axis, seq_axis)
-    if seq_axis is not None:
-        check_supported(implementation, seq_axis)
     dtype = meta.get("dtype", "bfloat16") if dtype is None else dtype
     try:
         stored = ocp.StandardCheckpointer().metadata(path / PARAMS_DIR)
@@ -434,6 +432,8 @@ def restore_checkpoint(
         saved_dt = jnp.dtype(meta["param_dtype"][str(i)])
         want_dt[i] = jnp.dtype(param_dtype) if param_dtype is not None else saved_dt
         abstract = abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=want_dt[i], axis=axis)
+        if seq_axis is not None:  # the resolved implementation, checked before anything is read
+            check_supported(abstract.implementation, seq_axis)
         shardings = target_shardings(abstract, mesh, axis)
         shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         tree: dict = {}

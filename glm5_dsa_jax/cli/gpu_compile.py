@@ -26,7 +26,7 @@ from glm5_dsa_jax.tools.gpu_compile import (
     TARGETS, compile_cases, default_cases, failures, format_table, toolchain,
 )
 from glm5_dsa_jax.tools.gpu_compile.cases import (
-    BATCHES, CACHES, CONTEXTS, DTYPES, KERNELS, MOSAIC_KERNELS, STEPS,
+    BATCHES, CACHES, CONTEXTS, DTYPES, INDEX_KEYS, KERNELS, MOSAIC_KERNELS, STEPS,
 )
 from glm5_dsa_jax.tools.gpu_compile.worker import run_worker
 from pallas_kernels import MOSAIC_MIN_JAX, jax_version
@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 (the serving dtype), float32, or both")
     p.add_argument("--caches", default=",".join(CACHES),
                    help="contiguous,paged (paged: the kernels the paged cache changes)")
+    p.add_argument("--index-keys", default=",".join(INDEX_KEYS),
+                   help="float (pooled indexer keys in the step's dtype), int8 (an fp8 cache's int8 keys "
+                        "with group scales: the scoring kernel only), or both")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="the model's shapes (DsaConfig.preset) (default: glm53-flash)")
     p.add_argument("--compact", action="store_true", help="merge cases with equal numbers")
@@ -116,7 +119,7 @@ def cases_of(args) -> tuple[list, list[str]]:
     try:
         cases = default_cases(kernels, contexts=contexts, batches=_ints(args.batches, "--batches"),
                               steps=_split(args.steps), dtypes=_split(args.dtypes),
-                              caches=_split(args.caches))
+                              caches=_split(args.caches), index_keys=_split(args.index_keys))
     except ValueError as e:
         raise UsageError(str(e)) from None
     return cases, targets

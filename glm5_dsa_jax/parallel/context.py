@@ -48,18 +48,39 @@ of candidates and 16 KiB of partials per query, where a 1M-token cache is ~1 GiB
 (1,089 B a token in bf16). ``tests/test_context_parallel.py`` reads these collectives in
 the compiled decode step: the same ops on the same shapes at 64 and 1024 slots.
 
-Supported here (the first slice of issue 27): the contiguous cache, ``implementation="xla"``,
-float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its own),
-``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with
-``axis`` and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step``
-(one compilation per chunk length; ``rollback`` through it). A chunk's queries are
-replicated over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``,
-as in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
+**Kernels per shard.** Every step runs the layer's own implementation
+(``layer.implementation``, one of ``CP_IMPLEMENTATIONS``: ``"xla"``, ``"pallas"``,
+``"mosaic"`` and their interpret forms) on the device's shard: ``pk.kpool_compress`` on the
+window, ``pk.index_scores`` over the pools it holds, ``pk.topk_pools`` for its ``K'``
+candidates, ``pk.expand_selection``, and ``pk.sparse_mla_partial``, which returns the
+output of the same kernel launch ``pk.sparse_mla`` makes and its log-sum-exp (Triton: the
+kernel's ``lse`` output; Mosaic: ``return_lse``; a step or dtype without a Mosaic kernel
+falls back to Triton as in the unsharded layer). The merges (``merge_candidates``,
+``merge_partials``, the tail's ``psum``) are plain jnp and collectives whatever the
+implementation. The live bound per shard: the Triton and Mosaic scoring kernels end a tile
+past the pools its queries can see (the shard's pool grid starts ``pool_off`` pools after
+``first_key``), and their top-k reads only the shard's visible pools (``n_live`` cut to the
+shard's range), so a shard past the live tokens costs one empty pass. The ``"xla"`` path
+scores and selects over all ``P/cp`` pools of the shard (the unsharded layer's streaming
+top-k over live tiles is not used per shard).
+
+Supported here (the first slices of issue 27): the contiguous cache, every implementation
+above, float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its
+own), ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined with ``axis``
+and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step`` (one
+compilation per chunk length; ``rollback`` through it). A chunk's queries are replicated
+over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``, as
+in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
 zig-zag split of a prefill's queries yet: every device scores every query against its own
 pools, so the indexer's scoring and the attention are split, the projections are not. Not
-supported yet (``ValueError``): the paged cache, the Pallas and Mosaic implementations,
-``attention="dense"``. Autodiff: ``jax.grad`` of a chunk equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``). A call without a cache runs the plain
-pipeline whole on every device of the sequence axis (no split).
+supported yet (``ValueError``): the paged cache, ``attention="dense"``. Autodiff: ``jax.grad``
+of a chunk under ``"xla"`` equals the unsharded layer's (parameters and ``x``;
+``tests/test_cp_grad.py``); under the Pallas and Mosaic implementations not possible
+(``sparse_mla_partial`` has no gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every
+mesh, ``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded layer, and
+the decode step of GLM-5.3-Flash at cp 8 (tp 1 and 8) lowered for CUDA (``"pallas"``,
+``"mosaic"``); never run on a GPU here. A call without a cache runs the plain pipeline whole
+on every device of the sequence axis (no split).
 """
 
 from __future__ import annotations
@@ -74,9 +95,9 @@ from glm5_dsa_jax.cache.interface import Chunk
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "check_supported", "CP_IMPLEMENTATIONS"]
 
-#: The implementations a context-parallel layer runs (the per-shard selection and attention
-#: are plain jnp).
-CP_IMPLEMENTATIONS = ("xla",)
+#: The implementations a context-parallel layer runs: every one a layer holds (``"auto"`` is
+#: resolved when the layer is built). Each step of a shard runs the layer's own kernel.
+CP_IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret", "mosaic", "mosaic_interpret")
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -87,11 +108,12 @@ def _neg_inf_key():
 
 
 def check_supported(implementation: str, seq_axis: str) -> None:
-    """``ValueError`` unless a layer of ``implementation`` can split its tokens over ``seq_axis``."""
+    """``ValueError`` unless a layer of ``implementation`` can split its tokens over ``seq_axis``
+    (one of ``CP_IMPLEMENTATIONS``: a resolved implementation)."""
     if implementation not in CP_IMPLEMENTATIONS:
         raise ValueError(
-            f"context parallelism (seq_axis={seq_axis!r}) supports implementation in {CP_IMPLEMENTATIONS} "
-            f"only, got {implementation!r}: build the layer with implementation='xla'")
+            f"context parallelism (seq_axis={seq_axis!r}) supports implementation in {CP_IMPLEMENTATIONS}, "
+            f"got {implementation!r}: build the layer with one of them (a layer resolves 'auto' when built)")
 
 
 def merge_candidates(keys: jax.Array, ids: jax.Array, select_k: int) -> jax.Array:
@@ -152,10 +174,16 @@ def _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis):
     keys, valid, first_key = source.operands()
     with jax.named_scope("score_pools"):  # this shard's pool grid starts pool_off pools in
         scores = pk.index_scores(qi, w, keys, valid, first_key + pool_off * kp, q_pos, source.scale,
-                                 kpool=kp, implementation="xla")
+                                 kpool=kp, implementation=layer.implementation)
     with jax.named_scope("select_pools"):
         k_loc = min(select_k, p_loc)
-        local = pk.topk_pools(scores, k_loc, implementation="xla")
+        # The pools of this shard each query can see (its live bound: a Pallas top-k reads
+        # no further, so a shard past the live tokens costs one empty pass, not P/cp pools).
+        n_live = None
+        if layer.implementation != "xla":
+            seen = jnp.maximum(q_pos - first_key[:, None] + 1, 0) // kp
+            n_live = jnp.clip(seen - pool_off, 0, p_loc).astype(jnp.int32)
+        local = pk.topk_pools(scores, k_loc, implementation=layer.implementation, n_live=n_live)
         key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
         key = jnp.where(local >= 0, key, _neg_inf_key())
         ids = jnp.where(local >= 0, local + pool_off, -1)
@@ -198,7 +226,8 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
         with jax.named_scope("sparse_attention"):
             part, lse = pk.sparse_mla_partial(q_lat, rows, _held(token_ids, tok_off, l_loc), row_scale,
-                                              scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank)
+                                              scale=cfg.softmax_scale, value_width=cfg.kv_lora_rank,
+                                              implementation=layer.implementation)
             return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
 
     if layer.indexer is not None:
@@ -211,7 +240,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             win = window_of(cache, ki, gate, chunk, length)
             pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
                                                         layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
-                                                        implementation="xla")
+                                                        implementation=layer.implementation)
             cache = stored_pools(cache, win, pooled, pooled_valid, chunk, max_pools=n_pools, pool_offset=pool_off)
         qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(n_pools)
@@ -221,7 +250,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             with jax.named_scope("expand_to_tokens"):
                 tail = _tail(cache, pools, n_vis, q_pos, kp, length, tok_off, seq_axis) if cfg.tail_width else None
                 token_ids = pk.expand_selection(pools, cache.first_key, tail, kpool=kp, out_width=cfg.out_width,
-                                                implementation="xla")
+                                                implementation=layer.implementation)
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             return token_ids, attend(q_lat, token_ids)
 

@@ -104,13 +104,13 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
       (and pages), over that axis; the batch of a call must divide by its size.
     * ``seq_axis``: the layer's contiguous caches split their slots and pools into
       contiguous ranges over that axis (capacity divisible by its size times ``kpool``);
-      ``implementation="xla"`` only, no paged cache yet (``parallel.context``).
+      every step runs the layer's own kernels per shard; no paged cache yet
+      (``parallel.context``).
 
     Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
     mesh without ``axis``, ``batch_axis`` or ``seq_axis``, two of them equal, an axis size
-    that does not divide the heads, a ``seq_axis`` on a layer of another implementation than
-    ``"xla"``, or a layer (or one of its parameters) already placed on another
-    mesh or axes. Returns ``layer``.
+    that does not divide the heads, or a layer (or one of its parameters) already placed on
+    another mesh or axes. Returns ``layer``.
     """
     if not isinstance(mesh, jax.sharding.Mesh):
         raise ValueError(

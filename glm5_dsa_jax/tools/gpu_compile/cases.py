@@ -12,6 +12,12 @@ Invariants:
   room for every sequence's capacity: ``index_scores`` runs as ``index_scores_paged``
   (pooled-key pages through the block table), ``topk_pools`` with a ``n_live`` bound,
   ``sparse_mla`` over the shared latent pool ``[1, batch * context, C]``.
+* ``Step.index_keys``: ``"float"``, pooled indexer keys in the step's dtype, or ``"int8"``,
+  an fp8 cache's ``index_keys="int8"`` keys (``cache.fp8.index_format``: one float32 scale
+  per ``INDEX_GROUP`` columns) scored by float32 rotated queries (``fp8.index_queries``);
+  the Triton scoring kernels then gather the group scales and dequantise at the tile's load
+  (another kernel body, so another register count). ``INT8_KEY_KERNELS`` have such cases,
+  at the forward steps, contiguous and paged.
 * Backward kernels (``BACKWARD_KERNELS``: ``sparse_mla``'s ``dq`` and token-major
   ``dlatent`` kernels) are cases at the steps a training step's gradient launches them
   (``TRAIN_STEPS``: a prefill chunk or a whole prompt, queries in tiles of ``block_q``
@@ -53,6 +59,7 @@ from typing import Callable, Iterable
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from glm5_dsa_jax.cache.fp8 import index_format
 from pallas_kernels.mosaic_attention_backward import (
     TRANSPOSE_ROWS, MosaicSparseMlaBackwardBlockSizes, mosaic_sparse_mla_backward,
 )
@@ -65,7 +72,7 @@ from pallas_kernels.transpose import selection_transpose
 
 __all__ = ["Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases", "switch_point_cases",
            "PREFILL_CHUNK", "CONTEXTS", "SWITCH_CONTEXTS", "BATCHES", "STEPS", "DTYPES", "CACHES", "PAGE_SIZE",
-           "PAGED_KERNELS", "BACKWARD_KERNELS", "TRAIN_STEPS", "MOSAIC_KERNELS",
+           "PAGED_KERNELS", "BACKWARD_KERNELS", "INDEX_KEYS", "INT8_KEY_KERNELS", "TRAIN_STEPS", "MOSAIC_KERNELS",
            "MOSAIC_KERNEL_MODULES", "MOSAIC_LAUNCHES", "MOSAIC_THREADS", "MOSAIC_HOPPER_ONLY", "mosaic_cases", "mosaic_on_target"]
 
 PREFILL_CHUNK = 4096  # tokens of one prefill chunk (the layer takes chunks of any length)
@@ -86,6 +93,10 @@ DTYPES = ("bfloat16",)  # the serving dtype; "float32" is the layer's other comp
 CACHES = ("contiguous", "paged")  # init_cache's one timeline per batch; init_paged_cache's pages
 PAGE_SIZE = 64  # tokens a page of the paged cache (its default; vLLM's and SGLang's too)
 PAGED_KERNELS = ("index_scores", "topk_pools", "sparse_mla")  # their inputs differ when paged
+#: Pooled-key formats of a step (``Step.index_keys``): in the step's dtype, or int8 with
+#: group scales (an fp8 cache's ``index_keys="int8"``).
+INDEX_KEYS = ("float", "int8")
+INT8_KEY_KERNELS = ("index_scores",)  # the kernels int8 keys change (forward; Triton)
 #: Backward kernels: launched by a training step's gradient, which the layer takes over
 #: whole chunks of queries (``TRAIN_STEPS``; tiles of ``block_q`` queries, as the forward),
 #: never at a decode step; their default cases are at those steps only.
@@ -111,12 +122,15 @@ class Step:
     dtype: str = "bfloat16"  # the layer's compute and cache dtype
     block_q: int = 64
     cache: str = "contiguous"
+    index_keys: str = "float"
 
     def __post_init__(self):
         if self.kind not in STEPS:
             raise ValueError(f"Step.kind must be one of {STEPS}, got {self.kind!r}")
         if self.cache not in CACHES:
             raise ValueError(f"Step.cache must be one of {CACHES}, got {self.cache!r}")
+        if self.index_keys not in INDEX_KEYS:
+            raise ValueError(f"Step.index_keys must be one of {INDEX_KEYS}, got {self.index_keys!r}")
         if self.cache == "paged" and (not isinstance(self.context, int)
                                       or self.context % PAGE_SIZE):
             raise ValueError(
@@ -156,17 +170,24 @@ def _index_scores(cfg, s: Step, blocks: dict, implementation="pallas",
     b, q, p, dt = s.batch, s.queries, max(1, s.context // cfg.index_kpool), jnp.dtype(s.dtype)
     h, d, kp = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
     bs = sizes(**blocks)
+    # int8 keys (Step.index_keys): float32 queries, and [..., G] float32 group scales last
+    q_dt, k_dt = (jnp.float32, jnp.int8) if s.index_keys == "int8" else (dt, dt)
+    groups = index_format(d, "int8").n_groups
     if s.cache == "paged":
         pg, ppp = s.context // PAGE_SIZE, PAGE_SIZE // kp
-        fn = lambda qi, w, pages, bt, counts, qp: pk.index_scores_paged(  # noqa: E731
-            qi, w, pages, bt, counts, qp, kpool=kp, implementation=implementation,
+        fn = lambda qi, w, pages, bt, counts, qp, *scale: pk.index_scores_paged(  # noqa: E731
+            qi, w, pages, bt, counts, qp, *scale, kpool=kp, implementation=implementation,
             block_sizes=bs)
-        return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), dt),
-                    ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
-    fn = lambda qi, w, pooled, pv, fk, qp: pk.index_scores(  # noqa: E731
-        qi, w, pooled, pv, fk, qp, kpool=kp, implementation=implementation, block_sizes=bs)
-    return fn, [((b, q, h, d), dt), ((b, q, h), jnp.float32), ((b, p, d), dt),
-                ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
+        avals = [((b, q, h, d), q_dt), ((b, q, h), jnp.float32), ((b * pg, ppp, d), k_dt),
+                 ((b, pg), jnp.int32), ((b,), jnp.int32), ((b, q), jnp.int32)]
+        scale = ((b * pg, ppp, groups), jnp.float32)
+    else:
+        fn = lambda qi, w, pooled, pv, fk, qp, *scale: pk.index_scores(  # noqa: E731
+            qi, w, pooled, pv, fk, qp, *scale, kpool=kp, implementation=implementation, block_sizes=bs)
+        avals = [((b, q, h, d), q_dt), ((b, q, h), jnp.float32), ((b, p, d), k_dt),
+                 ((b, p), jnp.bool_), ((b,), jnp.int32), ((b, q), jnp.int32)]
+        scale = ((b, p, groups), jnp.float32)
+    return fn, avals + ([scale] if s.index_keys == "int8" else [])
 
 
 def _index_scores_backward(cfg, s: Step, blocks: dict):
@@ -415,7 +436,8 @@ class Case:
         dt = "" if s.dtype == "bfloat16" else f" {s.dtype}"
         bl = "".join(f" {k}={v}" for k, v in self.blocks)
         paged = " paged" if s.cache == "paged" else ""
-        return f"{self.kernel} {s.kind} b{s.batch} {_tokens(s.context)}{dt}{paged}{bl}"
+        keys = " int8-keys" if s.index_keys == "int8" else ""
+        return f"{self.kernel} {s.kind} b{s.batch} {_tokens(s.context)}{dt}{paged}{keys}{bl}"
 
 
 def _tokens(n: int) -> str:
@@ -426,11 +448,12 @@ def _tokens(n: int) -> str:
 
 
 def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, batches=BATCHES,
-                  steps=STEPS, dtypes=DTYPES, caches=CACHES) -> list[Case]:
-    """Every kernel at every step, context, batch, dtype and cache kind (by default
-    bfloat16, the serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8, contiguous and
-    paged; a paged case only for ``PAGED_KERNELS``, the others being the same either way;
-    a ``BACKWARD_KERNELS`` case only at the ``TRAIN_STEPS``)."""
+                  steps=STEPS, dtypes=DTYPES, caches=CACHES, index_keys=INDEX_KEYS) -> list[Case]:
+    """Every kernel at every step, context, batch, dtype, cache kind and pooled-key format
+    (by default bfloat16, the serving dtype, at 4K, 128K and 1M tokens, batch 1 and 8,
+    contiguous and paged; a paged case only for ``PAGED_KERNELS``, the others being the same
+    either way; a ``BACKWARD_KERNELS`` case only at the ``TRAIN_STEPS``; an int8-key case
+    only for ``INT8_KEY_KERNELS``)."""
     kernels = list(KERNELS) if kernels is None else list(kernels)
     unknown = sorted(set(kernels) - set(KERNELS) - set(MOSAIC_KERNELS))
     if unknown:
@@ -444,16 +467,20 @@ def default_cases(kernels: Iterable[str] | None = None, *, contexts=CONTEXTS, ba
         raise ValueError(f"dtypes must be among ('bfloat16', 'float32'), got {list(dtypes)}")
     if not caches or set(caches) - set(CACHES):
         raise ValueError(f"caches must be among {CACHES}, got {list(caches)}")
+    if not index_keys or set(index_keys) - set(INDEX_KEYS):
+        raise ValueError(f"index_keys must be among {INDEX_KEYS}, got {list(index_keys)}")
     paged = set(PAGED_KERNELS) | set(MOSAIC_KERNELS)  # each Mosaic kernel has a paged form
-    return [Case(k, Step(kind, b, n, dt, cache=c)) for c in CACHES if c in caches
+    return [Case(k, Step(kind, b, n, dt, cache=c, index_keys=ik)) for c in CACHES if c in caches
             for k in kernels if c == "contiguous" or k in paged
+            for ik in INDEX_KEYS if ik in index_keys and (ik == "float" or k in INT8_KEY_KERNELS)
             for dt in dtypes for n in contexts for kind in steps
             if k not in BACKWARD_KERNELS or kind in TRAIN_STEPS for b in batches]
 
 
 def switch_point_cases(contexts=SWITCH_CONTEXTS) -> list[Case]:
     """The forward Triton kernels at a decode step (batch 1) of every ``SWITCH_CONTEXTS``
-    row length: the path switch points ``default_cases`` (4K, 128K, 1M) step over."""
+    row length: the path switch points ``default_cases`` (4K, 128K, 1M) step over; the
+    scoring kernel with int8 keys too."""
     forward = [k for k in KERNELS if k not in BACKWARD_KERNELS and k != "index_scores_backward"]
     return default_cases(forward, contexts=contexts, batches=(1,), steps=("decode",), caches=("contiguous",))
 
