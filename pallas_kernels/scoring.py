@@ -129,9 +129,7 @@ __all__ = [
 ]
 
 
-#: A float32 dot of one query per program: its pool tile and least warps (``IndexScoresBlockSizes``).
-FLOAT32_DECODE_BLOCK_P = 32
-FLOAT32_DECODE_WARPS = 8
+FLOAT32_DECODE_BLOCK_P, FLOAT32_DECODE_WARPS = 32, 8  # see IndexScoresBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +141,9 @@ class IndexScoresBlockSizes:
     * ``num_warps`` (a power of two), ``num_stages`` (an int >= 1): Triton's.
 
     Both tiles are capped at the padded problem size (``resolve``), so a decode step
-    (``Q = 1``) runs one query per program. A float32 dot of one query per program
-    (float32 queries, int8 keys) is cut to ``FLOAT32_DECODE_BLOCK_P`` pools on at least
-    ``FLOAT32_DECODE_WARPS`` warps: its ``[Hi, D] x [D, 64]`` FMA dot on 4 warps spilled
-    ~6 KB a thread on sm_80 and sm_90 (ptxas, through ``glm5-dsa gpu-compile``), where the
-    16-query tile of a prefill, looping over its queries, does not.
+    (``Q = 1``) runs one query per program. A float32 dot (int8 keys) of one query gets
+    ``FLOAT32_DECODE_BLOCK_P`` pools on ``FLOAT32_DECODE_WARPS`` warps or more: on 64 pools and
+    4 warps it spilled ~6 KB a thread on sm_80 and sm_90 (``glm5-dsa gpu-compile``).
     """
 
     block_q: int = 16
@@ -163,14 +159,10 @@ class IndexScoresBlockSizes:
         return self
 
     def resolve(self, n_queries: int, n_pools: int, float32_dot: bool = False) -> "IndexScoresBlockSizes":
-        """The sizes the kernel launches with for ``Q = n_queries``, ``P = n_pools``, its dot
-        in float32 (``float32_dot``) or 16-bit."""
+        """The launch sizes for ``Q = n_queries``, ``P = n_pools``, a float32 dot or not."""
         self.validate()
-        out = dataclasses.replace(
-            self,
-            block_q=min(self.block_q, next_power_of_two(n_queries)),
-            block_p=min(self.block_p, next_power_of_two(n_pools, 16)),
-        )
+        out = dataclasses.replace(self, block_q=min(self.block_q, next_power_of_two(n_queries)),
+                                  block_p=min(self.block_p, next_power_of_two(n_pools, 16)))
         if float32_dot and out.block_q == 1:
             out = dataclasses.replace(out, block_p=min(out.block_p, FLOAT32_DECODE_BLOCK_P),
                                       num_warps=max(out.num_warps, FLOAT32_DECODE_WARPS))

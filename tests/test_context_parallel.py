@@ -202,9 +202,13 @@ def test_pallas_kernels_per_shard(reference, monkeypatch):
 def test_mosaic_kernels_per_shard(monkeypatch):
     """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
     selection and attention kernels per shard, the attention's log-sum-exp from the same
-    launch): a chunk then a decode step equal the unsharded layer on the references, top-k
-    bit for bit, outputs within two bf16 ulps (both round the attention output and the
-    projections to bf16, in another order). Both devices interpret their kernels at once:
+    launch): a chunk then a decode step select as the unsharded layer on the references,
+    top-k bit for bit, and their outputs are the ``"xla"`` cp layer's within two bf16 ulps
+    (the kernels round the attention output to bf16 in another order). Against the
+    same mesh's ``"xla"`` layer, because the chunk's projections run on ``S/cp`` rows
+    there (``context._row_split``), and XLA:CPU's bf16 dots (jax 0.12) round some rows
+    otherwise at another row count; float32 layers compare with the unsharded one in
+    the other tests. Both devices interpret their kernels at once:
     jax's end-of-kernel barrier check sees the other device's barriers, a no-op here as in
     ``test_layer_mosaic.py::test_tp_sharded_layer_equals_xla`` (which says why)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -219,7 +223,7 @@ def test_mosaic_kernels_per_shard(monkeypatch):
     x, mask = padded_batch(config, (0, 2), 10, seed=14)
     x = jnp.asarray(x, jnp.bfloat16)
     runs = []
-    for impl, mesh in (("xla", None), ("mosaic_interpret", mesh_of((2, 1)))):
+    for impl, mesh in (("xla", None), ("xla", mesh_of((2, 1))), ("mosaic_interpret", mesh_of((2, 1)))):
         layer = f32_layer(config, 1, seed=4, dtype=jnp.bfloat16, implementation=impl, block_q=8)
         if mesh is not None:
             layer = sh.shard_layer(layer, mesh, axis="tp", seq_axis="cp")
@@ -229,13 +233,15 @@ def test_mosaic_kernels_per_shard(monkeypatch):
         runs.append([(np.asarray(o, np.float32), np.asarray(t)), (np.asarray(o2, np.float32), np.asarray(t2))])
     assert calls and all(k["return_lse"] for k in calls), calls
     tol = 2 * 2.0**-8
-    for step, ((o1, t1), (o2, t2)) in enumerate(zip(*runs)):
-        np.testing.assert_array_equal(t2, t1, err_msg=f"step {step}")
+    for step, ((_, t0), (o1, t1), (o2, t2)) in enumerate(zip(*runs)):
+        np.testing.assert_array_equal(t1, t0, err_msg=f"step {step}")
+        np.testing.assert_array_equal(t2, t0, err_msg=f"step {step}")
         np.testing.assert_allclose(o2, o1, atol=tol, rtol=tol, err_msg=f"step {step}")
 
 
-def _lowered_cp8_decode(implementation, tp, context=1 << 20):
-    """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token) of
+def _lowered_cp8_decode(implementation, tp, context=1 << 20, chunk=1):
+    """The ``DsaDecoder`` decode step (``make_step``'s ``jax.jit``: batch 1, one token; or a
+    prefill chunk of ``chunk`` tokens) of
     GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a
     ``context``-slot bf16 cache, lowered for CUDA without a GPU: the layer built under
     ``nnx.eval_shape`` (shapes only) and placed on ``pk.cuda_mesh`` (8 * tp abstract H100s;
@@ -257,8 +263,8 @@ def _lowered_cp8_decode(implementation, tp, context=1 << 20):
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
 
     params = jax.tree_util.tree_map_with_path(placed, params)
-    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
-    m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
+    x = jax.ShapeDtypeStruct((1, chunk, config.hidden_size), jnp.bfloat16, sharding=rows)
+    m = jax.ShapeDtypeStruct((1, chunk), jnp.bool_, sharding=rows)
     with use_abstract_mesh(mesh):
         lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
     return config, lowered.as_text()
@@ -303,6 +309,28 @@ def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
         ("all_reduce", f"tensor<1x1x{h}x{v}xf32>"), ("all_reduce", f"tensor<1x1x{h}xf32>"),  # partials, weights
         ("all_reduce", f"tensor<1x1x{config.hidden_size}xbf16>"),  # o_proj over tp, in the layer's dtype
     ]), _collectives(text)
+
+
+def test_prefill_chunk_lowers_for_cuda_at_cp8():
+    """A 4,096-token prefill chunk of GLM-5.3-Flash at a 1M-token context on (cp, tp) = (8,
+    8), ``"pallas"``, lowers for CUDA: each device projects 512 of the chunk's rows, whose
+    projections are all-gathered (``q_lat`` of the 8 local heads, the latent rows, the
+    indexer's queries, weights, keys and gates), scores its ``P / 8`` pools in the Triton
+    kernel, and runs ``o_proj`` (its tp all-reduce) on its 512 rows, the outputs
+    all-gathered; no collective is context-sized."""
+    chunk, tp = 4096, 8
+    config, text = _lowered_cp8_decode("pallas", tp, chunk=chunk)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    mine, h = chunk // 8, config.num_attention_heads // tp
+    cr, hid, hi, d = config.kv_cache_dim, config.hidden_size, config.index_n_heads, config.index_head_dim
+    found = _collectives(text)
+    for want in (f"1x{chunk}x{h}x{cr}xbf16", f"1x{chunk}x{cr}xbf16", f"1x{chunk}x{hi}x{d}xbf16",
+                 f"1x{chunk}x{hid}xbf16"):  # q_lat, rows, indexer queries, the outputs
+        assert ("all_gather", f"tensor<{want}>") in found, (want, found)
+    assert ("all_reduce", f"tensor<1x{mine}x{hid}xbf16>") in found, found  # o_proj over tp on 512 rows
+    assert ("all_reduce", f"tensor<1x{chunk}x{hid}xbf16>") not in found, found
+    assert not [t for _, t in found if str(config.max_position_embeddings // 8) in t], found
+    assert "index_scores" in [c["name"] for c in pk.triton_calls(text)]
 
 
 _order_key = jax.jit(pk.order_key)
@@ -410,12 +438,13 @@ def test_decoder_with_rollback():
     assert dec.step.traces == 2
 
 
-def step_collectives(layer, max_length):
-    """``[(result type, op)]`` of every collective in the compiled decode step of a
-    ``DsaDecoder`` of ``max_length`` slots (tuple all-reduces, which XLA combines, included)."""
+def step_collectives(layer, max_length, chunk=1):
+    """``[(result type, op)]`` of every collective in the compiled step of ``chunk`` tokens
+    (1: a decode step) of a ``DsaDecoder`` of ``max_length`` slots (tuple all-reduces, which
+    XLA combines, included)."""
     dec = gd.DsaDecoder(layer, 2, max_length)
     x, mask = inputs(cfg(), 2)
-    hlo = dec.step.lower(dec.params, x[:, :1], mask[:, :1], dec.cache).compile().as_text()
+    hlo = dec.step.lower(dec.params, x[:, :chunk], mask[:, :chunk], dec.cache).compile().as_text()
     ops = r"all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter"
     found = [re.search(rf"= (.*?) ({ops})(?:-start)?\(", ln) for ln in hlo.splitlines()]
     return sorted((re.sub(r"\{[\d,]+\}", "", m.group(1)), m.group(2)) for m in found if m)
@@ -438,3 +467,19 @@ def test_bytes_crossing_devices_do_not_grow_with_the_context():
         (f"f32[2,1,{c.hidden_size}]", "all-reduce"),  # o_proj over tp
     ]), small
 
+
+
+def test_prefill_projects_a_cp_th_of_the_chunk():
+    """A prefill chunk's projections are split over cp (``context._row_split``): each
+    device projects ``S/cp`` rows and the projected rows are all-gathered; ``o_proj`` (and
+    its tp ``psum``) runs on ``S/cp`` rows, its output all-gathered. Read in the compiled
+    prefill step at (cp, tp) = (4, 2); a decode step is not split (one row)."""
+    c = cfg()
+    layer = sh.shard_layer(f32_layer(c, 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    found = step_collectives(layer, MAX_LEN, chunk=S)
+    h_loc, cr, hid = c.num_attention_heads // 2, c.kv_cache_dim, c.hidden_size
+    assert (f"f32[2,{S // 4},{hid}]", "all-reduce") in found, found  # o_proj over tp, a quarter of the rows
+    assert (f"f32[2,{S},{hid}]", "all-reduce") not in found, found
+    gathered = {t for t, op in found if op == "all-gather"}
+    for want in (f"f32[2,{S},{h_loc},{cr}]", f"f32[2,{S},{cr}]", f"f32[2,{S},{hid}]"):  # q_lat, rows, out
+        assert any(want in t for t in gathered), (want, gathered)

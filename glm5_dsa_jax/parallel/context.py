@@ -14,8 +14,17 @@ touches the stored buffers.
 ``forward`` is the layer's pipeline (``DsaAttention``'s class doc) with the three steps that
 read token-axis state done per shard and merged:
 
-* **Writes.** Every device projects the whole chunk (the call's rows are replicated over
-  the sequence axis) and writes only the latent rows and pools that fall in its range
+* **Projections** (``_row_split``). The call's rows are replicated over the sequence axis;
+  a prefill chunk of ``S`` rows is split: each device projects ``ceil(S / cp)`` of them
+  (``DsaAttention.project`` and the indexer's), and the projected rows (``q_lat``, the
+  latent rows, the indexer's queries, weights, keys and gate logits) are all-gathered once;
+  after the attention each device runs ``output_projection`` (``absorb_o``, ``o_proj`` and
+  its tp ``psum``) on its rows and the outputs are all-gathered. Every projection is row by
+  row, so a gathered row is the row every device would have computed. Bytes in: per chunk
+  row ``2 * (H_local * CR + CR + Hi * D + D) + 4 * (Hi + D)`` (bf16; ~19 KiB at
+  GLM-5.3-Flash on tp 8, the ``q_lat`` of 8 local heads most of it), and ``2 * hidden`` out.
+  A decode step (one row) is not split: its projections are a few rows' work.
+* **Writes.** Every device writes only the latent rows and pools that fall in its range
   (``contiguous.scatter_rows``, ``contiguous.stored_pools``); the replicated bookkeeping (``length``,
   the incomplete pool's stage, ``first_key``, ``n_valid``) is computed identically on
   every device, so it stays replicated without a collective.
@@ -70,16 +79,17 @@ own), ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined wi
 and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step`` (one
 compilation per chunk length; ``rollback`` through it). A chunk's queries are replicated
 over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``, as
-in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time. No
-zig-zag split of a prefill's queries yet: every device scores every query against its own
-pools, so the indexer's scoring and the attention are split, the projections are not. Not
+in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time, so the
+indexer's scoring and the attention are split by the pools and tokens a device holds, and
+the projections by rows (above). No zig-zag split of a prefill's queries for the scoring
+and attention: each device scores every query of the chunk against its own pools. Not
 supported yet (``ValueError``): the paged cache, ``attention="dense"``. Autodiff: ``jax.grad``
 of a chunk under ``"xla"`` equals the unsharded layer's (parameters and ``x``;
 ``tests/test_cp_grad.py``); under the Pallas and Mosaic implementations not possible
 (``sparse_mla_partial`` has no gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every
 mesh, ``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded layer, and
 the decode step of GLM-5.3-Flash at cp 8 (tp 1 and 8) lowered for CUDA (``"pallas"``,
-``"mosaic"``); never run on a GPU here. A call without a cache runs the plain pipeline whole
+``"mosaic"``), and a 4,096-token prefill chunk at (cp, tp) = (8, 8); never run on a GPU here. A call without a cache runs the plain pipeline whole
 on every device of the sequence axis (no split).
 """
 
@@ -218,7 +228,11 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                   n_vis=n_vis, fits=start + s <= length, start=start)
     x = jnp.where(mask[..., None], x, jnp.zeros((), x.dtype))
     rope = layer.rope(chunk.positions if position_ids is None else position_ids)
-    q_resid, q_lat, latent = layer.project(x, rope)
+    rows_of, gathered = _row_split(s, cp, shard, seq_axis)
+    x_mine, rope_mine = rows_of(x), None if rope is None else tuple(rows_of(r) for r in rope)
+    q_resid, q_lat, latent = layer.project(x_mine, rope_mine)
+    idx = None if layer.indexer is None else layer.indexer.project(x_mine, q_resid, rope_mine)
+    q_lat, latent, idx = gathered((q_lat, latent, idx))
     local_slots = _held(jnp.broadcast_to(slots, (b, s)), tok_off, l_loc)[0]
     cache = scatter_rows(cache, latent, mask, local_slots, chunk.fits)
     rows, row_scale = cache.attention_rows()
@@ -235,7 +249,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
         p_loc = cache.max_pools  # this shard's
         n_pools = p_loc * cp
         pool_off = shard * p_loc
-        qi, w, ki, gate = layer.indexer.project(x, q_resid, rope)
+        qi, w, ki, gate = idx
         with jax.named_scope("compress_pools"):
             win = window_of(cache, ki, gate, chunk, length)
             pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
@@ -260,5 +274,26 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
         topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
         _, o_lat = layer.by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
                                   (topk, -1))
-    out = layer.output_projection(o_lat, mask, reduce_axis=reduce_axis)
+    out = gathered(layer.output_projection(rows_of(o_lat), rows_of(mask), reduce_axis=reduce_axis))
     return out, topk, cache.end_chunk(chunk)
+
+
+def _row_split(s: int, cp: int, shard, seq_axis: str):
+    """``(rows_of, gathered)`` for a chunk of ``s`` rows: ``rows_of(a)`` this device's
+    ``ceil(s / cp)`` rows of ``a [B, s, ...]`` (the chunk padded with zeros to a multiple of
+    ``cp``), ``gathered(tree)`` the whole chunk's ``[B, s, ...]`` from every device's rows
+    (``all_gather`` over ``seq_axis``). A decode step (``s = 1``) is not split: both are
+    the identity. Row ``t`` of a projection depends on row ``t`` of its input only, so a
+    row computed on one device and gathered is the row every device would compute."""
+    if s == 1 or cp == 1:
+        return (lambda a: a), (lambda tree: tree)
+    n = -(-s // cp)
+
+    def rows_of(a):
+        a = jnp.pad(a, [(0, 0), (0, n * cp - s)] + [(0, 0)] * (a.ndim - 2))
+        return jax.lax.dynamic_slice_in_dim(a, shard * n, n, axis=1)
+
+    def gathered(tree):
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, seq_axis, axis=1, tiled=True)[:, :s], tree)
+
+    return rows_of, gathered
