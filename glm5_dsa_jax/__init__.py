@@ -17,7 +17,8 @@ Public API (see README.md)::
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.checkpoint import (
-    CheckpointError, load_hf_checkpoint, read_hf_params, restore_checkpoint, save_checkpoint,
+    CheckpointError, load_hf_checkpoint, read_hf_params, restore_cache, restore_checkpoint, save_cache,
+    save_checkpoint,
 )
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache import PagedCache, init_paged_cache
@@ -34,7 +35,7 @@ from glm5_dsa_jax.model.indexer_loss import ATTENTION_PARAMS, INDEXER_PARAMS, in
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "read_hf_params", "restore_checkpoint", "save_checkpoint",
-    "DsaCache", "init_cache", "PagedCache", "init_paged_cache", "DsaDecoder", "PagedDecoder",
+    "save_cache", "restore_cache", "DsaCache", "init_cache", "PagedCache", "init_paged_cache", "DsaDecoder", "PagedDecoder",
     "make_step", "DsaConfig", "DsaAttention", "DsaIndexer", "absorb_o", "absorb_q",
     "hf_weight_shapes", "float32_params", "clear_float32_copies",
     "TpPlan", "MemoryPlan", "partition_specs", "shard_layer", "WeightError", "hf_to_params", "params_to_hf",

@@ -3,7 +3,10 @@ into one 8-device mesh, run the sharded prefill and a decode step; the result mu
 the single-process 8-device run (and so, through test_sharding, the unsharded layer).
 Data parallelism: 2 processes x 2 CPU devices as the mesh ``("data", "tp") = (2, 2)``, data
 across the processes and tp within each, on both cache kinds; each process's rows must
-equal the unsharded layer's.
+equal the unsharded layer's. Context parallelism: 2 processes x 2 CPU devices as ``("cp",
+"tp") = (2, 2)``, each process holding half of every sequence's slots; a chunked prefill,
+the cache saved and restored through orbax across the processes, a decode step: equal to
+the unsharded layer.
 
 Each process writes every addressable shard of the replicated outputs
 (tests/_multihost_worker.py); the test checks all 8 device copies. Top-k rows must be
@@ -40,7 +43,7 @@ def free_port() -> int:
 
 def start_workers(out_dir, mode="tp"):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mode == 'tp' else 2}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mode == 'tp' else 2}"  # dp, cp: 2
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     port = free_port()
@@ -127,3 +130,31 @@ def test_data_parallel_across_processes_equals_unsharded(tmp_path):
                                                err_msg=f"{name} process {pid}")
         assert {int(got[f"out_{k}_row"]) for k in range(2)} == {2 * pid}  # process k: data shard k
     assert rows == {0, 2}
+
+
+CP_TIMEOUT_S = 240  # three compiled steps, an orbax save and restore per process
+
+
+def test_context_parallel_across_processes_equals_unsharded(tmp_path):
+    procs = start_workers(tmp_path, "cp")
+    try:
+        import _multihost_worker as worker
+
+        layer, x, mask = worker.build_cp_inputs(tiny8())
+        ref = [np.asarray(a) for a in worker.run_cp(layer, None, x, mask)[0]]
+    finally:
+        codes, logs = wait_all(procs, tmp_path, CP_TIMEOUT_S)
+    assert codes == [0] * NPROC, f"workers failed or timed out after {CP_TIMEOUT_S} s:\n{logs}"
+    for pid in range(NPROC):
+        got = np.load(tmp_path / f"proc{pid}.npz")
+        for name, want in zip(worker.CP_NAMES, ref):
+            for k in range(2):
+                a = got[f"{name}_{k}"]
+                if "topk" in name:
+                    np.testing.assert_array_equal(a, want, err_msg=f"{name} process {pid} device {k}")
+                else:
+                    np.testing.assert_allclose(a, want, atol=F32_REORDER, rtol=F32_REORDER,
+                                               err_msg=f"{name} process {pid} device {k}")
+            assert got[f"slots_{k}"].tolist() == [16 * pid, 16 * pid + 16]  # process k: cp shard k's slots
+    # The decode step selects: fewer tokens than the 30 visible to row 0 (7 pools, select_k 4).
+    assert 0 < (ref[5][0, 0] >= 0).sum() < 30

@@ -457,5 +457,10 @@ def test_notebook_runs(tmp_path, monkeypatch):
     m = re.search(r"captured mass on held-out prompts: before ([0-9.]+), after ([0-9.]+)", text)
     assert m and float(m.group(2)) > float(m.group(1)) + 0.15, m
     assert text.count("image/png") >= 3
+    # 8. context parallelism: equal to unsharded, each cp device a quarter of the slots and pools.
+    assert "context parallelism, cp=4 x tp=2: top-k equal to unsharded: True" in text
+    assert re.search(r"\n +6 +3 +0 +48 - +63 12 - 15 +0 +[\d,]+ B", text), "device 6: slots 48-63, pools 12-15"
+    m = re.search(r"per device: ([\d,]+) B of cache at cp 4 against ([\d,]+) B at cp 1", text)
+    assert m and 3 < int(m.group(2).replace(",", "")) / int(m.group(1).replace(",", "")) < 4, m
     code = "".join(c.source for c in nb.cells if c.cell_type == "code")
     assert not re.search(r"\._[a-z]", code), "the notebook reaches a private name"

@@ -13,7 +13,9 @@ Modules, in import order:
   ``{layer_idx: DsaAttention}``, every device reading only its own slices, NVFP4/fp8
   dequantized on the way; ``read_hf_params``: the same checks, our parameters as numpy.
 * ``orbax_io``: ``save_checkpoint`` / ``read_checkpoint_meta`` / ``restore_checkpoint``
-  (atomic save beside the target and swap, a digest per array verified on restore).
+  (atomic save beside the target and swap, a digest per array verified on restore), and
+  ``save_cache`` / ``restore_cache`` for a contiguous cache (restored onto any mesh, split
+  over a data or ``cp`` axis included).
 
 Names without an underscore that a module's ``__all__`` leaves out (``assembly``'s
 functions, ``hf_import.read_config``, ``orbax_io.PARAMS_DIR``,
@@ -36,7 +38,7 @@ from glm5_dsa_jax.checkpoint.assembly import check_dir
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
 from glm5_dsa_jax.checkpoint.hf_import import LAYER_PREFIXES, read_config, load_hf_checkpoint, read_hf_params
 from glm5_dsa_jax.checkpoint.orbax_io import (
-    PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_checkpoint, save_checkpoint,
+    PARAMS_DIR, META_FILE, read_checkpoint_meta, restore_cache, restore_checkpoint, save_cache, save_checkpoint,
 )
 from glm5_dsa_jax.checkpoint.safetensors_file import SafetensorsFile
 from glm5_dsa_jax.model.config import DsaConfig
@@ -44,7 +46,7 @@ from glm5_dsa_jax.model.layer import DsaAttention
 
 __all__ = [
     "CheckpointError", "load_hf_checkpoint", "read_hf_params", "save_checkpoint", "restore_checkpoint",
-    "read_checkpoint_meta", "load_for_demo", "SafetensorsFile", "LAYER_PREFIXES", "META_FILE",
+    "read_checkpoint_meta", "load_for_demo", "save_cache", "restore_cache", "SafetensorsFile", "LAYER_PREFIXES", "META_FILE",
 ]
 
 

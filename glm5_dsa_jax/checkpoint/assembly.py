@@ -13,8 +13,9 @@ Invariants:
   never materialised whole on one device first.
 * **Layers start abstract.** ``abstract_layer`` builds the layer under ``nnx.eval_shape``
   (shapes only, nothing allocated); ``fill_layer`` puts the loaded arrays in and, on a
-  mesh, records the mesh on the layer with ``sharding.shard_layer``, which adopts the
-  already-placed parameters without a copy.
+  mesh, records the mesh on the layer with ``sharding.shard_layer`` (with the loader's
+  ``batch_axis`` / ``seq_axis``: a layer restored onto a ``(data, cp, tp)`` mesh is placed
+  for data and context parallelism), which adopts the already-placed parameters without a copy.
 * **Whole heads per device**: a mesh is refused (``ValueError``) unless ``axis`` is one of
   its axes and it divides ``num_attention_heads`` (``sharding.check_tp_mesh``, the check
   ``shard_layer`` applies, so both say the same).
@@ -100,12 +101,14 @@ def check_mesh(cfg: DsaConfig, mesh, axis: str) -> None:
         check_tp_mesh(cfg, mesh, axis)
 
 
-def fill_layer(abstract, arrays: dict, mesh=None, axis: str = "tp") -> DsaAttention:
+def fill_layer(abstract, arrays: dict, mesh=None, axis: str = "tp", *, batch_axis: str | None = None,
+               seq_axis: str | None = None) -> DsaAttention:
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, arrays)
     nnx.update(abstract, state)
     if mesh is not None:
         # Records the mesh on the layer (sharded attention, placed caches); the parameters
         # are already there, so this adopts them without a copy.
-        shard_layer(abstract, mesh, axis=axis)
+        # ``batch_axis`` / ``seq_axis``: data and context parallelism, as shard_layer takes them.
+        shard_layer(abstract, mesh, axis=axis, batch_axis=batch_axis, seq_axis=seq_axis)
     return abstract

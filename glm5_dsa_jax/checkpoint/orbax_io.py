@@ -1,5 +1,5 @@
 """Orbax checkpoints of DSA layers: ``save_checkpoint``, ``read_checkpoint_meta``,
-``restore_checkpoint``.
+``restore_checkpoint``; and of a contiguous decode cache: ``save_cache``, ``restore_cache``.
 
 Layout: ``path/params`` (an ``ocp.StandardCheckpointer`` tree ``{"layer_<i>": params}``)
 and ``path/glm5_dsa_jax.json`` (``META_FILE``: format, version, the ``DsaConfig``, the layer
@@ -28,7 +28,21 @@ Invariants:
   (``layout.Param.aliases``: ``kv_a_proj`` was once saved under its HF name), checked
   against the digest recorded under that name, and restored under its current one.
 * Restored layers go straight into their target shardings on any mesh whose axis divides
-  the head count (``assembly``), whatever the mesh they were saved from.
+  the head count (``assembly``), whatever the mesh they were saved from; with ``batch_axis``
+  / ``seq_axis`` they are placed for data / context parallelism (``shard_layer``'s checks,
+  before anything is read).
+* **Caches** (``save_cache`` / ``restore_cache``, a ``DsaCache`` only): ``path/cache`` (one
+  orbax array per field that is not ``None``, written shard by shard: a cache split over
+  ``cp`` or data shards is never gathered) and the same ``META_FILE`` (format
+  ``glm5_dsa_jax.orbax_cache``: the static fields, each array's shape and stored dtype, a
+  digest per array), saved with the same atomic swap. A restore rebuilds the cache from
+  the metadata and reads each field straight into its ``placement.cache_shardings`` place on
+  the given mesh and axes (each ``cp`` device reads its ``1/cp`` of the slots and pools),
+  whatever mesh it was saved from; a capacity or batch that does not split is a
+  ``ValueError`` naming the sizes before anything is read; digests are verified. The stored
+  rows come back in this platform's stored dtype (``cpu_policy``: a CPU keeps a 16-bit or
+  fp8 cache's bits). A layer checkpoint is not a cache and a cache not a layer checkpoint:
+  each restore refuses the other's format.
 """
 
 from __future__ import annotations
@@ -47,24 +61,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
 
 from glm5_dsa_jax.checkpoint.assembly import (
     abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
+from glm5_dsa_jax.cache.contiguous import DsaCache
+from glm5_dsa_jax.cache.fp8 import IndexFormat, LatentFormat
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
+from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.model.layer import DsaAttention
+from glm5_dsa_jax.parallel.context import check_supported
+from glm5_dsa_jax.parallel.placement import cache_shardings, check_batch, check_dp_mesh, check_seq_mesh, check_seq_split
 
-__all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint"]
+__all__ = ["META_FILE", "save_checkpoint", "read_checkpoint_meta", "restore_checkpoint", "save_cache", "restore_cache"]
 
 
 #: The metadata file ``save_checkpoint`` writes beside the orbax tree.
 META_FILE = "glm5_dsa_jax.json"
 #: The orbax tree's directory inside a checkpoint (``load_for_demo`` looks for it too).
 PARAMS_DIR = "params"
+#: A saved cache's orbax tree (``save_cache``), beside the same ``META_FILE``.
+CACHE_DIR = "cache"
 _FORMAT = "glm5_dsa_jax.orbax"
 _META_VERSION = 2
+_CACHE_FORMAT = "glm5_dsa_jax.orbax_cache"
+_CACHE_META_VERSION = 1
 
 
 def _orbax():
@@ -99,7 +123,9 @@ def _layer_meta(layers: Mapping[int, DsaAttention]) -> dict:
 
 def _digest_one(x):
     """``(uint32[2] digest, int32 non-finite count)`` of one array (see the invariants)."""
-    if x.dtype.itemsize == 4:
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 4:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     elif x.dtype.itemsize == 2:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
@@ -166,7 +192,7 @@ def _flat_pairs(tree: Mapping, prefix: str = "") -> dict[str, tuple]:
 
 
 def _is_checkpoint_dir(path: Path) -> bool:
-    return (path / META_FILE).is_file() or (path / PARAMS_DIR).is_dir()
+    return (path / META_FILE).is_file() or (path / PARAMS_DIR).is_dir() or (path / CACHE_DIR).is_dir()
 
 
 def _fsync(path: Path) -> None:
@@ -242,8 +268,20 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
     false (or it is not a checkpoint directory: ``overwrite`` replaces only checkpoints),
     and ``CheckpointError`` if a parameter holds NaN/inf (nothing is written).
     """
-    ocp = _orbax()
     meta = _layer_meta(layers)
+    path = _check_target(path, overwrite)
+    tree = {f"layer_{i}": nnx.to_pure_dict(nnx.state(l, nnx.Param)) for i, l in layers.items()}
+    digests, bad = _digest_report(tree)
+    if bad:
+        raise CheckpointError(f"save_checkpoint to {path}", [
+            f"{name} holds {n} non-finite values (nothing was written)" for name, n in sorted(bad.items())])
+    meta["checksums"] = digests
+    return _write_dir(path, PARAMS_DIR, tree, meta)
+
+
+def _check_target(path, overwrite: bool) -> Path:
+    """``path`` as an absolute ``Path`` a save may write: ``FileExistsError`` for a file, a
+    non-empty directory without ``overwrite``, or a non-empty one that is no checkpoint."""
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{str(path)!r} exists and is not a directory")
@@ -254,12 +292,13 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
             raise FileExistsError(
                 f"{str(path)!r} is not empty and is not a glm5_dsa_jax checkpoint (no {META_FILE} or "
                 f"{PARAMS_DIR}/): overwrite replaces only checkpoints; remove it yourself")
-    tree = {f"layer_{i}": nnx.to_pure_dict(nnx.state(l, nnx.Param)) for i, l in layers.items()}
-    digests, bad = _digest_report(tree)
-    if bad:
-        raise CheckpointError(f"save_checkpoint to {path}", [
-            f"{name} holds {n} non-finite values (nothing was written)" for name, n in sorted(bad.items())])
-    meta["checksums"] = digests
+    return path
+
+
+def _write_dir(path: Path, subdir: str, tree: dict, meta: dict) -> Path:
+    """The orbax ``tree`` at ``subdir`` and ``meta`` (last) into a hidden sibling of ``path``,
+    then moved to ``path`` whole (the module doc's first invariant)."""
+    ocp = _orbax()
     if jax.process_count() > 1:  # every process must name the same directory
         tmp = path.with_name(f".{path.name}.partial")
     else:
@@ -270,7 +309,7 @@ def save_checkpoint(layers: Mapping[int, DsaAttention], path: str | os.PathLike,
         if lead and tmp.exists():
             shutil.rmtree(tmp)
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp / PARAMS_DIR, tree)
+        ckptr.save(tmp / subdir, tree)
         ckptr.wait_until_finished()
         if lead:
             _write_meta(tmp, meta)
@@ -350,6 +389,8 @@ def restore_checkpoint(
     *,
     implementation: str = "xla",
     axis: str = "tp",
+    batch_axis: str | None = None,
+    seq_axis: str | None = None,
     layers: Iterable[int] | None = None,
     dtype=None,
     param_dtype=None,
@@ -357,6 +398,9 @@ def restore_checkpoint(
     """Restore ``save_checkpoint``'s layers onto ``mesh`` (any device count that divides the
     head count; ``None`` = the default device), each parameter directly into its target
     sharding. ``dtype``/``param_dtype`` default to the saved ones (``param_dtype`` casts).
+    ``batch_axis`` / ``seq_axis``: the layers are placed for data / context parallelism as
+    ``shard_layer(layer, mesh, axis, batch_axis, seq_axis)`` places them (checked, with the
+    same ``ValueError``, before anything is read).
 
     Every array is verified against the digest recorded at save and for finiteness; every
     problem (metadata, missing, misshaped or extra arrays, unreadable or corrupted data
@@ -372,6 +416,7 @@ def restore_checkpoint(
     if missing:
         raise ValueError(f"layers {missing} are not in the checkpoint (it holds {saved})")
     check_mesh(cfg, mesh, axis)
+    _check_axes(mesh, axis, batch_axis, seq_axis)
     dtype = meta.get("dtype", "bfloat16") if dtype is None else dtype
     try:
         stored = ocp.StandardCheckpointer().metadata(path / PARAMS_DIR)
@@ -387,6 +432,8 @@ def restore_checkpoint(
         saved_dt = jnp.dtype(meta["param_dtype"][str(i)])
         want_dt[i] = jnp.dtype(param_dtype) if param_dtype is not None else saved_dt
         abstract = abstract_layer(cfg, i, implementation=implementation, dtype=dtype, param_dtype=want_dt[i], axis=axis)
+        if seq_axis is not None:  # the resolved implementation, checked before anything is read
+            check_supported(abstract.implementation, seq_axis)
         shardings = target_shardings(abstract, mesh, axis)
         shapes = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
         tree: dict = {}
@@ -448,7 +495,7 @@ def restore_checkpoint(
             tree_get(arrays, spath[:-1]).pop(spath[-1])
         if want_dt[i] != jnp.dtype(meta["param_dtype"][str(i)]):
             arrays = jax.tree.map(lambda a: a.astype(want_dt[i]), arrays)
-        out[i] = fill_layer(abstracts[i], arrays, mesh, axis)
+        out[i] = fill_layer(abstracts[i], arrays, mesh, axis, batch_axis=batch_axis, seq_axis=seq_axis)
     return out
 
 
@@ -484,3 +531,128 @@ def _nest(path: Sequence[str], leaf) -> dict:
 def _short(e: BaseException, n: int = 300) -> str:
     msg = f"{type(e).__name__}: {e}".replace("\n", " ")
     return msg if len(msg) <= n else msg[:n] + "..."
+
+
+def _check_axes(mesh, axis: str | None, batch_axis: str | None, seq_axis: str | None) -> None:
+    """``ValueError`` unless ``batch_axis`` / ``seq_axis`` are axes of ``mesh`` of their own
+    (``placement.check_dp_mesh`` / ``check_seq_mesh``); either without a mesh is refused."""
+    if mesh is None:
+        if batch_axis is not None or seq_axis is not None:
+            raise ValueError(f"batch_axis={batch_axis!r} / seq_axis={seq_axis!r} need a mesh to split over "
+                             "(got mesh=None)")
+        return
+    if batch_axis is not None:
+        check_dp_mesh(mesh, axis, batch_axis)
+    if seq_axis is not None:
+        check_seq_mesh(mesh, axis, batch_axis, seq_axis)
+
+
+# ------------------------------------------------------------------------------- caches
+def _cache_arrays(cache: DsaCache) -> dict[str, jax.Array]:
+    """``{field: array}`` of the cache's array fields that are not ``None``."""
+    return {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)
+            if f.metadata.get("pytree_node", True) and getattr(cache, f.name) is not None}
+
+
+def save_cache(cache: DsaCache, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Save a contiguous cache (``DsaCache``: a prompt's prefill, a paused batch) as an orbax
+    directory: ``path/cache`` (one array per field, written shard by shard from wherever
+    it lives: a cache split over a ``cp`` or data axis is never gathered) and
+    ``path/glm5_dsa_jax.json`` (the static fields, every array's shape and stored dtype, a
+    digest per array), written and moved into place as ``save_checkpoint`` does.
+
+    ``TypeError`` for anything but a ``DsaCache`` (a paged sequence moves with
+    ``PagedCache.export`` / ``load``), ``ValueError`` for a traced one, ``FileExistsError``
+    as ``save_checkpoint``."""
+    if not isinstance(cache, DsaCache):
+        raise TypeError(f"save_cache saves a DsaCache, got {type(cache).__name__} (a paged sequence moves "
+                        "with PagedCache.export / load)")
+    arrays = _cache_arrays(cache)
+    if any(isinstance(a, jax.core.Tracer) for a in arrays.values()):
+        raise ValueError("save_cache needs a concrete cache, not one traced under jit")
+    path = _check_target(path, overwrite)
+    meta = {
+        "format": _CACHE_FORMAT,
+        "version": _CACHE_META_VERSION,
+        "dtype": jnp.dtype(cache.dtype).name,
+        "kpool": cache.kpool,
+        "rotate_index": bool(cache.rotate_index),
+        "latent_format": None if cache.latent_format is None else dataclasses.asdict(cache.latent_format),
+        "index_format": None if cache.index_format is None else dataclasses.asdict(cache.index_format),
+        "arrays": {k: {"shape": list(a.shape), "dtype": jnp.dtype(a.dtype).name} for k, a in arrays.items()},
+        "checksums": _digest_report(arrays)[0],
+    }
+    return _write_dir(path, CACHE_DIR, arrays, meta)
+
+
+def _read_cache_meta(path: Path) -> dict:
+    check_dir(path)
+    where = f"cache checkpoint {path}"
+    if not (path / META_FILE).is_file():
+        if (path / CACHE_DIR).exists():
+            raise CheckpointError(where, [f"{CACHE_DIR}/ is there but {META_FILE} is not: an incomplete "
+                                          "(interrupted) save, not loaded; save again"])
+        raise FileNotFoundError(f"{str(path)!r} is not a glm5_dsa_jax cache checkpoint: no {META_FILE}")
+    meta = read_json(path / META_FILE, "metadata")
+    if meta.get("format") != _CACHE_FORMAT or meta.get("version") != _CACHE_META_VERSION:
+        raise CheckpointError(where, [
+            f"{META_FILE} is format {meta.get('format')!r} version {meta.get('version')!r}, expected "
+            f"{_CACHE_FORMAT!r} version {_CACHE_META_VERSION} (save_checkpoint's layers restore with "
+            "restore_checkpoint)"])
+    return meta
+
+
+def restore_cache(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *,
+                  batch_axis: str | None = None, seq_axis: str | None = None) -> DsaCache:
+    """The ``DsaCache`` ``save_cache`` wrote, each field read straight into its place on
+    ``mesh`` as ``sharding.place_cache(cache, mesh, batch_axis, seq_axis)`` places it
+    (``None``: the default device), whatever mesh it was saved from: with a ``seq_axis``
+    (context parallelism) each device of it reads only its ``1/cp`` of the slots and pools.
+
+    Checked before anything is read (``ValueError`` naming the sizes): the axes (as
+    ``place_cache``), the saved capacity divisible by ``cp * kpool`` and the saved batch by
+    the data shards. Every array is verified against its digest (``CheckpointError``
+    naming every problem). Rows stored as bits on one platform (a CPU's ``uint16`` for
+    bfloat16) come back in this platform's stored dtype. Nothing on disk changes."""
+    path = Path(path).absolute()
+    meta = _read_cache_meta(path)
+    try:
+        saved = meta["arrays"]
+        if not {"latent_store", "key_valid", "length"} <= set(saved):
+            raise KeyError(f"arrays {sorted(saved)} lack latent_store, key_valid or length")
+        statics = dict(
+            dtype=jnp.dtype(meta["dtype"]), kpool=int(meta["kpool"]), rotate_index=bool(meta["rotate_index"]),
+            latent_format=None if meta["latent_format"] is None else LatentFormat(**meta["latent_format"]),
+            index_format=None if meta["index_format"] is None else IndexFormat(**meta["index_format"]))
+        abstract = DsaCache(**{k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]))
+                               for k, v in saved.items()}, **statics)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"cache checkpoint {path}", [f"{META_FILE} does not describe a cache: {_short(e)}"]) \
+            from None
+    _check_axes(mesh, None, batch_axis, seq_axis)
+    if mesh is None:
+        shardings = {k: SingleDeviceSharding(jax.local_devices()[0]) for k in saved}
+    else:
+        if seq_axis is not None:
+            check_seq_split(abstract.max_length, abstract.kpool if abstract.has_indexer else 1,
+                            int(mesh.shape[seq_axis]), seq_axis)
+        if batch_axis is not None:
+            check_batch(abstract.batch_size, mesh, batch_axis, "the saved cache's batch")
+        shardings = _cache_arrays(cache_shardings(abstract, mesh, batch_axis, seq_axis))
+    target = {k: jax.ShapeDtypeStruct(tuple(v["shape"]), jnp.dtype(v["dtype"]), sharding=shardings[k])
+              for k, v in saved.items()}
+    where = f"cache checkpoint {path}"
+    try:
+        arrays = _restore_tree(path / CACHE_DIR, target)
+    except Exception as e:  # orbax / TensorStore raise plain Exceptions
+        raise CheckpointError(where, [f"{CACHE_DIR}/ cannot be read: {_short(e)}"]) from None
+    sums = meta.get("checksums", {})
+    got = _digest_report(arrays)[0]
+    problems = [f"{k}: digest {got[k]} does not match {sums.get(k)} recorded at save (the data files are "
+                "corrupted)" for k in sorted(got) if got[k] != sums.get(k)]
+    if problems:
+        raise CheckpointError(where, problems)
+    for k, float_dtype in (("latent_store", abstract.dtype), ("pooled_store", abstract.pooled_dtype)):
+        if k in arrays and arrays[k].dtype != store_dtype(float_dtype):  # another platform's stored form
+            arrays[k] = to_store(from_store(arrays[k], float_dtype), float_dtype, store_dtype(float_dtype))
+    return DsaCache(**arrays, **statics)

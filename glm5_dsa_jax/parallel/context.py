@@ -84,8 +84,9 @@ indexer's scoring and the attention are split by the pools and tokens a device h
 the projections by rows (above). No zig-zag split of a prefill's queries for the scoring
 and attention: each device scores every query of the chunk against its own pools. Not
 supported yet (``ValueError``): ``attention="dense"`` (the paged cache:
-``parallel.context_paged``, ``"xla"`` only). Untested: autodiff
-(under the Pallas and Mosaic implementations not possible: ``sparse_mla_partial`` has no
+``parallel.context_paged``, ``"xla"`` only). Autodiff: ``jax.grad`` of a chunk under
+``"xla"`` equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``);
+under the Pallas and Mosaic implementations not possible (``sparse_mla_partial`` has no
 gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every
 mesh, ``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded layer, and
 the decode step of GLM-5.3-Flash at cp 8 (tp 1 and 8) lowered for CUDA (``"pallas"``,
@@ -148,7 +149,7 @@ def merge_partials(out: jax.Array, lse: jax.Array, seq_axis: str) -> jax.Array:
     """The attention over every device's tokens from each device's part ``out [B, Q, H,
     V]`` and ``lse [B, Q, H]`` (``pk.sparse_mla_partial``), in float32, inside a
     ``shard_map`` over ``seq_axis``; zeros where no device holds a token of the row."""
-    m = jax.lax.pmax(lse, seq_axis)
+    m = jax.lax.pmax(jax.lax.stop_gradient(lse), seq_axis)  # a shift the result does not depend on
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m)  # 0 where this device holds none (lse = -inf)
     num = jax.lax.psum(out.astype(jnp.float32) * w[..., None], seq_axis)
