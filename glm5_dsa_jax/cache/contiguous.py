@@ -83,7 +83,7 @@ __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
     "default_stage_dtype", "latent_fp8_format", "index_fp8_format", "store_rows", "window_of", "stored_pools",
-    "scatter_rows",
+    "scatter_rows", "restored_cache",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -140,6 +140,8 @@ class DsaCache:
     #: The fields with a token (slot or pool) axis, axis 1: what a sequence axis splits
     #: (context parallelism, ``parallel.placement``); everything else is per row or scalar.
     TOKEN_AXIS_FIELDS = ("latent_store", "key_valid", "latent_scale", "pooled_store", "pool_valid", "pooled_scale")
+    #: The fields every cache has, with or without an indexer or fp8 (a saved cache's check).
+    REQUIRED_FIELDS = ("latent_store", "key_valid", "length")
 
     @property
     def stage_width(self) -> int:
@@ -422,6 +424,19 @@ def _replace(self, **updates) -> DsaCache:
 
 
 DsaCache.replace = _replace
+
+
+def restored_cache(arrays: dict, **statics) -> DsaCache:
+    """The ``DsaCache`` of its fields ``arrays`` (a checkpoint's, ``orbax_io.restore_cache``)
+    and static fields ``statics``, the latent and pooled rows in this platform's stored
+    dtype: another platform's stored form (a CPU keeps bfloat16 as ``uint16`` bits,
+    ``cpu_policy``) is converted, the values unchanged."""
+    probe = DsaCache(**arrays, **statics)
+    arrays = dict(arrays)
+    for k, float_dtype in (("latent_store", probe.dtype), ("pooled_store", probe.pooled_dtype)):
+        if arrays.get(k) is not None and arrays[k].dtype != store_dtype(float_dtype):
+            arrays[k] = to_store(from_store(arrays[k], float_dtype), float_dtype, store_dtype(float_dtype))
+    return DsaCache(**arrays, **statics)
 
 
 def check_fits(cache: DsaCache, s: int, length=None) -> None:

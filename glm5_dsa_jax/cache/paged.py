@@ -357,12 +357,16 @@ class PagedCache:
         return self.replace(pages=pages, status=status), Chunk(
             mask=mask, q_pos=q_pos, positions=q_pos, n_vis=q_pos + 1, fits=True, start=old)
 
-    def write_latent(self, latent: jax.Array, chunk: Chunk, page_offset=0) -> "PagedCache":
+    def write_latent(self, latent: jax.Array, chunk: Chunk) -> "PagedCache":
         """The chunk's latent rows ``[B, S, CR]`` written at their positions (``-1``: not
         written), through the (already reserved) block table; an fp8 cache quantises them
-        here, once, and writes their scales beside them. ``page_offset``: the first page
-        id this store holds (a shard of a pool split over a sequence axis,
-        ``parallel.context_paged``); rows on pages it does not hold are not written."""
+        here, once, and writes their scales beside them."""
+        return self.write_latent_held(latent, chunk, 0)
+
+    def write_latent_held(self, latent: jax.Array, chunk: Chunk, page_offset) -> "PagedCache":
+        """``write_latent`` into a store that holds pages ``page_offset ..`` only (a shard of
+        a pool split over a sequence axis, ``parallel.context_paged``): rows on pages it
+        does not hold are not written."""
         slots = token_slots(self.pages.block_table, chunk.q_pos, self.page_size)
         slots = _held_slots(slots, page_offset, self.page_size, self.num_pages)
         upd = {}
@@ -401,7 +405,12 @@ class PagedCache:
         return PoolWindow(win_keys, win_gate, valid, None, first_pool)
 
     def store_pools(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
-                    chunk: Chunk, page_offset=0) -> "PagedCache":
+                    chunk: Chunk) -> "PagedCache":
+        """``store_pools_held`` of the whole pool (``page_offset`` 0)."""
+        return self.store_pools_held(window, pooled, pooled_valid, chunk, 0)
+
+    def store_pools_held(self, window: PoolWindow, pooled: jax.Array, pooled_valid: jax.Array,
+                         chunk: Chunk, page_offset) -> "PagedCache":
         """Write the pools of the window that complete in this chunk (their last token is at
         a position below the new length) into their pages, once, and keep each row's last
         ``H`` entries (positions ``new - H .. new - 1``) of the stage's first ``H - KP``
@@ -409,7 +418,7 @@ class PagedCache:
 
         ``pooled [B, n, D]`` / ``pooled_valid [B, n]``: ``kpool_compress`` of the window from
         ``first_pool``; window pool ``q`` is the sequence's pool ``old // KP + q``.
-        ``page_offset`` as ``write_latent``'s (the stage is every shard's, written alike)."""
+        ``page_offset`` as ``write_latent_held``'s (the stage is every shard's, written alike)."""
         n_new = chunk.mask.sum(axis=1, dtype=jnp.int32)
         old_lengths = self.pages.lengths - n_new
         kp = self.kpool
@@ -444,6 +453,26 @@ class PagedCache:
         to the row's pool count)."""
         kp = self.kpool
         return visible_pools(q_pos, 0, kp, (self.pages.lengths // kp)[:, None])
+
+    def held_pool_keys(self, logical: jax.Array, local: jax.Array):
+        """The pooled keys of the pages a shard holds (``parallel.context_paged.held_pages``:
+        per sequence the logical pages ``logical [B, PGL]`` and their local page ids
+        ``local [B, PGL]``, ``-1`` after): keys ``[B, M = PGL * PPP, D]`` in the compute
+        dtype, their fp8 scales (or None), logical pool ids ``[B, M]`` (``-1``: none) and
+        validity (a complete pool of the sequence on a held page)."""
+        ppp = self.pools_per_page
+        b, pgl = local.shape
+        page = jnp.maximum(local, 0).reshape(-1)
+        keys = from_store(jnp.take(self.pooled_store, page, axis=0), self.pooled_dtype)
+        keys = keys.reshape(b, pgl * ppp, keys.shape[-1])
+        scale = None
+        if self.pooled_scale is not None:
+            g = self.pooled_scale.shape[2:]
+            scale = jnp.take(self.pooled_scale, page, axis=0).reshape((b, pgl * ppp) + g)
+        pool = (logical[..., None] * ppp + jnp.arange(ppp, dtype=jnp.int32)).reshape(b, -1)
+        pool = jnp.where(jnp.repeat(local >= 0, ppp, axis=1), pool, -1)
+        valid = (pool >= 0) & (pool < (self.lengths // self.kpool)[:, None])
+        return keys, scale, pool, valid
 
     def pool_keys(self) -> "PagedPoolKeys":
         """The pooled-key pages, block table and pool counts: ``index_scores_paged``' key source."""

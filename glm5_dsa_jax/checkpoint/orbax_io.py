@@ -66,10 +66,9 @@ from jax.sharding import SingleDeviceSharding
 from glm5_dsa_jax.checkpoint.assembly import (
     abstract_layer, check_dir, check_mesh, fill_layer, read_json, target_shardings, tree_get, tree_set,
 )
-from glm5_dsa_jax.cache.contiguous import DsaCache
+from glm5_dsa_jax.cache.contiguous import DsaCache, restored_cache
 from glm5_dsa_jax.cache.fp8 import IndexFormat, LatentFormat
 from glm5_dsa_jax.checkpoint.errors import CheckpointError
-from glm5_dsa_jax.cpu_policy import from_store, store_dtype, to_store
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.model.layer import DsaAttention
@@ -564,7 +563,7 @@ def save_cache(cache: DsaCache, path: str | os.PathLike, *, overwrite: bool = Fa
     ``TypeError`` for anything but a ``DsaCache`` (a paged sequence moves with
     ``PagedCache.export`` / ``load``), ``ValueError`` for a traced one, ``FileExistsError``
     as ``save_checkpoint``."""
-    if not isinstance(cache, DsaCache):
+    if not hasattr(cache, "TOKEN_AXIS_FIELDS"):  # the contiguous cache's (a paged one has page pools)
         raise TypeError(f"save_cache saves a DsaCache, got {type(cache).__name__} (a paged sequence moves "
                         "with PagedCache.export / load)")
     arrays = _cache_arrays(cache)
@@ -618,8 +617,8 @@ def restore_cache(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None
     meta = _read_cache_meta(path)
     try:
         saved = meta["arrays"]
-        if not {"latent_store", "key_valid", "length"} <= set(saved):
-            raise KeyError(f"arrays {sorted(saved)} lack latent_store, key_valid or length")
+        if not set(DsaCache.REQUIRED_FIELDS) <= set(saved):
+            raise KeyError(f"arrays {sorted(saved)} lack one of {DsaCache.REQUIRED_FIELDS}")
         statics = dict(
             dtype=jnp.dtype(meta["dtype"]), kpool=int(meta["kpool"]), rotate_index=bool(meta["rotate_index"]),
             latent_format=None if meta["latent_format"] is None else LatentFormat(**meta["latent_format"]),
@@ -652,7 +651,4 @@ def restore_cache(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None
                 "corrupted)" for k in sorted(got) if got[k] != sums.get(k)]
     if problems:
         raise CheckpointError(where, problems)
-    for k, float_dtype in (("latent_store", abstract.dtype), ("pooled_store", abstract.pooled_dtype)):
-        if k in arrays and arrays[k].dtype != store_dtype(float_dtype):  # another platform's stored form
-            arrays[k] = to_store(from_store(arrays[k], float_dtype), float_dtype, store_dtype(float_dtype))
-    return DsaCache(**arrays, **statics)
+    return restored_cache(arrays, **statics)  # another platform's stored form converted

@@ -29,7 +29,7 @@ Design (why it is this way):
   page ``j`` on device ``j % cp``, would bound it by ``pages_per_seq / cp``: not done.)
 * **Writes** land on the owner only: a prefill chunk's projections are split by rows
   (``context.row_split``: each device projects ``ceil(S / cp)`` rows, gathered once; ``o_proj``
-  the same) and ``PagedCache.write_latent`` / ``store_pools``
+  the same) and ``PagedCache.write_latent_held`` / ``store_pools_held``
   with ``page_offset = i * N/cp`` drop the rows of pages it does not hold.
 * **Selection** (a full layer): each device gathers, per sequence, the pages of its block
   table that it holds (at most ``PGL = min(pages_per_seq, N/cp)`` of them, in logical
@@ -79,7 +79,6 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.paged import token_slots
-from glm5_dsa_jax.cpu_policy import from_store
 from glm5_dsa_jax.parallel.context import held_ids, merge_candidates, merge_partials, row_split
 
 __all__ = ["forward", "held_pages", "check_supported", "PAGED_CP_IMPLEMENTATIONS"]
@@ -109,25 +108,6 @@ def held_pages(block_table: jax.Array, page_offset, n_local: int) -> tuple[jax.A
     order = jnp.argsort(local < 0, axis=1, stable=True)[:, :min(pg, n_local)]  # held first, in order
     local = jnp.take_along_axis(local, order, axis=1)
     return jnp.where(local >= 0, order, -1).astype(jnp.int32), local
-
-
-def _held_pool_keys(cache, logical, local):
-    """The pooled keys of the held pages ``[B, M = PGL * PPP, D]`` (compute dtype), their
-    fp8 scales (or None), logical pool ids ``[B, M]`` (``-1``: none) and validity (a
-    complete pool of the sequence on a held page)."""
-    ppp = cache.pools_per_page
-    b, pgl = local.shape
-    page = jnp.maximum(local, 0).reshape(-1)
-    keys = from_store(jnp.take(cache.pooled_store, page, axis=0), cache.pooled_dtype)
-    keys = keys.reshape(b, pgl * ppp, keys.shape[-1])
-    scale = None
-    if cache.pooled_scale is not None:
-        g = cache.pooled_scale.shape[2:]
-        scale = jnp.take(cache.pooled_scale, page, axis=0).reshape((b, pgl * ppp) + g)
-    pool = (logical[..., None] * ppp + jnp.arange(ppp, dtype=jnp.int32)).reshape(b, -1)
-    pool = jnp.where(jnp.repeat(local >= 0, ppp, axis=1), pool, -1)
-    valid = (pool >= 0) & (pool < (cache.lengths // cache.kpool)[:, None])
-    return keys, scale, pool, valid
 
 
 def _select(cache, held, qi, w, q_pos, select_k, kpool, seq_axis):
@@ -175,7 +155,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
     q_resid, q_lat, latent = layer.project(x_mine, rope_mine)
     idx = None if layer.indexer is None else layer.indexer.project(x_mine, q_resid, rope_mine)
     q_lat, latent, idx = gathered((q_lat, latent, idx))
-    cache = cache.write_latent(latent, chunk, page_offset=page_off)
+    cache = cache.write_latent_held(latent, chunk, page_off)
     rows, row_scale = cache.attention_rows()
 
     def attend(q_lat, token_ids):  # this shard's part, merged over the sequence axis
@@ -193,10 +173,10 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
                                                         layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
                                                         implementation="xla")
-            cache = cache.store_pools(win, pooled, pooled_valid, chunk, page_offset=page_off)
+            cache = cache.store_pools_held(win, pooled, pooled_valid, chunk, page_off)
         qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(cache.max_pools)
-        held = _held_pool_keys(cache, *held_pages(cache.block_table, page_off, n_loc))
+        held = cache.held_pool_keys(*held_pages(cache.block_table, page_off, n_loc))
 
         def tile(q_lat, q_pos, qi, w, n_vis):
             pools = _select(cache, held, qi, w, q_pos, select_k, kp, seq_axis)
