@@ -87,7 +87,8 @@ def streaming_topk(
     n_pools: int,
     select_k: int,
     rows: tuple[int, ...],
-) -> jax.Array:
+    with_keys: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The ``select_k`` (``K``) best pools of rows whose scores come in tiles.
 
     Args:
@@ -100,9 +101,13 @@ def streaming_topk(
       n_pools: ``P``, the row length.
       select_k: pools to keep per row.
       rows: the leading shape of a score tile (``(B, Q)``).
+      with_keys: also return each chosen pool's ``order_key`` of its score.
 
     Returns:
-      ``[*rows, K]`` int32 pool ids, ascending, ``-1`` after the last.
+      ``[*rows, K]`` int32 pool ids, ascending, ``-1`` after the last; with ``with_keys``
+      ``(ids, keys)``, ``keys [*rows, K]`` int32 the ids' ``order_key`` (``NEG_INF_KEY``
+      where the id is ``-1``): what a merge of several rows' candidates ranks by
+      (``glm5_dsa_jax.parallel.context``).
 
     No gradient: the selection is discrete. ``operands`` enter through
     ``jax.lax.stop_gradient``, so under ``jax.grad`` / ``jax.jvp`` no tangent enters the loop
@@ -114,7 +119,8 @@ def streaming_topk(
     if not 0 <= select_k <= n_pools:
         raise ValueError(f"select_k must be in [0, P={n_pools}], got {select_k}")
     if select_k == 0:
-        return jnp.zeros(rows + (0,), jnp.int32)
+        empty = jnp.zeros(rows + (0,), jnp.int32)
+        return (empty, empty) if with_keys else empty
     cond, body = _loop(tile_scores, tile, n_pools, select_k)
     init = (
         jnp.zeros((), jnp.int32),
@@ -123,4 +129,5 @@ def streaming_topk(
         jnp.full(rows + (select_k,), -1, jnp.int32),
         tuple(operands),
     )
-    return jax.lax.while_loop(cond, body, init)[3]
+    _, _, keys, ids, _ = jax.lax.while_loop(cond, body, init)
+    return (ids, keys) if with_keys else ids

@@ -56,3 +56,19 @@ def test_reads_only_live_tiles():
     assert streaming_topk(_slice_scores, ops, jnp.int32(1), **kw).tolist() == [[0, 3]]
     assert streaming_topk(_slice_scores, ops, jnp.int32(2), **kw).tolist() == [[4, 5]]
     assert streaming_topk(_slice_scores, ops, jnp.int32(0), **kw).tolist() == [[-1, -1]]
+
+
+def test_with_keys_returns_the_ids_order_keys():
+    """``with_keys``: the chosen ids' ``order_key`` of their scores (``NEG_INF_KEY`` where the
+    id is ``-1``), what context parallelism's candidate merge ranks by; the ids unchanged."""
+    from pallas_kernels._order_key import NEG_INF_KEY, order_key
+
+    scores = jnp.asarray([[3.0, -0.0, 2.0, 5.0, -np.inf, 9.0, 1.0, 9.0], [-np.inf] * 6 + [1.0, -2.0]])
+    ops = (scores, jnp.zeros((3,)))
+    kw = dict(tile=3, n_pools=8, select_k=4, rows=(2,))
+    ids, keys = streaming_topk(_slice_scores, ops, jnp.int32(3), with_keys=True, **kw)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(streaming_topk(_slice_scores, ops, jnp.int32(3), **kw)))
+    assert ids.tolist() == [[0, 3, 5, 7], [6, 7, -1, -1]]
+    want = np.where(np.asarray(ids) >= 0,
+                    np.asarray(order_key(jnp.take_along_axis(scores, jnp.maximum(ids, 0), axis=1))), NEG_INF_KEY)
+    np.testing.assert_array_equal(np.asarray(keys), want)

@@ -64,6 +64,8 @@ CPU the e4m3 buffers hold their bits as ``uint8``, for the reason 16-bit ones ho
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -83,7 +85,7 @@ __all__ = [
     "DsaCache", "init_cache", "CACHE_DTYPES", "ContiguousPoolKeys", "append_rows", "write_rows",
     "write_pools", "visible_pools", "live_pool_tiles", "check_fits", "check_cache_dtype",
     "default_stage_dtype", "latent_fp8_format", "index_fp8_format", "store_rows", "window_of", "stored_pools",
-    "scatter_rows", "restored_cache",
+    "scatter_rows", "restored_cache", "gathered_pools", "pool_row_bytes",
 ]
 
 #: The dtypes ``init_cache`` accepts for the latent and pooled-key buffers (``"fp8"`` is an
@@ -396,6 +398,35 @@ def stored_pools(cache: DsaCache, window: PoolWindow, pooled: jax.Array, pooled_
         stage_valid=staged(cache.stage_valid, window.valid),
         first_key=jnp.where(fits, first_key, cache.first_key),
     )
+
+
+#: The pool fields (token axis 1, pools) a sequence axis splits; ``gathered_pools`` joins them.
+POOL_FIELDS = ("pooled_store", "pool_valid", "pooled_scale")
+
+
+def gathered_pools(cache: DsaCache, seq_axis: str) -> DsaCache:
+    """Inside a ``shard_map`` over ``seq_axis`` whose shards each hold a contiguous range of
+    the pools (context parallelism, ``parallel.context``): ``cache`` with its pool fields
+    (``POOL_FIELDS``: the pooled keys as stored, their validity, an fp8 cache's scales)
+    all-gathered in shard order, i.e. every pool of the timeline as the unsharded cache
+    holds them, bit for bit, with ``first_key`` (replicated) as its grid's origin. A view for
+    the selection only (``pool_keys``, ``live_pools``; the layer's ``choose_pools``): the
+    latent fields stay this shard's. Bytes in per device: ``(cp - 1) / cp`` of the pool
+    fields (a pool: ``D`` stored values, a flag, and a scale or ``G`` of them)."""
+    return cache.replace(**{
+        f: jax.lax.all_gather(getattr(cache, f), seq_axis, axis=1, tiled=True)
+        for f in POOL_FIELDS if getattr(cache, f) is not None})
+
+
+def pool_row_bytes(cache: DsaCache) -> int:
+    """Bytes of one pool in the pool fields (``POOL_FIELDS``, as stored): what a pool costs
+    to send (``gathered_pools``)."""
+    total = 0
+    for f in POOL_FIELDS:
+        a = getattr(cache, f)
+        if a is not None:
+            total += a.dtype.itemsize * math.prod(a.shape[2:])
+    return total
 
 
 def store_rows(cache, updates: dict) -> dict:

@@ -606,7 +606,7 @@ class DsaAttention(nnx.Module):
                 return self._indexer_kernel(pk.topk_pools, scores, select_k)
             return self._indexer_kernel(pk.topk_pools, scores, select_k, n_live=n_live)
 
-    def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
+    def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int, stream: bool = False) -> jax.Array:
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
         candidate, ascending (``all_pools``, exactly ``topk_pools``' ids). When every
@@ -614,14 +614,14 @@ class DsaAttention(nnx.Module):
         one program, whichever side rows are on); otherwise the tile is scored and the
         short queries still take those ids. Scoring is ``score_and_select`` where ``"xla"``
         reads the live pools only (a decode step; every tile where the cache says so,
-        ``STREAM_PREFILL``), else ``select_pools`` of ``score_pools`` bounded by the cache's
-        ``live_pools``."""
+        ``STREAM_PREFILL``, or the caller: ``stream``), else ``select_pools`` of
+        ``score_pools`` bounded by the cache's ``live_pools``."""
         n_live = cache.live_pools(q_pos)
         short = n_live <= select_k
         every = self.all_pools(cache, q_pos, select_k)
 
         def scored():
-            if self.implementation == "xla" and (cache.STREAM_PREFILL or q_pos.shape[1] == 1):
+            if self.implementation == "xla" and (stream or cache.STREAM_PREFILL or q_pos.shape[1] == 1):
                 pools = self.score_and_select(qi, w, cache, q_pos, select_k)
             else:
                 pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)

@@ -28,7 +28,23 @@ read token-axis state done per shard and merged:
   (``contiguous.scatter_rows``, ``contiguous.stored_pools``); the replicated bookkeeping (``length``,
   the incomplete pool's stage, ``first_key``, ``n_valid``) is computed identically on
   every device, so it stays replicated without a collective.
-* **Selection** (a full layer): each device scores the pools it holds
+* **Selection** (a full layer), by the key split or the query split, whichever sends fewer
+  bytes (``splits_queries``, from static shapes: a decode step and a short chunk the key
+  split, a long prefill chunk the query split); both give the unsharded layer's ids bit
+  for bit.
+
+  *Query split* (``_select_split``): the pool fields are all-gathered once
+  (``contiguous.gathered_pools``: the pooled keys, 128 values a pool, are exchanged, not
+  recomputed from the latent rows), and each device runs the unsharded layer's own
+  ``choose_pools`` (its short-context path, its kernels, under ``"xla"`` streamed over pool
+  tiles: ``stream=True``) for its rows of the chunk in the zig-zag order (``zigzag_split``:
+  ``2 cp`` blocks, device ``i`` taking blocks ``i`` and ``2 cp - 1 - i``, so the causal work
+  of early and late rows is shared evenly); the chosen ids are all-gathered. Bytes in per
+  device: ``(cp - 1) / cp`` of ``P`` pools (``D`` stored values, a flag and any fp8 scale
+  each) and of ``S * select_k * 4``. No device builds a ``[queries, pools]`` score matrix
+  (a ``block_q`` tile of queries times a pool tile at a time).
+
+  *Key split* (``_select``): each device scores the pools it holds
   (``pk.index_scores`` over its range, whose pool grid starts ``i * P/cp`` pools after
   ``first_key``: the same candidate rule and the same per-pool arithmetic as the whole
   row's) and keeps its best ``K' = min(select_k, P/cp)`` by ``pk.topk_pools``; the
@@ -70,8 +86,9 @@ implementation. The live bound per shard: the Triton and Mosaic scoring kernels 
 past the pools its queries can see (the shard's pool grid starts ``pool_off`` pools after
 ``first_key``), and their top-k reads only the shard's visible pools (``n_live`` cut to the
 shard's range), so a shard past the live tokens costs one empty pass. The ``"xla"`` path
-scores and selects over all ``P/cp`` pools of the shard (the unsharded layer's streaming
-top-k over live tiles is not used per shard).
+runs the unsharded layer's streaming top-k per shard (``pk.streaming_topk`` over the live
+pool tiles of the shard's grid, ``with_keys`` for the candidates' order keys): a shard
+reads the pools its queries can see, ``[Q, Hi, tile]`` scores at a time.
 
 Supported here (the first slices of issue 27): the contiguous cache, every implementation
 above, float and fp8 caches (rows quantised as ``append_rows`` does, each shard writing its
@@ -81,8 +98,11 @@ compilation per chunk length; ``rollback`` through it). A chunk's queries are re
 over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``, as
 in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time, so the
 indexer's scoring and the attention are split by the pools and tokens a device holds, and
-the projections by rows (above). No zig-zag split of a prefill's queries for the scoring
-and attention: each device scores every query of the chunk against its own pools. Not
+the projections by rows (above), a long chunk's selection by zig-zag rows (the query split),
+the attention by the tokens each device holds (every device attends every query of the
+chunk over its own rows: a chunk's absorbed queries are on every device). Peak memory per
+device against the unsharded prefill: docs/parallelism.md (XLA's memory analysis at 1M
+tokens). Not
 supported yet (``ValueError``): ``attention="dense"`` (the paged cache:
 ``parallel.context_paged``, ``"xla"`` only). Autodiff: ``jax.grad`` of a chunk under
 ``"xla"`` equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``);
@@ -100,12 +120,13 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from glm5_dsa_jax.cache.contiguous import scatter_rows, stored_pools, window_of
+from glm5_dsa_jax.cache.contiguous import (gathered_pools, live_pool_tiles, pool_row_bytes, scatter_rows,
+                                           stored_pools, window_of)
 from glm5_dsa_jax.cache.fp8 import index_queries
-from glm5_dsa_jax.cache.interface import Chunk
+from glm5_dsa_jax.cache.interface import Chunk, tile_scorer
 
-__all__ = ["forward", "merge_candidates", "merge_partials", "held_ids", "row_split", "check_supported",
-           "CP_IMPLEMENTATIONS"]
+__all__ = ["forward", "merge_candidates", "merge_partials", "held_ids", "row_split", "zigzag_split",
+           "splits_queries", "check_supported", "CP_IMPLEMENTATIONS"]
 
 #: The implementations a context-parallel layer runs: every one a layer holds (``"auto"`` is
 #: resolved when the layer is built). Each step of a shard runs the layer's own kernel.
@@ -182,26 +203,68 @@ def _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis):
     """The merged global top-``select_k`` pool ids ``[B, Q, select_k]`` (module doc)."""
     kp = layer.cfg.index_kpool
     p_loc = cache.max_pools  # this shard's
+    k_loc = min(select_k, p_loc)
+    if layer.implementation == "xla":  # the unsharded layer's streaming top-k over the live tiles
+        with jax.named_scope("select_pools"):
+            shard = cache.replace(first_key=cache.first_key + pool_off * kp)  # its grid from its first pool
+            tile = layer.pool_tile(qi.shape, p_loc)
+            local, key = pk.streaming_topk(tile_scorer(tile, kp), (qi, w, q_pos, shard.pool_keys()),
+                                           live_pool_tiles(shard.live_pools(q_pos), tile), tile=tile,
+                                           n_pools=p_loc, select_k=k_loc, rows=q_pos.shape, with_keys=True)
+            return _merged(key, local, pool_off, select_k, seq_axis)
     source = cache.pool_keys()
     keys, valid, first_key = source.operands()
     with jax.named_scope("score_pools"):  # this shard's pool grid starts pool_off pools in
         scores = pk.index_scores(qi, w, keys, valid, first_key + pool_off * kp, q_pos, source.scale,
                                  kpool=kp, implementation=layer.implementation)
     with jax.named_scope("select_pools"):
-        k_loc = min(select_k, p_loc)
         # The pools of this shard each query can see (its live bound: a Pallas top-k reads
         # no further, so a shard past the live tokens costs one empty pass, not P/cp pools).
-        n_live = None
-        if layer.implementation != "xla":
-            seen = jnp.maximum(q_pos - first_key[:, None] + 1, 0) // kp
-            n_live = jnp.clip(seen - pool_off, 0, p_loc).astype(jnp.int32)
+        seen = jnp.maximum(q_pos - first_key[:, None] + 1, 0) // kp
+        n_live = jnp.clip(seen - pool_off, 0, p_loc).astype(jnp.int32)
         local = pk.topk_pools(scores, k_loc, implementation=layer.implementation, n_live=n_live)
         key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
-        key = jnp.where(local >= 0, key, _neg_inf_key())
-        ids = jnp.where(local >= 0, local + pool_off, -1)
-        all_keys = jax.lax.all_gather(key, seq_axis, axis=2, tiled=True)  # [B, Q, cp * K']
-        all_ids = jax.lax.all_gather(ids, seq_axis, axis=2, tiled=True)
-        return merge_candidates(all_keys, all_ids, select_k)
+        return _merged(jnp.where(local >= 0, key, _neg_inf_key()), local, pool_off, select_k, seq_axis)
+
+
+def _merged(key, local, pool_off, select_k, seq_axis):
+    """The key split's merge: this shard's candidates (order keys ``key`` of its local pool
+    ids ``local``, ``-1``: none) all-gathered over ``seq_axis`` with their global ids and
+    merged (``merge_candidates``)."""
+    ids = jnp.where(local >= 0, local + pool_off, -1)
+    all_keys = jax.lax.all_gather(key, seq_axis, axis=2, tiled=True)  # [B, Q, cp * K']
+    all_ids = jax.lax.all_gather(ids, seq_axis, axis=2, tiled=True)
+    return merge_candidates(all_keys, all_ids, select_k)
+
+
+def splits_queries(s: int, cp: int, select_k: int, p_loc: int, pool_bytes: int) -> bool:
+    """Whether a chunk of ``s`` queries selects by the query split (``_select_split``: the
+    pools gathered, each device selecting for its ``s / cp`` rows) rather than the key split
+    (``_select``: each device's candidates merged): when it sends fewer bytes. Per device,
+    the split receives ``(cp - 1)`` shards of ``p_loc`` pools of ``pool_bytes`` each and its
+    ``s * select_k`` ids' ``(cp - 1) / cp``; the key split ``(cp - 1)`` shards of ``s * K'``
+    candidates of 8 bytes. So a decode step (``s = 1``) or a short verify chunk never
+    splits (its bytes stay independent of the context) and a long prefill chunk does."""
+    if s == 1 or cp == 1:
+        return False
+    k_loc = min(select_k, p_loc)
+    return p_loc * pool_bytes + s * select_k * 4 / cp <= s * k_loc * 8
+
+
+def _select_split(layer, full, qi, w, q_pos, select_k, cp, shard, seq_axis):
+    """The query split of a chunk's selection (module doc): ``[B, S, select_k]`` pool ids,
+    each device running the unsharded layer's own ``choose_pools`` (every implementation,
+    its short-context path, its streaming ``"xla"`` top-k) for its zig-zag rows of the
+    chunk over ``full`` (``gathered_pools``: every pool of the timeline), in ``block_q``
+    tiles, then the ids all-gathered. The unsharded layer's ids bit for bit: the same
+    code on the same pools for each query."""
+    rows_of, gathered = zigzag_split(q_pos.shape[1], cp, shard, seq_axis)
+
+    def tile(qi, w, q_pos):
+        return layer.choose_pools(qi, w, full, q_pos, select_k, stream=True)
+
+    mine = layer.by_query_tiles(tile, layer.block_q, (rows_of(qi), 0), (rows_of(w), 0), (rows_of(q_pos, -1), -1))
+    return gathered(mine)
 
 
 def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=None, seq_axis: str,
@@ -260,9 +323,14 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             cache = stored_pools(cache, win, pooled, pooled_valid, chunk, max_pools=n_pools, pool_offset=pool_off)
         qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(n_pools)
+        chosen = None
+        if splits_queries(s, cp, select_k, p_loc, pool_row_bytes(cache)):
+            chosen = _select_split(layer, gathered_pools(cache, seq_axis), qi, w, chunk.q_pos, select_k, cp, shard,
+                                   seq_axis)
 
-        def tile(q_lat, q_pos, qi, w, n_vis):
-            pools = _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis)
+        def tile(q_lat, q_pos, qi, w, n_vis, pools):
+            if chosen is None:
+                pools = _select(layer, cache, qi, w, q_pos, select_k, pool_off, seq_axis)
             with jax.named_scope("expand_to_tokens"):
                 tail = _tail(cache, pools, n_vis, q_pos, kp, length, tok_off, seq_axis) if cfg.tail_width else None
                 token_ids = pk.expand_selection(pools, cache.first_key, tail, kpool=kp, out_width=cfg.out_width,
@@ -270,8 +338,9 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             return token_ids, attend(q_lat, token_ids)
 
+        pools = chosen if chosen is not None else jnp.zeros((b, s, 0), jnp.int32)  # unused without the split
         topk, o_lat = layer.by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                     (chunk.n_vis, 0))
+                                           (chunk.n_vis, 0), (pools, -1))
     else:
         topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
         _, o_lat = layer.by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
@@ -299,3 +368,29 @@ def row_split(s: int, cp: int, shard, seq_axis: str):
         return jax.tree.map(lambda a: jax.lax.all_gather(a, seq_axis, axis=1, tiled=True)[:, :s], tree)
 
     return rows_of, gathered
+
+
+def zigzag_split(s: int, cp: int, shard, seq_axis: str):
+    """``(rows_of, gathered)`` as ``row_split``'s, with the zig-zag assignment of rows: the
+    chunk (padded to ``2 * cp * m`` rows, ``m = ceil(s / (2 cp))``) cut into ``2 cp``
+    blocks of ``m``, device ``i`` taking blocks ``i`` and ``2 cp - 1 - i``. A query's
+    causal work grows with its row, so each device gets an early and a late block: equal
+    work to a block's difference. ``rows_of(a, fill=0)`` pads with ``fill`` (``-1`` for a
+    query position: a padding query); ``gathered`` joins every device's rows back in row
+    order (one ``all_gather``)."""
+    m = -(-s // (2 * cp))
+
+    def rows_of(a, fill=0):
+        a = jnp.pad(a, [(0, 0), (0, 2 * cp * m - s)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        early = jax.lax.dynamic_slice_in_dim(a, shard * m, m, axis=1)
+        late = jax.lax.dynamic_slice_in_dim(a, (2 * cp - 1 - shard) * m, m, axis=1)
+        return jnp.concatenate([early, late], axis=1)
+
+    def join(a):  # [B, 2m, ...] on each device -> [B, s, ...]
+        g = jax.lax.all_gather(a, seq_axis, axis=0)  # [cp, B, 2m, ...]
+        early = jnp.moveaxis(g[:, :, :m], 0, 1)  # blocks 0 .. cp-1
+        late = jnp.moveaxis(g[::-1, :, m:], 0, 1)  # blocks cp .. 2cp-1
+        both = jnp.concatenate([early, late], axis=1)  # [B, 2cp, m, ...]
+        return both.reshape((both.shape[0], 2 * cp * m) + both.shape[3:])[:, :s]
+
+    return rows_of, lambda tree: jax.tree.map(join, tree)
