@@ -1,14 +1,15 @@
 """Peak memory per device of a prefill chunk under context parallelism, against the unsharded
 layer: XLA's memory analysis of the compiled step, no run.
 
-``python -m glm5_dsa_jax.tools.cp_memory --context 1048576 --chunk 4096 --cp 1,2,8`` compiles
+``prefill_memory`` (and ``python scripts/cp_prefill_memory.py --context 1048576 --chunk 4096
+--cp 1,2,8``, which prints its rows) compiles
 ``make_step``'s jitted call of one DSA layer (GLM-5.3-Flash by default, bf16 weights and
 cache, one sequence, ``"xla"``) for a ``chunk``-token prefill chunk on a cache of
 ``context`` slots, once per ``cp``: ``cp = 1`` the unsharded layer on one device, else the
 layer placed by ``shard_layer(..., axis="tp", seq_axis="cp")`` on a ``(cp, 1)`` mesh with its
 cache split over ``cp``. Everything is abstract (``nnx.eval_shape``, ``ShapeDtypeStruct``
 inputs carrying their shardings), so a 1M-token cache costs no host memory; on a CPU host the
-``cp`` devices are virtual (``cli.host.need_devices``).
+``cp`` devices are virtual (the script makes them: ``cli.host.need_devices``).
 
 Per row, per device (the partitioned program's): ``argument_bytes`` (the weights and the
 cache shard), ``output_bytes``, ``temp_bytes`` (XLA's temporaries: the score tiles, the
@@ -20,31 +21,31 @@ projections, ``cpu_policy``); docs/parallelism.md quotes one run.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 
-__all__ = ["prefill_memory", "main"]
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from glm5_dsa_jax.cache.contiguous import init_cache, pool_row_bytes
+from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.model.layer import DsaAttention
+from glm5_dsa_jax.parallel import context as cpx
+from glm5_dsa_jax.parallel import sharding as sh
+from glm5_dsa_jax.parallel.placement import Placement
+
+__all__ = ["prefill_memory"]
 
 
 def prefill_memory(config, context: int, chunk: int, cp: int, devices=None) -> dict:
     """The memory analysis (module doc) of a ``chunk``-token prefill chunk of ``config``'s
     first DSA layer on a ``context``-slot cache, unsharded (``cp = 1``) or split over ``cp``
-    of ``devices`` (default ``jax.devices()``)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-    import glm5_dsa_jax as gd
-    from glm5_dsa_jax.cache.contiguous import pool_row_bytes
-    from glm5_dsa_jax.parallel import context as cpx
-    from glm5_dsa_jax.parallel import sharding as sh
-    from glm5_dsa_jax.parallel.placement import Placement
-
+    of ``devices`` (default ``jax.devices()``): ``{"context", "chunk", "cp",
+    "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "selection"}``."""
     idx = next(i for i in config.dsa_layers if config.has_indexer(i))
-    layer = nnx.eval_shape(lambda: gd.DsaAttention(config, idx, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
-    cache = jax.eval_shape(lambda: gd.init_cache(config, 1, context, has_indexer=True, dtype=jnp.bfloat16))
+    layer = nnx.eval_shape(lambda: DsaAttention(config, idx, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
+    cache = jax.eval_shape(lambda: init_cache(config, 1, context, has_indexer=True, dtype=jnp.bfloat16))
     placed = contextlib.nullcontext()
     kw = {}
     if cp > 1:
@@ -55,7 +56,7 @@ def prefill_memory(config, context: int, chunk: int, cp: int, devices=None) -> d
                              sh.cache_shardings(cache, mesh, None, "cp"))
         kw = dict(sharding=NamedSharding(mesh, P()))
         placed = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-    step, params = gd.make_step(layer)
+    step, params = make_step(layer)
     if cp > 1:
         shardings = sh.param_shardings(layer)
 
@@ -75,35 +76,3 @@ def prefill_memory(config, context: int, chunk: int, cp: int, devices=None) -> d
                 output_bytes=int(ma.output_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
                 alias_bytes=int(ma.alias_size_in_bytes),
                 selection="unsharded" if cp == 1 else ("query split" if split else "key split"))
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m glm5_dsa_jax.tools.cp_memory", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="glm53-flash")
-    p.add_argument("--context", type=int, default=1 << 20, help="cache slots per sequence")
-    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk tokens")
-    p.add_argument("--cp", default="1,2,8", help="comma-separated sequence-axis sizes (1: unsharded)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = p.parse_args(argv)
-    cps = [int(c) for c in args.cp.split(",")]
-    from glm5_dsa_jax.cli.host import need_devices
-
-    devices = need_devices(max(cps), "--cp")
-    import glm5_dsa_jax as gd
-
-    config = gd.DsaConfig.preset(args.preset)
-    rows = [prefill_memory(config, args.context, args.chunk, cp, devices) for cp in cps]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    mib = 1 << 20
-    print(f"{args.preset}: a {args.chunk}-token prefill chunk on a {args.context}-slot bf16 cache, per device (MiB)")
-    print(f"{'cp':>3} {'arguments':>10} {'outputs':>9} {'temps':>9} {'aliased':>8}  selection")
-    for r in rows:
-        print(f"{r['cp']:>3} {r['argument_bytes'] / mib:>10.1f} {r['output_bytes'] / mib:>9.1f} "
-              f"{r['temp_bytes'] / mib:>9.1f} {r['alias_bytes'] / mib:>8.1f}  {r['selection']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
