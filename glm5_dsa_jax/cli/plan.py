@@ -28,7 +28,7 @@ import sys
 
 from glm5_dsa_jax.cli.args import UsageError, check_context, nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
-from glm5_dsa_jax.tools.memory_plan import MemoryPlan, check_paged_cp
+from glm5_dsa_jax.tools.memory_plan import MemoryPlan, check_cp_pages
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
 
 #: Cache dtypes the memory table compares.
@@ -164,7 +164,7 @@ def check_cp(cp: int, context: int, cfg, seqs: int | None = None, page_size: int
             f"pools); e.g. --context {context // unit * unit:,}")
     if cp > 1 and seqs is not None:
         try:
-            check_paged_cp(seqs, context, page_size, cp)
+            check_cp_pages(seqs, context, page_size, cp)
         except ValueError as e:
             raise UsageError(f"--cp {cp}: {e}; change --batch, --context or --page-size") from None
 

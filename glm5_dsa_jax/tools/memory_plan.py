@@ -57,7 +57,7 @@ from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, TpPlan
 
-__all__ = ["cache_bytes", "cache_parts", "paged_parts", "check_paged_cp", "MemoryPlan", "CACHE_KINDS",
+__all__ = ["cache_bytes", "cache_parts", "paged_parts", "check_cp_pages", "MemoryPlan", "CACHE_KINDS",
            "CP_CACHE_KINDS"]
 
 #: Cache kinds ``MemoryPlan`` sizes (the ``init_cache`` / ``init_paged_cache`` caches).
@@ -90,7 +90,7 @@ def _paged_shapes(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context
                                                    has_indexer=cfg.has_indexer(layer_idx), dtype=dtype))
 
 
-def check_paged_cp(seqs: int, context: int, page_size: int, cp: int) -> None:
+def check_cp_pages(seqs: int, context: int, page_size: int, cp: int) -> None:
     """``ValueError`` unless the ``seqs * ceil(context / page_size)`` pages of a paged cache
     for ``seqs`` sequences of ``context`` tokens split into ``cp`` blocks of whole pages."""
     pages = math.ceil(context / page_size)
@@ -134,7 +134,7 @@ def cache_bytes(cfg: DsaConfig, layer_idx: int, kind: str, dtype: str, seqs: int
         raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
     if kind == "paged":
         if cp != 1:
-            check_paged_cp(seqs, context, page_size, cp)
+            check_cp_pages(seqs, context, page_size, cp)
         pools, other = paged_parts(cfg, layer_idx, dtype, seqs, context, page_size)
         return pools // cp + other
     token, other = cache_parts(cfg, layer_idx, dtype, seqs, context)
