@@ -462,5 +462,12 @@ def test_notebook_runs(tmp_path, monkeypatch):
     assert re.search(r"\n +6 +3 +0 +48 - +63 12 - 15 +0 +[\d,]+ B", text), "device 6: slots 48-63, pools 12-15"
     m = re.search(r"per device: ([\d,]+) B of cache at cp 4 against ([\d,]+) B at cp 1", text)
     assert m and 3 < int(m.group(2).replace(",", "")) / int(m.group(1).replace(",", "")) < 4, m
+    # 9. the paged cache under cp: equal to unsharded; the pages round-robin over the cp devices.
+    assert "paged cache, cp=4 x tp=2: top-k equal to unsharded: True" in text
+    assert re.search(r"\n +0 +1 +8-15 +4 +1\n", text), "sequence 0's logical page 1: physical page 4 on cp device 1"
+    assert re.search(r"\n +1 +4 +32-34 +6 +1\n", text), "sequence 1's last page: physical page 6 on cp device 1"
+    assert "pages taken per cp device: [3, 3, 2, 2] of 4 each" in text
+    m = re.search(r"per device: ([\d,]+) B of paged cache at cp 4 against ([\d,]+) B at cp 1", text)
+    assert m and 2 < int(m.group(2).replace(",", "")) / int(m.group(1).replace(",", "")) < 4, m
     code = "".join(c.source for c in nb.cells if c.cell_type == "code")
     assert not re.search(r"\._[a-z]", code), "the notebook reaches a private name"

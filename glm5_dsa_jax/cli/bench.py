@@ -35,9 +35,10 @@ def add_parser(sub) -> None:
         "per batch size; print the median step time against its floor, the larger of the bytes it "
         "must read over the measured read bandwidth and the FLOPs it must do over the measured "
         "matmul rate (what each row measures: glm5_dsa_jax.tools.bench). Progress lines go to stdout, or to stderr with "
-        "--json. With --cp N: instead, the sparse step with its contiguous cache split over N devices "
-        "(shard_layer(..., seq_axis='cp'); virtual CPU devices on a CPU host) against the same step on "
-        "one device, with per-device cache, read and crossing bytes (glm5_dsa_jax.tools.bench_cp).")
+        "--json. With --cp N: instead, the sparse step with its cache (--cache contiguous: token rows and "
+        "pools; --cache paged: page pools) split over N devices (shard_layer(..., seq_axis='cp'); virtual "
+        "CPU devices on a CPU host) against the same step on one device, with per-device cache, read and "
+        "crossing bytes (glm5_dsa_jax.tools.bench_cp).")
     d.add_argument("--contexts", type=positive_int_list, default="4096,16384,65536,131072",
                    help="comma-separated cache lengths in tokens; the largest plus the timed steps "
                         "must fit the preset's max_position_embeddings")
@@ -61,9 +62,9 @@ def add_parser(sub) -> None:
                    help="the sparse rows' cache dtype (default: the layer's, bfloat16); the dense "
                         "rows keep bfloat16")
     d.add_argument("--cp", type=positive_int, default=1, metavar="N",
-                   help="context parallelism: time the sparse step with the cache split over N devices "
-                        "against cp 1 instead (contiguous cache, --implementation xla only; N virtual "
-                        "CPU devices on a CPU host)")
+                   help="context parallelism: time the sparse step with the cache (contiguous or paged: "
+                        "--cache) split over N devices against cp 1 instead (--implementation xla only; "
+                        "N virtual CPU devices on a CPU host)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=main, prog=d.prog)
     _add_train_parser(benchmarks)
@@ -117,31 +118,30 @@ def check(args) -> None:
 
 
 def check_cp(args) -> None:
-    """``UsageError`` for what ``--cp`` cannot run yet (context parallelism's first slice)."""
+    """``UsageError`` for what ``--cp`` cannot run: a Pallas implementation, ``--capacity``."""
     if args.cp == 1:
         return
-    if args.cache != "contiguous":
-        raise UsageError(f"--cp {args.cp} needs --cache contiguous: the bench does not time a "
-                         f"{args.cache} cache under cp yet")
     if args.implementation != "xla":
         raise UsageError(f"--cp {args.cp} needs --implementation xla: the cp bench times the "
                          f"xla layer only, not {args.implementation} (the layer runs it per shard)")
     if args.capacity is not None:
         raise UsageError(f"--capacity does not go with --cp {args.cp}: the cp run sizes both caches itself "
-                         "(the default capacity rounded up to a multiple of cp x index_kpool)")
+                         "(the default capacity rounded up to a multiple of cp x index_kpool, or of cp x "
+                         f"{bench.PAGE_SIZE}-token pages for --cache paged)")
 
 
 def main_cp(args, log) -> int:
     """``--cp N``: ``bench_cp.run`` and its table (cp N against cp 1 per batch and context)."""
     need_devices(args.cp, "--cp")
-    log(f"glm5-dsa bench decode --cp {args.cp}: preset {args.preset}, contexts {args.contexts}, batch "
-        f"{args.batch}, {args.iters} timed steps per row")
+    log(f"glm5-dsa bench decode --cp {args.cp}: preset {args.preset}, {args.cache} cache, contexts "
+        f"{args.contexts}, batch {args.batch}, {args.iters} timed steps per row")
     res = bench_cp.run(args.preset, args.contexts, args.batch, args.iters, args.cp, log=log,
-                       cache_dtype=args.cache_dtype)
+                       cache_dtype=args.cache_dtype, cache=args.cache)
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"\n{'cp':>3} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} {'x cp1':>6} "
+    print(f"\n{res['cache']} {res['cache_dtype']} cache, {res['implementation']}:")
+    print(f"{'cp':>3} {'batch':>5} {'context':>8} {'capacity':>9} {'median ms':>10} {'x cp1':>6} "
           f"{'cache MB/dev':>13} {'read MB/dev':>12} {'cross KB/dev':>13} {'same top-k':>10}")
     base = {(r["batch"], r["context"]): r["median_ms"] for r in res["rows"] if r["cp"] == 1}
     for r in res["rows"]:

@@ -10,12 +10,15 @@ TP size that does not divide the heads, a batch not divisible by ``--dp``, a con
 divisible by ``--cp`` times the pool size or a bad config is a one-line error with exit
 status 2.
 
-``--cp N`` (context parallelism, ``glm5_dsa_jax.parallel.context``): each device holds
-``1/N`` of a sequence's token rows and pooled keys of the contiguous cache, and the rest of
-the cache (the incomplete pool's stage, ``first_key``, ``n_valid``, ``length``) whole; the
-memory table then shows the contiguous cache only (a paged cache under cp is not
-sized yet), per device at ``--cp N`` against ``--cp 1``, and the longest context
-whose caches fit a device (``MemoryPlan.context_that_fits``) at both.
+``--cp N`` (context parallelism, ``glm5_dsa_jax.parallel.context`` and ``context_paged``):
+each device holds ``1/N`` of a sequence's token rows and pooled keys of the contiguous
+cache, and the rest of it (the incomplete pool's stage, ``first_key``, ``n_valid``,
+``length``) whole; of the paged cache (``--page-size`` tokens a page, ``ceil(context /
+page_size)`` pages a sequence) ``1/N`` of the page pools (latent pages, pooled-key pages,
+their fp8 scales: ``N_pages / N`` pages a device) and the page table, stage and status
+whole. The memory table then shows both caches per device at ``--cp N`` against ``--cp 1``,
+and the longest context whose caches fit a device (``MemoryPlan.context_that_fits``) at
+both. Pages per data group not divisible by ``N``: a one-line error, exit status 2.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 
 from glm5_dsa_jax.cli.args import UsageError, check_context, nonnegative_int, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
-from glm5_dsa_jax.tools.memory_plan import MemoryPlan
+from glm5_dsa_jax.tools.memory_plan import MemoryPlan, check_cp_pages
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, SCORE_BYTES, TpPlan, fmt_bytes
 
 #: Cache dtypes the memory table compares.
@@ -37,9 +40,10 @@ def add_parser(subparsers) -> None:
     tensors, the per-rank totals) and the per-device memory of the model's DSA attention
     (weights, bf16 and fp8 caches, contiguous and paged, the sequences that fit) on a
     --dp x --cp x --tp mesh. With --cp N each device holds 1/N of a sequence's contiguous
-    cache (its token rows and pooled keys; the incomplete pool's stage replicated) and the
-    table compares the cache per device and the context that fits against --cp 1. A plan:
-    no devices are needed."""
+    cache (its token rows and pooled keys; the incomplete pool's stage replicated) and 1/N
+    of a paged cache's page pools (the page table replicated), and the table compares the
+    cache per device and the context that fits against --cp 1. A plan: no devices are
+    needed."""
     p = subparsers.add_parser(
         "plan", help="print the tensor-parallel shard plan of one DSA layer",
         description=add_parser.__doc__,
@@ -49,7 +53,10 @@ def add_parser(subparsers) -> None:
                    help="data-parallel size: the batch and the caches split by sequence")
     p.add_argument("--cp", type=positive_int, default=1, metavar="N",
                    help="context-parallel size: each sequence's contiguous cache (token rows, pooled "
-                        "keys) split over it; the context must divide by cp x index_kpool")
+                        "keys) and the paged cache's page pools split over it; the context must divide "
+                        "by cp x index_kpool, the pages per data group by cp")
+    p.add_argument("--page-size", type=positive_int, default=64,
+                   help="tokens per page of the paged cache (a multiple of index_kpool)")
     p.add_argument("--batch", type=positive_int, default=None,
                    help="sequences on the whole mesh for the cache figures (default: 8 x --dp)")
     p.add_argument("--memory-gib", type=positive_float, default=80.0,
@@ -74,12 +81,14 @@ def main(args) -> int:
         context = args.context or cfg.max_position_embeddings
         check_context(context, cfg)
         batch = args.batch or 8 * args.dp
-        check_cp(args.cp, context, cfg)
+        check_page_size(args.page_size, cfg)
+        check_cp(args.cp, context, cfg, None if batch % args.dp else batch // args.dp, args.page_size)
         mem = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context,
-                         elem_bytes=args.elem_bytes, cp=args.cp)
+                         elem_bytes=args.elem_bytes, cp=args.cp, page_size=args.page_size)
         memory = int(args.memory_gib * 2**30)
         rows = mem.rows(memory, PLAN_CACHE_DTYPES)
-        one = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context, elem_bytes=args.elem_bytes)
+        one = MemoryPlan(cfg, tp=args.tp, dp=args.dp, batch=batch, context=context, elem_bytes=args.elem_bytes,
+                         page_size=args.page_size)
         cp_rows = cp_table(mem, one, memory) if args.cp > 1 else None
     except (ValueError, FileNotFoundError) as e:
         print(f"glm5-dsa plan: error: {e}", file=sys.stderr)
@@ -91,11 +100,13 @@ def main(args) -> int:
         d["context"] = context
         d["memory"] = dict(dp=args.dp, tp=args.tp, batch=batch, context=context,
                            dsa_layers=len(mem.layers), device_memory_bytes=memory,
-                           weight_bytes_per_device=mem.weight_bytes, caches=rows, cp=args.cp)
+                           weight_bytes_per_device=mem.weight_bytes, caches=rows, cp=args.cp,
+                           page_size=args.page_size)
         if cp_rows is not None:
             d["memory"]["context_parallel"] = dict(
                 cp=args.cp, replicated_cache_bytes_per_device=mem.replicated_cache_bytes(),
-                replicated_fields=REPLICATED_OVER_CP, rows=cp_rows)
+                replicated_fields=REPLICATED_OVER_CP, paged_replicated_fields=PAGED_REPLICATED_OVER_CP,
+                pages=mem.pages(), pages_per_device=mem.pages() // args.cp, rows=cp_rows)
         print(json.dumps(d, indent=2))
         return 0
     print(plan.table())
@@ -131,32 +142,53 @@ def main(args) -> int:
 
 #: The contiguous cache's fields every device of the cp axis holds whole.
 REPLICATED_OVER_CP = ("stage_keys", "stage_gate", "stage_valid", "first_key", "n_valid", "length", "stage_from")
+#: The paged cache's parts every device of the cp axis holds whole (all but ``PAGE_AXIS_FIELDS``).
+PAGED_REPLICATED_OVER_CP = ("pages", "stage_keys", "stage_gate", "stage_from", "status")
 
 
-def check_cp(cp: int, context: int, cfg) -> None:
-    """``UsageError`` unless ``context`` splits into ``cp`` ranges of whole pools."""
+def check_page_size(page_size: int, cfg) -> None:
+    """``UsageError`` unless a page holds whole pools."""
+    if page_size % cfg.index_kpool:
+        raise UsageError(f"--page-size {page_size} is not a multiple of index_kpool={cfg.index_kpool} "
+                         f"(a page holds whole pools)")
+
+
+def check_cp(cp: int, context: int, cfg, seqs: int | None = None, page_size: int = 64) -> None:
+    """``UsageError`` unless ``context`` splits into ``cp`` ranges of whole pools and (given
+    ``seqs``, one data group's sequences) the paged cache's pages into ``cp`` blocks."""
     unit = cp * cfg.index_kpool
     if cp > 1 and context % unit:
         raise UsageError(
             f"--cp {cp}: --context {context:,} is not divisible by cp x index_kpool = {cp} x "
             f"{cfg.index_kpool} = {unit} (each of the {cp} devices holds a contiguous range of whole "
             f"pools); e.g. --context {context // unit * unit:,}")
+    if cp > 1 and seqs is not None:
+        try:
+            check_cp_pages(seqs, context, page_size, cp)
+        except ValueError as e:
+            raise UsageError(f"--cp {cp}: {e}; change --batch, --context or --page-size") from None
 
 
 def cp_table(mem: MemoryPlan, one: MemoryPlan, memory: int) -> list[dict]:
-    """Per cache dtype: the contiguous cache per device, the context that fits (capped at
-    ``max_position_embeddings``; ``context_that_fits_memory``: what the memory alone allows)
-    and the sequences that fit, at ``mem.cp`` against ``one`` (cp 1)."""
+    """Per cache kind and dtype: the cache per device, the part of it replicated over cp,
+    the context that fits (capped at ``max_position_embeddings``;
+    ``context_that_fits_memory``: what the memory alone allows) and the sequences that fit,
+    at ``mem.cp`` against ``one`` (cp 1); a paged row also its pages per device."""
     out = []
-    for dtype in PLAN_CACHE_DTYPES:
-        fits, fits1 = mem.context_that_fits(memory, dtype=dtype), one.context_that_fits(memory, dtype=dtype)
-        top = mem.cfg.max_position_embeddings
-        out.append(dict(cache="contiguous", dtype=dtype, cache_bytes_per_device=mem.cache_bytes(dtype=dtype),
-                        cache_bytes_per_device_cp1=one.cache_bytes(dtype=dtype),
-                        context_that_fits=min(fits, top), context_that_fits_cp1=min(fits1, top),
-                        context_that_fits_memory=fits, context_that_fits_memory_cp1=fits1,
-                        sequences_that_fit=mem.sequences_that_fit(memory, dtype=dtype),
-                        sequences_that_fit_cp1=one.sequences_that_fit(memory, dtype=dtype)))
+    for kind in mem.kinds:
+        for dtype in PLAN_CACHE_DTYPES:
+            fits, fits1 = mem.context_that_fits(memory, kind, dtype), one.context_that_fits(memory, kind, dtype)
+            top = mem.cfg.max_position_embeddings
+            row = dict(cache=kind, dtype=dtype, cache_bytes_per_device=mem.cache_bytes(kind, dtype),
+                       cache_bytes_per_device_cp1=one.cache_bytes(kind, dtype),
+                       replicated_cache_bytes_per_device=mem.replicated_cache_bytes(dtype, kind=kind),
+                       context_that_fits=min(fits, top), context_that_fits_cp1=min(fits1, top),
+                       context_that_fits_memory=fits, context_that_fits_memory_cp1=fits1,
+                       sequences_that_fit=mem.sequences_that_fit(memory, kind, dtype),
+                       sequences_that_fit_cp1=one.sequences_that_fit(memory, kind, dtype))
+            if kind == "paged":
+                row.update(pages=mem.pages(), pages_per_device=mem.pages() // mem.cp)
+            out.append(row)
     return out
 
 
@@ -167,8 +199,13 @@ def print_cp(args, mem: MemoryPlan, rows: list[dict], batch: int, context: int) 
           f"tp={args.tp}, {batch} sequences of {context:,} tokens ({batch // args.dp} per data group, "
           f"each split over {args.cp} devices):")
     print(f"  attention weights: {fmt_bytes(mem.weight_bytes)} (split over tp, replicated over data and cp)")
-    print(f"  replicated over cp: {fmt_bytes(mem.replicated_cache_bytes())} of cache per device "
+    print(f"  contiguous: each device holds 1/{args.cp} of every sequence's token rows and pooled keys; "
+          f"replicated over cp: {fmt_bytes(mem.replicated_cache_bytes())} of cache per device "
           f"({', '.join(REPLICATED_OVER_CP)}: the incomplete pool's stage and the bookkeeping)")
+    print(f"  paged: {mem.pages():,} pages of {mem.page_size} tokens per data group, {mem.pages() // args.cp:,} "
+          f"a device (latent and pooled-key pages); replicated over cp: "
+          f"{fmt_bytes(mem.replicated_cache_bytes(kind='paged'))} of cache per device "
+          f"({', '.join(PAGED_REPLICATED_OVER_CP)}: the page table, the stage and the status)")
     print(f"  {'cache':<11}{'dtype':<10}{'cache/device':>14}{'at cp 1':>12}  "
           f"{'context that fits':>18}{'at cp 1':>12}  sequences that fit (cp 1)")
     mark = lambda n: f"{min(n, top):,}" + ("*" if n > top else "")  # noqa: E731
@@ -177,7 +214,8 @@ def print_cp(args, mem: MemoryPlan, rows: list[dict], batch: int, context: int) 
               f"{fmt_bytes(r['cache_bytes_per_device_cp1']):>12}  {mark(r['context_that_fits_memory']):>18}"
               f"{mark(r['context_that_fits_memory_cp1']):>12}  {r['sequences_that_fit']:,} "
               f"({r['sequences_that_fit_cp1']:,})")
-    print(f"  (context that fits: tokens per sequence for {batch // args.dp} sequences per data group "
-          f"in {args.memory_gib:g} GiB/device; * = capped at max_position_embeddings {top:,}; the paged "
-          f"cache under cp is not sized yet; attention only: no MoE, embeddings or activations; index_kpool "
-          f"{cfg.index_kpool})")
+    print(f"  (cache/device: what one device holds at {context:,} tokens; context that fits: tokens per "
+          f"sequence for {batch // args.dp} sequences per data group in {args.memory_gib:g} GiB/device, in "
+          f"units of cp x index_kpool = {args.cp * cfg.index_kpool} (contiguous) or cp x page_size = "
+          f"{args.cp * mem.page_size} (paged); sequences that fit: at {context:,} tokens, on the whole mesh; "
+          f"* = capped at max_position_embeddings {top:,}; attention only: no MoE, embeddings or activations)")

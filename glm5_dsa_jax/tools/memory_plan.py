@@ -26,8 +26,17 @@ Invariants:
   which from the field names, so a new field is counted on the right side). The context
   must divide by ``cp * index_kpool`` (whole pools on every device, as
   ``placement.check_seq_split`` requires of a cache). Weights are replicated over ``cp``.
-  A ``cp > 1`` plan sizes the contiguous cache only (``kinds``): the paged cache splits its
-  page pools over ``cp`` (``parallel.context_paged``), but the plan does not size that yet.
+  A paged cache's page pools (``PagedCache.PAGE_AXIS_FIELDS``: the latent pages, the
+  pooled-key pages and their fp8 scales) are split over ``cp`` on their page axis, each
+  device holding ``N / cp`` of a data group's ``N`` pages (``parallel.context_paged``);
+  its page table (block tables, lengths, free stack, owner, refs), the stage and the
+  status are replicated (``paged_parts`` reads which is which from the field names). ``N``
+  (``seqs * ceil(context / page_size)``) must divide by ``cp`` (``ValueError`` naming the
+  sizes, as ``placement.check_page_split`` requires of a placed cache); the paged context
+  that fits is counted in units of ``cp * page_size`` (every sequence's pages a multiple of
+  ``cp``) and the paged sequences that fit in steps of ``cp / gcd(pages, cp)`` sequences.
+  The sizing is of the pools' split, not of where one sequence's pages land: the free
+  stack's round-robin spreads them evenly only on a fresh table (``context_paged``).
 * What "fits" counts: this model's DSA attention weights (every DSA layer) and their
   caches, nothing else (no MoE / MLP weights, embeddings or activations): an upper bound on
   the sequences, for the part of device memory given to attention.
@@ -45,15 +54,16 @@ import jax
 
 from glm5_dsa_jax.cache import DsaCache, init_cache
 from glm5_dsa_jax.model.config import DsaConfig
-from glm5_dsa_jax.cache import init_paged_cache
+from glm5_dsa_jax.cache import PagedCache, init_paged_cache
 from glm5_dsa_jax.parallel.plan import BF16_BYTES, TpPlan
 
-__all__ = ["cache_bytes", "cache_parts", "MemoryPlan", "CACHE_KINDS", "CP_CACHE_KINDS"]
+__all__ = ["cache_bytes", "cache_parts", "paged_parts", "check_cp_pages", "MemoryPlan", "CACHE_KINDS",
+           "CP_CACHE_KINDS"]
 
 #: Cache kinds ``MemoryPlan`` sizes (the ``init_cache`` / ``init_paged_cache`` caches).
 CACHE_KINDS = ("contiguous", "paged")
-#: Cache kinds a sequence axis splits (context parallelism's first slice).
-CP_CACHE_KINDS = ("contiguous",)
+#: Cache kinds a sequence axis splits (both: token ranges, or page pools).
+CP_CACHE_KINDS = ("contiguous", "paged")
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +84,42 @@ def cache_parts(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: 
     return token, other
 
 
+def _paged_shapes(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: int, page_size: int):
+    pages = math.ceil(context / page_size)
+    return jax.eval_shape(lambda: init_paged_cache(cfg, seqs, seqs * pages, page_size, pages_per_seq=pages,
+                                                   has_indexer=cfg.has_indexer(layer_idx), dtype=dtype))
+
+
+def check_cp_pages(seqs: int, context: int, page_size: int, cp: int) -> None:
+    """``ValueError`` unless the ``seqs * ceil(context / page_size)`` pages of a paged cache
+    for ``seqs`` sequences of ``context`` tokens split into ``cp`` blocks of whole pages."""
+    pages = math.ceil(context / page_size)
+    if (seqs * pages) % cp:
+        raise ValueError(
+            f"a paged cache of {seqs:,} sequences x {pages:,} pages (ceil(context {context:,} / page_size "
+            f"{page_size})) = {seqs * pages:,} pages is not divisible by cp={cp}: each of the {cp} devices "
+            f"holds a block of whole pages")
+
+
+@functools.lru_cache(maxsize=None)
+def paged_parts(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: int,
+                page_size: int = 64) -> tuple[int, int]:
+    """``(pool_bytes, other_bytes)`` of layer ``layer_idx``'s paged cache for ``seqs``
+    sequences of up to ``context`` tokens (``ceil(context / page_size)`` pages each, as
+    ``cache_bytes`` sizes it): the page pools a sequence axis splits
+    (``PagedCache.PAGE_AXIS_FIELDS``) and the rest (the page table, stage, status:
+    replicated over it), read from the shapes of ``init_paged_cache``."""
+    pools = other = 0
+    for path, a in jax.tree_util.tree_flatten_with_path(_paged_shapes(cfg, layer_idx, dtype, seqs, context,
+                                                                       page_size))[0]:
+        n = math.prod(a.shape) * a.dtype.itemsize
+        if getattr(path[-1], "name", None) in PagedCache.PAGE_AXIS_FIELDS:
+            pools += n
+        else:
+            other += n
+    return pools, other
+
+
 @functools.lru_cache(maxsize=None)
 def cache_bytes(cfg: DsaConfig, layer_idx: int, kind: str, dtype: str, seqs: int, context: int,
                 page_size: int = 64, cp: int = 1) -> int:
@@ -81,25 +127,18 @@ def cache_bytes(cfg: DsaConfig, layer_idx: int, kind: str, dtype: str, seqs: int
     tokens (``kind`` in ``CACHE_KINDS``, ``dtype`` a cache dtype: ``"bfloat16"``,
     ``"fp8"``, ...), read from the shapes of a cache made by ``init_cache`` /
     ``init_paged_cache`` (``jax.eval_shape``: nothing is allocated). ``cp``: what one
-    device of a sequence axis of that size holds (the contiguous cache only: its token
-    fields over ``cp``, the rest whole; ``cache_parts``)."""
-    has_indexer = cfg.has_indexer(layer_idx)
-    if cp != 1:
-        if kind not in CP_CACHE_KINDS:
-            raise ValueError(f"the memory plan does not size a {kind} cache under context parallelism yet "
-                             f"(cp={cp}): it sizes {CP_CACHE_KINDS} only")
-        token, other = cache_parts(cfg, layer_idx, dtype, seqs, context)
-        return token // cp + other
-    if kind == "contiguous":
-        make = lambda: init_cache(cfg, seqs, context, has_indexer=has_indexer, dtype=dtype)
-    elif kind == "paged":
-        pages = math.ceil(context / page_size)
-        make = lambda: init_paged_cache(cfg, seqs, seqs * pages, page_size, pages_per_seq=pages,
-                                        has_indexer=has_indexer, dtype=dtype)
-    else:
+    device of a sequence axis of that size holds: a contiguous cache's token fields over
+    ``cp`` and the rest whole (``cache_parts``), a paged cache's page pools over ``cp`` and
+    the rest whole (``paged_parts``; ``ValueError`` unless its pages divide by ``cp``)."""
+    if kind not in CACHE_KINDS:
         raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
-    shapes = jax.eval_shape(make)
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    if kind == "paged":
+        if cp != 1:
+            check_cp_pages(seqs, context, page_size, cp)
+        pools, other = paged_parts(cfg, layer_idx, dtype, seqs, context, page_size)
+        return pools // cp + other
+    token, other = cache_parts(cfg, layer_idx, dtype, seqs, context)
+    return token // cp + other
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +183,7 @@ class MemoryPlan:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The cache kinds this plan sizes: ``CACHE_KINDS``, the contiguous one only when
-        ``cp > 1`` (a paged cache under ``cp`` is not sized yet)."""
+        """The cache kinds this plan sizes: ``CACHE_KINDS`` (both also under ``cp``)."""
         return CACHE_KINDS if self.cp == 1 else CP_CACHE_KINDS
 
     @property
@@ -162,18 +200,29 @@ class MemoryPlan:
                     context: int | None = None) -> int:
         """Bytes of cache on one device for ``seqs`` sequences per data group (default
         ``batch / dp``) of ``context`` tokens (default the plan's), every DSA layer; with
-        ``cp > 1`` one device's ``1/cp`` of their token rows and pools plus the replicated
-        rest."""
+        ``cp > 1`` one device's ``1/cp`` of their token rows and pools (a paged cache: of its
+        page pools) plus the replicated rest."""
         seqs = self.batch // self.dp if seqs is None else seqs
         context = self.context if context is None else context
         return sum(cache_bytes(self.cfg, i, kind, dtype, seqs, context, self.page_size, self.cp)
                    for i in self.layers)
 
-    def replicated_cache_bytes(self, dtype: str = "bfloat16", seqs: int | None = None) -> int:
-        """Bytes of the contiguous cache every device of the ``cp`` axis holds whole (the
-        stage of the incomplete pool, ``first_key``, ``n_valid``, ``length``), every DSA layer."""
+    def replicated_cache_bytes(self, dtype: str = "bfloat16", seqs: int | None = None,
+                               kind: str = "contiguous") -> int:
+        """Bytes of the cache every device of the ``cp`` axis holds whole, every DSA layer:
+        a contiguous cache's stage of the incomplete pool, ``first_key``, ``n_valid``,
+        ``length``; a paged cache's page table (block tables, lengths, free stack, owner,
+        refs), stage and status."""
         seqs = self.batch // self.dp if seqs is None else seqs
-        return sum(cache_parts(self.cfg, i, dtype, seqs, self.context)[1] for i in self.layers)
+        parts = paged_parts if kind == "paged" else cache_parts
+        extra = (self.page_size,) if kind == "paged" else ()
+        return sum(parts(self.cfg, i, dtype, seqs, self.context, *extra)[1] for i in self.layers)
+
+    def pages(self, seqs: int | None = None) -> int:
+        """Pages of one data group's paged cache: ``seqs`` (default ``batch / dp``) times
+        ``ceil(context / page_size)``; each device of the ``cp`` axis holds ``1/cp`` of them."""
+        seqs = self.batch // self.dp if seqs is None else seqs
+        return seqs * math.ceil(self.context / self.page_size)
 
     def context_that_fits(self, memory_bytes: int, kind: str = "contiguous", dtype: str = "bfloat16") -> int:
         """The longest context (tokens per sequence, a multiple of ``cp * index_kpool``, and
@@ -181,9 +230,9 @@ class MemoryPlan:
         sequences' caches (``1/cp`` of their token rows on ``cp`` devices) next to the
         weights in ``memory_bytes``; 0 when not even one unit fits. Not capped at
         ``max_position_embeddings`` (``rows`` caps it and keeps the uncapped figure)."""
-        unit = self.cp * self.cfg.index_kpool
-        if kind == "paged":
-            unit = math.lcm(unit, self.page_size)
+        # A paged cache: whole pages, a multiple of cp of them a sequence (a page holds whole
+        # pools: cp * page_size is also a multiple of cp * index_kpool).
+        unit = self.cp * (self.page_size if kind == "paged" else self.cfg.index_kpool)
         room = memory_bytes - self.weight_bytes
         # Caches grow linearly in whole units: two sizes give the slope and the fixed part
         # (one and two units: a cache past max_position_embeddings cannot be made).
@@ -204,13 +253,16 @@ class MemoryPlan:
     def sequences_that_fit(self, memory_bytes: int, kind: str = "contiguous", dtype: str = "bfloat16") -> int:
         """Most sequences of ``context`` tokens the whole mesh holds when each device gives
         ``memory_bytes`` to attention weights and caches: ``dp`` times what one device's
-        share holds (0 when the weights alone do not fit)."""
+        share holds (0 when the weights alone do not fit); a paged cache under ``cp``: a
+        multiple of ``cp / gcd(pages a sequence, cp)`` per data group (its pages split over cp)."""
         room = memory_bytes - self.weight_bytes
-        one, two = self.cache_bytes(kind, dtype, 1), self.cache_bytes(kind, dtype, 2)
-        per_seq, fixed = two - one, 2 * one - two  # caches grow linearly in sequences
-        if room < fixed + per_seq:
+        # In steps of sequences whose pages split over cp (1 for a contiguous cache).
+        step = self.cp // math.gcd(self.pages(1), self.cp) if kind == "paged" else 1
+        one, two = self.cache_bytes(kind, dtype, step), self.cache_bytes(kind, dtype, 2 * step)
+        per_step, fixed = two - one, 2 * one - two  # caches grow linearly in sequences
+        if room < fixed + per_step:
             return 0
-        return self.dp * ((room - fixed) // per_seq)
+        return self.dp * step * ((room - fixed) // per_step)
 
     def rows(self, memory_bytes: int, dtypes=("bfloat16", "fp8")) -> list[dict]:
         """One row per (cache kind, dtype): per-device cache bytes at ``batch`` x ``context``,
