@@ -16,11 +16,14 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
+import pallas_kernels as pk
+from glm5_dsa_jax.parallel import context_paged
 from glm5_dsa_jax.parallel import sharding as sh
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
 from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
@@ -180,6 +183,126 @@ def test_paged_decoder_one_compilation():
     assert dec.step.traces == 2
 
 
+# ------------------------------------------------------------------------------ rollback, fork, load
+def churn(layer, config):
+    """Two chunks, a step, then the page table's other operations each followed by a step
+    of both rows: ``rollback`` (row 0 takes back its last token), ``release`` + ``fork`` (row 1
+    restarts as row 0's first 28 tokens: shared pages and a copied partial page),
+    ``export`` of row 0 and ``load`` into a released row 1 (re-paged; an export of
+    ``config``'s other placement, ``loaded``, when given). ``([(out, topk)], cache)``."""
+    x, mask = padded_batch(config, PADS[:2], SPANS[-1][1], seed=0)
+    cache = layer.init_paged_cache(2, PAGES, PAGE)
+    res = []
+
+    def step(a, b):
+        nonlocal cache
+        out, topk, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
+        res.append((np.asarray(out), np.asarray(topk)))
+
+    step(0, 20), step(20, 40), step(40, 41)
+    cache = cache.rollback(np.array([True, False]), np.array([1, 0], np.int32))
+    step(41, 42)
+    cache = cache.release(np.array([False, True]))
+    cache = cache.fork(np.array([0], np.int32), np.array([1], np.int32), np.array([28], np.int32))
+    step(42, 43)
+    exported = cache.export(0)
+    cache = cache.release(np.array([False, True]))
+    cache = cache.load(1, exported)
+    step(41, 42)
+    return res, cache, exported
+
+
+def test_rollback_fork_load_equal_unsharded():
+    """On (cp, tp) = (4, 2), ``"xla"``: ``rollback``, ``release`` + ``fork`` and ``export`` /
+    ``load`` of a cache whose pools are split over cp (their global-view programs on the
+    split pools, the placement kept) give the unsharded paged cache's steps after each
+    (top-k bit for bit, outputs to ``F32_REORDER``) and its content; an export from either
+    loads into the other (whatever its mesh)."""
+    want, want_cache, want_export = churn(f32_layer(cfg(), 1, block_q=8), cfg())
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, cache, exported = churn(layer, cfg())
+    assert_same(got, want)
+    assert_same_content(cache, want_cache)
+    for name in gd.PagedCache.PAGE_AXIS_FIELDS:
+        a = getattr(cache, name)
+        assert a is None or trim(a.sharding.spec) == P("cp"), (name, a.sharding.spec)
+    crossed = cache.release(np.array([False, True])).load(1, want_export)
+    back = want_cache.release(np.array([False, True])).load(1, exported)
+    assert trim(crossed.latent_store.sharding.spec) == P("cp")
+    assert_same_content(crossed, back)
+
+
+# ------------------------------------------------------------------------------ kernels per shard
+NEEDS_MOSAIC = pytest.mark.skipif(
+    pk.jax_version() < pk.MOSAIC_MIN_JAX,
+    reason=f"Mosaic GPU kernels need jax >= {pk.MOSAIC_MIN_JAX} (this is jax {jax.__version__})")
+
+
+def test_pallas_kernels_per_shard(monkeypatch):
+    """``implementation="pallas_interpret"`` on (cp, tp) = (2, 4): every step of a shard runs
+    the Triton kernel (``kpool_compress``, ``index_scores`` over its held pools,
+    ``topk_pools`` bounded to its visible held pools, ``expand_selection``,
+    ``sparse_mla_partial``; the launches are counted); two chunks then decode steps equal
+    the unsharded paged layer of the same implementation: top-k bit for bit, outputs to
+    ``F32_REORDER``, the sequences' content too."""
+    from jax.experimental import pallas
+
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), cfg())
+    launched = []
+    pallas_call = pallas.pallas_call
+    monkeypatch.setattr(pallas, "pallas_call", lambda *a, **k: launched.append(k.get("name")) or pallas_call(*a, **k))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((2, 4)),
+                           axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg())
+    assert {"kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla"} <= set(
+        launched), launched
+    assert_same(got, want)
+    assert_split(cache, 2)
+    assert_same_content(cache, want_cache)
+
+
+@NEEDS_MOSAIC
+def test_mosaic_kernels_per_shard(monkeypatch):
+    """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
+    selection and attention per shard, the attention's log-sum-exp from the same launch)
+    with a paged cache: two chunks then a decode step select as the unsharded paged layer
+    of the same implementation (and ``"xla"``), top-k bit for bit, and their outputs are
+    the same mesh's ``"xla"`` cp layer's within two bf16 ulps (as
+    ``test_context_parallel.py::test_mosaic_kernels_per_shard``, which says why not the
+    unsharded layer's: the chunk's projections run on ``S/cp`` rows)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    import pallas_kernels.attention as attention
+
+    monkeypatch.setattr(gpu_callbacks, "_assert_no_barriers_allocated", lambda token: token)
+    calls = []
+    mosaic = attention._sparse_mla_mosaic
+    monkeypatch.setattr(attention, "_sparse_mla_mosaic", lambda *a, **k: calls.append(k) or mosaic(*a, **k))
+    # kpool 1, pages of 8: 8 pools a page (the Mosaic paged scoring copies 8-row tiles); 4 of up to 16
+    config = cfg(index_kpool=1, index_topk=4)
+    x, mask = padded_batch(config, (0, 2), 17, seed=14)
+    x = jnp.asarray(x, jnp.bfloat16)
+    spans = [(0, 8), (8, 16), (16, 17)]  # two chunks of one query tile each, then a step
+    runs = []
+    for impl, mesh in (("xla", None), ("mosaic_interpret", None), ("xla", mesh_of((2, 1))),
+                       ("mosaic_interpret", mesh_of((2, 1)))):
+        layer = f32_layer(config, 1, seed=4, dtype=jnp.bfloat16, implementation=impl, block_q=8)
+        if mesh is not None:
+            layer = sh.shard_layer(layer, mesh, axis="tp", seq_axis="cp")
+        cache = layer.init_paged_cache(2, 8, 8)  # 3 pages a row
+        res = []
+        for a, b in spans:
+            o, t, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
+            res.append((np.asarray(o, np.float32), np.asarray(t)))
+        runs.append(res)
+    assert any(k.get("return_lse") for k in calls), calls
+    tol = 2 * 2.0**-8
+    for step, ((_, t0), (_, t1), (o2, t2), (o3, t3)) in enumerate(zip(*runs)):
+        for t in (t1, t2, t3):
+            np.testing.assert_array_equal(t, t0, err_msg=f"call {step}")
+        np.testing.assert_allclose(o3, o2, atol=tol, rtol=tol, err_msg=f"call {step}")
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_page_count_not_divisible_refused():
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
@@ -189,11 +312,10 @@ def test_page_count_not_divisible_refused():
         sh.place_cache(f32_layer(cfg(), 1).init_paged_cache(2, 18, PAGE), layer.mesh, seq_axis="cp")
     with pytest.raises(ValueError, match=r"num_pages=18 gives 18 pages per data shard, not divisible by the 4"):
         gd.init_paged_cache(cfg(), 2, 18, PAGE, seq_shards=4)
-    pallas = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((4, 2)),
-                            axis="tp", seq_axis="cp")
     with pytest.raises(ValueError, match=r"a paged cache under context parallelism \(seq_axis='cp'\) supports "
-                                         r"implementation in \('xla',\) only, got 'pallas_interpret'"):
-        pallas.init_paged_cache(2, PAGES, PAGE)
+                                         r"implementation in \('xla', 'pallas', 'pallas_interpret', 'mosaic', "
+                                         r"'mosaic_interpret'\), got 'auto'"):
+        context_paged.check_supported("auto", "cp")
 
 
 def test_cache_placed_otherwise_refused_unchanged():
