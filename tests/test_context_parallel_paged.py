@@ -8,7 +8,13 @@ tp) = (2, 4), (4, 2), (8, 1) and (data, cp, tp) = (2, 2, 2): top-k rows bit for 
 to ``F32_REORDER`` (the attention merged from per-device partials by their log-sum-exp,
 ``o_proj`` all-reduced over tp), each sequence's content (``export``: latent rows and pools
 in timeline order) to ``F32_REORDER``, each device holding ``1/cp`` of the page pools and
-of the pages taken (the free stack's round-robin). Bad input: ``ValueError`` naming the sizes.
+of the pages taken (the free stack's round-robin); ``rollback``, ``fork`` and ``export`` /
+``load`` on split pools, each followed by a step. The kernels per shard:
+``"pallas_interpret"`` on (cp, tp) = (2, 4) and ``"mosaic_interpret"`` in bfloat16 on cp 2
+(jax >= 0.11) against the unsharded paged layer of the same implementation, and the decode
+step of GLM-5.3-Flash with a 1M-token paged cache at cp 8 lowered for CUDA (as
+``test_context_parallel.py`` does for the contiguous cache). Bad input: ``ValueError``
+naming the sizes.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, use_abstract_mesh
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
 from glm5_dsa_jax.parallel import context_paged
 from glm5_dsa_jax.parallel import sharding as sh
+from glm5_dsa_jax.parallel.placement import Placement
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
 from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
 
@@ -301,6 +309,76 @@ def test_mosaic_kernels_per_shard(monkeypatch):
         for t in (t1, t2, t3):
             np.testing.assert_array_equal(t, t0, err_msg=f"call {step}")
         np.testing.assert_allclose(o3, o2, atol=tol, rtol=tol, err_msg=f"call {step}")
+
+
+def _lowered_cp8_paged_decode(implementation, tp, context=1 << 20, page=64):
+    """The decode step (``make_step``'s ``jax.jit``: one sequence, one token) of
+    GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a paged
+    bf16 cache of ``context / page`` pages of ``page`` tokens (one sequence may take them
+    all), lowered for CUDA without a GPU, as
+    ``test_context_parallel._lowered_cp8_decode`` does for the contiguous cache: the layer
+    built under ``nnx.eval_shape`` and placed on ``pk.cuda_mesh``, the cache's page pools
+    split over cp by ``cache_shardings``."""
+    config = gd.DsaConfig.glm53_flash()
+    idx = config.dsa_layers[0]
+    mesh = pk.cuda_mesh("h100", (8, tp), ("cp", "tp"))
+    layer = nnx.eval_shape(lambda: gd.DsaAttention(config, idx, rngs=nnx.Rngs(0), implementation=implementation))
+    layer.placement = Placement(mesh, "tp", None, "cp")
+    cache = jax.eval_shape(lambda: gd.init_paged_cache(config, 1, context // page, page, has_indexer=True,
+                                                       dtype=jnp.bfloat16, seq_shards=8))
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
+                         sh.cache_shardings(cache, mesh, None, "cp"))
+    shardings = sh.param_shardings(layer)
+    rows = NamedSharding(mesh, P())
+    step, params = gd.make_step(layer)
+
+    def placed(path, a):  # a parameter's head split, else replicated
+        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+
+    params = jax.tree_util.tree_map_with_path(placed, params)
+    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
+    m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
+    with use_abstract_mesh(mesh):
+        lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
+    return config, lowered.as_text()
+
+
+@pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
+                                                pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
+def test_paged_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
+    """GLM-5.3-Flash decode with a 1M-token paged cache (16,384 pages of 64) on cp 8 (tp 1
+    or 8) lowers for CUDA: one program of ``8 * tp`` partitions whose kernels run at
+    per-shard shapes (the scoring over the ``PGL * PPP = 2,048 * 16`` pools a shard can
+    hold: ``P / 8``; the attention over ``H / tp`` heads; ``"pallas"`` every step a Triton
+    launch, ``"mosaic"`` the Mosaic scoring, selection and attention, Triton for the two
+    steps without a Mosaic kernel), and whose collectives are the candidates' all-gathers
+    ``[1, 1, 8 * select_k]`` and the partials' small all-reduces: no pool, page table or
+    tail validity crosses devices."""
+    config, text = _lowered_cp8_paged_decode(implementation, tp)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    k, h, v = config.max_select_k, config.num_attention_heads // tp, config.kv_lora_rank
+    p_loc = (1 << 20) // config.index_kpool // 8
+    names = [c["name"] for c in pk.triton_calls(text)]
+    calls = pk.triton_calls(text)
+    if implementation == "pallas":
+        assert names[:2] == ["kpool_compress", "index_scores"] and names[-2:] == ["expand_selection", "sparse_mla"]
+        assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
+        block_p = pk.IndexScoresBlockSizes().block_p
+        assert np.prod(calls[1]["grid"]) * block_p == p_loc, calls[1]
+        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
+    else:
+        assert names == ["kpool_compress", "expand_selection"], names
+        assert "stablehlo.custom_call @mosaic_gpu" in text
+        assert "tensor<1x" + f"{p_loc}xf32>" in text  # the shard's score row: P / 8 pools
+    found = [(m.group(1), m.group(2)) for m in re.finditer(
+        r'"stablehlo\.(all_gather|all_reduce)"\(.*?\) -> (tensor<[^>]*>)', text, re.S)]
+    assert sorted(found) == sorted([
+        ("all_gather", f"tensor<1x1x{8 * k}xi32>"), ("all_gather", f"tensor<1x1x{8 * k}xi32>"),  # keys, ids
+        ("all_reduce", f"tensor<1x1x{h}xf32>"),  # pmax of the log-sum-exp
+        ("all_reduce", f"tensor<1x1x{h}x{v}xf32>"), ("all_reduce", f"tensor<1x1x{h}xf32>"),  # partials, weights
+        ("all_reduce", f"tensor<1x1x{config.hidden_size}xbf16>"),  # o_proj over tp, in the layer's dtype
+    ]), found
 
 
 # ------------------------------------------------------------------------------ bad input

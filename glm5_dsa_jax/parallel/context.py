@@ -83,8 +83,8 @@ in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a ti
 indexer's scoring and the attention are split by the pools and tokens a device holds, and
 the projections by rows (above). No zig-zag split of a prefill's queries for the scoring
 and attention: each device scores every query of the chunk against its own pools. Not
-supported yet (``ValueError``): ``attention="dense"`` (the paged cache:
-``parallel.context_paged``, ``"xla"`` only). Autodiff: ``jax.grad`` of a chunk under
+supported yet (``ValueError``): ``attention="dense"``. The paged cache under cp:
+``parallel.context_paged`` (every implementation too). Autodiff: ``jax.grad`` of a chunk under
 ``"xla"`` equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``);
 under the Pallas and Mosaic implementations not possible (``sparse_mla_partial`` has no
 gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every

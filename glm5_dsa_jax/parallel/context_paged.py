@@ -59,16 +59,41 @@ unsharded ``"xla"`` layer, which streams only the live pool tiles, it does not s
 short context), attention over its own selected rows, the projections of ``ceil(S / cp)``
 rows; the page bookkeeping and the pooling of the chunk's keys are replicated.
 
-Supported: ``implementation="xla"``, ``attention="sparse"``, float and fp8 caches, full and
-shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per data
-shard as before, its pages split over cp within the shard), eager and jitted,
-``PagedDecoder`` (one compilation per chunk length) including ``release``, ``export``
-(``tests/test_context_parallel_paged.py``); ``rollback``, ``fork`` and ``load`` run their
-jitted global-view programs on the split pools (untested under cp). Not supported: the
-Pallas / Mosaic implementations (``ValueError`` at ``init_paged_cache`` and at the call,
-``check_supported``; the contiguous cache runs them per shard) and ``attention="dense"``
-(refused for any paged cache); no zig-zag split of a prefill's queries (every device
-scores every query against its own pools).
+**Kernels per shard.** Every step runs the layer's own implementation
+(``layer.implementation``, one of ``PAGED_CP_IMPLEMENTATIONS``: the contiguous path's
+``context.CP_IMPLEMENTATIONS``, ``"xla"``, ``"pallas"``, ``"mosaic"`` and their interpret
+forms) on the device's shard, as ``parallel.context`` does: ``pk.kpool_compress`` on the
+window, ``pk.index_scores`` over the held pools gathered contiguous (``first_key`` 0 and
+every query past them, so a kernel's causal tile end never cuts a held pool; the logical
+candidate rule is applied after, in jnp: so the contiguous kernel, not the paged one
+``index_scores_paged``, scores here, and the Mosaic paged kernel's ``PPP % 8`` rule does
+not apply), ``pk.topk_pools`` for the ``K'`` candidates (a Pallas top-k bounded by
+``n_live``: the held pools are in ascending logical order, so each query's candidates are
+a prefix of them, counted per query), ``pk.expand_selection`` and ``pk.sparse_mla_partial``
+(Triton's ``lse`` output; Mosaic's ``return_lse``, a step or dtype without a Mosaic kernel
+falling back to Triton as in the unsharded layer). The merges (``merge_candidates``,
+``merge_partials``) and the gather of the held pools are plain jnp and collectives
+whatever the implementation. The scoring width is ``PGL * PPP`` pools a row under every
+implementation (the Pallas scoring kernel cannot end early: a held pool's position in the
+gathered buffer is not its logical position).
+
+Supported: every implementation above, ``attention="sparse"``, float and fp8 caches, full
+and shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per
+data shard as before, its pages split over cp within the shard), eager and jitted,
+``PagedDecoder`` (one compilation per chunk length) including ``release``; ``rollback``,
+``fork`` (its partial page copied by a gather onto every device and a scatter each device
+applies to the pages it holds, ``cache.fork``) and ``export`` / ``load`` (an export of any
+placement loads into a cp cache, the placement kept) run their jitted global-view
+programs on the split pools (``tests/test_context_parallel_paged.py``: ``"xla"``,
+``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded paged layer of the
+same implementation, and the GLM-5.3-Flash decode step with a 1M-token paged cache at cp 8
+lowered for CUDA, ``"pallas"`` at tp 1 and 8, ``"mosaic"`` at tp 1; never run on a GPU
+here). Not supported: a name outside ``PAGED_CP_IMPLEMENTATIONS`` (``ValueError`` at
+``init_paged_cache`` and at the call, ``check_supported``), ``attention="dense"``
+(refused for any paged cache), autodiff under the Pallas and Mosaic implementations
+(``sparse_mla_partial`` has no gradient there; under ``"xla"`` untested with a paged
+cache); no zig-zag split of a prefill's queries
+(every device scores every query against its own pools).
 """
 
 from __future__ import annotations
