@@ -8,7 +8,13 @@ tp) = (2, 4), (4, 2), (8, 1) and (data, cp, tp) = (2, 2, 2): top-k rows bit for 
 to ``F32_REORDER`` (the attention merged from per-device partials by their log-sum-exp,
 ``o_proj`` all-reduced over tp), each sequence's content (``export``: latent rows and pools
 in timeline order) to ``F32_REORDER``, each device holding ``1/cp`` of the page pools and
-of the pages taken (the free stack's round-robin). Bad input: ``ValueError`` naming the sizes.
+of the pages taken (the free stack's round-robin); ``rollback``, ``fork`` and ``export`` /
+``load`` on split pools, each followed by a step. The kernels per shard:
+``"pallas_interpret"`` on (cp, tp) = (2, 4) and ``"mosaic_interpret"`` in bfloat16 on cp 2
+(jax >= 0.11) against the unsharded paged layer of the same implementation, and the decode
+step of GLM-5.3-Flash with a 1M-token paged cache at cp 8 lowered for CUDA (as
+``test_context_parallel.py`` does for the contiguous cache). Bad input: ``ValueError``
+naming the sizes.
 """
 
 from __future__ import annotations
@@ -16,12 +22,17 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, use_abstract_mesh
 
 import glm5_dsa_jax as gd
+import pallas_kernels as pk
+from glm5_dsa_jax.parallel import context_paged
 from glm5_dsa_jax.parallel import sharding as sh
+from glm5_dsa_jax.parallel.placement import Placement
 from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
 from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
 
@@ -180,6 +191,196 @@ def test_paged_decoder_one_compilation():
     assert dec.step.traces == 2
 
 
+# ------------------------------------------------------------------------------ rollback, fork, load
+def churn(layer, config):
+    """Two chunks, a step, then the page table's other operations each followed by a step
+    of both rows: ``rollback`` (row 0 takes back its last token), ``release`` + ``fork`` (row 1
+    restarts as row 0's first 28 tokens: shared pages and a copied partial page),
+    ``export`` of row 0 and ``load`` into a released row 1 (re-paged; an export of
+    ``config``'s other placement, ``loaded``, when given). ``([(out, topk)], cache)``."""
+    x, mask = padded_batch(config, PADS[:2], SPANS[-1][1], seed=0)
+    cache = layer.init_paged_cache(2, PAGES, PAGE)
+    res = []
+
+    def step(a, b):
+        nonlocal cache
+        out, topk, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
+        res.append((np.asarray(out), np.asarray(topk)))
+
+    step(0, 20), step(20, 40), step(40, 41)
+    cache = cache.rollback(np.array([True, False]), np.array([1, 0], np.int32))
+    step(41, 42)
+    cache = cache.release(np.array([False, True]))
+    cache = cache.fork(np.array([0], np.int32), np.array([1], np.int32), np.array([28], np.int32))
+    step(42, 43)
+    exported = cache.export(0)
+    cache = cache.release(np.array([False, True]))
+    cache = cache.load(1, exported)
+    step(41, 42)
+    return res, cache, exported
+
+
+def test_rollback_fork_load_equal_unsharded():
+    """On (cp, tp) = (4, 2), ``"xla"``: ``rollback``, ``release`` + ``fork`` and ``export`` /
+    ``load`` of a cache whose pools are split over cp (their global-view programs on the
+    split pools, the placement kept) give the unsharded paged cache's steps after each
+    (top-k bit for bit, outputs to ``F32_REORDER``) and its content; an export from either
+    loads into the other (whatever its mesh)."""
+    want, want_cache, want_export = churn(f32_layer(cfg(), 1, block_q=8), cfg())
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
+    got, cache, exported = churn(layer, cfg())
+    assert_same(got, want)
+    assert_same_content(cache, want_cache)
+    for name in gd.PagedCache.PAGE_AXIS_FIELDS:
+        a = getattr(cache, name)
+        assert a is None or trim(a.sharding.spec) == P("cp"), (name, a.sharding.spec)
+    crossed = cache.release(np.array([False, True])).load(1, want_export)
+    back = want_cache.release(np.array([False, True])).load(1, exported)
+    assert trim(crossed.latent_store.sharding.spec) == P("cp")
+    assert_same_content(crossed, back)
+
+
+# ------------------------------------------------------------------------------ kernels per shard
+NEEDS_MOSAIC = pytest.mark.skipif(
+    pk.jax_version() < pk.MOSAIC_MIN_JAX,
+    reason=f"Mosaic GPU kernels need jax >= {pk.MOSAIC_MIN_JAX} (this is jax {jax.__version__})")
+
+
+def test_pallas_kernels_per_shard(monkeypatch):
+    """``implementation="pallas_interpret"`` on (cp, tp) = (2, 4): every step of a shard runs
+    the Triton kernel (``kpool_compress``, ``index_scores`` over its held pools,
+    ``topk_pools`` bounded to its visible held pools, ``expand_selection``,
+    ``sparse_mla_partial``; the launches are counted); two chunks then decode steps equal
+    the unsharded paged layer of the same implementation: top-k bit for bit, outputs to
+    ``F32_REORDER``, the sequences' content too."""
+    from jax.experimental import pallas
+
+    want, want_cache = run(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), cfg())
+    launched = []
+    pallas_call = pallas.pallas_call
+    monkeypatch.setattr(pallas, "pallas_call", lambda *a, **k: launched.append(k.get("name")) or pallas_call(*a, **k))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((2, 4)),
+                           axis="tp", seq_axis="cp")
+    got, cache = run(layer, cfg())
+    assert {"kpool_compress", "index_scores", "topk_pools", "expand_selection", "sparse_mla"} <= set(
+        launched), launched
+    assert_same(got, want)
+    assert_split(cache, 2)
+    assert_same_content(cache, want_cache)
+
+
+@NEEDS_MOSAIC
+def test_mosaic_kernels_per_shard(monkeypatch):
+    """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
+    selection and attention per shard, the attention's log-sum-exp from the same launch)
+    with a paged cache: two chunks then a decode step select as the unsharded paged layer
+    of the same implementation (and ``"xla"``), top-k bit for bit, and their outputs are
+    the same mesh's ``"xla"`` cp layer's within two bf16 ulps (as
+    ``test_context_parallel.py::test_mosaic_kernels_per_shard``, which says why not the
+    unsharded layer's: the chunk's projections run on ``S/cp`` rows)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    import pallas_kernels.attention as attention
+
+    monkeypatch.setattr(gpu_callbacks, "_assert_no_barriers_allocated", lambda token: token)
+    calls = []
+    mosaic = attention._sparse_mla_mosaic
+    monkeypatch.setattr(attention, "_sparse_mla_mosaic", lambda *a, **k: calls.append(k) or mosaic(*a, **k))
+    # kpool 1, pages of 8: 8 pools a page (the Mosaic paged scoring copies 8-row tiles); 4 of up to 16
+    config = cfg(index_kpool=1, index_topk=4)
+    x, mask = padded_batch(config, (0, 2), 17, seed=14)
+    x = jnp.asarray(x, jnp.bfloat16)
+    spans = [(0, 8), (8, 16), (16, 17)]  # two chunks of one query tile each, then a step
+    runs = []
+    for impl, mesh in (("xla", None), ("mosaic_interpret", None), ("xla", mesh_of((2, 1))),
+                       ("mosaic_interpret", mesh_of((2, 1)))):
+        layer = f32_layer(config, 1, seed=4, dtype=jnp.bfloat16, implementation=impl, block_q=8)
+        if mesh is not None:
+            layer = sh.shard_layer(layer, mesh, axis="tp", seq_axis="cp")
+        cache = layer.init_paged_cache(2, 8, 8)  # 3 pages a row
+        res = []
+        for a, b in spans:
+            o, t, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
+            res.append((np.asarray(o, np.float32), np.asarray(t)))
+        runs.append(res)
+    assert any(k.get("return_lse") for k in calls), calls
+    tol = 2 * 2.0**-8
+    for step, ((_, t0), (_, t1), (o2, t2), (o3, t3)) in enumerate(zip(*runs)):
+        for t in (t1, t2, t3):
+            np.testing.assert_array_equal(t, t0, err_msg=f"call {step}")
+        np.testing.assert_allclose(o3, o2, atol=tol, rtol=tol, err_msg=f"call {step}")
+
+
+def _lowered_cp8_paged_decode(implementation, tp, context=1 << 20, page=64):
+    """The decode step (``make_step``'s ``jax.jit``: one sequence, one token) of
+    GLM-5.3-Flash's first DSA layer in bf16 on a ``(cp, tp) = (8, tp)`` mesh with a paged
+    bf16 cache of ``context / page`` pages of ``page`` tokens (one sequence may take them
+    all), lowered for CUDA without a GPU, as
+    ``test_context_parallel._lowered_cp8_decode`` does for the contiguous cache: the layer
+    built under ``nnx.eval_shape`` and placed on ``pk.cuda_mesh``, the cache's page pools
+    split over cp by ``cache_shardings``."""
+    config = gd.DsaConfig.glm53_flash()
+    idx = config.dsa_layers[0]
+    mesh = pk.cuda_mesh("h100", (8, tp), ("cp", "tp"))
+    layer = nnx.eval_shape(lambda: gd.DsaAttention(config, idx, rngs=nnx.Rngs(0), implementation=implementation))
+    layer.placement = Placement(mesh, "tp", None, "cp")
+    cache = jax.eval_shape(lambda: gd.init_paged_cache(config, 1, context // page, page, has_indexer=True,
+                                                       dtype=jnp.bfloat16, seq_shards=8))
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
+                         sh.cache_shardings(cache, mesh, None, "cp"))
+    shardings = sh.param_shardings(layer)
+    rows = NamedSharding(mesh, P())
+    step, params = gd.make_step(layer)
+
+    def placed(path, a):  # a parameter's head split, else replicated
+        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+
+    params = jax.tree_util.tree_map_with_path(placed, params)
+    x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
+    m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
+    with use_abstract_mesh(mesh):
+        lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
+    return config, lowered.as_text()
+
+
+@pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
+                                                pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
+def test_paged_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
+    """GLM-5.3-Flash decode with a 1M-token paged cache (16,384 pages of 64) on cp 8 (tp 1
+    or 8) lowers for CUDA: one program of ``8 * tp`` partitions whose kernels run at
+    per-shard shapes (the scoring over the ``PGL * PPP = 2,048 * 16`` pools a shard can
+    hold: ``P / 8``; the attention over ``H / tp`` heads; ``"pallas"`` every step a Triton
+    launch, ``"mosaic"`` the Mosaic scoring, selection and attention, Triton for the two
+    steps without a Mosaic kernel), and whose collectives are the candidates' all-gathers
+    ``[1, 1, 8 * select_k]`` and the partials' small all-reduces: no pool, page table or
+    tail validity crosses devices."""
+    config, text = _lowered_cp8_paged_decode(implementation, tp)
+    assert f"mhlo.num_partitions = {8 * tp}" in text
+    k, h, v = config.max_select_k, config.num_attention_heads // tp, config.kv_lora_rank
+    p_loc = (1 << 20) // config.index_kpool // 8
+    names = [c["name"] for c in pk.triton_calls(text)]
+    calls = pk.triton_calls(text)
+    if implementation == "pallas":
+        assert names[:2] == ["kpool_compress", "index_scores"] and names[-2:] == ["expand_selection", "sparse_mla"]
+        assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
+        block_p = pk.IndexScoresBlockSizes().block_p
+        assert np.prod(calls[1]["grid"]) * block_p == p_loc, calls[1]
+        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
+    else:
+        assert names == ["kpool_compress", "expand_selection"], names
+        assert "stablehlo.custom_call @mosaic_gpu" in text
+        assert "tensor<1x" + f"{p_loc}xf32>" in text  # the shard's score row: P / 8 pools
+    found = [(m.group(1), m.group(2)) for m in re.finditer(
+        r'"stablehlo\.(all_gather|all_reduce)"\(.*?\) -> (tensor<[^>]*>)', text, re.S)]
+    assert sorted(found) == sorted([
+        ("all_gather", f"tensor<1x1x{8 * k}xi32>"), ("all_gather", f"tensor<1x1x{8 * k}xi32>"),  # keys, ids
+        ("all_reduce", f"tensor<1x1x{h}xf32>"),  # pmax of the log-sum-exp
+        ("all_reduce", f"tensor<1x1x{h}x{v}xf32>"), ("all_reduce", f"tensor<1x1x{h}xf32>"),  # partials, weights
+        ("all_reduce", f"tensor<1x1x{config.hidden_size}xbf16>"),  # o_proj over tp, in the layer's dtype
+    ]), found
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_page_count_not_divisible_refused():
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of((4, 2)), axis="tp", seq_axis="cp")
@@ -189,11 +390,10 @@ def test_page_count_not_divisible_refused():
         sh.place_cache(f32_layer(cfg(), 1).init_paged_cache(2, 18, PAGE), layer.mesh, seq_axis="cp")
     with pytest.raises(ValueError, match=r"num_pages=18 gives 18 pages per data shard, not divisible by the 4"):
         gd.init_paged_cache(cfg(), 2, 18, PAGE, seq_shards=4)
-    pallas = sh.shard_layer(f32_layer(cfg(), 1, block_q=8, implementation="pallas_interpret"), mesh_of((4, 2)),
-                            axis="tp", seq_axis="cp")
     with pytest.raises(ValueError, match=r"a paged cache under context parallelism \(seq_axis='cp'\) supports "
-                                         r"implementation in \('xla',\) only, got 'pallas_interpret'"):
-        pallas.init_paged_cache(2, PAGES, PAGE)
+                                         r"implementation in \('xla', 'pallas', 'pallas_interpret', 'mosaic', "
+                                         r"'mosaic_interpret'\), got 'auto'"):
+        context_paged.check_supported("auto", "cp")
 
 
 def test_cache_placed_otherwise_refused_unchanged():

@@ -48,8 +48,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax.cache import eager
+from glm5_dsa_jax.cache.eager import explicit_sharding
 from glm5_dsa_jax.cache.pages import OK
 from glm5_dsa_jax.cache.rollback import shift_stage
 
@@ -139,15 +141,19 @@ def check_fork(cache, src_rows, dst_rows, lengths) -> None:
 
 def _copy_pages(store, src, dst):
     """``store [N, ...]`` with page ``dst[b]`` a copy of page ``src[b]`` (``-1``: none). Never a
-    one-row scatter (``paged._scatter_rows``' doc): one dropped row more."""
+    one-row scatter (``paged._scatter_rows``' doc): one dropped row more. On ``Explicit``
+    mesh axes (pools split over a data or sequence axis) the copied pages are gathered onto
+    every device and each device writes the ones it holds (the output placed as ``store``)."""
     if store is None:
         return None
     n = store.shape[0]
-    content = jnp.take(store, jnp.clip(src, 0, n - 1), axis=0)
+    sharding = explicit_sharding(store)
+    whole = None if sharding is None else NamedSharding(sharding.mesh, P())
+    content = store.at[jnp.clip(src, 0, n - 1)].get(out_sharding=whole)
     at = jnp.where((src >= 0) & (dst >= 0), dst, n)
     at = jnp.concatenate([at, jnp.full((1,), n, at.dtype)])
     content = jnp.concatenate([content, jnp.zeros((1,) + store.shape[1:], store.dtype)])
-    return store.at[at].set(content, mode="drop")
+    return store.at[at].set(content, mode="drop", out_sharding=sharding)
 
 
 def fork_rows(cache, src_rows, dst_rows, lengths):

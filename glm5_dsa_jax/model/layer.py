@@ -390,8 +390,8 @@ class DsaAttention(nnx.Module):
         ``pages_per_seq`` defaults to a shard's pages, capped at ``max_position_embeddings``;
         ``ValueError`` unless both divide by ``dp``), and its page pools by page over a
         ``seq_axis`` (``num_pages / dp`` must divide by its size ``cp``; pages handed out
-        round-robin over the cp blocks: ``parallel.context_paged``; ``implementation="xla"``
-        only, ``ValueError`` otherwise). ``max_rollback``: tokens a sequence can
+        round-robin over the cp blocks, every step the layer's own kernels per shard:
+        ``parallel.context_paged``). ``max_rollback``: tokens a sequence can
         always take back (``PagedCache.rollback``); ``latent_layout``, ``rotate_index``,
         ``index_keys`` as ``init_cache``'s."""
         p = self.placement

@@ -102,9 +102,8 @@ the projections by rows (above), a long chunk's selection by zig-zag rows (the q
 the attention by the tokens each device holds (every device attends every query of the
 chunk over its own rows: a chunk's absorbed queries are on every device). Peak memory per
 device against the unsharded prefill: docs/parallelism.md (XLA's memory analysis at 1M
-tokens). Not
-supported yet (``ValueError``): ``attention="dense"`` (the paged cache:
-``parallel.context_paged``, ``"xla"`` only). Autodiff: ``jax.grad`` of a chunk under
+tokens). Not supported yet (``ValueError``): ``attention="dense"``. The paged cache under
+cp: ``parallel.context_paged`` (every implementation too). Autodiff: ``jax.grad`` of a chunk under
 ``"xla"`` equals the unsharded layer's (parameters and ``x``; ``tests/test_cp_grad.py``);
 under the Pallas and Mosaic implementations not possible (``sparse_mla_partial`` has no
 gradient there). Checked on CPU (``tests/test_context_parallel.py``): ``"xla"`` on every

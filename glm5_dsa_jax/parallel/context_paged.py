@@ -59,16 +59,42 @@ unsharded ``"xla"`` layer, which streams only the live pool tiles, it does not s
 short context), attention over its own selected rows, the projections of ``ceil(S / cp)``
 rows; the page bookkeeping and the pooling of the chunk's keys are replicated.
 
-Supported: ``implementation="xla"``, ``attention="sparse"``, float and fp8 caches, full and
-shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per data
-shard as before, its pages split over cp within the shard), eager and jitted,
-``PagedDecoder`` (one compilation per chunk length) including ``release``, ``export``
-(``tests/test_context_parallel_paged.py``); ``rollback``, ``fork`` and ``load`` run their
-jitted global-view programs on the split pools (untested under cp). Not supported: the
-Pallas / Mosaic implementations (``ValueError`` at ``init_paged_cache`` and at the call,
-``check_supported``; the contiguous cache runs them per shard) and ``attention="dense"``
-(refused for any paged cache); no zig-zag split of a prefill's queries (every device
-scores every query against its own pools).
+**Kernels per shard.** Every step runs the layer's own implementation
+(``layer.implementation``, one of ``PAGED_CP_IMPLEMENTATIONS``: the contiguous path's
+``context.CP_IMPLEMENTATIONS``, ``"xla"``, ``"pallas"``, ``"mosaic"`` and their interpret
+forms) on the device's shard, as ``parallel.context`` does: ``pk.kpool_compress`` on the
+window, ``pk.index_scores`` over the held pools gathered contiguous (``first_key`` 0 and
+every query past them, so a kernel's causal tile end never cuts a held pool; the logical
+candidate rule is applied after, in jnp: so the contiguous kernel, not the paged one
+``index_scores_paged``, scores here, and the Mosaic paged kernel's ``PPP % 8`` rule does
+not apply), ``pk.topk_pools`` for the ``K'`` candidates (a Pallas top-k bounded by
+``n_live``: the held pools are in ascending logical order, so each query's candidates are
+a prefix of them, counted per query), ``pk.expand_selection`` and ``pk.sparse_mla_partial``
+(Triton's ``lse`` output; Mosaic's ``return_lse``, a step or dtype without a Mosaic kernel
+falling back to Triton as in the unsharded layer). The merges (``merge_candidates``,
+``merge_partials``) and the gather of the held pools are plain jnp and collectives
+whatever the implementation. The scoring width is ``PGL * PPP`` pools a row under every
+implementation (the Pallas scoring kernel cannot end early: a held pool's position in the
+gathered buffer is not its logical position).
+
+Supported: every implementation above, ``attention="sparse"``, float and fp8 caches, full
+and shared layers, NoPE and RoPE, with ``axis`` (and a ``batch_axis``: one page table per
+data shard as before, its pages split over cp within the shard), eager and jitted,
+``PagedDecoder`` (one compilation per chunk length) including ``release``; ``rollback``,
+``fork`` (its partial page copied by a gather onto every device and a scatter each device
+applies to the pages it holds, ``cache.fork``) and ``export`` / ``load`` (an export of any
+placement loads into a cp cache, the placement kept) run their jitted global-view
+programs on the split pools (``tests/test_context_parallel_paged.py``: ``"xla"``,
+``"pallas_interpret"`` and ``"mosaic_interpret"`` against the unsharded paged layer of the
+same implementation, and the GLM-5.3-Flash decode step with a 1M-token paged cache at cp 8
+lowered for CUDA, ``"pallas"`` at tp 1 and 8, ``"mosaic"`` at tp 1; never run on a GPU
+here). Not supported: a name outside ``PAGED_CP_IMPLEMENTATIONS`` (``ValueError`` at
+``init_paged_cache`` and at the call, ``check_supported``), ``attention="dense"``
+(refused for any paged cache), autodiff under the Pallas and Mosaic implementations
+(``sparse_mla_partial`` has no gradient there; under ``"xla"`` untested with a paged
+cache); the query split of a prefill chunk's selection (``context``'s, for the contiguous
+cache: here every chunk selects by the key split, each device scoring every query against
+the pages it holds).
 """
 
 from __future__ import annotations
@@ -79,13 +105,13 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.paged import token_slots
-from glm5_dsa_jax.parallel.context import held_ids, merge_candidates, merge_partials, row_split
+from glm5_dsa_jax.parallel.context import CP_IMPLEMENTATIONS, held_ids, merge_candidates, merge_partials, row_split
 
 __all__ = ["forward", "held_pages", "check_supported", "PAGED_CP_IMPLEMENTATIONS"]
 
-#: The implementations a paged cache under context parallelism runs (its per-shard
-#: selection and attention are plain jnp).
-PAGED_CP_IMPLEMENTATIONS = ("xla",)
+#: The implementations a paged cache under context parallelism runs: every one the contiguous
+#: cp path runs (``context.CP_IMPLEMENTATIONS``); each step of a shard runs the layer's own kernel.
+PAGED_CP_IMPLEMENTATIONS = CP_IMPLEMENTATIONS
 
 
 def check_supported(implementation: str, seq_axis: str) -> None:
@@ -94,8 +120,8 @@ def check_supported(implementation: str, seq_axis: str) -> None:
     if implementation not in PAGED_CP_IMPLEMENTATIONS:
         raise ValueError(
             f"a paged cache under context parallelism (seq_axis={seq_axis!r}) supports implementation in "
-            f"{PAGED_CP_IMPLEMENTATIONS} only, got {implementation!r}: build the layer with "
-            "implementation='xla', or use init_cache (the contiguous cache runs every implementation)")
+            f"{PAGED_CP_IMPLEMENTATIONS}, got {implementation!r}: build the layer with one of them "
+            "(a layer resolves 'auto' when built)")
 
 
 def held_pages(block_table: jax.Array, page_offset, n_local: int) -> tuple[jax.Array, jax.Array]:
@@ -110,19 +136,25 @@ def held_pages(block_table: jax.Array, page_offset, n_local: int) -> tuple[jax.A
     return jnp.where(local >= 0, order, -1).astype(jnp.int32), local
 
 
-def _select(cache, held, qi, w, q_pos, select_k, kpool, seq_axis):
+def _select(layer, held, qi, w, q_pos, select_k, seq_axis):
     """The merged global top-``select_k`` logical pool ids ``[B, Q, select_k]`` (module doc)."""
     keys, scale, pool, valid = held
     b = keys.shape[0]
+    kp = layer.cfg.index_kpool
     with jax.named_scope("score_pools"):  # every held pool a candidate here, then the logical rule
         big = jnp.full_like(q_pos, jnp.iinfo(jnp.int32).max // 2)
-        scores = pk.index_scores(qi, w, keys, valid, jnp.zeros((b,), jnp.int32), big, scale, kpool=kpool,
-                                 implementation="xla")
-        visible = (pool[:, None, :] + 1) * kpool - 1 <= q_pos[..., None]
+        scores = pk.index_scores(qi, w, keys, valid, jnp.zeros((b,), jnp.int32), big, scale, kpool=kp,
+                                 implementation=layer.implementation)
+        visible = (pool[:, None, :] + 1) * kp - 1 <= q_pos[..., None]
         scores = jnp.where(visible, scores, -jnp.inf)
     with jax.named_scope("select_pools"):
         k_loc = min(select_k, pool.shape[1])
-        local = pk.topk_pools(scores, k_loc, implementation="xla")
+        # The held pools are in ascending logical order, so each query's candidates are a
+        # prefix of them: a Pallas top-k reads only that prefix (its live bound per shard).
+        n_live = None
+        if layer.implementation != "xla":
+            n_live = jnp.sum(visible & valid[:, None, :], axis=-1, dtype=jnp.int32)
+        local = pk.topk_pools(scores, k_loc, implementation=layer.implementation, n_live=n_live)
         key = pk.order_key(jnp.take_along_axis(scores, jnp.maximum(local, 0), axis=-1))
         key = jnp.where(local >= 0, key, pk.order_key(jnp.full((), -jnp.inf, jnp.float32)))
         ids = jnp.where(local >= 0, jnp.take_along_axis(jnp.broadcast_to(pool[:, None], scores.shape),
@@ -162,7 +194,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
         slots = held_ids(token_slots(cache.block_table, token_ids, ps), page_off * ps, n_loc * ps)
         with jax.named_scope("sparse_attention"):
             part, lse = pk.sparse_mla_partial(q_lat, rows, slots, row_scale, scale=cfg.softmax_scale,
-                                              value_width=cfg.kv_lora_rank)
+                                              value_width=cfg.kv_lora_rank, implementation=layer.implementation)
             return merge_partials(part, lse, seq_axis).astype(q_lat.dtype)
 
     if layer.indexer is not None:
@@ -172,18 +204,18 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             win = cache.pool_window(ki, gate, chunk)
             pooled, _, pooled_valid = pk.kpool_compress(win.keys, win.gate, win.valid,
                                                         layer.indexer.pool_ape(win.keys.dtype), win.first_pool,
-                                                        implementation="xla")
+                                                        implementation=layer.implementation)
             cache = cache.store_pools_held(win, pooled, pooled_valid, chunk, page_off)
         qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(cache.max_pools)
         held = cache.held_pool_keys(*held_pages(cache.block_table, page_off, n_loc))
 
         def tile(q_lat, q_pos, qi, w, n_vis):
-            pools = _select(cache, held, qi, w, q_pos, select_k, kp, seq_axis)
+            pools = _select(layer, held, qi, w, q_pos, select_k, seq_axis)
             with jax.named_scope("expand_to_tokens"):
                 tail = cache.visible_tail(pools, n_vis, q_pos, kp) if cfg.tail_width else None
                 token_ids = pk.expand_selection(pools, cache.pool_origin(), tail, kpool=kp, out_width=cfg.out_width,
-                                                implementation="xla")
+                                                implementation=layer.implementation)
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             return token_ids, attend(q_lat, token_ids)
 

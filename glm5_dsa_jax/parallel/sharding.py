@@ -107,7 +107,8 @@ def shard_layer(layer, mesh: jax.sharding.Mesh, axis: str = "tp", batch_axis: st
       contiguous ranges over that axis (capacity divisible by its size times ``kpool``);
       every step runs the layer's own kernels per shard (``parallel.context``); its
       paged caches split their page pools into blocks of pages (``num_pages / dp``
-      divisible by its size; ``implementation="xla"`` only: ``parallel.context_paged``).
+      divisible by its size; every step the layer's own kernels per shard too:
+      ``parallel.context_paged``).
 
     Placing a layer again on the same mesh and axes is a no-op. Raises ``ValueError`` for a
     mesh without ``axis``, ``batch_axis`` or ``seq_axis``, two of them equal, an axis size
