@@ -326,17 +326,9 @@ def _lowered_cp8_paged_decode(implementation, tp, context=1 << 20, page=64):
     layer.placement = Placement(mesh, "tp", None, "cp")
     cache = jax.eval_shape(lambda: gd.init_paged_cache(config, 1, context // page, page, has_indexer=True,
                                                        dtype=jnp.bfloat16, seq_shards=8))
-    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
-                         sh.cache_shardings(cache, mesh, None, "cp"))
-    shardings = sh.param_shardings(layer)
     rows = NamedSharding(mesh, P())
     step, params = gd.make_step(layer)
-
-    def placed(path, a):  # a parameter's head split, else replicated
-        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), rows)
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
-
-    params = jax.tree_util.tree_map_with_path(placed, params)
+    params, cache = sh.abstract_step_operands(layer, params, cache)  # shardings the step compiles with
     x = jax.ShapeDtypeStruct((1, 1, config.hidden_size), jnp.bfloat16, sharding=rows)
     m = jax.ShapeDtypeStruct((1, 1), jnp.bool_, sharding=rows)
     with use_abstract_mesh(mesh):

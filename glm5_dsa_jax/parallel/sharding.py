@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from glm5_dsa_jax.model import layout
 from glm5_dsa_jax.parallel import placement as pl
@@ -56,7 +56,7 @@ from glm5_dsa_jax.model.weights import param_variable
 
 __all__ = [
     "ShardKind", "TensorPlan", "TpPlan", "partition_specs", "shard_layer", "place_cache",
-    "cache_shardings", "param_shardings", "batch_sharding", "check_tp_mesh",
+    "cache_shardings", "param_shardings", "batch_sharding", "check_tp_mesh", "abstract_step_operands",
 ]
 
 
@@ -193,3 +193,21 @@ def batch_sharding(layer) -> NamedSharding:
         raise ValueError("the layer is not placed on a mesh: call shard_layer(layer, mesh) first")
     return NamedSharding(layer.mesh, layer.placement.row_spec)
 
+
+
+def abstract_step_operands(layer, params, cache):
+    """``(params, cache)`` of a placed layer's step (``make_step``'s ``params``; a cache or its
+    shapes) as ``jax.ShapeDtypeStruct`` s carrying the shardings the step is compiled with: a
+    parameter split over the head axis as ``param_shardings`` says, else replicated; the cache
+    as ``cache_shardings`` places it on the layer's ``batch_axis`` / ``seq_axis``. For
+    compiling or lowering a step with no arrays (a layer built under ``nnx.eval_shape``, a mesh
+    of abstract devices: ``pk.cuda_mesh``)."""
+    shardings, replicated = param_shardings(layer), NamedSharding(layer.mesh, P())
+
+    def placed(path, a):
+        where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), replicated)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
+
+    where = cache_shardings(cache, layer.mesh, layer.placement.batch_axis, layer.placement.seq_axis)
+    return (jax.tree_util.tree_map_with_path(placed, params),
+            jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, where))

@@ -52,19 +52,11 @@ def prefill_memory(config, context: int, chunk: int, cp: int, devices=None) -> d
         devices = (jax.devices() if devices is None else devices)[:cp]
         mesh = jax.make_mesh((cp, 1), ("cp", "tp"), axis_types=(AxisType.Explicit,) * 2, devices=devices)
         layer.placement = Placement(mesh, "tp", None, "cp")
-        cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache,
-                             sh.cache_shardings(cache, mesh, None, "cp"))
         kw = dict(sharding=NamedSharding(mesh, P()))
         placed = jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
     step, params = make_step(layer)
     if cp > 1:
-        shardings = sh.param_shardings(layer)
-
-        def place(path, a):  # a parameter's head split (none at tp 1), else replicated
-            where = shardings.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)), kw["sharding"])
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where)
-
-        params = jax.tree_util.tree_map_with_path(place, params)
+        params, cache = sh.abstract_step_operands(layer, params, cache)
     x = jax.ShapeDtypeStruct((1, chunk, config.hidden_size), jnp.bfloat16, **kw)
     mask = jax.ShapeDtypeStruct((1, chunk), jnp.bool_, **kw)
     with placed:
