@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import glm5_dsa_jax as gd
+import pallas_kernels as pk
 
 # Float32 parity tolerance against HF; the error budget is in test_hf_parity's module doc.
 ATOL = RTOL = 3e-5
@@ -237,3 +238,24 @@ def paged_scores_both(rng, q, w, keys, q_pos, quantize, kpool: int):
     return tuple(np.asarray(pk.index_scores_paged(q, w, values, jnp.asarray(table), counts, q_pos, scales,
                                                   kpool=kpool, implementation=i))
                  for i in ("xla", "pallas_interpret"))
+
+
+def check_cp8_decode_kernels(config, text, implementation, tp):
+    """The kernel launches of GLM-5.3-Flash's decode step lowered for CUDA at cp 8 (a 1M-token
+    cache of either kind; ``text`` the lowered module): ``"pallas"``: the Triton kernels in
+    pipeline order, the scoring grid covering the shard's ``P / 8`` pools, the attention one
+    program per ``block_h`` of the ``H / tp`` local heads; ``"mosaic"``: the two Triton
+    kernels it keeps, Mosaic custom calls, and the shard's ``P / 8``-pool score row."""
+    h = config.num_attention_heads // tp
+    p_loc = (1 << 20) // config.index_kpool // 8
+    calls = pk.triton_calls(text)
+    names = [c["name"] for c in calls]
+    if implementation == "pallas":
+        assert names[:2] == ["kpool_compress", "index_scores"] and names[-2:] == ["expand_selection", "sparse_mla"]
+        assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
+        assert np.prod(calls[1]["grid"]) * pk.IndexScoresBlockSizes().block_p == p_loc, calls[1]
+        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
+    else:
+        assert names == ["kpool_compress", "expand_selection"], names
+        assert "stablehlo.custom_call @mosaic_gpu" in text
+        assert "tensor<1x" + f"{p_loc}xf32>" in text  # the shard's score row: P / 8 pools

@@ -36,7 +36,7 @@ import pallas_kernels as pk
 from glm5_dsa_jax.parallel import context
 from glm5_dsa_jax.parallel import sharding as sh
 from glm5_dsa_jax.parallel.placement import Placement
-from helpers import F32_REORDER, f32_layer, jitted_call, padded_batch, rope_tiny
+from helpers import F32_REORDER, check_cp8_decode_kernels, f32_layer, jitted_call, padded_batch, rope_tiny
 from helpers import tiny8 as cfg  # 8 heads: tp 1, 2 and 4 divide them; kpool 4, select_k 4
 
 ATOL = RTOL = F32_REORDER
@@ -282,19 +282,7 @@ def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
     config, text = _lowered_cp8_decode(implementation, tp)
     assert f"mhlo.num_partitions = {8 * tp}" in text
     k, h, v = config.max_select_k, config.num_attention_heads // tp, config.kv_lora_rank
-    p_loc = (1 << 20) // config.index_kpool // 8
-    calls = pk.triton_calls(text)
-    names = [c["name"] for c in calls]
-    if implementation == "pallas":
-        assert names[:2] == ["kpool_compress", "index_scores"] and names[-2:] == ["expand_selection", "sparse_mla"]
-        assert set(names[2:-2]) == {"topk_pools_count", "topk_pools_compact"}, names
-        block_p = pk.IndexScoresBlockSizes().block_p
-        assert np.prod(calls[1]["grid"]) * block_p == p_loc, calls[1]
-        assert calls[-1]["grid"][0] == -(-h // pk.SparseMlaBlockSizes().block_h), calls[-1]
-    else:
-        assert names == ["kpool_compress", "expand_selection"], names
-        assert "stablehlo.custom_call @mosaic_gpu" in text
-        assert "tensor<1x" + f"{p_loc}xf32>" in text  # the shard's score row: P / 8 pools
+    check_cp8_decode_kernels(config, text, implementation, tp)
     assert sorted(_collectives(text)) == sorted([
         ("all_gather", f"tensor<1x1x{8 * k}xi32>"), ("all_gather", f"tensor<1x1x{8 * k}xi32>"),  # keys, ids
         ("all_reduce", f"tensor<1x1x{config.index_kpool - 1}xi32>"),  # the tail's validity

@@ -74,14 +74,19 @@ def cache_parts(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: 
     of ``init_cache`` (``jax.eval_shape``)."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, seqs, context, has_indexer=cfg.has_indexer(layer_idx),
                                                dtype=dtype))
-    token = other = 0
+    return _split_bytes(shapes, DsaCache.TOKEN_AXIS_FIELDS)
+
+
+def _split_bytes(shapes, fields) -> tuple[int, int]:
+    """``(bytes of the named fields, bytes of the rest)`` of a cache's shapes."""
+    split = other = 0
     for path, a in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         n = math.prod(a.shape) * a.dtype.itemsize
-        if getattr(path[-1], "name", None) in DsaCache.TOKEN_AXIS_FIELDS:
-            token += n
+        if getattr(path[-1], "name", None) in fields:
+            split += n
         else:
             other += n
-    return token, other
+    return split, other
 
 
 def _paged_shapes(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: int, page_size: int):
@@ -109,15 +114,7 @@ def paged_parts(cfg: DsaConfig, layer_idx: int, dtype: str, seqs: int, context: 
     ``cache_bytes`` sizes it): the page pools a sequence axis splits
     (``PagedCache.PAGE_AXIS_FIELDS``) and the rest (the page table, stage, status:
     replicated over it), read from the shapes of ``init_paged_cache``."""
-    pools = other = 0
-    for path, a in jax.tree_util.tree_flatten_with_path(_paged_shapes(cfg, layer_idx, dtype, seqs, context,
-                                                                       page_size))[0]:
-        n = math.prod(a.shape) * a.dtype.itemsize
-        if getattr(path[-1], "name", None) in PagedCache.PAGE_AXIS_FIELDS:
-            pools += n
-        else:
-            other += n
-    return pools, other
+    return _split_bytes(_paged_shapes(cfg, layer_idx, dtype, seqs, context, page_size), PagedCache.PAGE_AXIS_FIELDS)
 
 
 @functools.lru_cache(maxsize=None)
