@@ -14,7 +14,10 @@ chunk keep the key split (candidates merged). Checked on the 8 virtual CPU devic
   (cp, tp) = (2, 4) and (4, 2) equal the unsharded layer (top-k bit for bit, outputs to
   float32 rounding);
 * the compiled steps' collectives: a long chunk gathers the pool fields ``[B, P, D]`` and
-  the chosen ids, and no candidates; a 2-token chunk the candidates and no pools.
+  the chosen ids, and no candidates; a 2-token chunk the candidates and no pools;
+* the paged cache the same way (``PagedCache.gathered_pools``: every pooled-key page
+  gathered for a long chunk), against the unsharded paged layer;
+* ``tools.cp_memory``'s rows (``scripts/cp_prefill_memory.py``).
 """
 
 from __future__ import annotations
@@ -133,3 +136,48 @@ def test_cp_memory_tool_reports_the_split(capsys):
     assert four["selection"] == "query split"  # 32 rows, 16 pools a shard: the pools cost less
     assert four["argument_bytes"] < one["argument_bytes"], (one, four)
     assert four["alias_bytes"] < one["alias_bytes"], (one, four)  # the donated cache: its rows split
+
+
+# ---------------------------------------------------------------------------- the paged cache
+PAGES, PAGE = 16, 8  # 16 pages of 8 tokens (2 pools each): 42 tokens = 6 pages a row
+
+
+def run_paged(layer, batch=2):
+    x, mask = padded_batch(cfg(), (0, 5, 2, 9)[:batch], sum(CHUNKS) + STEPS, seed=0)
+    cache = layer.init_paged_cache(batch, PAGES, PAGE)
+    edges = np.cumsum((0,) + CHUNKS + (1,) * STEPS)
+    res = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        out, topk, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
+        res.append((np.asarray(out), np.asarray(topk)))
+    return res
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+def test_paged_both_selections_equal_unsharded(shape):
+    """The paged cache's chunks (the query split: the pooled-key pages gathered; the 2-token
+    chunk and the steps: the key split) equal the unsharded paged layer."""
+    want = run_paged(f32_layer(cfg(), 1, block_q=8))
+    layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
+    for i, ((o, t), (o0, t0)) in enumerate(zip(run_paged(layer), want, strict=True)):
+        np.testing.assert_array_equal(t, t0, err_msg=f"call {i}: top-k")
+        np.testing.assert_allclose(o, o0, atol=F32_REORDER, rtol=F32_REORDER, err_msg=f"call {i}: out")
+
+
+def paged_gathers(layer, chunk):
+    dec = gd.PagedDecoder(layer, 2, PAGES, PAGE)
+    x, mask = padded_batch(cfg(), (0, 5), chunk, seed=0)
+    hlo = dec.step.lower(dec.params, x, mask, dec.cache).compile().as_text()
+    found = [re.search(r"= (.*?) all-gather(?:-start)?\(", ln) for ln in hlo.splitlines()]
+    return [re.sub(r"\{[\d,]+\}", "", m.group(1)) for m in found if m]
+
+
+def test_paged_long_chunk_gathers_pages_short_chunk_candidates():
+    c, cp = cfg(), 4
+    layer = sh.shard_layer(f32_layer(c, 1, block_q=8), mesh_of((cp, 2)), axis="tp", seq_axis="cp")
+    pages = f"f32[{PAGES},{PAGE // c.index_kpool},{c.index_head_dim}]"  # every pooled-key page
+    long, short = paged_gathers(layer, 24), paged_gathers(layer, 2)
+    assert any(pages in t for t in long), long
+    assert not any(t.startswith("s32[2,") and t.endswith(f",{cp * c.max_select_k}]") for t in long), long
+    assert any(f"s32[2,2,{cp * c.max_select_k}]" in t for t in short), short
+    assert not any(pages in t for t in short), short

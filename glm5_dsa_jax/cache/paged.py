@@ -79,6 +79,8 @@ free stack: 549.6 at 8 x 131,072 tokens (``tests/test_fp8_cache.py`` keeps it <=
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -473,6 +475,24 @@ class PagedCache:
         pool = jnp.where(jnp.repeat(local >= 0, ppp, axis=1), pool, -1)
         valid = (pool >= 0) & (pool < (self.lengths // self.kpool)[:, None])
         return keys, scale, pool, valid
+
+    def gathered_pools(self, seq_axis: str) -> "PagedCache":
+        """Inside a ``shard_map`` over ``seq_axis`` whose shards each hold a block of the page
+        pools (context parallelism, ``parallel.context_paged``): this cache with its pooled-key
+        pages (and an fp8 cache's scales) all-gathered in shard order, i.e. every page as the
+        unsharded cache holds them, bit for bit, under the replicated block table. A view for
+        the selection only (``pool_keys``, ``live_pools``; the layer's ``choose_pools``): the
+        latent pages stay this shard's. Bytes in per device: ``(cp - 1) / cp`` of the pooled-key
+        pages (``pool_row_bytes`` a pool)."""
+        return self.replace(**{
+            f: jax.lax.all_gather(getattr(self, f), seq_axis, axis=0, tiled=True)
+            for f in ("pooled_store", "pooled_scale") if getattr(self, f) is not None})
+
+    def pool_row_bytes(self) -> int:
+        """Bytes of one pool in the pooled-key pages as stored (its key and any fp8 scale):
+        what a pool costs to send (``gathered_pools``)."""
+        return sum(a.dtype.itemsize * math.prod(a.shape[2:])
+                   for a in (self.pooled_store, self.pooled_scale) if a is not None)
 
     def pool_keys(self) -> "PagedPoolKeys":
         """The pooled-key pages, block table and pool counts: ``index_scores_paged``' key source."""

@@ -33,7 +33,7 @@ read token-axis state done per shard and merged:
   split, a long prefill chunk the query split); both give the unsharded layer's ids bit
   for bit.
 
-  *Query split* (``_select_split``): the pool fields are all-gathered once
+  *Query split* (``select_split``): the pool fields are all-gathered once
   (``contiguous.gathered_pools``: the pooled keys, 128 values a pool, are exchanged, not
   recomputed from the latent rows), and each device runs the unsharded layer's own
   ``choose_pools`` (its short-context path, its kernels, under ``"xla"`` streamed over pool
@@ -125,7 +125,7 @@ from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.interface import Chunk, tile_scorer
 
 __all__ = ["forward", "merge_candidates", "merge_partials", "held_ids", "row_split", "zigzag_split",
-           "splits_queries", "check_supported", "CP_IMPLEMENTATIONS"]
+           "splits_queries", "select_split", "check_supported", "CP_IMPLEMENTATIONS"]
 
 #: The implementations a context-parallel layer runs: every one a layer holds (``"auto"`` is
 #: resolved when the layer is built). Each step of a shard runs the layer's own kernel.
@@ -236,21 +236,22 @@ def _merged(key, local, pool_off, select_k, seq_axis):
     return merge_candidates(all_keys, all_ids, select_k)
 
 
-def splits_queries(s: int, cp: int, select_k: int, p_loc: int, pool_bytes: int) -> bool:
-    """Whether a chunk of ``s`` queries selects by the query split (``_select_split``: the
+def splits_queries(s: int, cp: int, select_k: int, p_loc: int, pool_bytes: int, k_loc: int | None = None) -> bool:
+    """Whether a chunk of ``s`` queries selects by the query split (``select_split``: the
     pools gathered, each device selecting for its ``s / cp`` rows) rather than the key split
     (``_select``: each device's candidates merged): when it sends fewer bytes. Per device,
     the split receives ``(cp - 1)`` shards of ``p_loc`` pools of ``pool_bytes`` each and its
     ``s * select_k`` ids' ``(cp - 1) / cp``; the key split ``(cp - 1)`` shards of ``s * K'``
-    candidates of 8 bytes. So a decode step (``s = 1``) or a short verify chunk never
-    splits (its bytes stay independent of the context) and a long prefill chunk does."""
+    candidates of 8 bytes (``k_loc``: ``K'``, default ``min(select_k, p_loc)``; a paged
+    shard's is its scoring width's). So a decode step (``s = 1``) or a short verify chunk
+    never splits (its bytes stay independent of the context) and a long prefill chunk does."""
     if s == 1 or cp == 1:
         return False
-    k_loc = min(select_k, p_loc)
+    k_loc = min(select_k, p_loc) if k_loc is None else k_loc
     return p_loc * pool_bytes + s * select_k * 4 / cp <= s * k_loc * 8
 
 
-def _select_split(layer, full, qi, w, q_pos, select_k, cp, shard, seq_axis):
+def select_split(layer, full, qi, w, q_pos, select_k, cp, shard, seq_axis):
     """The query split of a chunk's selection (module doc): ``[B, S, select_k]`` pool ids,
     each device running the unsharded layer's own ``choose_pools`` (every implementation,
     its short-context path, its streaming ``"xla"`` top-k) for its zig-zag rows of the
@@ -324,7 +325,7 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
         select_k = cfg.select_k(n_pools)
         chosen = None
         if splits_queries(s, cp, select_k, p_loc, pool_row_bytes(cache)):
-            chosen = _select_split(layer, gathered_pools(cache, seq_axis), qi, w, chunk.q_pos, select_k, cp, shard,
+            chosen = select_split(layer, gathered_pools(cache, seq_axis), qi, w, chunk.q_pos, select_k, cp, shard,
                                    seq_axis)
 
         def tile(q_lat, q_pos, qi, w, n_vis, pools):

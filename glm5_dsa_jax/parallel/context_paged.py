@@ -31,7 +31,16 @@ Design (why it is this way):
   (``context.row_split``: each device projects ``ceil(S / cp)`` rows, gathered once; ``o_proj``
   the same) and ``PagedCache.write_latent_held`` / ``store_pools_held``
   with ``page_offset = i * N/cp`` drop the rows of pages it does not hold.
-* **Selection** (a full layer): each device gathers, per sequence, the pages of its block
+* **Selection** (a full layer), by the key split or the query split, whichever sends fewer
+  bytes (``context.splits_queries``, from static shapes, with the shard's pool pages per
+  sequence and ``K'`` of its scoring width): a decode step and a short chunk the key split,
+  a long prefill chunk the query split. *Query split*: the pooled-key pages (and fp8 scales)
+  are all-gathered (``PagedCache.gathered_pools``: every page as the unsharded cache holds
+  it, under the replicated block table) and each device runs the unsharded layer's own
+  ``choose_pools`` for its zig-zag rows of the chunk (``context.select_split``), the ids
+  all-gathered: the unsharded paged layer's ids by construction. Bytes in per device:
+  ``(cp - 1) / cp`` of the pooled-key pages (``N * PPP`` pools of ``pool_row_bytes``) and of
+  the ids. *Key split*: each device gathers, per sequence, the pages of its block
   table that it holds (at most ``PGL = min(pages_per_seq, N/cp)`` of them, in logical
   order) and their pooled keys, ``[B, PGL * PPP, D]``, once per call; it scores them
   (``pk.index_scores``, the same per-pool arithmetic as the unsharded layer's) with the
@@ -92,9 +101,7 @@ here). Not supported: a name outside ``PAGED_CP_IMPLEMENTATIONS`` (``ValueError`
 ``init_paged_cache`` and at the call, ``check_supported``), ``attention="dense"``
 (refused for any paged cache), autodiff under the Pallas and Mosaic implementations
 (``sparse_mla_partial`` has no gradient there; under ``"xla"`` untested with a paged
-cache); the query split of a prefill chunk's selection (``context``'s, for the contiguous
-cache: here every chunk selects by the key split, each device scoring every query against
-the pages it holds).
+cache).
 """
 
 from __future__ import annotations
@@ -105,7 +112,8 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from glm5_dsa_jax.cache.fp8 import index_queries
 from glm5_dsa_jax.cache.paged import token_slots
-from glm5_dsa_jax.parallel.context import CP_IMPLEMENTATIONS, held_ids, merge_candidates, merge_partials, row_split
+from glm5_dsa_jax.parallel.context import (CP_IMPLEMENTATIONS, held_ids, merge_candidates, merge_partials, row_split,
+                                           select_split, splits_queries)
 
 __all__ = ["forward", "held_pages", "check_supported", "PAGED_CP_IMPLEMENTATIONS"]
 
@@ -208,10 +216,19 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
             cache = cache.store_pools_held(win, pooled, pooled_valid, chunk, page_off)
         qi = index_queries(qi, cache.rotate_index, cache.index_format)
         select_k = cfg.select_k(cache.max_pools)
-        held = cache.held_pool_keys(*held_pages(cache.block_table, page_off, n_loc))
+        cp, s = layer.placement.seq_shards, x.shape[1]
+        logical, local = held_pages(cache.block_table, page_off, n_loc)
+        width = local.shape[1] * cache.pools_per_page  # the pools a shard scores per sequence
+        chosen = None
+        if splits_queries(s, cp, select_k, max(1, n_loc * cache.pools_per_page // max(1, cache.max_seqs)),
+                          cache.pool_row_bytes(), k_loc=min(select_k, width)):
+            chosen = select_split(layer, cache.gathered_pools(seq_axis), qi, w, chunk.q_pos, select_k, cp,
+                                  jax.lax.axis_index(seq_axis), seq_axis)
+        held = None if chosen is not None else cache.held_pool_keys(logical, local)
 
-        def tile(q_lat, q_pos, qi, w, n_vis):
-            pools = _select(layer, held, qi, w, q_pos, select_k, seq_axis)
+        def tile(q_lat, q_pos, qi, w, n_vis, pools):
+            if chosen is None:
+                pools = _select(layer, held, qi, w, q_pos, select_k, seq_axis)
             with jax.named_scope("expand_to_tokens"):
                 tail = cache.visible_tail(pools, n_vis, q_pos, kp) if cfg.tail_width else None
                 token_ids = pk.expand_selection(pools, cache.pool_origin(), tail, kpool=kp, out_width=cfg.out_width,
@@ -219,8 +236,9 @@ def forward(layer, x, mask, cache, prev_topk, position_ids=None, *, reduce_axis=
                 token_ids = jnp.where(q_pos[..., None] >= 0, token_ids, -1)
             return token_ids, attend(q_lat, token_ids)
 
+        pools = chosen if chosen is not None else jnp.zeros(chunk.q_pos.shape + (0,), jnp.int32)  # unused: key split
         topk, o_lat = layer.by_query_tiles(tile, layer.block_q, (q_lat, 0), (chunk.q_pos, -1), (qi, 0), (w, 0),
-                                           (chunk.n_vis, 0))
+                                           (chunk.n_vis, 0), (pools, -1))
     else:
         topk = layer.reused_token_ids(prev_topk, chunk.q_pos)
         _, o_lat = layer.by_query_tiles(lambda q_lat, ids: (ids, attend(q_lat, ids)), layer.block_q, (q_lat, 0),
