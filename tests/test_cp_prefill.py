@@ -40,6 +40,7 @@ from helpers import tiny8 as cfg
 MAX_LEN = 64  # 16 pools; cp * kpool divides it for cp 2, 4
 CHUNKS = (24, 2, 14)  # the 2-token chunk takes the key split
 STEPS = 2
+PAGES, PAGE = 16, 8  # the paged cache's: 16 pages of 8 tokens (2 pools each), 6 pages a row
 
 
 def mesh_of(shape, names=("cp", "tp")):
@@ -76,9 +77,11 @@ def test_splits_queries_rule():
     assert not context.splits_queries(4096, 1, k, pools, pool_bytes)  # no sequence axis
 
 
-def run(layer, batch=2):
+def run(layer, batch=2, paged=False):
+    """``CHUNKS`` then ``STEPS`` decode steps on a fresh cache (``paged``: ``PAGES`` pages of
+    ``PAGE``): ``[(out, topk)]`` as numpy."""
     x, mask = padded_batch(cfg(), (0, 5, 2, 9)[:batch], sum(CHUNKS) + STEPS, seed=0)
-    cache = layer.init_cache(batch, MAX_LEN)
+    cache = layer.init_paged_cache(batch, PAGES, PAGE) if paged else layer.init_cache(batch, MAX_LEN)
     edges = np.cumsum((0,) + CHUNKS + (1,) * STEPS)
     res = []
     for a, b in zip(edges[:-1], edges[1:]):
@@ -100,9 +103,10 @@ def test_both_selections_equal_unsharded(reference, shape):
         np.testing.assert_allclose(o, o0, atol=F32_REORDER, rtol=F32_REORDER, err_msg=f"call {i}: out")
 
 
-def gathers(layer, chunk):
-    """The result types of the all-gathers in the compiled step of ``chunk`` tokens."""
-    dec = gd.DsaDecoder(layer, 2, MAX_LEN)
+def gathers(layer, chunk, paged=False):
+    """The result types of the all-gathers in the compiled step of ``chunk`` tokens (of a
+    ``PagedDecoder`` of ``PAGES`` pages when ``paged``)."""
+    dec = gd.PagedDecoder(layer, 2, PAGES, PAGE) if paged else gd.DsaDecoder(layer, 2, MAX_LEN)
     x, mask = padded_batch(cfg(), (0, 5), chunk, seed=0)
     hlo = dec.step.lower(dec.params, x, mask, dec.cache).compile().as_text()
     found = [re.search(r"= (.*?) all-gather(?:-start)?\(", ln) for ln in hlo.splitlines()]
@@ -139,44 +143,22 @@ def test_cp_memory_tool_reports_the_split(capsys):
 
 
 # ---------------------------------------------------------------------------- the paged cache
-PAGES, PAGE = 16, 8  # 16 pages of 8 tokens (2 pools each): 42 tokens = 6 pages a row
-
-
-def run_paged(layer, batch=2):
-    x, mask = padded_batch(cfg(), (0, 5, 2, 9)[:batch], sum(CHUNKS) + STEPS, seed=0)
-    cache = layer.init_paged_cache(batch, PAGES, PAGE)
-    edges = np.cumsum((0,) + CHUNKS + (1,) * STEPS)
-    res = []
-    for a, b in zip(edges[:-1], edges[1:]):
-        out, topk, cache = layer(x[:, a:b], attention_mask=mask[:, a:b], cache=cache)
-        res.append((np.asarray(out), np.asarray(topk)))
-    return res
-
-
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_paged_both_selections_equal_unsharded(shape):
     """The paged cache's chunks (the query split: the pooled-key pages gathered; the 2-token
     chunk and the steps: the key split) equal the unsharded paged layer."""
-    want = run_paged(f32_layer(cfg(), 1, block_q=8))
+    want = run(f32_layer(cfg(), 1, block_q=8), paged=True)
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
-    for i, ((o, t), (o0, t0)) in enumerate(zip(run_paged(layer), want, strict=True)):
+    for i, ((o, t), (o0, t0)) in enumerate(zip(run(layer, paged=True), want, strict=True)):
         np.testing.assert_array_equal(t, t0, err_msg=f"call {i}: top-k")
         np.testing.assert_allclose(o, o0, atol=F32_REORDER, rtol=F32_REORDER, err_msg=f"call {i}: out")
-
-
-def paged_gathers(layer, chunk):
-    dec = gd.PagedDecoder(layer, 2, PAGES, PAGE)
-    x, mask = padded_batch(cfg(), (0, 5), chunk, seed=0)
-    hlo = dec.step.lower(dec.params, x, mask, dec.cache).compile().as_text()
-    found = [re.search(r"= (.*?) all-gather(?:-start)?\(", ln) for ln in hlo.splitlines()]
-    return [re.sub(r"\{[\d,]+\}", "", m.group(1)) for m in found if m]
 
 
 def test_paged_long_chunk_gathers_pages_short_chunk_candidates():
     c, cp = cfg(), 4
     layer = sh.shard_layer(f32_layer(c, 1, block_q=8), mesh_of((cp, 2)), axis="tp", seq_axis="cp")
     pages = f"f32[{PAGES},{PAGE // c.index_kpool},{c.index_head_dim}]"  # every pooled-key page
-    long, short = paged_gathers(layer, 24), paged_gathers(layer, 2)
+    long, short = gathers(layer, 24, paged=True), gathers(layer, 2, paged=True)
     assert any(pages in t for t in long), long
     assert not any(t.startswith("s32[2,") and t.endswith(f",{cp * c.max_select_k}]") for t in long), long
     assert any(f"s32[2,2,{cp * c.max_select_k}]" in t for t in short), short

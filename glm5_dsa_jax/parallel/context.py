@@ -96,7 +96,8 @@ own), ``attention="sparse"``, full and shared layers, NoPE and RoPE, combined wi
 and ``batch_axis``, eager and under ``jax.jit``, ``DsaDecoder`` / ``make_step`` (one
 compilation per chunk length; ``rollback`` through it). A chunk's queries are replicated
 over the sequence axis and run in tiles of ``block_q`` (``DsaAttention.by_query_tiles``, as
-in ``DsaAttention.forward``): a device builds ``[block_q, P/cp]`` scores at a time, so the
+in ``DsaAttention.forward``): a device builds one ``block_q`` tile's scores of one pool tile
+(``"xla"``) or of its ``P/cp`` pools (the kernels) at a time, so the
 indexer's scoring and the attention are split by the pools and tokens a device holds, and
 the projections by rows (above), a long chunk's selection by zig-zag rows (the query split),
 the attention by the tokens each device holds (every device attends every query of the
