@@ -26,6 +26,14 @@ row, ``V``: its leading value columns). Invariants:
 * Softmax in float32 (float64 for float64 inputs: the references only, for finite
   differences) with the caller's ``scale`` (``qk_head_dim**-0.5``, times YaRN's
   ``mscale**2`` when the RoPE parameters ask for it); the output has ``q``'s dtype.
+* The ``"xla"`` reference on bf16 ``q`` and rows keeps them bf16: the scores are bf16
+  products in a float32 accumulator (exact products, as the float32 ones), and the value
+  sum splits each float32 softmax weight into two bf16 parts (``weighted_values``), within
+  ``2**-16`` of the float32 sum, so the output is the float32 reference's but for rare
+  one-ulp ties (about 0.2 % of outputs at GLM-5.3-Flash shapes); its gradients are the
+  float32 products'. Why: on XLA:CPU the float32 copy of the gathered rows cost more than
+  the products (a GLM-5.3-Flash batch-8 decode step ran 1.16x faster at 4K and 1.23x at
+  131K, ``docs/benchmarks.md``). The kernels round the weights to bf16 once (tensor cores).
 * fp8 rows: with ``latent_scale [B or 1, L]`` (float32, one per row) ``latent`` is
   ``float8_e4m3fn`` and row ``id`` is ``latent[b, id] * latent_scale[b, id]``
   (``glm5_dsa_jax.cache.fp8``). The scale is folded into the sums rather than into the row:
@@ -173,14 +181,21 @@ def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value
     f = accumulation_dtype(q, latent)
     valid = (token_ids >= 0) & (token_ids < length)
     safe = jnp.clip(token_ids, 0, length - 1)
-    kv = gather_rows(latent, safe).astype(f)  # [B,Q,W,CR]
-    # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
     latent_scale = one_scale_a_row(latent_scale)
+    # bf16 rows and queries stay bf16: their products are exact in the float32 accumulator
+    # (no float32 copy of the gathered rows); see ``weighted_values`` for the value sum.
+    bf16 = q.dtype == latent.dtype == jnp.bfloat16 and latent_scale is None
+    kv = gather_rows(latent, safe)  # [B,Q,W,CR]
+    kv = kv if bf16 else kv.astype(f)
     if latent_scale is not None and latent_scale.ndim == 3:  # group scales: dequantise the rows
         kv = kv * gather_rows(column_scales(latent_scale.astype(f), latent.shape[2], v), safe)
         latent_scale = None
-    kv = jnp.where(valid[..., None], kv, 0.0)
-    s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(f), kv, precision=_HI)
+    # An invalid slot reads the clamped row 0 here; zero it so a NaN there costs nothing.
+    kv = jnp.where(valid[..., None], kv, jnp.zeros((), kv.dtype))
+    if bf16:
+        s = _flat_batch_product("nhc,nwc->nhw", q, kv, f)
+    else:
+        s = jnp.einsum("bqhc,bqwc->bqhw", q.astype(f), kv, precision=_HI)
     if latent_scale is not None:  # fp8 rows: each row's scale on its score and its weight
         row_scale = gather_rows(latent_scale.astype(f)[..., None], safe)[..., 0]
         row_scale = jnp.where(valid, row_scale, 0.0)[:, :, None, :]  # [B, Q, 1, W]
@@ -188,13 +203,58 @@ def _reference_with_lse(q, latent, token_ids, latent_scale=None, *, scale, value
     p = masked_softmax(s * scale, valid[:, :, None, :])
     if latent_scale is not None:
         p = p * row_scale
-    o = jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
+    o = weighted_values(p, kv[..., :v]) if bf16 else jnp.einsum("bqhw,bqwc->bqhc", p, kv[..., :v], precision=_HI)
     z = jnp.where(valid[:, :, None, :], s * scale, -jnp.inf)
     m = jnp.max(z, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     total = jnp.sum(jnp.exp(z - m), axis=-1)  # exp(-inf) = 0 at invalid slots
     lse = jnp.where(total > 0, m[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
     return o.astype(q.dtype), lse
+
+
+@jax.custom_jvp
+def weighted_values(p: jax.Array, values: jax.Array) -> jax.Array:
+    """``einsum("bqhw,bqwc->bqhc", p, values)`` for float32 softmax weights ``p [B, Q, H, W]``
+    and bf16 ``values [B, Q, W, V]``, as bf16 products with a float32 accumulator.
+
+    Why: XLA:CPU multiplies bf16 operands into a float32 accumulator about twice as fast
+    as it converts the gathered rows to float32 and multiplies those (the reference alone
+    at GLM-5.3-Flash shapes, batch 8, 2,051 rows: 19.6 -> 9.7 ms in one run). How, without
+    rounding the weights to bf16 as the kernels do: ``p = hi + lo + r`` with ``hi`` its bf16
+    rounding and ``lo`` the bf16 rounding of ``p - hi``, so ``|r| <= 2**-16 |p|``; ``hi``
+    and ``lo`` are stacked as ``2H`` rows of one product and their sums added. The value
+    sum is then within ``2**-16`` (relative, per weight) of the float32 one, 128 times
+    below the bf16 rounding of the output: at most one bf16 ulp apart, in about 0.2 % of
+    outputs at GLM-5.3-Flash shapes. Under autodiff the tangents (and so the gradients)
+    are the float32 products' (``_weighted_values_jvp``)."""
+    h = p.shape[2]
+    hi = p.astype(values.dtype)
+    lo = (p - hi.astype(p.dtype)).astype(values.dtype)
+    both = jnp.concatenate([hi, lo], axis=2)
+    o = _flat_batch_product("nhw,nwc->nhc", both, values, p.dtype)
+    return o[:, :, :h] + o[:, :, h:]
+
+
+def _flat_batch_product(spec: str, a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """``einsum(spec)`` of 16-bit ``a [B, Q, ...]`` and ``b [B, Q, ...]`` into ``out_dtype``,
+    with ``(B, Q)`` as one batch axis ``n``. Why: XLA:CPU (jax 0.10) multiplies 16-bit
+    operands into a float32 accumulator only for some products; with two batch axes it
+    converted both operands to float32 whenever ``a`` came out of an earlier product (the
+    layer's ``absorb_q``), with one it keeps them 16-bit."""
+    lead = a.shape[:2]
+    out = jnp.einsum(spec, a.reshape((-1,) + a.shape[2:]), b.reshape((-1,) + b.shape[2:]),
+                     precision=_HI, preferred_element_type=out_dtype)
+    return out.reshape(lead + out.shape[1:])
+
+
+@weighted_values.defjvp
+def _weighted_values_jvp(primals, tangents):
+    p, values = primals
+    dp, dvalues = tangents
+    f = p.dtype
+    t = (jnp.einsum("bqhw,bqwc->bqhc", dp, values.astype(f), precision=_HI)
+         + jnp.einsum("bqhw,bqwc->bqhc", p, dvalues.astype(f), precision=_HI))
+    return weighted_values(p, values), t
 
 
 def sparse_mla(

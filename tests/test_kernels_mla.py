@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pallas_kernels._mla as mla_helpers
+from pallas_kernels import attention
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version, lower_for_cuda, triton_calls
 from pallas_kernels.attention import SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference
 from pallas_kernels.dense_mla import mla_masked_attention, topk_to_mask
@@ -175,6 +176,69 @@ def test_bf16_within_bf16_tolerance():
     np.testing.assert_allclose(
         np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
     )
+
+
+
+def test_bf16_reference_sums_values_within_2_pow_16():
+    """The reference on bf16 rows (``attention.weighted_values``): bf16 products with the
+    softmax weights split into two bf16 parts, whose value sum is within ``2**-16`` of the
+    float32 one per weight; its outputs are the float32 reference's rounded to bf16 but for
+    a few ulp-1 ties; its gradients are the float32 products' exactly."""
+    rng = np.random.default_rng(7)
+    b, nq, h, c, length, width = 2, 3, 8, 64, 96, 40
+    q = jnp.asarray(rng.standard_normal((b, nq, h, c)), jnp.bfloat16)
+    lat = jnp.asarray(rng.standard_normal((b, length, c)), jnp.bfloat16)
+    ids = jnp.asarray(_ids(rng, b, nq, width, length, modes=("prefix", "runs")))
+    p = jax.nn.softmax(jnp.asarray(rng.standard_normal((b, nq, h, width)) * 3, jnp.float32), -1)
+    vals = jnp.asarray(rng.standard_normal((b, nq, width, c)), jnp.bfloat16)
+    exact = jnp.einsum("bqhw,bqwc->bqhc", p, vals.astype(jnp.float32), precision="highest")
+    bound = 2.0**-16 * jnp.einsum("bqhw,bqwc->bqhc", p, jnp.abs(vals).astype(jnp.float32)) + 1e-6
+    err = jnp.abs(attention.weighted_values(p, vals) - exact)
+    assert bool(jnp.all(err <= bound)), float(jnp.max(err / bound))
+    # The whole reference against its float32 run (the same bf16 inputs, widened), rounded
+    # to bf16: one bf16 ulp of the output plus the split's 2**-16 of sum_w p |v| (the weights
+    # sum to 1, so at most 2**-16 max |v|; an output near zero cancels, its ulp is small).
+    got = np.asarray(sparse_mla_reference(q, lat, ids, scale=c**-0.5), np.float32)
+    wide = sparse_mla_reference(q.astype(jnp.float32), lat.astype(jnp.float32), ids, scale=c**-0.5)
+    want = np.asarray(wide.astype(jnp.bfloat16), np.float32)
+    bound = np.abs(want) * 2.0**-7 + 2.0**-15 * float(jnp.max(jnp.abs(lat).astype(jnp.float32)))
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+    assert np.mean(got != want) < 0.02
+    # Gradients: the float32 products' (custom JVP), w.r.t. the weights and the values.
+    f = lambda p, v: jnp.sum(jnp.sin(attention.weighted_values(p, v)))
+    g = lambda p, v: jnp.sum(jnp.sin(jnp.einsum("bqhw,bqwc->bqhc", p, v.astype(jnp.float32), precision="highest")))
+    for got_g, want_g in zip(jax.grad(f, (0, 1))(p, vals), jax.grad(g, (0, 1))(p, vals)):
+        assert got_g.dtype == want_g.dtype
+        np.testing.assert_allclose(np.asarray(got_g, np.float32), np.asarray(want_g, np.float32), rtol=1e-2, atol=1e-5)
+
+
+
+def test_bf16_reference_products_stay_bf16_on_cpu():
+    """The reference's two products multiply bf16 operands on XLA:CPU even when the query
+    comes out of an earlier float32 product (the layer's ``absorb_q`` under the CPU
+    policy): no float32 copy of the gathered rows (``attention._flat_batch_product``)."""
+    import re
+
+    b, h, d, c, length, width = 2, 4, 16, 32, 64, 24
+
+    def step(q_nope, w_uk, lat, ids):
+        q = jnp.einsum("bshd,hdc->bshc", q_nope, w_uk, precision="highest").astype(jnp.bfloat16)
+        return sparse_mla_reference(q, lat, ids, scale=0.1)
+
+    shapes = (jax.ShapeDtypeStruct((b, 1, h, d), jnp.float32), jax.ShapeDtypeStruct((h, d, c), jnp.float32),
+              jax.ShapeDtypeStruct((b, length, c), jnp.bfloat16), jax.ShapeDtypeStruct((b, 1, width), jnp.int32))
+    hlo = jax.jit(step).lower(*shapes).compile().as_text()
+    # Each product is a dot in a computation of its own (a library fusion), whose header
+    # names the operand types: the scores [b, h, width] and the value sum [b, 2h, c].
+    products, header = [], ""
+    for line in hlo.splitlines():
+        if re.match(r"^(ENTRY )?%\S+ \(", line):
+            header = line
+        elif " dot(" in line and re.search(rf"= f32\[{b},({h},{width}|{2 * h},{c})\]", line):
+            products.append(header)
+    assert len(products) == 2, hlo
+    for hd in products:
+        assert "f32" not in hd.split("->")[0], hd
 
 
 _partial_reference = jax.jit(sparse_mla_partial, static_argnames=("scale", "value_width"))
