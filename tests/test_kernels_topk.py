@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels.selection as selection
 from pallas_kernels._common import lower_for_cuda, triton_calls
+from pallas_kernels._order_key import NEG_INF_KEY, order_key
 from pallas_kernels.selection import (
     TopkPoolsBlockSizes, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
 )
@@ -118,6 +119,37 @@ def test_single_pool():
 def test_select_zero_is_empty():
     got = topk_pools(jnp.zeros((2, 3, 10)), 0, implementation="pallas_interpret")
     assert got.shape == (2, 3, 0) and got.dtype == jnp.int32
+
+
+def _sorted_rule(scores: np.ndarray, select_k: int) -> np.ndarray:
+    """``topk_pools``' rule by a sort: higher key first, the lower pool id among equal keys
+    (``-0.0``, denormals and ``+0.0`` one key; NaN and ``-inf`` never), ids ascending, -1 pads."""
+    key = np.asarray(order_key(jnp.asarray(scores)))
+    out = np.full(scores.shape[:-1] + (select_k,), -1, np.int32)
+    for idx in np.ndindex(scores.shape[:-1]):
+        ids = np.lexsort((np.arange(key.shape[-1]), -key[idx].astype(np.int64)))[:select_k]
+        ids = np.sort(ids[key[idx][ids] > NEG_INF_KEY])
+        out[idx][: ids.size] = ids
+    return out
+
+
+@pytest.mark.parametrize("n_pools", [(1 << 16) - 1, 1 << 16])
+def test_reference_equals_a_sort_on_both_sides_of_the_packed_prefix_sum(n_pools):
+    """The reference ranks a row shorter than ``2**16`` with one prefix sum of two packed
+    counts and a longer one with two (``_order_key._two_counts``): both against a sort,
+    on rows whose threshold has far more ties than room (and one with fewer live keys than
+    ``select_k``), so a carry between the halves or a wrong tie rank would show."""
+    rng = np.random.default_rng(5)
+    s = np.zeros((3, 1, n_pools), np.float32)  # the threshold, 0, tied almost everywhere
+    for row in (0, 1):  # 2,900 keys above it, then 100 ties of ~65K taken in id order
+        s[row, 0, rng.choice(n_pools, 2900, replace=False)] = rng.integers(1, 6, 2900)
+    s[1, 0, rng.random(n_pools) < 0.5] *= -1.0  # -0.0 ties with +0.0; negatives drop out
+    s[1, 0, s[1, 0] < 0] = 1.0
+    s[2, 0, rng.random(n_pools) < 0.9995] = -np.inf  # ~33 live keys, fewer than select_k
+    s[2, 0, 7] = np.nan
+    got = np.asarray(_reference(jnp.asarray(s), 3000))
+    np.testing.assert_array_equal(got, _sorted_rule(s, 3000))
+    assert (got[2] == -1).any() and (got[:2] >= 0).all()
 
 
 def test_long_row_multi_tile():
