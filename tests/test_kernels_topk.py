@@ -143,8 +143,8 @@ def test_reference_equals_a_sort_on_both_sides_of_the_packed_prefix_sum(n_pools)
     s = np.zeros((3, 1, n_pools), np.float32)  # the threshold, 0, tied almost everywhere
     for row in (0, 1):  # 2,900 keys above it, then 100 ties of ~65K taken in id order
         s[row, 0, rng.choice(n_pools, 2900, replace=False)] = rng.integers(1, 6, 2900)
-    s[1, 0, rng.random(n_pools) < 0.5] *= -1.0  # -0.0 ties with +0.0; negatives drop out
-    s[1, 0, s[1, 0] < 0] = 1.0
+    s[1, 0, rng.random(n_pools) < 0.5] *= -1.0  # half the ties -0.0, one key with +0.0
+    s[1, 0, s[1, 0] < 0] = 1.0  # the keys above stay above
     s[2, 0, rng.random(n_pools) < 0.9995] = -np.inf  # ~33 live keys, fewer than select_k
     s[2, 0, 7] = np.nan
     got = np.asarray(_reference(jnp.asarray(s), 3000))
