@@ -95,15 +95,15 @@ def threshold_select(key: jax.Array, select_k: int) -> jax.Array:
     ``select_k``-th largest, ``kth_largest_key``), then the lowest positions whose key is
     ``T`` as many as fit (a prefix-sum rank), never a ``NEG_INF_KEY``; a stream compaction
     writes them in position order. No sort. ``1 <= select_k <= N``. The ties' rank and the
-    taken keys' rank come from one prefix sum (``_two_counts``)."""
+    taken keys' rank (and the count above ``T``) come from one prefix sum (``_two_counts``)."""
     n = key.shape[-1]
     threshold = kth_largest_key(key, select_k)
     above = (key > threshold) & (key > NEG_INF_KEY)
     at = key == threshold
     ties_ok = threshold > NEG_INF_KEY  # a -inf threshold: its ties are never selected
-    room = select_k - above.sum(-1, keepdims=True, dtype=jnp.int32)
-    # The ties taken are the first ``room``: up to position i, ``min(n_at_i, room)`` of them.
     n_above, n_at = _two_counts(above, at)
+    room = select_k - n_above[..., -1:]  # the scan's last entry is the row's count
+    # The ties taken are the first ``room``: up to position i, ``min(n_at_i, room)`` of them.
     take = above | (at & ties_ok & (n_at <= room))
     rank = n_above + jnp.where(ties_ok, jnp.minimum(n_at, room), 0)  # cumsum(take)
     slot = jnp.where(take, rank - 1, select_k)

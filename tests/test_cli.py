@@ -204,6 +204,22 @@ def test_bench_decode_capacity(capsys):
     assert "need at least 66 tokens" in capsys.readouterr().err
 
 
+def test_bench_times_compared_rows_in_rounds():
+    # time_steps_rounds: one step of each cache per round, in turn, each cache threaded
+    # through its own steps (warm-up + timed); one median per cache.
+    calls = []
+
+    def step(inc, cache):
+        calls.append(int(cache[0]))
+        return cache[1:2], cache + inc
+
+    caches = [jnp.array([0, 0]), jnp.array([100, 0]), jnp.array([200, 0])]
+    ms = bench.time_steps_rounds(step, (1,), caches, iters=3, warmup=2)
+    assert len(ms) == 3 and all(t > 0 for t in ms)
+    assert calls == [0, 100, 200, 1, 101, 201, 2, 102, 202, 3, 103, 203, 4, 104, 204]
+    assert bench.time_steps(step, (10,), jnp.array([7, 0]), iters=2) > 0 and calls[-3:] == [7, 17, 27]
+
+
 @pytest.mark.e2e
 def test_bench_decode_paged_json(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,130", "--batch", "2",

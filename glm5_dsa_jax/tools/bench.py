@@ -30,6 +30,11 @@ and, at batch 1 and contexts up to ``--hf-max-context``, ``hf``: Hugging Face's 
 ``context`` tokens (random latent rows and indexer keys), when ``transformers`` is
 installed.
 
+Rows that are compared with each other are timed in rounds, one call of each in turn
+(``_time_rounds``), so that a burst of the shared machine's noise falls on all of them: a
+batch's ``sparse`` rows over its contexts (``time_steps_rounds``; every context's cache is
+held until then), and a context's ``sparse_attn``, ``dense_attn`` and ``index`` rows.
+
 Per row: the median step time, the number of compilations (1 means the step replayed
 without re-tracing as the context moved), the peak bytes XLA reports for the compiled
 step (arguments + outputs + scratch, minus donated aliases), the cache kind (``cache``:
@@ -90,7 +95,7 @@ PAGE_SIZE = 64
 CACHE_KINDS = ("contiguous", "paged")
 
 __all__ = ["filled_cache", "filled_paged_cache", "run", "default_capacity", "check_capacity",
-           "time_steps", "read_bandwidth", "PAGE_SIZE", "CACHE_KINDS"]
+           "time_steps", "time_steps_rounds", "read_bandwidth", "PAGE_SIZE", "CACHE_KINDS"]
 
 
 def filled_cache(layer: DsaAttention, batch: int, context: int, max_length: int, seed: int = 0,
@@ -185,26 +190,43 @@ def _peak_bytes(compiled) -> int:
 def time_steps(step, args, cache, iters: int, warmup: int = 1) -> float:
     """Median milliseconds of ``step(*args, cache)``, threading the donated cache through
     (each step appends one token, so the context grows by ``iters + warmup``)."""
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        res = step(*args, cache)
-        jax.block_until_ready(res)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        cache = res[-1]
-    return statistics.median(times)
+    return time_steps_rounds(step, args, [cache], iters, warmup)[0]
+
+
+def time_steps_rounds(step, args, caches: list, iters: int, warmup: int = 1) -> list[float]:
+    """``time_steps`` of every cache in ``caches`` (one compiled ``step``), timed in rounds:
+    each round steps every cache once, in turn, so a burst of the machine's noise falls on
+    all of them alike and their ratios (``step(131,072) / step(4,096)``) compare like with
+    like. Each cache is threaded through its own donated steps."""
+    state = list(caches)
+
+    def stepper(j):
+        def call():
+            res = step(*args, state[j])
+            jax.block_until_ready(res)
+            state[j] = res[-1]
+        return call
+
+    return _time_rounds([stepper(j) for j in range(len(state))], iters, warmup)
 
 
 def _time(fn, args, iters: int, warmup: int = 1) -> float:
     """Median milliseconds of ``fn(*args)`` (no donation)."""
-    times = []
+    return _time_rounds([lambda: jax.block_until_ready(fn(*args))], iters, warmup)[0]
+
+
+def _time_rounds(calls, iters: int, warmup: int = 1) -> list[float]:
+    """Median milliseconds of each of ``calls`` (no-argument callables that block until
+    their work is done), timed in ``warmup + iters`` rounds of one call each, in turn; the
+    first ``warmup`` rounds are not counted."""
+    times = [[] for _ in calls]
     for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for call, t in zip(calls, times):
+            t0 = time.perf_counter()
+            call()
+            if i >= warmup:
+                t.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def read_bandwidth(n_bytes: int = _BW_BYTES, iters: int = 5) -> float:
@@ -394,6 +416,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         shapes = jax.eval_shape(lambda: fill(layer, b, contexts[0], max_length, dtype=cache_dtype))
         traces0, dense_compiles = step.traces, {}
         step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
+        sparse_caches = []  # every context's, held until its sparse rows are timed together
         for ctx in contexts:
             kv = fill(layer, b, ctx, max_length, dtype=cache_dtype)
             if bytes_per_token is None:
@@ -418,13 +441,18 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                                  capacity=cap, cache_dtype=jnp.dtype(layer.dtype).name))
                 log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
                     f"compiles={compiles}")
-            t_sparse = time_steps(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), kv, iters)
-            rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t_sparse,
+            sparse_caches.append(kv)
+            del kv
+        # The sparse rows of every context in rounds (``time_steps_rounds``): the ratio of
+        # two contexts' steps is not the noise between two moments of the run.
+        t_sparse = time_steps_rounds(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), sparse_caches, iters)
+        del sparse_caches
+        for ctx, t in zip(contexts, t_sparse):
+            rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t,
                              compiles=step.traces - traces0, peak_bytes=step_peak,
                              cache=cache, capacity=max_length, cache_dtype=cache_dtype.name))
-            log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t_sparse:9.2f} ms  "
+            log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t:9.2f} ms  "
                 f"compiles={step.traces - traces0}  ({cache} {cache_dtype.name} cache)")
-            del kv
         if b == 1:
             for ctx in [c for c in contexts if c <= hf_max_context]:
                 t_hf = _hf_step_ms(cfg, layer_idx, ctx, iters)
@@ -479,9 +507,10 @@ def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
         # The layer's own steps 2-3 (as its decode step runs them: live pools only).
         return layer.choose_pools(qi, w, cache, pos, select_k)
 
-    ts = _time(sparse, (q_lat, qi, w, cache), iters)
-    td = _time(dense, (q_lat, dense_cache), iters)
-    ti = _time(index, (qi, w, cache), iters)
+    # In rounds (``_time_rounds``): the sparse and dense parts share the machine's noise.
+    ts, td, ti = _time_rounds([lambda: jax.block_until_ready(sparse(q_lat, qi, w, cache)),
+                               lambda: jax.block_until_ready(dense(q_lat, dense_cache)),
+                               lambda: jax.block_until_ready(index(qi, w, cache))], iters)
     log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)  "
         f"index {ti:9.2f} ms")
     common = dict(batch=b, context=ctx, compiles=1, peak_bytes=-1, cache="contiguous", capacity=capacity)
