@@ -210,11 +210,6 @@ def time_steps_rounds(step, args, caches: list, iters: int, warmup: int = 1) -> 
     return _time_rounds([stepper(j) for j in range(len(state))], iters, warmup)
 
 
-def _time(fn, args, iters: int, warmup: int = 1) -> float:
-    """Median milliseconds of ``fn(*args)`` (no donation)."""
-    return _time_rounds([lambda: jax.block_until_ready(fn(*args))], iters, warmup)[0]
-
-
 def _time_rounds(calls, iters: int, warmup: int = 1) -> list[float]:
     """Median milliseconds of each of ``calls`` (no-argument callables that block until
     their work is done), timed in ``warmup + iters`` rounds of one call each, in turn; the
