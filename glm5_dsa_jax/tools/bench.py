@@ -33,7 +33,10 @@ installed.
 Rows that are compared with each other are timed in rounds, one call of each in turn
 (``_time_rounds``), so that a burst of the shared machine's noise falls on all of them: a
 batch's ``sparse`` rows over its contexts (``time_steps_rounds``; every context's cache is
-held until then), and a context's ``sparse_attn``, ``dense_attn`` and ``index`` rows.
+held until then), and a context's ``sparse_attn`` and ``index`` rows. A context's
+``dense_attn`` row is timed on its own, before them: XLA frees a call's scratch after its
+result is ready, and the dense call's gigabytes of scratch (at 131K, batch 8) freed while the
+next call ran made that call 4-5x slower.
 
 Per row: the median step time, the number of compilations (1 means the step replayed
 without re-tracing as the context moved), the peak bytes XLA reports for the compiled
@@ -502,10 +505,15 @@ def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
         # The layer's own steps 2-3 (as its decode step runs them: live pools only).
         return layer.choose_pools(qi, w, cache, pos, select_k)
 
-    # In rounds (``_time_rounds``): the sparse and dense parts share the machine's noise.
-    ts, td, ti = _time_rounds([lambda: jax.block_until_ready(sparse(q_lat, qi, w, cache)),
-                               lambda: jax.block_until_ready(dense(q_lat, dense_cache)),
-                               lambda: jax.block_until_ready(index(qi, w, cache))], iters)
+    # Dense attention first, on its own; then the sparse part and the indexer in rounds
+    # (``_time_rounds``), whose untimed warm-up round absorbs the dense call's teardown. Not
+    # all three in rounds: at 131K and batch 8 the dense call's scratch is gigabytes, and
+    # XLA's worker threads free it after its result is ready, while the next call runs; in
+    # rounds, the call after it measured 110-120 ms where alone it takes 20-25 ms (the
+    # teardown took ~120 ms of this process's CPU after each dense call).
+    (td,) = _time_rounds([lambda: jax.block_until_ready(dense(q_lat, dense_cache))], iters)
+    ts, ti = _time_rounds([lambda: jax.block_until_ready(sparse(q_lat, qi, w, cache)),
+                           lambda: jax.block_until_ready(index(qi, w, cache))], iters)
     log(f"attn    B={b:<2} ctx={ctx:<7} sparse {ts:9.2f} ms  dense {td:9.2f} ms  ({td / ts:.1f}x)  "
         f"index {ti:9.2f} ms")
     common = dict(batch=b, context=ctx, compiles=1, peak_bytes=-1, cache="contiguous", capacity=capacity)
