@@ -220,13 +220,37 @@ def test_bench_times_compared_rows_in_rounds():
     assert bench.time_steps(step, (10,), jnp.array([7, 0]), iters=2) > 0 and calls[-3:] == [7, 17, 27]
 
 
+def test_bench_dense_attention_is_the_sparse_arithmetic_over_every_row():
+    # The dense rows' attention (bench.dense_mla_decode): the sparse step's "xla" arithmetic
+    # (bf16 products into float32) over every allowed row, without the gather; bit for bit
+    # sparse_mla's outputs given every allowed row as its ids, and within bf16 rounding of
+    # the float32 oracle. Masked rows hold random rows: they add nothing.
+    kq, kl, km = jax.random.split(jax.random.key(3), 3)
+    b, n, h, c = 3, 70, 4, 40
+    q = jax.random.normal(kq, (b, 1, h, c)).astype(jnp.bfloat16)
+    lat = jax.random.normal(kl, (b, n, c)).astype(jnp.bfloat16)
+    mask = jax.random.bernoulli(km, 0.6, (b, 1, n)).at[:, :, 0].set(True)
+    out = bench.dense_mla_decode(q, lat, mask, scale=0.3)
+    assert out.dtype == jnp.bfloat16 and out.shape == (b, 1, h, c)
+    ids = jnp.where(mask, jnp.arange(n), -1)
+    sparse = pk.sparse_mla(q, lat, ids, scale=0.3, implementation="xla")
+    o32, s32 = np.asarray(out, np.float32), np.asarray(sparse, np.float32)
+    np.testing.assert_array_equal(o32, s32)
+    oracle = np.asarray(pk.mla_masked_attention(q, lat, mask, scale=0.3), np.float32)
+    np.testing.assert_allclose(o32, oracle, rtol=2 ** -7, atol=2 ** -8)
+    # float32 operands: the oracle itself
+    q32, l32 = q.astype(jnp.float32), lat.astype(jnp.float32)
+    np.testing.assert_array_equal(bench.dense_mla_decode(q32, l32, mask, scale=0.3),
+                                  pk.mla_masked_attention(q32, l32, mask, scale=0.3))
+
+
 def test_bench_times_dense_attention_alone(monkeypatch):
     # A context's dense_attn call is timed in a group of its own, before the sparse_attn and
     # index calls' rounds: XLA frees a call's scratch while the next call runs, and the
     # dense call's (gigabytes at 131K, batch 8) made the call after it 4-5x slower.
     traced_dense = []
-    real_dense = pk.mla_masked_attention
-    monkeypatch.setattr(pk, "mla_masked_attention",
+    real_dense = bench.dense_mla_decode
+    monkeypatch.setattr(bench, "dense_mla_decode",
                         lambda *a, **k: traced_dense.append(1) or real_dense(*a, **k))
     groups = []
 
