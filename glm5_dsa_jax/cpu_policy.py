@@ -40,6 +40,25 @@ float32 accumulation order can differ). Whether a layer uses it is decided from 
 parameters are (``uses_float32``): ``cpu_float32=False`` opts out, other platforms never
 do. No other module sees the policy: the pipeline has no flag for it.
 
+Contraction-last bf16 products (many rows)
+------------------------------------------
+
+XLA:CPU's float32 product is at the read floor for one row only: a decode of 8 rows
+multiplied ``o_proj`` (``[16384, 4096]`` float32) in 32 ms where its bytes take 10.5 ms
+(every YNNPACK float32 product of few rows re-packs its weight). Its bf16 product, on a
+CPU with AMX, runs at the read floor of the bf16 bytes from 2 rows on, *if* the weight
+is stored with its contraction axes last (``[N, K]``, HF's own ``[out, in]``): 9.4 ms at
+8 rows (27 ms stored ``[K, N]``), but 74 ms for one row. (2 cores, jax 0.10.2,
+2026-12-03.) So ``decode.make_step`` traces a call of ``WIDE_ROWS`` or more query rows
+(``batch x chunk``) inside ``contraction_last_context()`` and hands it, instead of the
+float32 copies, cached copies of the weights in their own dtype with the contraction
+axes moved last (``contraction_last_params``; which axes a product contracts is the
+layout table's ``Param.contract``). ``ops.matmul`` then multiplies the 16-bit operands
+into a float32 accumulator and rounds the output: the same numbers as the float32
+products (a product of two bf16 values is exact in float32), up to the accumulation
+order. A placed layer keeps the float32 copies (its ``shard_map`` specs are the stored
+layout's).
+
 Its invariants:
 
 * The context is read at trace time only (``ops.matmul``): it changes the program traced,
@@ -52,6 +71,10 @@ Its invariants:
   so a parameter that is replaced (a load, a restore, ``shard_layer``, ``set_value``) gets
   a fresh copy at the next step, and a copy lives exactly as long as its source.
 * A copy is placed like its source (same sharding); inside a trace nothing is cached.
+* A contraction-last copy is what ``ops.matmul`` expects of every weight while that
+  context is on: its spec's weight letters absent from the output moved last, in order,
+  which is the table's ``Param.contract`` order (``tests/test_cpu_float32.py`` checks the
+  two agree on every product of the step).
 """
 
 from __future__ import annotations
@@ -64,7 +87,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["store_dtype", "to_store", "from_store", "float32_params", "clear_float32_copies",
-           "uses_float32", "float32_products", "float32_products_context"]
+           "uses_float32", "float32_products", "float32_products_context", "WIDE_ROWS",
+           "contraction_last_params", "contraction_last_products", "contraction_last_context"]
 
 
 # ---------------------------------------------------------------------------- bit storage
@@ -93,23 +117,47 @@ def from_store(a: jax.Array, dtype) -> jax.Array:
 
 
 # ------------------------------------------------------------------------ float32 products
-_FLOAT32_PRODUCTS = contextvars.ContextVar("glm5_dsa_jax_float32_products", default=False)
+#: The products a call is traced with: None (the weight cast to the activation's dtype),
+#: ``"float32"`` or ``"contraction_last"``.
+_PRODUCTS = contextvars.ContextVar("glm5_dsa_jax_products", default=None)
+
+#: Query rows (``batch x chunk``) from which the compiled step multiplies contraction-last
+#: bf16 copies instead of float32 ones (module doc: 2 rows 9.4 ms, one row 74 ms).
+WIDE_ROWS = 2
 
 
 def float32_products() -> bool:
     """Whether the call being traced multiplies in float32 (``ops.matmul`` asks)."""
-    return _FLOAT32_PRODUCTS.get()
+    return _PRODUCTS.get() == "float32"
+
+
+def contraction_last_products() -> bool:
+    """Whether the call being traced multiplies contraction-last weights in their own dtype
+    into a float32 accumulator (``ops.matmul`` asks)."""
+    return _PRODUCTS.get() == "contraction_last"
 
 
 @contextlib.contextmanager
-def float32_products_context(on: bool = True):
-    """Trace the calls made inside with float32 products (``on``), as the CPU compiled step
-    does; restores the previous setting on exit."""
-    token = _FLOAT32_PRODUCTS.set(bool(on))
+def _products_context(mode):
+    token = _PRODUCTS.set(mode)
     try:
         yield
     finally:
-        _FLOAT32_PRODUCTS.reset(token)
+        _PRODUCTS.reset(token)
+
+
+def float32_products_context(on: bool = True):
+    """Trace the calls made inside with float32 products (``on``), as the CPU compiled step
+    does for one row; restores the previous setting on exit."""
+    return _products_context("float32" if on else None)
+
+
+def contraction_last_context(on: bool = True):
+    """Trace the calls made inside with contraction-last products (``on``), as the CPU
+    compiled step does for ``WIDE_ROWS`` rows or more; restores the previous setting on
+    exit. Every weight ``ops.matmul`` is given must then be a ``contraction_last_params``
+    copy."""
+    return _products_context("contraction_last" if on else None)
 
 
 def uses_float32(params, opt_in: bool = True) -> bool:
@@ -124,31 +172,40 @@ def uses_float32(params, opt_in: bool = True) -> bool:
     return platforms == {"cpu"}
 
 
-# id(source array) -> (weak reference to the source, its float32 copy). Keyed by identity and
-# checked through the weak reference, so a parameter that is replaced (a load, a restore,
-# ``shard_layer``, ``set_value``) gets a fresh copy, and a copy lives as long as its source.
-_F32_COPIES: dict[int, tuple[weakref.ref, jax.Array]] = {}
+# (kind, id(source array)) -> (weak reference to the source, its copy). Keyed by identity
+# and checked through the weak reference, so a parameter that is replaced (a load, a
+# restore, ``shard_layer``, ``set_value``) gets a fresh copy, and a copy lives as long as
+# its source. Kinds: ``"float32"``, or a contraction-last axis order.
+_F32_COPIES: dict[tuple, tuple[weakref.ref, jax.Array]] = {}
 
 
-def _drop_copy(key: int, ref: weakref.ref) -> None:
+def _drop_copy(key: tuple, ref: weakref.ref) -> None:
     hit = _F32_COPIES.get(key)
     if hit is not None and hit[0] is ref:
         del _F32_COPIES[key]
 
 
-def _float32_copy(a):
+def _cached_copy(a, kind, make):
+    """``make(a)``, cached per ``(kind, a)`` for as long as ``a`` lives (module doc)."""
     if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
-        return a.astype(jnp.float32)  # inside a trace: nothing to cache
-    key = id(a)
+        return make(a)  # inside a trace: nothing to cache
+    key = (kind, id(a))
     hit = _F32_COPIES.get(key)
     if hit is not None and hit[0]() is a:
         return hit[1]
-    copy = a.astype(jnp.float32)
-    if copy.sharding != a.sharding:
-        copy = jax.device_put(copy, a.sharding)
+    copy = make(a)
     ref = weakref.ref(a, lambda r, k=key: _drop_copy(k, r))
     _F32_COPIES[key] = (ref, copy)
     return copy
+
+
+def _float32_copy(a):
+    def make(a):
+        copy = a.astype(jnp.float32)
+        if isinstance(a, jax.Array) and copy.sharding != a.sharding:
+            copy = jax.device_put(copy, a.sharding)
+        return copy
+    return _cached_copy(a, "float32", make)
 
 
 def float32_params(params):
@@ -168,6 +225,23 @@ def float32_params(params):
     return jax.tree.map(up, params)
 
 
+def contraction_last_params(params, orders) -> object:
+    """``params`` (an ``nnx.State``) with each parameter whose path is in ``orders`` (``{path:
+    axis order}``, ``layout.contraction_orders``) replaced by a cached copy of it with its
+    axes in that order (contraction axes last), in its own dtype, on its own device. The
+    copy of an array is made once and cached for as long as that array lives; the tree
+    given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB)."""
+    def copy(path, a):
+        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        order = orders.get(names[:-1] if names and names[-1] == "value" else names)
+        if order is None or order == tuple(range(len(order))):
+            return a
+        return _cached_copy(a, order, lambda a: jnp.transpose(a, order))
+
+    return jax.tree_util.tree_map_with_path(copy, params)
+
+
 def clear_float32_copies() -> None:
-    """Drop every cached float32 copy now (they are otherwise freed with their source)."""
+    """Drop every cached copy now, float32 and contraction-last (they are otherwise freed
+    with their source)."""
     _F32_COPIES.clear()

@@ -15,10 +15,15 @@ Invariants:
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
 * On a CPU (``layer.float32_compute()``) the step applies the CPU policy
-  (``glm5_dsa_jax.cpu_policy``): it is traced with float32 products on and multiplies by
-  cached float32 copies of the parameters it is given (``float32_params``); the caller's
-  ``params`` are the layer's own, in their own dtype; only the arrays handed to the
-  compiled function differ.
+  (``glm5_dsa_jax.cpu_policy``): a call of one query row is traced with float32 products
+  on and multiplies by cached float32 copies of the parameters it is given
+  (``float32_params``); a call of ``WIDE_ROWS`` rows or more (``batch x chunk``) on an
+  unplaced layer of 16-bit weights is traced with contraction-last products and
+  multiplies by cached copies of the weights with their contracted axes last
+  (``contraction_last_params``).
+  The caller's ``params`` are the layer's own, in their own dtype; only the arrays handed
+  to the compiled function differ. The choice is made from the input's static shape, so
+  it never adds a compilation.
 * ``DsaDecoder`` keeps the length on the host too, so a chunk that would overflow the
   cache is refused before anything is launched or donated: the cache is left exactly as
   it was. (Inside the step itself an overflowing chunk is also harmless: its writes are
@@ -44,7 +49,10 @@ import numpy as np
 from flax import nnx
 
 from glm5_dsa_jax.cache import DsaCache, check_fits
-from glm5_dsa_jax.cpu_policy import float32_params, float32_products_context
+from glm5_dsa_jax.cpu_policy import (
+    WIDE_ROWS, contraction_last_context, contraction_last_params, float32_params, float32_products_context,
+)
+from glm5_dsa_jax.model.layout import contraction_orders
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
@@ -70,12 +78,29 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
     wide = layer.float32_compute()
-    compute = float32_params if wide else (lambda p: p)
+    # Contraction-last copies: for 16-bit weights (a float32 layer's float32 products are
+    # already its own) of an unplaced layer (cpu_policy's module doc).
+    narrow = jnp.dtype(layer.param_dtype).itemsize == 2
+    orders = contraction_orders() if wide and narrow and layer.mesh is None else None
+
+    def contraction_last_rows(rows: int) -> bool:
+        """Whether a call of ``rows`` query rows multiplies contraction-last copies."""
+        return orders is not None and rows >= WIDE_ROWS
+
+    def compute(p, rows: int = 1):
+        """The parameters the compiled step reads for a call of ``rows`` query rows."""
+        if contraction_last_rows(rows):
+            return contraction_last_params(p, orders)
+        return float32_params(p) if wide else p
 
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
         module = nnx.merge(graphdef, params)
-        with float32_products_context(wide):
+        if contraction_last_rows(hidden.shape[0] * hidden.shape[1]):
+            products = contraction_last_context()
+        else:
+            products = float32_products_context(wide)
+        with products:
             return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
     mesh = layer.mesh
@@ -105,19 +130,28 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         jitted = staticmethod(jitted_for)  # jitted(cache): the jax.jit function for that cache
 
         def __call__(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_for(cache)(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache)(compute(params, _rows(hidden)), hidden, mask, cache, prev_topk)
 
         def lower(self, params, hidden, mask, cache, prev_topk=None):
-            return jitted_for(cache).lower(compute(params), hidden, mask, cache, prev_topk)
+            return jitted_for(cache).lower(compute(params, _rows(hidden)), hidden, mask, cache, prev_topk)
 
         float32 = wide
+        #: ``compute_params(params, rows=1)``: what the compiled step reads for ``rows`` query rows
         compute_params = staticmethod(compute)
+        #: ``contraction_last(rows)``: whether such a call multiplies contraction-last copies
+        contraction_last = staticmethod(contraction_last_rows)
 
         @property
         def traces(self) -> int:
             return traces["n"]
 
     return _Step(), params
+
+
+def _rows(hidden) -> int:
+    """Query rows of a call's ``hidden [B, S, ...]`` (``B x S``; 1 for anything else)."""
+    shape = getattr(hidden, "shape", ())
+    return int(shape[0]) * int(shape[1]) if len(shape) >= 2 else 1
 
 
 class DsaDecoder:

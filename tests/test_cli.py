@@ -55,20 +55,23 @@ def test_bench_decode_json(capsys):
     assert {r["impl"] for r in rows} >= {"sparse", "dense", "dense_fit", "sparse_attn", "dense_attn", "index"}
     base = {"impl", "batch", "context", "median_ms", "compiles", "peak_bytes", "cache", "capacity",
             "cache_dtype"}
-    floor = {"floor_bytes", "floor_flops", "floor_read_ms", "floor_compute_ms", "floor_ms", "floor_limit",
-             "x_floor"}
+    floor = {"floor_bytes", "floor_flops", "floor_matmul_dtype", "floor_read_ms", "floor_compute_ms", "floor_ms",
+             "floor_limit", "x_floor"}
     for r in rows:
         assert set(r) == (base if r["impl"] == "hf" else base | floor)
         if "floor_ms" in r:
             assert r["x_floor"] == r["median_ms"] / r["floor_ms"]
             read = r["floor_bytes"] / (res["read_gb_s"] * 1e9) * 1e3
-            compute = r["floor_flops"] / (res["matmul_gflop_s"] * 1e9) * 1e3
+            compute = r["floor_flops"] / (res["matmul_gflop_s"][r["floor_matmul_dtype"]] * 1e9) * 1e3
+            # The attention part multiplies bf16 rows; a step of one row float32 copies.
+            attention_part = r["impl"] in ("sparse_attn", "index", "dense_attn")
+            assert r["floor_matmul_dtype"] == ("bfloat16" if attention_part else "float32"), r
             assert (r["floor_read_ms"], r["floor_compute_ms"]) == (pytest.approx(read), pytest.approx(compute))
             assert r["floor_ms"] == max(r["floor_read_ms"], r["floor_compute_ms"]) and r["floor_flops"] > 0
             assert r["floor_limit"] == ("memory" if r["floor_read_ms"] >= r["floor_compute_ms"] else "compute")
-    assert res["matmul_gflop_s"] > 0 and res["matmul_dtype"] == "float32"
+    assert set(res["matmul_gflop_s"]) == {"float32", "bfloat16"} and min(res["matmul_gflop_s"].values()) > 0
     assert res["read_gb_s"] > 0 and res["float32_compute"]  # a CPU: the float32 copies
-    assert res["weight_bytes_step"] == 2 * res["weight_bytes_stored"]
+    assert res["weight_bytes_step"] == {"1": 2 * res["weight_bytes_stored"]}
     # HF eager rows need torch (absent on the Python 3.12 leg, where the bench says so).
     want_hf = [64, 256] if importlib.util.find_spec("torch") else []
     assert [r["context"] for r in rows if r["impl"] == "hf"] == want_hf

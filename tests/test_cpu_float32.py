@@ -1,18 +1,23 @@
-"""The compiled step on a CPU multiplies by cached float32 copies of 16-bit parameters.
+"""The compiled step on a CPU multiplies by cached copies of 16-bit parameters: float32
+copies for one query row, contraction-last copies in their own dtype from ``WIDE_ROWS``.
 
 What must hold: the same numbers as the bf16 path (to float32 rounding: each product still
 rounds its output to bf16), the user's parameters and checkpoints untouched, one copy per
 parameter array (a replaced parameter gets a new one), the opt-out, and sharded layers.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax import cpu_policy
 from glm5_dsa_jax.decode import DsaDecoder, make_step
+from glm5_dsa_jax.model.layout import contraction_orders
 
 
 def _bf16_layer(cpu_float32=True, layer_idx=1):
@@ -32,7 +37,8 @@ def _run(layer, x, mask, chunks):
     return jnp.concatenate(outs, 1), jnp.concatenate(topks, 1), dec
 
 
-def test_float32_step_matches_the_bf16_step():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_float32_step_matches_the_bf16_step(batch):
     """Same selection; outputs as accurate as the bf16 step's, or more.
 
     The float32 products compute exactly what a bf16 product accumulating in float32 does
@@ -40,19 +46,22 @@ def test_float32_step_matches_the_bf16_step():
     bf16 dot accumulates in float32, and there the two steps are equal; jax 0.12's does
     not, and there the float32 step is the closer of the two to the float32 computation on
     the same bf16 weights. So: against that float32 oracle, the float32 step's error is no
-    larger than the bf16 step's, and within the bf16 budget of a few roundings.
+    larger than the bf16 step's, and within the bf16 budget of a few roundings. Batch 1:
+    the prefill chunks take contraction-last copies, the one-row steps float32 ones; batch 2
+    contraction-last copies throughout.
     """
     wide, narrow = _bf16_layer(True), _bf16_layer(False)
     graphdef, params = nnx.split(_bf16_layer(False))
     oracle = nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), params))
     oracle.dtype = jnp.dtype(jnp.float32)
-    x = jax.random.normal(jax.random.key(3), (2, 20, wide.cfg.hidden_size), jnp.float32)
-    mask = jnp.ones((2, 20), bool).at[1, :3].set(False)
+    x = jax.random.normal(jax.random.key(3), (2, 20, wide.cfg.hidden_size), jnp.float32)[:batch]
+    mask = jnp.ones((2, 20), bool).at[1, :3].set(False)[:batch]
     chunks = [13, 1, 1, 5]  # a prefill chunk, then decode steps
     out_w, topk_w, dec_w = _run(wide, x, mask, chunks)
     out_n, topk_n, dec_n = _run(narrow, x, mask, chunks)
     out_f, topk_f, _ = _run(oracle, x, mask, chunks)
     assert dec_w.step.float32 and not dec_n.step.float32
+    assert dec_w.step.contraction_last(batch * 13) and dec_w.step.contraction_last(batch) == (batch > 1)
     assert out_w.dtype == out_n.dtype == jnp.bfloat16 and out_f.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_n))
     np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_f))
@@ -103,7 +112,12 @@ def test_opt_out_and_float32_layers():
     assert not layer.float32_compute() and not step.float32
     assert step.compute_params(params) is params
     layer.cpu_float32 = True  # a plain attribute, read by make_step
-    assert make_step(layer)[0].float32
+    assert make_step(layer)[0].float32 and make_step(layer)[0].contraction_last(8)
+    # A float32 layer multiplies its own parameters, however many rows.
+    f32 = gd.DsaAttention(layer.cfg, 1, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    step, params = make_step(f32)
+    assert not step.contraction_last(8)
+    assert all(a is b for a, b in zip(jax.tree.leaves(step.compute_params(params, 8)), jax.tree.leaves(params)))
 
 
 def test_sharded_layer_copies_keep_the_placement():
@@ -111,6 +125,7 @@ def test_sharded_layer_copies_keep_the_placement():
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     gd.shard_layer(layer, mesh, axis="tp")
     assert layer.float32_compute()
+    assert not make_step(layer)[0].contraction_last(8)  # the shard_map specs are the stored layout's
     params = nnx.state(layer, nnx.Param)
     copies = gd.float32_params(params)
     for a, c in zip(jax.tree.leaves(params), jax.tree.leaves(copies)):
@@ -119,3 +134,64 @@ def test_sharded_layer_copies_keep_the_placement():
     dec = DsaDecoder(layer, batch_size=1, max_length=16)
     out, _ = dec(x)
     assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+
+
+def _ulps_apart(a, b):
+    """Per element, how many bf16 ulps (of the larger magnitude) two bf16 arrays differ by."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    big = np.maximum(np.abs(a), np.abs(b)).astype(jnp.bfloat16)
+    ulp = np.spacing(big).astype(np.float32)
+    return np.abs(a - b) / np.where(ulp > 0, ulp, 1)
+
+
+def test_contraction_last_products_match_float32_products():
+    """The same call (2 rows x 7 tokens) traced both ways, on the same cache: the same ids,
+    and outputs at most one bf16 ulp apart (both multiply the same bf16 values exactly into
+    float32: only the accumulation order differs), nearly all equal. The layout table's
+    contraction axes (``Param.contract``) are those of every product the step runs, or the
+    shapes would not meet."""
+    layer = _bf16_layer()
+    step, params = make_step(layer, donate=False)
+    assert step.contraction_last(2 * 7) and not step.contraction_last(1)
+    graphdef, _ = nnx.split(layer)
+
+    def float32_call(p, x, mask, cache):
+        with cpu_policy.float32_products_context():
+            return nnx.merge(graphdef, p)(x, attention_mask=mask, cache=cache)
+
+    x = jax.random.normal(jax.random.key(5), (2, 7, layer.cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    mask = jnp.ones((2, 7), bool).at[0, :2].set(False)
+    cache = layer.init_cache(2, 16)
+    out_c, topk_c, _ = step(params, x, mask, cache)
+    out_f, topk_f, _ = jax.jit(float32_call)(gd.float32_params(params), x, mask, cache)
+    np.testing.assert_array_equal(np.asarray(topk_c), np.asarray(topk_f))
+    apart = _ulps_apart(out_c, out_f)
+    assert apart.max() <= 1 and (apart > 0).mean() < 0.02, (apart.max(), (apart > 0).mean())
+    copies = step.compute_params(params, 2 * 7)
+    assert all(a is b for a, b in zip(jax.tree.leaves(copies), jax.tree.leaves(step.compute_params(params, 3))))
+    for path, order in contraction_orders().items():
+        src, copy = params, copies
+        for k in path:
+            src, copy = src[k], copy[k]
+        want = jnp.transpose(src[...], order)
+        assert copy[...].dtype == jnp.bfloat16 and copy[...].shape == want.shape, path
+        np.testing.assert_array_equal(np.asarray(copy[...], np.float32), np.asarray(want, np.float32))
+
+
+def test_contraction_last_weights_are_not_transposed_back():
+    """In the compiled step of many rows no weight is copied or transposed (XLA:CPU's dot
+    canonicalisation does that to a weight with several kept or contracted axes, unless the
+    product is written 2-D: ``ops._contraction_last_product``), and every product of a
+    weight reads its bf16 values."""
+    layer = _bf16_layer()
+    step, params = make_step(layer)
+    x = jnp.ones((4, 1, layer.cfg.hidden_size), jnp.bfloat16)
+    hlo = step.lower(params, x, jnp.ones((4, 1), bool), layer.init_cache(4, 16)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    names = re.findall(r"%(\S+) = bf16\[[0-9,]+\]\{[0-9,]*\} parameter\(", entry)
+    weights = [n for n in names if any(w in n for w in ("o_proj", "q_b_proj", "wq_b", "w_uk", "q_a_proj"))]
+    assert len(weights) >= 5, names
+    for n in weights:
+        for line in hlo.splitlines():
+            if re.search(rf"[(,] ?%{re.escape(n)}[,)]", line):
+                assert not re.search(r"kind=kLoop|= \S+ (copy|transpose)\(", line), line[:300]

@@ -170,9 +170,10 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; matmul {res['matmul_gflop_s']:.1f} GFLOP/s "
-          f"({res['matmul_dtype']}); weights read per step "
-          f"{res['weight_bytes_step'] / 1e6:.1f} MB (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
+    rates = ", ".join(f"{r:.1f} GFLOP/s ({d})" for d, r in res["matmul_gflop_s"].items())
+    weights = ", ".join(f"batch {b}: {w / 1e6:.1f} MB" for b, w in res["weight_bytes_step"].items())
+    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; matmul {rates}; weights read per step "
+          f"{weights} (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
     print(f"{'impl':<12} {'cache':<10} {'dtype':<13} {'batch':>5} {'context':>8} {'capacity':>9} "
           f"{'median ms':>10} {'read ms':>8} {'flop ms':>8} {'floor ms':>9} {'x floor':>8}")
     for r in res["rows"]:

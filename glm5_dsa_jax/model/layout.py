@@ -76,7 +76,7 @@ __all__ = [
     "ParamFactory",
     "DIMS", "Param", "Tensor", "TENSORS", "layer_tensors", "hf_tensor_shapes", "hf_weight_shapes",
     "param_shapes", "find_param", "iter_params", "read_param", "array_reader", "assemble_hf", "Reader",
-    "partition_specs", "head_split_names",
+    "partition_specs", "head_split_names", "contraction_orders",
 ]
 
 #: View-axis names -> the ``DsaConfig`` attribute that sizes them.
@@ -124,6 +124,10 @@ class Param:
     fan_in: tuple[str, ...] | None = None
     #: earlier paths of this parameter (read by ``restore_checkpoint``)
     aliases: tuple[tuple[str, ...], ...] = ()
+    #: the axes the layer's product of it contracts (``ops.matmul``: the spec's weight
+    #: letters absent from its output); empty: no product reads it. The CPU policy's
+    #: contraction-last copies move them last (``contraction_orders``).
+    contract: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -141,6 +145,15 @@ class Param:
     def spec(self, tp_axis: str | None) -> tuple[str | None, ...]:
         """The parameter's PartitionSpec entries: ``tp_axis`` on the head axis."""
         return tuple(tp_axis if a == HEADS else None for a in self.axes)
+
+    @property
+    def contraction_last(self) -> tuple[int, ...] | None:
+        """The axis order that moves ``contract`` last (the other axes, then the contracted
+        ones, each in stored order); None for a parameter no product reads."""
+        if not self.contract:
+            return None
+        keep = [i for i, a in enumerate(self.axes) if a not in self.contract]
+        return tuple(keep + [self.axes.index(a) for a in self.contract])
 
     def init_std(self, cfg: DsaConfig) -> float:
         dims = self.fan_in if self.fan_in is not None else self.axes[:1]
@@ -213,36 +226,37 @@ def _w(hf_name, hf_axes, path, axes, **kw) -> Tensor:
 
 # Table order is creation order: parameters draw their random init in this order.
 TENSORS: tuple[Tensor, ...] = (
-    _w("q_a_proj.weight", (("q_lora",), ("hidden",)), ("q_a_proj",), ("hidden", "q_lora")),
+    _w("q_a_proj.weight", (("q_lora",), ("hidden",)), ("q_a_proj",), ("hidden", "q_lora"), contract=("hidden",)),
     _w("q_a_layernorm.weight", (("q_lora",),), ("q_a_layernorm",), ("q_lora",), init="ones"),
-    _w("q_b_proj.weight", (("heads", "qk_head"), ("q_lora",)), ("q_b_proj",), ("q_lora", "heads", "qk_head")),
+    _w("q_b_proj.weight", (("heads", "qk_head"), ("q_lora",)), ("q_b_proj",), ("q_lora", "heads", "qk_head"),
+       contract=("q_lora",)),
     # The latent and the shared RoPE key in one matrix (hence the HF name); ours is kv_a_proj.
     _w("kv_a_proj_with_mqa.weight", (("kv_a",), ("hidden",)), ("kv_a_proj",), ("hidden", "kv_a"),
-       aliases=(("kv_a_proj_with_mqa",),)),
+       aliases=(("kv_a_proj_with_mqa",),), contract=("hidden",)),
     _w("kv_a_layernorm.weight", (("kv_lora",),), ("kv_a_layernorm",), ("kv_lora",), init="ones"),
     # Split once, at load: attention runs in the kv_lora-wide latent space (absorb_q/absorb_o).
     Tensor("kv_b_proj.weight", (("heads", ("qk_nope", "v_head")), ("kv_lora",)), (
-        Param(("w_uk",), ("heads", "qk_nope", "kv_lora"), fan_in=("kv_lora",)),
-        Param(("w_uv",), ("heads", "v_head", "kv_lora"), fan_in=("kv_lora",)),
+        Param(("w_uk",), ("heads", "qk_nope", "kv_lora"), fan_in=("kv_lora",), contract=("qk_nope",)),
+        Param(("w_uv",), ("heads", "v_head", "kv_lora"), fan_in=("kv_lora",), contract=("kv_lora",)),
     )),
     _w("o_proj.weight", (("hidden",), ("heads", "v_head")), ("o_proj",), ("heads", "v_head", "hidden"),
-       fan_in=("heads", "v_head")),
+       fan_in=("heads", "v_head"), contract=("heads", "v_head")),
     _w("q_a_proj.bias", (("q_lora",),), ("q_a_proj_bias",), ("q_lora",), init="zeros", bias=True),
     _w("kv_a_proj_with_mqa.bias", (("kv_a",),), ("kv_a_proj_bias",), ("kv_a",), init="zeros", bias=True),
     # Added once, after the all-reduce of the row-parallel o_proj.
     _w("o_proj.bias", (("hidden",),), ("o_proj_bias",), ("hidden",), init="zeros", bias=True),
     _w("indexer.wq_b.weight", (("index_heads", "index_dim"), ("q_lora",)), ("indexer", "wq_b"),
-       ("q_lora", "index_heads", "index_dim"), indexer=True),
+       ("q_lora", "index_heads", "index_dim"), indexer=True, contract=("q_lora",)),
     _w("indexer.wk.weight", (("index_dim",), ("hidden",)), ("indexer", "wk"), ("hidden", "index_dim"),
-       indexer=True),
+       indexer=True, contract=("hidden",)),
     _w("indexer.k_norm.weight", (("index_dim",),), ("indexer", "k_norm_scale"), ("index_dim",),
        init="ones", indexer=True, plan_name="indexer.k_norm.weight"),
     _w("indexer.k_norm.bias", (("index_dim",),), ("indexer", "k_norm_bias"), ("index_dim",),
        init="zeros", indexer=True),
     _w("indexer.weights_proj.weight", (("index_heads",), ("hidden",)), ("indexer", "weights_proj"),
-       ("hidden", "index_heads"), indexer=True),
+       ("hidden", "index_heads"), indexer=True, contract=("hidden",)),
     _w("indexer.index_kpool_compress_gate", (("index_dim",), ("hidden",)), ("indexer", "kpool_gate"),
-       ("hidden", "index_dim"), indexer=True, kpool=True),
+       ("hidden", "index_dim"), indexer=True, kpool=True, contract=("hidden",)),
     _w("indexer.index_kpool_compress_ape", (("kpool",), ("index_dim",)), ("indexer", "kpool_ape"),
        ("kpool", "index_dim"), init="zeros", indexer=True, kpool=True),
 )
@@ -259,6 +273,7 @@ def _check_table(tensors: Sequence[Tensor]) -> None:
             assert a in DIMS, (t.hf_name, a)
         for p in t.params:
             assert p.path not in paths, p.path
+            assert set(p.contract) <= set(p.axes), p.path
             paths.add(p.path)
             assert p.init in ("normal", "ones", "zeros"), p.path
             assert len(p.axes) == len(view) and len(set(p.axes)) == len(p.axes), p.path
@@ -297,6 +312,12 @@ def hf_tensor_shapes(cfg: DsaConfig) -> dict[str, tuple[int, ...]]:
     after ``self_attn.``): biases and indexer included, whatever the layer (k-pool tensors
     only in a model type that has them)."""
     return {t.hf_name: t.hf_shape(cfg) for t in _model_tensors(cfg)}
+
+
+def contraction_orders() -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``{param path: Param.contraction_last}`` of every parameter a product reads: the axis
+    orders of the CPU policy's contraction-last copies (``cpu_policy.contraction_last_params``)."""
+    return {p.path: p.contraction_last for t in TENSORS for p in t.params if p.contract}
 
 
 def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,10 @@ Invariants:
   (``cpu_policy.float32_products``, read at trace time) it multiplies float32 operands and
   rounds the output to the activation dtype: what XLA:CPU's bf16 product computes, at
   float32 speed. bf16 -> float32 is exact, so only the float32 accumulation order can
-  differ.
+  differ. While its contraction-last products are on (``cpu_policy.contraction_last_products``:
+  a compiled CPU step of many rows) every weight comes stored with the axes the product
+  contracts moved last (``contraction_last_spec``), and 16-bit operands are multiplied as
+  they are into a float32 accumulator: the same numbers again, up to the accumulation order.
 * ``absorb_o`` contracts the head axis, which a placed layer splits: inside the placed
   call's ``shard_map`` (``glm5_dsa_jax.parallel.execution``) each device holds its heads
   only and the partial sums are ``psum``-ed over ``reduce_axis``, the step's one
@@ -20,12 +23,15 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from glm5_dsa_jax.cpu_policy import float32_products
+from glm5_dsa_jax.cpu_policy import contraction_last_products, float32_products
 
-__all__ = ["rms_norm", "layer_norm", "matmul", "dense", "absorb_q", "absorb_o", "query_tiles"]
+__all__ = ["rms_norm", "layer_norm", "matmul", "contraction_last_spec", "dense", "absorb_q", "absorb_o",
+           "query_tiles"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -48,17 +54,57 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = None) -> jax.Array:
     """``einsum(spec, x, w)`` in ``x``'s dtype: ``w`` cast to ``x.dtype`` (the GPU path), or,
     while the CPU policy's float32 products are on, both operands in float32 and the output
-    rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed).
-    ``reduce_axis``: the partial products are ``psum``-ed over that ``shard_map`` axis in the
-    product's own dtype, before the rounding (float32 partial sums under the policy)."""
-    if float32_products():
-        f32 = jnp.float32
+    rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed), or,
+    while its contraction-last products are on, ``w`` stored as ``contraction_last_spec``
+    says and, when both operands share a dtype, multiplied as is into a float32
+    accumulator. ``reduce_axis``: the partial products are ``psum``-ed over that
+    ``shard_map`` axis in the product's own dtype, before the rounding (float32 partial sums
+    under the policy)."""
+    f32, dtype = jnp.float32, x.dtype
+    if contraction_last_products():
+        if x.dtype != w.dtype:
+            x, w = x.astype(f32), w.astype(f32)
+        out = _contraction_last_product(contraction_last_spec(spec), x, w)
+    elif float32_products():
         out = jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI)
     else:
         out = jnp.einsum(spec, x, w.astype(x.dtype), precision=_HI)
     if reduce_axis is not None:
         out = jax.lax.psum(out, reduce_axis)
-    return out.astype(x.dtype)
+    return out.astype(dtype)
+
+
+def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``einsum(spec, x, w)`` into float32 for a contraction-last ``w``. Without a batch
+    letter it is one 2-D ``[M, K] x [N, K]`` product of free reshapes. Why: XLA:CPU's dot
+    canonicalisation transposes a weight with several kept or contracted axes back to
+    ``[K, N]`` (a copy of the whole weight every step, then the slow layout); a 2-D
+    ``[N, K]`` operand it takes as is."""
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    if any(c in xs and c in out for c in ws):  # a batch letter (absorb_q, absorb_o's w_uv)
+        return jnp.einsum(spec, x, w, precision=_HI, preferred_element_type=jnp.float32)
+    kept = "".join(c for c in ws if c in out)
+    con = ws[len(kept):]
+    free = xs.replace("...", "").translate({ord(c): None for c in con})
+    lead = "..." if "..." in xs else ""
+    x = jnp.einsum(f"{xs}->{lead}{free}{con}", x)  # contracted letters last (a no-op here)
+    n_con = len(con)
+    y = jax.lax.dot_general(x.reshape(-1, math.prod(x.shape[x.ndim - n_con:])),
+                            w.reshape(math.prod(w.shape[:len(kept)]), -1), (((1,), (1,)), ((), ())),
+                            precision=_HI, preferred_element_type=jnp.float32)
+    y = y.reshape(x.shape[:x.ndim - n_con] + w.shape[:len(kept)])
+    return jnp.einsum(f"{lead}{free}{kept}->{out}", y)
+
+
+def contraction_last_spec(spec: str) -> str:
+    """``spec`` (``"x,w->out"``) with ``w``'s letters absent from ``out`` (the contracted
+    ones) moved last, in order: the spec of a product whose weight is a contraction-last
+    copy (``layout.Param.contraction_last``): ``"bshv,hvo->bso"`` -> ``"bshv,ohv->bso"``."""
+    ins, out = spec.split("->")
+    x, w = ins.split(",")
+    kept = "".join(c for c in w if c in out)
+    return f"{x},{kept}{''.join(c for c in w if c not in out)}->{out}"
 
 
 def absorb_q(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:

@@ -56,8 +56,9 @@ applies to the sparse rows (and ``sparse_attn``); the dense rows stay bf16, the 
 an fp8 cache is measured against.
 
 The floor counts bytes and FLOPs: ``floor_bytes`` is what the row must read at least
-(``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. the
-float32 copies on a CPU; the pooled keys of the visible pools and the selected latent
+(``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. on a
+CPU the float32 copies for one row and the bf16 contraction-last copies from
+``cpu_policy.WIDE_ROWS`` rows; the pooled keys of the visible pools and the selected latent
 rows; dense rows: the non-indexer weights and every cached latent row; ``index``: the visible
 pooled keys) and ``floor_flops``
 what it must compute at least (``roofline.step_flops``: every projection, the index scores
@@ -66,8 +67,14 @@ non-indexer projections and attention over every cached token; the attention-par
 without the projections; ``index``: the index scores alone, none where every pool is
 selected, so that row has no floor). Both are timed against rates measured in the same run:
 ``read_gb_s``, a jitted sum over a ``_BW_BYTES`` float32 array, and ``matmul_gflop_s``, a
-jitted ``_MATMUL_N``-square matmul in the dtype the step computes in (float32 on a CPU),
-each the best of several, what the machine can do rather than its noise. ``floor_read_ms``
+jitted ``_MATMUL_N``-square matmul in each dtype the rows' products run in (``{"float32":
+..., "bfloat16": ...}``; on a CPU with AMX the bf16 one is ~5x the float32 one), each the
+best of several, what the machine can do rather than its noise. A row's FLOPs are timed at
+the rate of its products' dtype (``floor_matmul_dtype``): bf16 for the attention-part rows
+(``sparse_attn``, ``index``, ``dense_attn``: bf16 rows into a float32 accumulator; float32
+for an fp8 cache) and for whole steps of ``WIDE_ROWS`` rows or more (contraction-last
+projections), float32 for a whole step of one row on a CPU (float32 projections, whose
+weights' bytes bound it anyway). ``floor_read_ms``
 and ``floor_compute_ms`` are the two parts, ``floor_ms`` the larger (``floor_limit`` says
 which), and ``x_floor`` the row's time over it: as ``glm5-dsa roofline`` bounds a kernel on
 a GPU. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj`` every
@@ -76,6 +83,7 @@ step; its floor is not the same fact).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -89,9 +97,9 @@ from pallas_kernels.attention import weighted_values
 from pallas_kernels.dense_mla import masked_softmax
 from glm5_dsa_jax.cache import PagedCache, check_cache_dtype
 from glm5_dsa_jax.model.config import DsaConfig
-from glm5_dsa_jax.cpu_policy import float32_products_context
+from glm5_dsa_jax.cpu_policy import contraction_last_context, float32_products_context
 from glm5_dsa_jax.decode import make_step
-from glm5_dsa_jax.model.layer import DsaAttention, float32_params
+from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.tools.roofline import step_flops, step_read_bytes, weight_bytes
 
 _BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
@@ -248,10 +256,12 @@ def read_bandwidth(n_bytes: int = _BW_BYTES, iters: int = 5) -> float:
 
 
 def matmul_rate(dtype=jnp.float32, n: int = _MATMUL_N, iters: int = 5) -> float:
-    """FLOP per second of a jitted ``[n, n] @ [n, n]`` in ``dtype`` (``2 n^3`` FLOPs; the best
-    of ``iters``, as ``read_bandwidth``)."""
+    """FLOP per second of a jitted ``[n, n] @ [n, n]`` in ``dtype`` into a float32 accumulator,
+    as the step's products are (``2 n^3`` FLOPs; the best of ``iters``, as
+    ``read_bandwidth``). Why the accumulator: XLA:CPU runs a bf16 product with a bf16 output
+    through float32 (~280 GFLOP/s here), one into float32 on AMX (~1,350)."""
     a = jnp.ones((n, n), dtype)
-    f = jax.jit(jnp.matmul)
+    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     f(a, a).block_until_ready()
     best = float("inf")
     for _ in range(iters):
@@ -275,7 +285,6 @@ def dense_mla_decode(q_lat, latent, mask, *, scale: float) -> jax.Array:
     given every allowed row as its ids (tested), within bf16 rounding of the oracle's."""
     if not (q_lat.dtype == latent.dtype == jnp.bfloat16) or q_lat.shape[1] != 1:
         return pk.mla_masked_attention(q_lat, latent, mask, scale=scale)
-    b, _, h, c = q_lat.shape
     # One batch axis (``B``): XLA:CPU keeps such 16-bit products 16-bit (see
     # ``pallas_kernels.attention._flat_batch_product``).
     s = jnp.einsum("bhc,blc->bhl", q_lat[:, 0], latent, preferred_element_type=jnp.float32)
@@ -283,19 +292,23 @@ def dense_mla_decode(q_lat, latent, mask, *, scale: float) -> jax.Array:
     return weighted_values(p, latent[:, None]).astype(q_lat.dtype)
 
 
-def _dense_layer_step(layer: DsaAttention, wide: bool = False):
-    """The decode step with dense absorbed MLA over all cached tokens (no indexer);
-    ``wide``: float32 products on float32 copies, like ``make_step`` on a CPU."""
+def _dense_layer_step(layer: DsaAttention, step):
+    """The decode step with dense absorbed MLA over all cached tokens (no indexer), with the
+    products ``step`` (``make_step``'s) uses for as many rows: on a CPU float32 copies for
+    one row, contraction-last copies from ``WIDE_ROWS`` (``cpu_policy``).
+    ``(jitted step, params_for(rows), traces)``."""
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
-    if wide:
-        params = float32_params(params)
 
-    def step(params, x, cache):
+    def step_fn(params, x, cache):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
         cfg = m.cfg
-        with float32_products_context(wide):
+        if step.contraction_last(x.shape[0] * x.shape[1]):
+            products = contraction_last_context
+        else:
+            products = functools.partial(float32_products_context, step.float32)
+        with products():
             _, q_lat, latent = m.project(x)
         pos = cache.length
         cache, chunk = cache.begin_chunk(jnp.ones(x.shape[:2], bool))
@@ -303,11 +316,12 @@ def _dense_layer_step(layer: DsaAttention, wide: bool = False):
         lat, _ = cache.attention_rows()
         mask = cache.key_valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = dense_mla_decode(q_lat, lat, mask, scale=cfg.softmax_scale)
-        with float32_products_context(wide):
+        with products():
             out = m.output_projection(o)
         return out, cache.end_chunk(chunk)
 
-    return jax.jit(step, donate_argnames=("cache",)), params, traces
+    return (jax.jit(step_fn, donate_argnames=("cache",)),
+            lambda rows: step.compute_params(params, rows), traces)
 
 
 def _hf_step_ms(cfg: DsaConfig, layer_idx: int, context: int, iters: int, seed: int = 0):
@@ -392,25 +406,39 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     layer_idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
     layer = DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), implementation=implementation)
     step, params = make_step(layer)
-    dense_step, dense_params, dense_traces = _dense_layer_step(layer, wide=step.float32)
-    # The weights as the step reads them (the float32 copies on a CPU).
-    w_eb = max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step.compute_params(params)))
+    dense_step, dense_params_for, dense_traces = _dense_layer_step(layer, step)
+
+    def w_eb(b):  # bytes per weight as the step of batch ``b`` reads it (float32 copies: 4)
+        return max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step.compute_params(params, b)))
+
     cache_dtype = check_cache_dtype(layer.dtype if cache_dtype is None else cache_dtype)
     # Floors count the rows' own bytes (an fp8 row's 4-byte scale, < 1 %, is not counted).
     cache_eb, dense_eb = cache_dtype.itemsize, jnp.dtype(layer.dtype).itemsize
     bw = read_bandwidth()
-    compute_dtype = jnp.dtype(jnp.float32 if step.float32 else layer.dtype)
-    rate = matmul_rate(compute_dtype)
+    # The rate of each dtype a row's products run in (``product_dtype``).
+    rates = {jnp.dtype(d).name: matmul_rate(d) for d in {jnp.dtype(jnp.float32), jnp.dtype(layer.dtype)}}
+    one_row = jnp.dtype(jnp.float32 if step.float32 else layer.dtype).name
     log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); matmul "
-        f"{rate / 1e9:.1f} GFLOP/s ({compute_dtype.name}, {_MATMUL_N}-square); step weights "
-        f"{weight_bytes(cfg, w_eb) / 1e6:.1f} MB ({'float32 copies' if step.float32 else layer.param_dtype})")
+        + ", ".join(f"{r / 1e9:.1f} GFLOP/s ({d})" for d, r in rates.items())
+        + f" ({_MATMUL_N}-square); step weights {weight_bytes(cfg, w_eb(1)) / 1e6:.1f} MB at one row "
+        f"({'float32 copies' if step.float32 else layer.param_dtype})")
+
+    def product_dtype(impl, b):
+        """The dtype a row's products run in: the attention part's are the cache rows' (bf16
+        products into float32; an fp8 cache's in float32), a whole step's are its
+        projections' (``make_step``: float32 copies for one row on a CPU, contraction-last
+        bf16 copies from ``WIDE_ROWS``), whose weights dominate it."""
+        if impl in ("sparse_attn", "index", "dense_attn"):
+            dt = jnp.dtype(layer.dtype if impl == "dense_attn" else cache_dtype)
+            return dt.name if dt.itemsize == 2 else "float32"
+        return one_row if not step.contraction_last(b) else jnp.dtype(layer.dtype).name
 
     def floor(impl, b, ctx):
         if impl == "sparse":
-            n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=cache_eb)["total"]
+            n = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb(b), cache_elem_bytes=cache_eb)["total"]
             f = step_flops(cfg, ctx, b)["total"]
         elif impl in ("dense", "dense_fit"):
-            n = weight_bytes(cfg, w_eb, has_indexer=False) + b * ctx * cfg.kv_cache_dim * dense_eb
+            n = weight_bytes(cfg, w_eb(b), has_indexer=False) + b * ctx * cfg.kv_cache_dim * dense_eb
             f = step_flops(cfg, ctx, b, dense=True)["total"]
         elif impl == "sparse_attn":
             n = step_read_bytes(cfg, ctx, b, cache_elem_bytes=cache_eb)["cache"]
@@ -426,8 +454,10 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
             f = step_flops(cfg, ctx, b, dense=True)["attention"]
         else:
             return {}
-        read_ms, compute_ms = n / bw * 1e3, f / rate * 1e3
-        return dict(floor_bytes=int(n), floor_flops=int(f), floor_read_ms=read_ms, floor_compute_ms=compute_ms,
+        dt = product_dtype(impl, b)
+        read_ms, compute_ms = n / bw * 1e3, f / rates[dt] * 1e3
+        return dict(floor_bytes=int(n), floor_flops=int(f), floor_matmul_dtype=dt, floor_read_ms=read_ms,
+                    floor_compute_ms=compute_ms,
                     floor_ms=max(read_ms, compute_ms), floor_limit="memory" if read_ms >= compute_ms else "compute")
 
     rows = []
@@ -455,8 +485,10 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
             for impl, cap in (("dense", max_length), ("dense_fit", ctx + iters + 2)):
                 n0 = dense_traces["n"]
                 dcache = filled_cache(layer, b, ctx, cap)
+                dense_params = dense_params_for(b)
                 dense_peak = _peak_bytes(dense_step.lower(dense_params, x, dcache).compile())
                 t_dense = time_steps(dense_step, (dense_params, x), dcache, iters)
+                del dense_params
                 del dcache
                 # dense: compilations so far at this batch's capacity; dense_fit: this one's.
                 dense_compiles[impl] = dense_compiles.get(impl, 0) + dense_traces["n"] - n0
@@ -495,9 +527,9 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
             "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
-            "read_gb_s": bw / 1e9, "matmul_gflop_s": rate / 1e9, "matmul_dtype": compute_dtype.name,
+            "read_gb_s": bw / 1e9, "matmul_gflop_s": {d: r / 1e9 for d, r in rates.items()},
             "float32_compute": bool(step.float32),
-            "weight_bytes_step": weight_bytes(cfg, w_eb),
+            "weight_bytes_step": {b: weight_bytes(cfg, w_eb(b)) for b in batches},
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
 
@@ -534,10 +566,11 @@ def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
 
     # Dense attention first, on its own; then the sparse part and the indexer in rounds
     # (``_time_rounds``), whose untimed warm-up round absorbs the dense call's teardown. Not
-    # all three in rounds: at 131K and batch 8 the dense call's scratch is gigabytes, and
+    # all three in rounds: at 131K and batch 8 the dense call's scratch is large (gigabytes
+    # with the float32 oracle it ran before ``dense_mla_decode``; hundreds of MB now), and
     # XLA's worker threads free it after its result is ready, while the next call runs; in
     # rounds, the call after it measured 110-120 ms where alone it takes 20-25 ms (the
-    # teardown took ~120 ms of this process's CPU after each dense call).
+    # teardown took ~120 ms of this process's CPU after each dense call, oracle era).
     (td,) = _time_rounds([lambda: jax.block_until_ready(dense(q_lat, dense_cache))], iters)
     ts, ti = _time_rounds([lambda: jax.block_until_ready(sparse(q_lat, qi, w, cache)),
                            lambda: jax.block_until_ready(index(qi, w, cache))], iters)

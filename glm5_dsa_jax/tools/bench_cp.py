@@ -129,7 +129,10 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, cp: in
     steps = {n: make_step(layer) for n, layer in layers.items()}
     dtype = check_cache_dtype(layers[1].dtype if cache_dtype is None else cache_dtype)
     step1 = steps[1][0]
-    w_eb = max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step1.compute_params(steps[1][1])))
+    def w_eb(n, b):  # bytes per weight as the step of ``n`` devices reads it at batch ``b``
+        step, params = steps[n]
+        return max(jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(step.compute_params(params, b)))
+
     rows = []
     for b in batches:
         x = jax.random.normal(jax.random.key(1), (b, 1, cfg.hidden_size), jnp.float32).astype(layers[1].dtype)
@@ -144,7 +147,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, cp: in
                 kv = _cache(layer, b, ctx, capacity, dtype, cache)
                 per_device = device_bytes(kv)
                 ms = time_steps(lambda p, x, m, c: step(p, x, m, c), (params, *rows_at), kv, iters)
-                floor = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb, cache_elem_bytes=dtype.itemsize)
+                floor = step_read_bytes(cfg, ctx, b, weight_elem_bytes=w_eb(n, b), cache_elem_bytes=dtype.itemsize)
                 rows.append(dict(
                     impl="sparse", cp=n, devices=n, batch=b, context=ctx, median_ms=ms,
                     compiles=step.traces - traces0[n], cache=cache, capacity=capacity,
