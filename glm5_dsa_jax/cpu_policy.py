@@ -31,8 +31,10 @@ whole buffer could be given a copy of it. The choice is made once, when a cache 
 Float32 products
 ----------------
 
-XLA:CPU runs a bf16 matrix-vector product more than ten times slower than the float32 one, so on a CPU the compiled step (``decode.make_step``)
-hands the traced call float32 copies of the layer's 16-bit parameters (``float32_params``)
+XLA:CPU runs a bf16 matrix-vector product more than ten times slower than the float32
+one, so on a CPU a compiled step (``decode.make_step``) that does not multiply
+contraction-last copies (next section; a layer placed by ``shard_layer``) is handed
+float32 copies of the layer's 16-bit parameters (``float32_params``)
 and traces it inside ``float32_products_context()``: while that context is active,
 ``ops.matmul`` multiplies float32 operands and rounds each product to the activation
 dtype, which is what XLA:CPU's bf16 product computes (bf16 -> float32 is exact; only the
@@ -40,8 +42,8 @@ float32 accumulation order can differ). Whether a layer uses it is decided from 
 parameters are (``uses_float32``): ``cpu_float32=False`` opts out, other platforms never
 do. No other module sees the policy: the pipeline has no flag for it.
 
-Contraction-last bf16 products (many rows)
-------------------------------------------
+Contraction-last bf16 products (an unplaced layer)
+--------------------------------------------------
 
 XLA:CPU's float32 product is at the read floor for one row only: a decode of 8 rows
 multiplied ``o_proj`` (``[16384, 4096]`` float32) in 32 ms where its bytes take 10.5 ms
@@ -58,6 +60,21 @@ into a float32 accumulator and rounds the output: the same numbers as the float3
 products (a product of two bf16 values is exact in float32), up to the accumulation
 order. A placed layer keeps the float32 copies (its ``shard_map`` specs are the stored
 layout's).
+
+One row is the exception: its bf16 product ran at 74 ms. It is multiplied as two copies
+of itself (``ops.matmul``), a product of two rows, and the first row of the result kept:
+5.1 ms for ``o_proj``, against 11.8 ms for the float32 product of one row; the whole step
+at batch 1 went from 24 to 14 ms (GLM-5.3-Flash, 4K tokens; 2026-12-04). So
+``WIDE_ROWS`` is 1, and an unplaced 16-bit layer's step reads no float32 copy. (Padding
+the row with a zero row instead ran at 9.6 ms.)
+
+The same product of few rows runs 2.4x faster with the weight as its *left* operand:
+``[N, K] x [M, K]^T -> [N, M]`` (``o_proj`` at 8 rows: 3.3 ms, faster than a ``jnp.sum``
+of the same bytes, 5.7 ms; ``x @ w.T`` 7.9 ms. 2 cores, jax 0.10.2, 2026-12-04). XLA
+folds a plain transpose of that result into the product's layout, which picks the slow
+kernel again, so ``ops.matmul`` transposes it after an ``optimization_barrier``. Up to
+``WEIGHT_MAJOR_ROWS`` rows only: from ~128 rows the result's transpose costs more than
+the form saves (1,024 rows: 122 vs 104 ms).
 
 Its invariants:
 
@@ -88,6 +105,7 @@ import jax.numpy as jnp
 
 __all__ = ["store_dtype", "to_store", "from_store", "float32_params", "clear_float32_copies",
            "uses_float32", "float32_products", "float32_products_context", "WIDE_ROWS",
+           "WEIGHT_MAJOR_ROWS",
            "contraction_last_params", "contraction_last_products", "contraction_last_context"]
 
 
@@ -122,8 +140,14 @@ def from_store(a: jax.Array, dtype) -> jax.Array:
 _PRODUCTS = contextvars.ContextVar("glm5_dsa_jax_products", default=None)
 
 #: Query rows (``batch x chunk``) from which the compiled step multiplies contraction-last
-#: bf16 copies instead of float32 ones (module doc: 2 rows 9.4 ms, one row 74 ms).
-WIDE_ROWS = 2
+#: bf16 copies instead of float32 ones: 1, every call, since one row is multiplied as two
+#: copies of it (module doc: ``o_proj`` at one row 11.8 ms float32, 5.1 ms so).
+WIDE_ROWS = 1
+
+#: Rows (``M``) up to which a contraction-last product runs weight-major, ``[N, K] x [M,
+#: K]^T``, its small ``[N, M]`` result transposed after (module doc: ``o_proj`` at 8 rows
+#: 7.9 -> 3.3 ms); past it the weight-major form lost (1,024 rows: 104 vs 122 ms).
+WEIGHT_MAJOR_ROWS = 64
 
 
 def float32_products() -> bool:
@@ -148,7 +172,7 @@ def _products_context(mode):
 
 def float32_products_context(on: bool = True):
     """Trace the calls made inside with float32 products (``on``), as the CPU compiled step
-    does for one row; restores the previous setting on exit."""
+    of a placed layer does; restores the previous setting on exit."""
     return _products_context("float32" if on else None)
 
 

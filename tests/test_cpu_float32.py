@@ -1,5 +1,6 @@
-"""The compiled step on a CPU multiplies by cached copies of 16-bit parameters: float32
-copies for one query row, contraction-last copies in their own dtype from ``WIDE_ROWS``.
+"""The compiled step on a CPU multiplies by cached copies of 16-bit parameters:
+contraction-last copies in their own dtype from ``WIDE_ROWS`` (1: every call) on an
+unplaced layer, float32 copies on a placed one.
 
 What must hold: the same numbers as the bf16 path (to float32 rounding: each product still
 rounds its output to bf16), the user's parameters and checkpoints untouched, one copy per
@@ -46,9 +47,9 @@ def test_float32_step_matches_the_bf16_step(batch):
     bf16 dot accumulates in float32, and there the two steps are equal; jax 0.12's does
     not, and there the float32 step is the closer of the two to the float32 computation on
     the same bf16 weights. So: against that float32 oracle, the float32 step's error is no
-    larger than the bf16 step's, and within the bf16 budget of a few roundings. Batch 1:
-    the prefill chunks take contraction-last copies, the one-row steps float32 ones; batch 2
-    contraction-last copies throughout.
+    larger than the bf16 step's, and within the bf16 budget of a few roundings. Every call
+    takes contraction-last copies; at batch 1 a decode step multiplies two copies of its
+    one row.
     """
     wide, narrow = _bf16_layer(True), _bf16_layer(False)
     graphdef, params = nnx.split(_bf16_layer(False))
@@ -61,7 +62,7 @@ def test_float32_step_matches_the_bf16_step(batch):
     out_n, topk_n, dec_n = _run(narrow, x, mask, chunks)
     out_f, topk_f, _ = _run(oracle, x, mask, chunks)
     assert dec_w.step.float32 and not dec_n.step.float32
-    assert dec_w.step.contraction_last(batch * 13) and dec_w.step.contraction_last(batch) == (batch > 1)
+    assert dec_w.step.contraction_last(batch * 13) and dec_w.step.contraction_last(batch)
     assert out_w.dtype == out_n.dtype == jnp.bfloat16 and out_f.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_n))
     np.testing.assert_array_equal(np.asarray(topk_w), np.asarray(topk_f))
@@ -76,7 +77,7 @@ def test_parameters_and_checkpoints_keep_their_dtype(tmp_path):
     assert step.float32
     leaves = jax.tree.leaves(params)
     assert all(a.dtype == jnp.bfloat16 for a in leaves)  # make_step hands back the layer's own
-    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(step.compute_params(params)))
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(step.compute_params(params)))  # from one row
     dec = DsaDecoder(layer, batch_size=1, max_length=8)
     dec(jnp.ones((1, 2, layer.cfg.hidden_size)))
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(nnx.state(layer, nnx.Param)))
@@ -144,30 +145,33 @@ def _ulps_apart(a, b):
     return np.abs(a - b) / np.where(ulp > 0, ulp, 1)
 
 
-def test_contraction_last_products_match_float32_products():
-    """The same call (2 rows x 7 tokens) traced both ways, on the same cache: the same ids,
+@pytest.mark.parametrize("batch, tokens", [(2, 7), (1, 1)])
+def test_contraction_last_products_match_float32_products(batch, tokens):
+    """The same call (2 rows x 7 tokens, and one row: a batch-1 decode step, which multiplies
+    two copies of its row) traced both ways, on the same cache: the same ids,
     and outputs at most one bf16 ulp apart (both multiply the same bf16 values exactly into
     float32: only the accumulation order differs), nearly all equal. The layout table's
     contraction axes (``Param.contract``) are those of every product the step runs, or the
     shapes would not meet."""
     layer = _bf16_layer()
     step, params = make_step(layer, donate=False)
-    assert step.contraction_last(2 * 7) and not step.contraction_last(1)
+    assert step.contraction_last(batch * tokens)
     graphdef, _ = nnx.split(layer)
 
     def float32_call(p, x, mask, cache):
         with cpu_policy.float32_products_context():
             return nnx.merge(graphdef, p)(x, attention_mask=mask, cache=cache)
 
-    x = jax.random.normal(jax.random.key(5), (2, 7, layer.cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
-    mask = jnp.ones((2, 7), bool).at[0, :2].set(False)
-    cache = layer.init_cache(2, 16)
+    x = jax.random.normal(jax.random.key(5), (batch, tokens, layer.cfg.hidden_size), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    mask = jnp.ones((batch, tokens), bool).at[0, :2].set(tokens == 1)
+    cache = layer.init_cache(batch, 16)
     out_c, topk_c, _ = step(params, x, mask, cache)
     out_f, topk_f, _ = jax.jit(float32_call)(gd.float32_params(params), x, mask, cache)
     np.testing.assert_array_equal(np.asarray(topk_c), np.asarray(topk_f))
     apart = _ulps_apart(out_c, out_f)
     assert apart.max() <= 1 and (apart > 0).mean() < 0.02, (apart.max(), (apart > 0).mean())
-    copies = step.compute_params(params, 2 * 7)
+    copies = step.compute_params(params, batch * tokens)
     assert all(a is b for a, b in zip(jax.tree.leaves(copies), jax.tree.leaves(step.compute_params(params, 3))))
     for path, order in contraction_orders().items():
         src, copy = params, copies
@@ -178,20 +182,51 @@ def test_contraction_last_products_match_float32_products():
         np.testing.assert_array_equal(np.asarray(copy[...], np.float32), np.asarray(want, np.float32))
 
 
-def test_contraction_last_weights_are_not_transposed_back():
-    """In the compiled step of many rows no weight is copied or transposed (XLA:CPU's dot
+@pytest.mark.parametrize("batch", [4, 1])
+def test_contraction_last_weights_are_not_transposed_back(batch):
+    """In the compiled step no weight is copied, converted or transposed (XLA:CPU's dot
     canonicalisation does that to a weight with several kept or contracted axes, unless the
-    product is written 2-D: ``ops._contraction_last_product``), and every product of a
+    product is written 2-D: ``ops._contraction_last_product``; at one row it converted
+    ``w_uk`` and ``w_uv`` to float32, unless the row is doubled), and every product of a
     weight reads its bf16 values."""
     layer = _bf16_layer()
     step, params = make_step(layer)
-    x = jnp.ones((4, 1, layer.cfg.hidden_size), jnp.bfloat16)
-    hlo = step.lower(params, x, jnp.ones((4, 1), bool), layer.init_cache(4, 16)).compile().as_text()
+    x = jnp.ones((batch, 1, layer.cfg.hidden_size), jnp.bfloat16)
+    hlo = step.lower(params, x, jnp.ones((batch, 1), bool), layer.init_cache(batch, 16)).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
     names = re.findall(r"%(\S+) = bf16\[[0-9,]+\]\{[0-9,]*\} parameter\(", entry)
-    weights = [n for n in names if any(w in n for w in ("o_proj", "q_b_proj", "wq_b", "w_uk", "q_a_proj"))]
+    weights = [n for n in names if any(w in n for w in ("o_proj", "q_b_proj", "wq_b", "w_uk", "w_uv", "q_a_proj"))]
     assert len(weights) >= 5, names
     for n in weights:
         for line in hlo.splitlines():
             if re.search(rf"[(,] ?%{re.escape(n)}[,)]", line):
                 assert not re.search(r"kind=kLoop|= \S+ (copy|transpose)\(", line), line[:300]
+
+
+@pytest.mark.parametrize("rows", [8, cpu_policy.WEIGHT_MAJOR_ROWS + 16])
+def test_few_rows_multiply_weight_major(rows):
+    """A contraction-last product of at most ``WEIGHT_MAJOR_ROWS`` rows runs weight-major
+    (``[N, K] x [M, K]^T``, its result transposed after an ``optimization_barrier``, so XLA
+    cannot fold the transpose back into the product); more rows run ``[M, K] x [N, K]^T``.
+    Both are the float32 product of the same bf16 values, rounded to bf16: at most one ulp
+    apart (the accumulation order)."""
+    from glm5_dsa_jax.model import ops
+
+    spec = "bshv,hvo->bso"  # o_proj's
+    x = jax.random.normal(jax.random.key(0), (2, rows // 2, 4, 32), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (4, 32, 48), jnp.float32).astype(jnp.bfloat16)
+    w_last = jnp.transpose(w, (2, 0, 1))  # its contraction-last copy, [o, h, v]
+
+    def product(x, w_last):
+        with cpu_policy.contraction_last_context():
+            return ops.matmul(spec, x, w_last)
+
+    out = jax.jit(product)(x, w_last)
+    want = jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
+    assert out.dtype == jnp.bfloat16
+    assert _ulps_apart(out, want.astype(jnp.bfloat16)).max() <= 1
+    eqns = jax.make_jaxpr(product)(x, w_last).jaxpr.eqns
+    (dot,) = [e for e in eqns if e.primitive.name == "dot_general"]
+    weight_major = rows <= cpu_policy.WEIGHT_MAJOR_ROWS
+    assert dot.invars[0].aval.shape == ((48, 128) if weight_major else (rows, 128))
+    assert any(e.primitive.name == "optimization_barrier" for e in eqns) == weight_major

@@ -140,3 +140,17 @@ def test_expand_selection_row_conventions(k, kpool, seed, with_tail):
     if tail is not None:
         expect += [t for t in tail[0, 0] if t >= 0]
     assert row[:n].tolist() == expect
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(-3, 50), min_size=1, max_size=12), min_size=1, max_size=3)
+       .filter(lambda r: len({len(x) for x in r}) == 1), st.integers(1, 16))
+def test_compact_row_moves_valid_ids_to_the_front(rows, out_width):
+    """``compact_row`` (a prefix-sum scatter, not a sort): each row's ids ``>= 0`` first, in
+    their order, then ``-1``, cut or padded to ``out_width``; any negative id is ``-1``."""
+    ids = np.array(rows, np.int32)[:, None]  # [B, 1, n]
+    got = np.asarray(pk.compact_row(jnp.asarray(ids), out_width))
+    assert got.shape == (len(rows), 1, out_width) and got.dtype == np.int32
+    for b, row in enumerate(rows):
+        want = ([v for v in row if v >= 0] + [-1] * (len(row) + out_width))[:out_width]
+        assert got[b, 0].tolist() == want

@@ -33,9 +33,10 @@ Invariants:
   scoring, the cache's bookkeeping last (``end_chunk``).
 * A padding query gets a top-k row of ``-1`` and an output of zeros; a padding token's
   hidden state is zeroed before any projection, so a NaN there goes nowhere.
-* On a CPU the compiled step (``decode.make_step``) multiplies by float32 copies of 16-bit
-  parameters (XLA:CPU's bf16 matrix-vector product is over ten times slower), cached and
-  never written back; each product still rounds to the activation dtype. The policy is
+* On a CPU the compiled step (``decode.make_step``) multiplies by cached copies of 16-bit
+  parameters, never written back: bf16 with their contracted axes last (float32 for a
+  placed layer), which XLA:CPU multiplies several times faster than the stored layout;
+  each product still rounds to the activation dtype. The policy is
   ``glm5_dsa_jax.cpu_policy``'s, invisible here; ``cpu_float32=False`` opts out.
 * One method per pipeline step (class doc), each under ``jax.named_scope`` of its own
   name (``glm5_dsa_jax.model.layer``): ``forward`` runs these methods, so no step is written
@@ -210,9 +211,10 @@ class DsaAttention(nnx.Module):
       tp_axis: mesh axis name the head axis is sharded over (metadata only until the
         layer is placed on a mesh).
       block_q: queries per prefill tile (bounds the ``[block_q, pools]`` score tile).
-      cpu_float32: let the compiled step (``decode.make_step``) multiply by cached float32
-        copies of 16-bit parameters when every parameter lives on a CPU device (see the
-        module doc; ``float32_compute()``). Also a plain attribute, read by ``make_step``.
+      cpu_float32: let the compiled step (``decode.make_step``) multiply by cached copies of
+        16-bit parameters when every parameter lives on a CPU device: bf16 contraction-last
+        copies, float32 ones for a placed layer (see the module doc; ``float32_compute()``).
+        Also a plain attribute, read by ``make_step``.
       remat_tiles: under autodiff, each query tile's sparse attention runs under
         ``jax.checkpoint`` (``remat.TILE_POLICY``): a tile keeps its queries and ids, and the
         backward pass recomputes the attention's forward instead of keeping its residuals
@@ -349,8 +351,9 @@ class DsaAttention(nnx.Module):
             var.set_value(value)
 
     def float32_compute(self) -> bool:
-        """Whether ``make_step`` runs this layer's products in float32 (on cached float32
-        copies of 16-bit parameters): ``cpu_float32`` is set and every parameter lives on
+        """Whether ``make_step`` applies the CPU policy to this layer's products (cached
+        copies of 16-bit parameters: bf16 contraction-last ones, or float32 ones for a
+        placed layer; ``cpu_policy``): ``cpu_float32`` is set and every parameter lives on
         CPU devices only (decided by where the parameters are, e.g. a ``shard_layer``
         mesh, not by which backends exist)."""
         return uses_float32(nnx.state(self, nnx.Param), self.cpu_float32)

@@ -57,10 +57,10 @@ an fp8 cache is measured against.
 
 The floor counts bytes and FLOPs: ``floor_bytes`` is what the row must read at least
 (``roofline.step_read_bytes``: every weight once, in the dtype the step reads it, i.e. on a
-CPU the float32 copies for one row and the bf16 contraction-last copies from
-``cpu_policy.WIDE_ROWS`` rows; the pooled keys of the visible pools and the selected latent
-rows; dense rows: the non-indexer weights and every cached latent row; ``index``: the visible
-pooled keys) and ``floor_flops``
+CPU the bf16 contraction-last copies, ``cpu_policy``, float32 copies only where the step
+multiplies those; the pooled keys of the visible pools and the selected latent rows; dense
+rows: the non-indexer weights and every cached latent row; ``index``: the visible pooled
+keys) and ``floor_flops``
 what it must compute at least (``roofline.step_flops``: every projection, the index scores
 where the selection matters, the attention over the selected tokens; dense rows: the
 non-indexer projections and attention over every cached token; the attention-part rows
@@ -72,9 +72,8 @@ jitted ``_MATMUL_N``-square matmul in each dtype the rows' products run in (``{"
 best of several, what the machine can do rather than its noise. A row's FLOPs are timed at
 the rate of its products' dtype (``floor_matmul_dtype``): bf16 for the attention-part rows
 (``sparse_attn``, ``index``, ``dense_attn``: bf16 rows into a float32 accumulator; float32
-for an fp8 cache) and for whole steps of ``WIDE_ROWS`` rows or more (contraction-last
-projections), float32 for a whole step of one row on a CPU (float32 projections, whose
-weights' bytes bound it anyway). ``floor_read_ms``
+for an fp8 cache) and for whole steps (contraction-last bf16 projections; float32 where
+the step reads float32 copies). ``floor_read_ms``
 and ``floor_compute_ms`` are the two parts, ``floor_ms`` the larger (``floor_limit`` says
 which), and ``x_floor`` the row's time over it: as ``glm5-dsa roofline`` bounds a kernel on
 a GPU. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj`` every
@@ -83,7 +82,6 @@ step; its floor is not the same fact).
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
@@ -97,7 +95,6 @@ from pallas_kernels.attention import weighted_values
 from pallas_kernels.dense_mla import masked_softmax
 from glm5_dsa_jax.cache import PagedCache, check_cache_dtype
 from glm5_dsa_jax.model.config import DsaConfig
-from glm5_dsa_jax.cpu_policy import contraction_last_context, float32_products_context
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.tools.roofline import step_flops, step_read_bytes, weight_bytes
@@ -294,8 +291,8 @@ def dense_mla_decode(q_lat, latent, mask, *, scale: float) -> jax.Array:
 
 def _dense_layer_step(layer: DsaAttention, step):
     """The decode step with dense absorbed MLA over all cached tokens (no indexer), with the
-    products ``step`` (``make_step``'s) uses for as many rows: on a CPU float32 copies for
-    one row, contraction-last copies from ``WIDE_ROWS`` (``cpu_policy``).
+    products ``step`` (``make_step``'s) uses for as many rows (``step.products``; on a CPU
+    contraction-last copies, ``cpu_policy``).
     ``(jitted step, params_for(rows), traces)``."""
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
@@ -304,11 +301,8 @@ def _dense_layer_step(layer: DsaAttention, step):
         traces["n"] += 1
         m = nnx.merge(graphdef, params)
         cfg = m.cfg
-        if step.contraction_last(x.shape[0] * x.shape[1]):
-            products = contraction_last_context
-        else:
-            products = functools.partial(float32_products_context, step.float32)
-        with products():
+        rows = x.shape[0] * x.shape[1]
+        with step.products(rows):
             _, q_lat, latent = m.project(x)
         pos = cache.length
         cache, chunk = cache.begin_chunk(jnp.ones(x.shape[:2], bool))
@@ -316,7 +310,7 @@ def _dense_layer_step(layer: DsaAttention, step):
         lat, _ = cache.attention_rows()
         mask = cache.key_valid[:, None, :] & (jnp.arange(lat.shape[1]) <= pos)[None, None, :]
         o = dense_mla_decode(q_lat, lat, mask, scale=cfg.softmax_scale)
-        with products():
+        with step.products(rows):
             out = m.output_projection(o)
         return out, cache.end_chunk(chunk)
 
@@ -417,21 +411,24 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     bw = read_bandwidth()
     # The rate of each dtype a row's products run in (``product_dtype``).
     rates = {jnp.dtype(d).name: matmul_rate(d) for d in {jnp.dtype(jnp.float32), jnp.dtype(layer.dtype)}}
-    one_row = jnp.dtype(jnp.float32 if step.float32 else layer.dtype).name
+
+    def weight_dtype(b):  # the dtype the step of batch ``b`` multiplies its weights in
+        return "float32" if w_eb(b) == 4 else jnp.dtype(layer.dtype).name
+
     log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); matmul "
         + ", ".join(f"{r / 1e9:.1f} GFLOP/s ({d})" for d, r in rates.items())
         + f" ({_MATMUL_N}-square); step weights {weight_bytes(cfg, w_eb(1)) / 1e6:.1f} MB at one row "
-        f"({'float32 copies' if step.float32 else layer.param_dtype})")
+        f"({weight_dtype(1)})")
 
     def product_dtype(impl, b):
         """The dtype a row's products run in: the attention part's are the cache rows' (bf16
         products into float32; an fp8 cache's in float32), a whole step's are its
-        projections' (``make_step``: float32 copies for one row on a CPU, contraction-last
-        bf16 copies from ``WIDE_ROWS``), whose weights dominate it."""
+        projections' (``make_step``: on a CPU contraction-last bf16 copies; float32 copies
+        where it reads those), whose weights dominate it."""
         if impl in ("sparse_attn", "index", "dense_attn"):
             dt = jnp.dtype(layer.dtype if impl == "dense_attn" else cache_dtype)
             return dt.name if dt.itemsize == 2 else "float32"
-        return one_row if not step.contraction_last(b) else jnp.dtype(layer.dtype).name
+        return weight_dtype(b)
 
     def floor(impl, b, ctx):
         if impl == "sparse":
@@ -528,7 +525,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
             "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "matmul_gflop_s": {d: r / 1e9 for d, r in rates.items()},
-            "float32_compute": bool(step.float32),
+            "float32_compute": any(w_eb(b) == 4 for b in batches),  # a step read float32 copies
             "weight_bytes_step": {b: weight_bytes(cfg, w_eb(b)) for b in batches},
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
