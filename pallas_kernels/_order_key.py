@@ -40,6 +40,7 @@ def order_key(scores: jax.Array) -> jax.Array:
 
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32
 _SIGN = 0x80000000  # int32 order <-> uint32 order: flip the sign bit
+_EXACT_FLOAT32_COUNT = 1 << 24  # float32 holds every integer up to 2**24 exactly
 
 
 def kth_largest_key(key: jax.Array, k: int) -> jax.Array:
@@ -47,12 +48,18 @@ def kth_largest_key(key: jax.Array, k: int) -> jax.Array:
     by a radix select of one bit a pass: the answer is built from the top bit down, a bit
     kept where at least ``k`` keys are at or above the answer with it set (32 counting
     passes over the row, no sort). On a CPU this is several times faster than
-    ``lax.top_k`` (a partial sort) at ``k`` in the thousands."""
+    ``lax.top_k`` (a partial sort) at ``k`` in the thousands.
+
+    Each pass counts in float32 where the row is shorter than ``2**24``: every partial sum
+    is an integer below ``2**24``, so exact in any order, and XLA:CPU's float32 sum ran
+    1.6x faster than its int32 one (``[8, 1, 8704]``, a streaming merge at batch 8: 0.56
+    vs 0.92 ms for the 32 passes, measured 2026-12-04)."""
     u = jax.lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(_SIGN)  # order-preserving
+    count_dtype = jnp.float32 if key.shape[-1] < _EXACT_FLOAT32_COUNT else jnp.int32
 
     def bit(i, ans):
         cand = ans | (jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32)))
-        n_at_or_above = jnp.sum(u >= cand, axis=-1, keepdims=True, dtype=jnp.int32)
+        n_at_or_above = jnp.sum((u >= cand).astype(count_dtype), axis=-1, keepdims=True)
         return jnp.where(n_at_or_above >= k, cand, ans)
 
     ans = jax.lax.fori_loop(0, 32, bit, jnp.zeros(key.shape[:-1] + (1,), jnp.uint32))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels.selection as selection
 from pallas_kernels._common import lower_for_cuda, triton_calls
-from pallas_kernels._order_key import NEG_INF_KEY, order_key
+from pallas_kernels._order_key import NEG_INF_KEY, kth_largest_key, order_key
 from pallas_kernels.selection import (
     TopkPoolsBlockSizes, topk_pools, topk_pools_lax_baseline, topk_pools_reference,
 )
@@ -151,6 +151,19 @@ def test_reference_equals_a_sort_on_both_sides_of_the_packed_prefix_sum(n_pools)
     np.testing.assert_array_equal(got, _sorted_rule(s, 3000))
     assert (got[2] == -1).any() and (got[:2] >= 0).all()
 
+
+
+@pytest.mark.parametrize("n_pools, count_dtype", [((1 << 24) - 1, jnp.float32), (1 << 24, jnp.int32)])
+def test_counting_passes_count_in_float32_only_where_every_count_is_exact(n_pools, count_dtype):
+    """``kth_largest_key`` sums its counting passes in float32 (faster on XLA:CPU) only for
+    rows shorter than ``2**24``, where every partial count is an exact float32 integer; a
+    longer row counts in int32. Traced only (no 16M-key row is built)."""
+    row = jax.ShapeDtypeStruct((1, n_pools), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda key: kth_largest_key(key, 3))(row)
+    loop = next(e for e in jaxpr.eqns if e.primitive.name in ("scan", "while"))  # the 32 passes
+    body = loop.params.get("jaxpr") or loop.params["body_jaxpr"]
+    sums = [e for e in body.jaxpr.eqns if e.primitive.name == "reduce_sum"]
+    assert [e.outvars[0].aval.dtype for e in sums] == [count_dtype]
 
 def test_long_row_multi_tile():
     """5,000 pools in 1,024-wide tiles: the last tile is partial; ties straddle tiles."""
