@@ -152,7 +152,6 @@ def test_reference_equals_a_sort_on_both_sides_of_the_packed_prefix_sum(n_pools)
     assert (got[2] == -1).any() and (got[:2] >= 0).all()
 
 
-
 @pytest.mark.parametrize("n_pools, count_dtype", [((1 << 24) - 1, jnp.float32), (1 << 24, jnp.int32)])
 def test_counting_passes_count_in_float32_only_where_every_count_is_exact(n_pools, count_dtype):
     """``kth_largest_key`` sums its counting passes in float32 (faster on XLA:CPU) only for
@@ -164,6 +163,7 @@ def test_counting_passes_count_in_float32_only_where_every_count_is_exact(n_pool
     body = loop.params.get("jaxpr") or loop.params["body_jaxpr"]
     sums = [e for e in body.jaxpr.eqns if e.primitive.name == "reduce_sum"]
     assert [e.outvars[0].aval.dtype for e in sums] == [count_dtype]
+
 
 def test_long_row_multi_tile():
     """5,000 pools in 1,024-wide tiles: the last tile is partial; ties straddle tiles."""
