@@ -48,8 +48,9 @@ its own block-size dataclass (``topk_pools``: ``mosaic_selection``); a step with
 kernel maps ``"mosaic"`` to ``"pallas"`` and ``"mosaic_interpret"`` to ``"pallas_interpret"``
 (``without_mosaic``: Triton runs wherever Mosaic GPU does, so a layer asked for
 ``"mosaic"`` runs every step, the Mosaic kernels where they exist). ``"auto"`` resolves
-when a wrapper is traced: Mosaic on CUDA compute capability >= 9.0, Triton on older CUDA
-GPUs, ``"xla"`` elsewhere::
+when a wrapper is traced: Mosaic on a CUDA GPU where that step's Mosaic kernels have run
+right on its class of GPU (``hardware_runs``), Triton on other CUDA GPUs, ``"xla"``
+elsewhere::
 
     k, gate, valid, ape -> kpool_compress   (pooling)   -> pooled keys [B, P, D], first_key, pool valid
                         -> index_scores     (scoring)   -> [B, Q, P] float32 scores (-inf = no candidate)
@@ -90,16 +91,21 @@ CUDA-lowering helpers the wrappers and tests share; ``_mosaic`` when the Mosaic 
 Triton sparse-MLA forward and backward share (``gather_rows``, the id row's scan, the dots);
 ``_scores`` what the indexer's scoring and its backward share (the candidate rule, the
 dots' dtypes); ``_order_key`` the
-order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``). The names other
+order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``); ``hardware_runs``
+the record of which kernels have run right on which GPUs, which ``"auto"`` picks from
+(``HARDWARE_RUNS``, ``hardware_table``; docs/kernels.md). The names other
 packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
-``lower_for_cuda`` / ``cuda_mesh`` / ``triton_calls``, ``order_key``) are exported here, so no module
+``lower_for_cuda`` / ``cuda_lowering`` / ``cuda_mesh`` / ``triton_calls`` / ``mosaic_modules`` /
+``unsigned_compares``, ``order_key``) are exported here, so no module
 outside ``pallas_kernels`` imports a private one.
 """
 
 from pallas_kernels._common import (
-    IMPLEMENTATIONS, MOSAIC_MIN_JAX, Implementation, check_implementation, cuda_mesh, jax_version,
-    lower_for_cuda, resolve_implementation, triton_calls,
+    IMPLEMENTATIONS, MOSAIC_MIN_JAX, Implementation, check_implementation, cuda_lowering, cuda_mesh,
+    jax_version, lower_for_cuda, mosaic_modules, resolve_implementation, triton_calls,
+    unsigned_compares,
 )
+from pallas_kernels.hardware_runs import HARDWARE_RUNS, HardwareRun, hardware_table
 from pallas_kernels.attention import (
     MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference,
 )
@@ -131,7 +137,8 @@ from pallas_kernels.transpose import SelectionTranspose, selection_transpose
 
 __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
-    "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "cuda_mesh", "triton_calls",
+    "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "cuda_lowering", "cuda_mesh", "triton_calls",
+    "mosaic_modules", "unsigned_compares", "HARDWARE_RUNS", "HardwareRun", "hardware_table",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "tail_slots",
     "visible_tail",

@@ -16,8 +16,11 @@ Every wrapper takes ``implementation`` (an ``Implementation``):
   (``plmgpu.InterpretGPUParams``, jax >= 0.11; it simulates the warpgroup's threads, so it
   is slow: tests use small shapes); falls back to ``"pallas_interpret"`` like ``"mosaic"``;
 * ``"auto"``: resolved when the wrapper is traced (``resolve_implementation``) from the
-  device the program targets: a CUDA device of compute capability >= 9.0 -> ``"mosaic"``,
-  an older CUDA device -> ``"pallas"``, anything else (CPU, TPU, ROCm) -> ``"xla"``.
+  device the program targets: on a CUDA device, ``"mosaic"`` where the step's Mosaic
+  kernels (forward and backward) have run right on that class of GPU as their code stands
+  (``pallas_kernels.hardware_runs``; a layer: every Mosaic kernel), else ``"pallas"``;
+  anything else (CPU, TPU, ROCm) -> ``"xla"``. Why the record: interpret mode is not the
+  hardware (the Mosaic top-k passed it and selected wrong tokens on an H200).
 
 and ``block_sizes``, an instance of the kernel's frozen block-size dataclass (``None``: its
 defaults). Invariants:
@@ -50,7 +53,11 @@ import typing
 from typing import Callable, Literal
 
 import jax
+from jax._src.interpreters import mlir as jax_mlir  # mosaic_modules: parse a kernel's MLIR
+from jax._src.lib.mlir import ir
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, get_abstract_mesh, use_abstract_mesh
+
+from pallas_kernels.hardware_runs import auto_picks_mosaic, device_class
 
 try:  # jax >= 0.12: see the module doc (the trace context)
     import jax.experimental.pallas.fuser  # noqa: F401
@@ -93,18 +100,20 @@ def target_device():
     return device.platform, capability
 
 
-def resolve_implementation(implementation: str) -> Implementation:
+def resolve_implementation(implementation: str, kernel: str | None = None) -> Implementation:
     """``implementation`` checked, with ``"auto"`` resolved for the device the program
-    targets (see the module doc): CUDA of compute capability >= 9.0 -> ``"mosaic"``, older
-    CUDA -> ``"pallas"``, anything else -> ``"xla"``. A CUDA device whose capability is not
-    known resolves to ``"pallas"`` (Triton runs on every CUDA GPU Pallas supports)."""
+    targets (see the module doc) and the wrapper ``kernel`` (``None``: a whole layer):
+    ``"mosaic"`` on a CUDA device whose class the Mosaic kernels of ``kernel`` (every
+    one, for a layer) have passed on as their code stands (``hardware_runs.auto_picks_mosaic``),
+    ``"pallas"`` on any other CUDA device (Triton runs on every CUDA GPU Pallas supports,
+    and is every Mosaic step's fallback), ``"xla"`` anywhere else."""
     check_implementation(implementation)
     if implementation != "auto":
         return implementation
     platform, capability = target_device()
     if platform not in ("cuda", "gpu"):
         return "xla"
-    return "mosaic" if capability is not None and capability >= (9, 0) else "pallas"
+    return "mosaic" if auto_picks_mosaic(kernel, device_class(capability)) else "pallas"
 
 
 MOSAIC_MIN_JAX = (0, 11)  # Mosaic GPU's interpret mode and the kernels' API
@@ -178,13 +187,13 @@ def check_block_sizes(block_sizes: _B | None, cls: type[_B]) -> _B:
     return block_sizes.validate()
 
 
-def kernel_family(implementation: str, block_sizes, triton_cls: type, mosaic_cls: type):
-    """``(implementation, mosaic, blocks)`` for a wrapper with a Triton and a Mosaic kernel:
-    ``implementation`` resolved (``"auto"``), whether the Mosaic family is asked for (a
+def kernel_family(implementation: str, block_sizes, triton_cls: type, mosaic_cls: type, *, kernel: str):
+    """``(implementation, mosaic, blocks)`` for the wrapper ``kernel`` with a Triton and a
+    Mosaic kernel: ``implementation`` resolved (``"auto"``, for ``kernel``), whether the Mosaic family is asked for (a
     ``"mosaic*"`` implementation, or ``"xla"`` given the Mosaic block sizes, which are then
     validated like any others), and ``block_sizes`` validated as that family's dataclass
     (``check_block_sizes``: a ``TypeError`` for the other family's)."""
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, kernel)
     mosaic = implementation in MOSAIC_IMPLEMENTATIONS or (
         implementation == "xla" and isinstance(block_sizes, mosaic_cls))
     return implementation, mosaic, check_block_sizes(block_sizes, mosaic_cls if mosaic else triton_cls)
@@ -276,3 +285,52 @@ def triton_calls(lowered) -> list[dict]:
             num_warps=field("num_warps"), num_stages=field("num_stages"),
         ))
     return calls
+
+
+#: ``arith.cmpi`` predicates (MLIR's ``CmpIPredicate``) that compare as unsigned integers.
+UNSIGNED_CMPI = {6: "ult", 7: "ule", 8: "ugt", 9: "uge"}
+
+
+def _mlir_string_bytes(escaped: str) -> bytes:
+    """The bytes of an MLIR string attribute's body (``\\XX`` hex, ``\\\\``, ``\\"``, ...)."""
+    out, i, simple = bytearray(), 0, {"\\": 92, '"': 34, "n": 10, "t": 9}
+    while i < len(escaped):
+        if escaped[i] != "\\":
+            out += escaped[i].encode("latin-1")
+            i += 1
+        elif escaped[i + 1] in simple:
+            out.append(simple[escaped[i + 1]])
+            i += 2
+        else:
+            out.append(int(escaped[i + 1:i + 3], 16))
+            i += 3
+    return bytes(out)
+
+
+def mosaic_modules(lowered) -> list[str]:
+    """The Mosaic GPU kernels of a module lowered for CUDA, in program order: each
+    ``mosaic_gpu`` custom call's kernel module (MLIR bytecode in its backend config) as
+    generic MLIR text, the code the kernel was lowered to (its comparisons' signedness,
+    its barriers), without a GPU."""
+    text = lowered.as_text() if hasattr(lowered, "as_text") else str(lowered)
+    modules = []
+    for line in text.splitlines():
+        if "stablehlo.custom_call @mosaic_gpu" not in line:
+            continue
+        found = re.search(r'\bmodule = "((?:\\.|[^"\\])*)"', line)
+        if found is None:
+            raise ValueError(f"a mosaic_gpu custom call without a module: {line[:200]}")
+        ctx = jax_mlir.make_ir_context()
+        ctx.allow_unregistered_dialects = True  # Mosaic's own dialect: printed generically
+        with ctx:
+            modules.append(str(ir.Module.parse(_mlir_string_bytes(found.group(1)))))
+    return modules
+
+
+def unsigned_compares(module_text: str) -> list[str]:
+    """The unsigned integer comparisons (``arith.cmpi`` ult/ule/ugt/uge) of a kernel module's
+    text (``mosaic_modules``), each as ``"PRED TYPE"``."""
+    # Serialized modules name ops with a version prefix: "stable_mosaic_gpu.arith.cmpi".
+    found = re.findall(r'arith\.cmpi"\([^)]*\) \{predicate = (\d+) : i64\} : \(([^,)]+)', module_text)
+    return [f"{UNSIGNED_CMPI[int(p)]} {t}" for p, t in found if int(p) in UNSIGNED_CMPI]
+

@@ -10,6 +10,15 @@ compare and no platform denormal mode (XLA:CPU flushes denormals, GPUs need not)
 it; ``-0.0`` and every denormal map to the key of ``+0.0``, NaN to the key of ``-inf``
 (``NEG_INF_KEY``, never selected). ``threshold_select`` is the rule itself on a row of
 keys (the reference's and ``streaming_topk``'s merge).
+
+Every ``jnp.where`` here takes the array being keyed as its *true* operand and a constant
+as its false one. Why: Mosaic GPU's Lane lowering (jax 0.11 and 0.12) gives a select the
+signedness of its true operand, and a constant true operand hands it the predicate's,
+which is unsigned; every comparison of the key after that is then unsigned, and negative
+scores sort above positive ones. ``where(c, 0, bits)`` is what made the Mosaic
+``topk_pools`` select wrong tokens on an H200 (2026-12-04) while interpret mode, which runs
+jnp's signed semantics, was right. ``tests/test_kernels_mosaic_topk.py`` lowers the kernel
+for CUDA and finds no unsigned integer comparison in it.
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ __all__ = ["order_key", "NEG_INF_KEY", "dead_counts", "kth_largest_key", "thresh
 
 
 def _canonical_bits(scores: jax.Array) -> jax.Array:
+    # Each select keeps ``bits`` as its true operand (see the module doc: Mosaic GPU).
     bits = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
     mag = bits & jnp.int32(0x7FFFFFFF)
-    bits = jnp.where(mag < jnp.int32(0x00800000), jnp.int32(0), bits)  # -0, denormals -> +0
-    return jnp.where(mag > jnp.int32(0x7F800000), jnp.int32(-8388608), bits)  # NaN -> -inf
+    bits = jnp.where(mag >= jnp.int32(0x00800000), bits, jnp.int32(0))  # -0, denormals -> +0
+    return jnp.where(mag <= jnp.int32(0x7F800000), bits, jnp.int32(-8388608))  # NaN -> -inf
 
 
 def order_key(scores: jax.Array) -> jax.Array:
@@ -35,7 +45,7 @@ def order_key(scores: jax.Array) -> jax.Array:
     denormals on some (XLA:CPU) and not on others.
     """
     bits = _canonical_bits(scores)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
 
 
 NEG_INF_KEY = -2139095041  # order_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as int32

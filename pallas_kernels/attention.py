@@ -155,7 +155,7 @@ def sparse_mla_partial(
     under each implementation. The forward only: no custom gradient (the kernels' outputs
     are not differentiable here; ``"xla"`` differentiates as plain jnp)."""
     implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes,
-                                                   MosaicSparseMlaBlockSizes)
+                                                   MosaicSparseMlaBlockSizes, kernel="sparse_mla")
     check_operands(q, latent, token_ids, latent_scale)
     v = check_value_width(value_width, q.shape[3])
     latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
@@ -268,7 +268,8 @@ def sparse_mla(
     with an fp8 ``latent``. ``block_sizes`` (validated under every implementation) tiles
     the kernel: a ``SparseMlaBlockSizes`` for ``"pallas"``, a ``MosaicSparseMlaBlockSizes``
     for ``"mosaic"`` (either for ``"xla"``; ``None``: the defaults)."""
-    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes)
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, SparseMlaBlockSizes, MosaicSparseMlaBlockSizes,
+                                                   kernel="sparse_mla")
     check_operands(q, latent, token_ids, latent_scale)
     v = check_value_width(value_width, q.shape[3])
     latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)

@@ -217,7 +217,7 @@ def sparse_mla_backward(
     in latent.dtype)``; arguments as ``sparse_mla_backward_reference``. ``block_sizes`` (a
     ``SparseMlaBackwardBlockSizes``, validated under every implementation) tiles the
     Triton kernels. ``scale`` must be a static float for the Pallas kernels."""
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, "sparse_mla")
     blocks = check_block_sizes(block_sizes, SparseMlaBackwardBlockSizes)
     check_operands(q, latent, token_ids, latent_scale)
     b, nq, h, cr = q.shape

@@ -150,7 +150,7 @@ def causal_mla(
     _check(q, latent, q_slots, key_valid, latent_scale)
     v = check_value_width(value_width, q.shape[3])
     check_positive_int("key_tile", key_tile)
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, "sparse_mla")
     # The Pallas path is sparse_mla's kernels, which read group scales.
     latent_scale = check_group_scales(latent_scale, q.shape[3], v, implementation, kernels_read=True)
     if implementation != "xla":

@@ -215,12 +215,9 @@ def _candidates(prefix, i, radix_bits):
 
 
 # -- the one-program path: one CTA per row does every pass --------------------------------
-def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select_k, k_pad,
-                   block_p, radix_bits):
-    row = jax.lax.axis_index("row")
-    live = live_ref[row]
-    view = _Row(plmgpu, s_ref, row, jnp.int32(0), live)
-
+def _threshold(view, live, *, n_pools, select_k, block_p, radix_bits):
+    """``(T, n_gt)`` of one row: its ``select_k``-th largest key and ``#{key > T}`` (the
+    radix select's passes; pools past ``live`` count as ``-inf``)."""
     def radix_pass(i, carry):
         prefix, n_gt = carry
         shift, cands = _candidates(prefix, i, radix_bits)
@@ -233,7 +230,16 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
         return prefix | (digit << shift), n_gt
 
     prefix, n_gt = jax.lax.fori_loop(0, 32 // radix_bits, radix_pass, (jnp.int32(0), jnp.int32(0)))
-    thresh = prefix ^ jnp.int32(_INT_MIN)
+    return prefix ^ jnp.int32(_INT_MIN), n_gt
+
+
+def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select_k, k_pad,
+                   block_p, radix_bits):
+    row = jax.lax.axis_index("row")
+    live = live_ref[row]
+    view = _Row(plmgpu, s_ref, row, jnp.int32(0), live)
+    thresh, n_gt = _threshold(view, live, n_pools=n_pools, select_k=select_k, block_p=block_p,
+                              radix_bits=radix_bits)
     real = thresh > jnp.int32(NEG_INF_KEY)  # T is -inf: only keys above it are taken
     for c in range(k_pad // WARPGROUP):  # -1 everywhere, then the ids over it
         o_ref[row, pl.ds(c * WARPGROUP, WARPGROUP)] = jnp.full((WARPGROUP,), -1, jnp.int32)

@@ -203,7 +203,7 @@ def index_scores_backward(
     implementations: the Triton kernels; the Mosaic ones: the Mosaic kernels on 16-bit
     operands, else the Triton ones (interpret mode for the ``*_interpret`` forms). The paged scores' backward (``index_scores_paged``) gathers each sequence's
     pools, calls this, and puts the gradient back into the pages."""
-    implementation = resolve_implementation(implementation)
+    implementation = resolve_implementation(implementation, "index_scores")
     blocks = check_block_sizes(block_sizes, IndexScoresBackwardBlockSizes)
     check_rank("q", q, 4, "[B, Q, Hi, D]")
     b, n_q, heads, dim = q.shape

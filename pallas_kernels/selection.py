@@ -186,7 +186,7 @@ def topk_pools(
     ``jax.lax.stop_gradient``, so under ``jax.grad`` / ``jax.jvp`` no tangent reaches a
     kernel (a Pallas call has no derivative rule)."""
     implementation, mosaic, blocks = kernel_family(
-        implementation, block_sizes, TopkPoolsBlockSizes, MosaicTopkPoolsBlockSizes)
+        implementation, block_sizes, TopkPoolsBlockSizes, MosaicTopkPoolsBlockSizes, kernel="topk_pools")
     scores = jax.lax.stop_gradient(scores)
     check_rank("scores", scores, 3, "[B, Q, P]")
     if scores.dtype != jnp.float32:

@@ -8,6 +8,9 @@ or 0.11)::
     python scripts/gpu_check.py --json     # the same rows as one JSON object on stdout
     python scripts/gpu_check.py --smoke    # tiny shapes, implementation="pallas_interpret"
                                            # (runs on a CPU; what the tests run)
+    python scripts/gpu_check.py --all --out DIR  # every part (kernels, layer, training,
+                                           # the Mosaic top-k probe) in ~6 minutes: JSON
+                                           # and summary.md in DIR (scripts/gpu_check_all.py)
     python scripts/gpu_check.py --train --json   # the backward kernels and a layer's
                                            # training step at 4K / 16K tokens instead
                                            # (scripts/gpu_check_train.py: its doc, its flags)
@@ -49,13 +52,18 @@ missing kernel never hides another one. Per step, per case, rows for:
   quarter-row segments where it is not (8K tokens; the smoke run's short rows);
 * a short block-size sweep of ``sparse_mla`` at the end, while time is left.
 
-Time = median over ``--reps`` runs of ``--inner`` back-to-back asynchronous calls, after a
-warm-up call (so it includes launch overhead, which is what a decode step pays). GB/s is
-the bytes the step must move at least (gathered latent rows counted once per query row),
-divided by that time; TF/s counts the matmul FLOPs. ``bound`` is the roofline time of the
+Two times a row. ``call``: the median over ``--reps`` runs of ``--inner`` back-to-back
+dispatched calls, after a warm-up call (host dispatch included: what a call from Python
+pays). ``in loop``: the median over ``--reps`` runs of ``--inner`` calls inside one jitted
+``fori_loop`` (``in_loop``; ``loop_time``: the difference of ``2 x --inner`` and
+``--inner`` iterations, so a loop run's fixed costs cancel), the kernel's device time
+plus the loop's own cost per iteration, which the run measures on a trivial body and
+reports as ``loop_overhead_us`` (on by default on a GPU, ``--loop`` / ``--no-loop`` to choose). GB/s
+is the bytes the step must move at least (gathered latent rows counted once per query
+row), divided by the in-loop time where there is one; TF/s counts the matmul FLOPs. ``bound`` is the roofline time of the
 kernel at that case (``glm5_dsa_jax.tools.roofline.kernel_bounds``: its bytes and FLOPs from the
 kernels' tiling, at the GPU's datasheet bandwidth and bf16 peak; the GPU found by device
-kind, or ``--roofline-gpu``) and ``x bound`` the measured time over it. ``kpool_compress``
+kind, or ``--roofline-gpu``) and ``x bound`` the in-loop time (else the call time) over it. ``kpool_compress``
 has none: here it pools the whole context, in a layer step only a window. ``--budget`` seconds (default 180) caps
 the whole run: cases left when it is spent are reported as skipped.
 
@@ -190,6 +198,43 @@ def _timed(fn, args, reps: int, inner: int):
     return out, compile_s, statistics.median(times)
 
 
+def in_loop(fn):
+    """``looped(n, *args)``: ``fn(*args)`` run ``n`` (traced) times in one jitted
+    ``fori_loop``, its last output returned: ``n`` calls with no host dispatch between
+    them. The arguments travel in the loop's carry through an ``optimization_barrier``
+    each iteration, so XLA cannot prove them loop-invariant and hoist the call out of the
+    loop (it does hoist a call on arguments closed over, even behind a barrier with the
+    loop index); the output is in the carry too, so no iteration is dead."""
+    def run(n, *args):
+        def body(i, carry):
+            a, _ = carry
+            a = jax.lax.optimization_barrier(a)
+            return a, fn(*a)
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+        return jax.lax.fori_loop(0, n, body, (args, init))[1]
+    return jax.jit(run)
+
+
+def loop_time(fn, args, n: int, reps: int) -> float:
+    """Seconds one call of ``fn`` costs inside ``in_loop(fn)``: ``(T(2n) - T(n)) / n`` of
+    the loop run ``2n`` and ``n`` times (medians of ``reps`` runs each, after a compiling
+    run), so what a loop run pays once (the carry's first copy of the arguments, the
+    launch, the host's wait) cancels. The loop's own cost per iteration stays in; the run
+    reports it apart on a trivial body (``loop_overhead_us``)."""
+    looped = in_loop(fn)
+    jax.block_until_ready(looped(n, *args))
+
+    def median(k):
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(looped(k, *args))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return max(median(2 * n) - median(n), 0.0) / n
+
+
 def _compare_close(got, want, rtol, atol) -> tuple[bool, str]:
     got = np.asarray(got, np.float32)
     want = np.asarray(want, np.float32)
@@ -296,11 +341,12 @@ class Runner:
 
     def add(self, case: Case, kernel: str, impl: str, **fields):
         row = dict(case=case.name, context=case.length, batch=case.batch, q=case.nq,
-                   kernel=kernel, impl=impl, time_us=None, gbps=None, tflops=None,
+                   kernel=kernel, impl=impl, time_us=None, loop_us=None, gbps=None, tflops=None,
                    compile_s=None, check="", bound_us=self.bound_us(case, kernel, impl))
         row.update(fields)
         self.rows.append(row)
-        _log(f"  {kernel:<16} {impl:<28} {_fmt(row['time_us'], '{:.1f} us'):>12}  {row['check']}")
+        _log(f"  {kernel:<16} {impl:<28} {_fmt(row['time_us'], '{:.1f} us'):>12} "
+             f"{_fmt(row['loop_us'], '{:.1f} us'):>12}  {row['check']}")
         return row
 
     def measure(self, case, kernel, impl, fn, args, *, nbytes, flops=0, want=None,
@@ -329,9 +375,17 @@ class Runner:
             self.failed |= not ok
         elif extra is not None:
             check = extra
+        loop_s = None
+        if self.args.loop and not self.out_of_time():
+            try:
+                loop_s = loop_time(fn, args, self.args.inner, self.args.reps)
+            except Exception as e:  # noqa: BLE001 - the dispatched time still stands
+                _log(f"  {kernel} {impl}: in-loop timing failed: {_first_line(e)}")
+        t_dev = loop_s or t  # rates from the device time where measured
         self.add(case, kernel, impl, time_us=t * 1e6, compile_s=round(compile_s, 2),
-                 gbps=nbytes / t / 1e9 if nbytes else None,
-                 tflops=flops / t / 1e12 if flops else None, check=check)
+                 loop_us=None if loop_s is None else loop_s * 1e6,
+                 gbps=nbytes / t_dev / 1e9 if nbytes else None,
+                 tflops=flops / t_dev / 1e12 if flops else None, check=check)
         return out
 
     # One pipeline step: the reference, then the kernel checked against it.
@@ -575,15 +629,16 @@ def _fmt(v, spec):
 
 
 def _table(rows) -> str:
-    head = ["case", "context", "B", "Q", "kernel", "impl", "time", "bound", "x bound", "GB/s",
-            "TF/s", "compile", "check"]
+    head = ["case", "context", "B", "Q", "kernel", "impl", "call", "in loop", "bound", "x bound",
+            "GB/s", "TF/s", "compile", "check"]
     lines = [head]
     for r in rows:
         lines.append([
             r["case"], str(r["context"]), str(r["batch"]), str(r["q"]), r["kernel"], r["impl"],
-            _fmt(r["time_us"], "{:.1f} us"), _fmt(r.get("bound_us"), "{:.3g} us"),
-            _fmt(r["time_us"] / r["bound_us"] if r["time_us"] and r.get("bound_us") else None,
-                 "{:.1f}"),
+            _fmt(r["time_us"], "{:.1f} us"), _fmt(r.get("loop_us"), "{:.1f} us"),
+            _fmt(r.get("bound_us"), "{:.3g} us"),
+            _fmt((r.get("loop_us") or r["time_us"]) / r["bound_us"]
+                 if r["time_us"] and r.get("bound_us") else None, "{:.1f}"),
             _fmt(r["gbps"], "{:.0f}"),
             _fmt(r["tflops"], "{:.1f}"), _fmt(r["compile_s"], "{:.1f} s"), r["check"],
         ])
@@ -596,11 +651,18 @@ def _table(rows) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--all" in argv:  # every part, each in its own process: another script, its own flags
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check_all
+        return gpu_check_all.main([a for a in argv if a != "--all"])
     if "--train" in argv:  # the training rows: another script, its own flags
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import gpu_check_train
         return gpu_check_train.main([a for a in argv if a != "--train"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--all", action="store_true",
+                    help="every part (probe, kernels, layer, train), each in its own process, "
+                         "with --out DIR (scripts/gpu_check_all.py: its doc, its flags)")
     ap.add_argument("--train", action="store_true",
                     help="time and check the backward kernels and a layer's training step instead "
                          "(scripts/gpu_check_train.py, with the flags that follow)")
@@ -612,6 +674,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed runs per row (median)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per timed run")
     ap.add_argument("--no-sweep", action="store_true", help="skip the sparse_mla block sweep")
+    ap.add_argument("--loop", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time --inner calls inside one jitted loop, the device time (the "
+                         "'in loop' column; default: on, off with --smoke)")
     ap.add_argument("--contexts", default=None,
                     help="comma-separated context lengths: only the cases at these lengths")
     ap.add_argument("--impl", choices=("pallas", "pallas_interpret"), default=None,
@@ -628,6 +693,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.budget is None:
         args.budget = 120.0 if args.smoke else 180.0
+    if args.loop is None:
+        args.loop = not args.smoke
     if args.reps is None:
         args.reps = 1 if args.smoke else 5
     if args.inner is None:

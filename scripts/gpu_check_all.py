@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""Every part of the GPU check in one command, for a lent GPU: ``python scripts/gpu_check.py
+--all --out DIR`` (or this script), in about six minutes on an H200.
+
+Parts, each a fresh process (a crash or an out-of-memory in one loses that part only),
+each with its own time budget, its JSON written to ``DIR/<part>.json`` and its log to
+``DIR/<part>.log``:
+
+1. ``probe``: ``scripts/mosaic_topk_probe.py``, the Mosaic top-k's building blocks one by one;
+2. ``kernels``: ``scripts/gpu_check.py``, every kernel at the real shapes against its
+   reference, ``pallas`` and ``mosaic`` rows, timed per call and in a loop;
+3. ``layer``: ``scripts/gpu_check_layer.py``, the whole layer under ``pallas``, ``mosaic``
+   and ``auto`` against ``"xla"`` (prefill, decode, contiguous and paged caches, and the
+   parameter gradients judged against float32);
+4. ``train``: ``scripts/gpu_check_train.py``, the backward kernels under ``pallas`` and
+   ``mosaic`` at 4,096 tokens (gradients against ``"xla"`` and float32).
+
+Then ``DIR/summary.md``: each part's status and failed rows, and the hardware record the
+run supports (``pallas_kernels.hardware_runs``): a kernel under an implementation is
+proven when it has rows and every one passed, its backward by the ``train`` rows, and the
+whole layer on that implementation passed too (a path is proven or refuted whole). The
+summary prints those records with the fingerprints of the code that ran, ready to paste
+into ``HARDWARE_RUNS``. Exit status 0 when every part passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+#: (part, script, arguments, budget seconds): the budgets add to about five minutes of
+#: checks; compiles and process starts make up the rest of the six.
+PARTS = [
+    ("probe", "mosaic_topk_probe.py", ["--json"], 60),
+    ("kernels", "gpu_check.py", ["--json", "--no-sweep"], 100),
+    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 75),
+    ("train", "gpu_check_train.py", ["--json", "--tokens", "4096", "--impl", "pallas,mosaic",
+                                     "--no-layer"], 75),
+]
+SMOKE_ARGS = {
+    "probe": ["--interpret"], "kernels": ["--smoke"], "layer": ["--smoke"],
+    "train": ["--smoke", "--tokens", "64", "--impl", "pallas_interpret"],
+}
+
+
+def _family(impl: str) -> str:
+    """``"pallas"`` / ``"mosaic"`` / ``"xla"`` ... of a row's implementation label
+    (``"pallas n_live"``, ``"mosaic (bf16 operands)"``, ``"pallas[block_h=16,...]"``,
+    ``"mosaic_interpret"``)."""
+    return impl.split()[0].split("[")[0].replace("_interpret", "")
+
+
+def _ok(check: str) -> bool:
+    return check.startswith(("ok", "reference", "speed baseline"))
+
+
+def proven_records(results: dict) -> dict[tuple[str, str], bool]:
+    """``(kernel, family) -> passed`` for every kernel and family the run checked: all its
+    rows passed (forward rows from ``kernels``, backward rows from ``train``) and the
+    layer on that family passed (the ``layer`` part's rows of that implementation)."""
+    seen: dict[tuple[str, str], bool] = {}
+
+    def note(kernel, family, ok):
+        if family in ("pallas", "mosaic"):
+            seen[(kernel, family)] = seen.get((kernel, family), True) and ok
+
+    for r in results.get("kernels", {}).get("rows", []):
+        if r.get("impl") not in ("xla", "-") and not r.get("check", "").startswith("skipped"):
+            note(r["kernel"], _family(r["impl"]), _ok(r.get("check", "")))
+    for r in results.get("train", {}).get("rows", []):
+        if r.get("kernel") in ("sparse_mla", "index_scores") and r.get("impl") != "xla":
+            note(f"{r['kernel']}_backward", _family(r["impl"]), _ok(r.get("check", "")))
+    layer_rows = results.get("layer", {}).get("rows", [])
+    for family in ("pallas", "mosaic"):
+        rows = [r for r in layer_rows if _family(r.get("impl", "")) == family]
+        layer_ok = bool(rows) and all(_ok(r.get("check", "")) for r in rows)
+        for key in [k for k in seen if k[1] == family]:
+            seen[key] = seen[key] and layer_ok
+    return seen
+
+
+def summary(results: dict, meta: dict) -> str:
+    from pallas_kernels import hardware_runs as hr
+
+    lines = [f"# GPU check, {meta['date']}", "",
+             f"{meta['device']}, jax {meta['jax']}, {meta['elapsed_s']:.0f} s", "",
+             "| part | status | rows | failed | seconds |", "|---|---|---|---|---|"]
+    for part, res in results.items():
+        rows = res.get("rows", [])
+        bad = [r for r in rows if not _ok(str(r.get("check", ""))) and not str(r.get("check", "")).startswith(
+            ("skipped", "not implemented", "differs"))]
+        lines.append(f"| {part} | {res.get('status')} | {len(rows)} | {len(bad)} | {res.get('seconds', 0):.0f} |")
+    for part, res in results.items():
+        bad = [r for r in res.get("rows", []) if not _ok(str(r.get("check", "")))]
+        if bad:
+            lines += ["", f"## {part}: rows that did not pass", ""]
+            lines += [f"* {json.dumps({k: v for k, v in r.items() if k in ('case', 'context', 'batch', 'part', 'kernel', 'impl', 'name', 'tokens', 'check')})}"
+                      for r in bad[:40]]
+    lines += ["", "## The hardware record this run supports", "",
+              "| kernel | implementation | passed | fingerprint |", "|---|---|---|---|"]
+    records = proven_records(results)
+    for (kernel, family), ok in sorted(records.items()):
+        fp = hr.source_fingerprint(kernel, family) if (kernel, family) in hr.KERNEL_SOURCES else "-"
+        lines.append(f"| `{kernel}` | `{family}` | {'yes' if ok else 'no'} | {fp} |")
+    dev_class = meta.get("device_class")
+    paste = [f'    ("{k}", "{f}", "{dev_class}"): HardwareRun("{meta["device"]}", "{meta["jax"]}", '
+             f'"{meta["date"]}", "{hr.source_fingerprint(k, f)}"),'
+             for (k, f), ok in sorted(records.items()) if ok and (k, f) in hr.KERNEL_SOURCES]
+    if paste and dev_class:
+        lines += ["", "`HARDWARE_RUNS` entries (pallas_kernels/hardware_runs.py):", "", "```python", *paste, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for each part's JSON and log and summary.md")
+    ap.add_argument("--smoke", action="store_true", help="each part's CPU smoke run (tiny shapes, interpret)")
+    ap.add_argument("--parts", default=",".join(p[0] for p in PARTS),
+                    help="comma-separated parts to run (default: all)")
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's budget")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    import jax
+
+    from pallas_kernels._common import target_device
+    from pallas_kernels.hardware_runs import device_class, fingerprints
+
+    dev = jax.devices()[0]
+    meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
+                device=getattr(dev, "device_kind", str(dev)),
+                device_class=device_class(target_device()[1]), fingerprints=fingerprints())
+    wanted = set(args.parts.split(","))
+    results, t0 = {}, time.monotonic()
+    for part, script, extra, budget in PARTS:
+        if part not in wanted:
+            continue
+        cmd = [sys.executable, os.path.join(HERE, script), *extra]
+        if args.smoke:
+            cmd = [sys.executable, os.path.join(HERE, script), "--json", *SMOKE_ARGS[part]]
+        elif part != "probe":
+            cmd += ["--budget", str(budget * args.budget_scale)]
+        print(f"== {part}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        t = time.monotonic()
+        with open(os.path.join(args.out, f"{part}.log"), "w") as log:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                  timeout=max(4 * budget * args.budget_scale, 300))
+        try:
+            res = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            res = {"rows": [], "stdout": proc.stdout[-2000:]}
+        res.update(status="ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
+                   seconds=time.monotonic() - t)
+        results[part] = res
+        with open(os.path.join(args.out, f"{part}.json"), "w") as f:
+            json.dump(res, f, indent=1, default=float)
+        print(f"   {res['status']} in {res['seconds']:.0f} s", file=sys.stderr, flush=True)
+    meta["elapsed_s"] = time.monotonic() - t0
+    text = summary(results, meta)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    print(text)
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
