@@ -33,7 +33,7 @@ from pallas_kernels._common import check_positive_int, target_device
 
 __all__ = [
     "SMEM_BYTES", "check_smem", "takes_dtypes", "wgmma_on_target", "mosaic_takes",
-    "check_16bit_operands", "matmul", "HEAD_TILE", "VALUE_CHUNK", "IDS_COPY", "MAX_INDEX_HEADS", "gather_rows",
+    "check_16bit_operands", "store", "matmul", "HEAD_TILE", "VALUE_CHUNK", "IDS_COPY", "MAX_INDEX_HEADS", "gather_rows",
     "padded_ids", "padded_widths", "static_scale", "tma_box", "mma_swizzle", "check_index_operands",
     "visible_pools",
 ]
@@ -98,6 +98,20 @@ def check_16bit_operands(kernel: str, **operands) -> None:
         )
 
 
+def store(plmgpu, ref, value) -> None:
+    """``ref[...] = value``: a register ``value`` (in whatever layout it has: WGMMA, a
+    row-copy layout, ...) stored into the SMEM ``ref`` (tiled and swizzled for an MMA or
+    not), without asking for a bank-conflict-free plan. The one store every Mosaic kernel
+    uses, forward and backward, on every jax the project declares: jax >= 0.12 has
+    ``plgpu.store(ref, value, optimized=False)``; jax 0.11 has no ``plgpu.store`` (only
+    ``plgpu.load``), and its ``ref[...] = value`` (``swap``) lowers to the same register
+    store (``store_tiled`` / ``store_untiled`` of the value's layout)."""
+    if hasattr(plmgpu, "store"):
+        plmgpu.store(ref, value, optimized=False)
+    else:
+        ref[...] = value
+
+
 def matmul(plmgpu, shape, *products):
     """``sum(a @ b for a, b in products)`` as a float32 ``shape`` value: the warpgroup MMAs
     (``wgmma``, SMEM operands) into one scoped accumulator, read back when they are done."""
@@ -144,8 +158,7 @@ def gather_rows(plmgpu, ids_g, lat_g, zero_g, ids_s, raw_s, kv_s, ids_bar, row_b
     plmgpu.barrier_wait(row_bar)
     for k in range(0, width_c, copy_c):  # a box of columns at a time: fewer live registers
         cols = pl.ds(k, copy_c)
-        plmgpu.store(kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False),
-                     optimized=False)
+        store(plmgpu, kv_s.at[:, cols], plmgpu.load(raw_s.at[:, cols], layout=row_move, optimized=False))
     plmgpu.commit_smem()
 
 

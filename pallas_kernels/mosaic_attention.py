@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
 from pallas_kernels._mosaic import (
     HEAD_TILE, IDS_COPY, VALUE_CHUNK, check_16bit_operands, check_smem, gather_rows, padded_ids,
-    padded_widths, static_scale, tma_box,
+    padded_widths, static_scale, store, tma_box,
 )
 from pallas_kernels.dense_mla import combine_splits
 
@@ -175,7 +175,7 @@ def _kernel(ids_g, nend_g, q_g, lat_g, zero_g, acc_g, m_g, l_g,
         alpha = jnp.exp(m_prev - m_safe)  # 0 while m_prev is -inf
         p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))  # 0 at masked slots
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        plmgpu.store(p_s, p.astype(dtype), optimized=False)
+        store(plmgpu, p_s, p.astype(dtype))
         plmgpu.commit_smem()
         new = []
         for c, acc in enumerate(accs):

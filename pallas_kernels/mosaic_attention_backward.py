@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import require_mosaic_gpu
 from pallas_kernels._mosaic import (
     HEAD_TILE, IDS_COPY, check_16bit_operands, check_smem, gather_rows, matmul, padded_ids,
-    padded_widths, static_scale, tma_box,
+    padded_widths, static_scale, store, tma_box,
 )
 
 __all__ = [
@@ -148,7 +148,7 @@ def _dq_kernel(ids_g, nend_g, q_g, do_g, lse_g, dd_g, lat_g, zero_g, dq_g,
         ids = plmgpu.load(ids_s.at[pl.ds(0, block_w)], layout=per_slot)
         ok = lax.broadcast_in_dim((ids >= 0) & (ids < length), shape, [1])
         p = jnp.where(ok, jnp.exp(s * scale - lse), 0.0)
-        plmgpu.store(dz_s, jnp.where(ok, p * (dp - dd), 0.0).astype(dtype), optimized=False)
+        store(plmgpu, dz_s, jnp.where(ok, p * (dp - dd), 0.0).astype(dtype))
         plmgpu.commit_smem()
 
         return acc + matmul(plmgpu, (HEAD_TILE, block_c), (dz_s, kv_s.at[:, pl.ds(c0, block_c)]))
@@ -203,10 +203,10 @@ def _dlatent_kernel(start_g, query_g, mask_g, q_g, do_g, lse_g, dd_g, lat_g, dla
             lse = lax.broadcast_in_dim(plmgpu.load(lse_s, layout=per_head), shape, [1])
             dd = lax.broadcast_in_dim(plmgpu.load(dd_s, layout=per_head), shape, [1])
             pt = jnp.where(picked, jnp.exp(st * scale - lse), 0.0)
-            plmgpu.store(pt_s, pt.astype(dtype), optimized=False)
+            store(plmgpu, pt_s, pt.astype(dtype))
             # where, not pt * ...: an unselected row's dp^T may be NaN (a NaN row of the pool)
             dzt = jnp.where(picked, pt * (dpt - dd) * scale, 0.0)
-            plmgpu.store(dzt_s, dzt.astype(dtype), optimized=False)
+            store(plmgpu, dzt_s, dzt.astype(dtype))
             plmgpu.commit_smem()
 
             return acc + matmul(plmgpu, (ROW_TILE, block_c), (pt_s, do_s.at[:, cols]),

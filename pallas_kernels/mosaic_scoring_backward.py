@@ -43,7 +43,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_positive_int, require_mosaic_gpu
-from pallas_kernels._mosaic import check_index_operands, check_smem, matmul, mma_swizzle, visible_pools
+from pallas_kernels._mosaic import (
+    check_index_operands, check_smem, matmul, mma_swizzle, store, visible_pools,
+)
 
 __all__ = ["MosaicIndexScoresBackwardBlockSizes", "mosaic_index_scores_backward", "launch_grids"]
 
@@ -110,8 +112,7 @@ def _dq_kernel(ntiles_g, q_g, w_g, pooled_g, g_g, dq_g, dw_g,
         g = lax.broadcast_in_dim(plmgpu.load(g_s, layout=per_pool), shape, [1])
         live = g != 0.0
         dw = dw + jnp.sum(jnp.where(live & (zeta > 0.0), g * zeta, 0.0), axis=1)
-        plmgpu.store(dz_s, jnp.where(live & (zeta > 0.0), g * wv * scale, 0.0).astype(dtype),
-                     optimized=False)
+        store(plmgpu, dz_s, jnp.where(live & (zeta > 0.0), g * wv * scale, 0.0).astype(dtype))
         plmgpu.commit_smem()
 
         return dq + matmul(plmgpu, (_HEAD_TILE, dim), (dz_s, keys_s)), dw
@@ -152,7 +153,7 @@ def _dpooled_kernel(q_g, w_g, pooled_g, g_g, dk_g,
             g = lax.broadcast_in_dim(plmgpu.load(g_s.at[i], layout=per_pool), shape, [0])
             wv = lax.broadcast_in_dim(plmgpu.load(w_s.at[i], layout=per_head), shape, [1])
             dz = jnp.where((g != 0.0) & (zeta > 0.0), g * wv * scale, 0.0)
-            plmgpu.store(dz_s, dz.astype(dtype), optimized=False)
+            store(plmgpu, dz_s, dz.astype(dtype))
             plmgpu.commit_smem()
 
             return acc + matmul(plmgpu, (block_p, dim), (dz_s, q_s.at[i]))
