@@ -106,7 +106,7 @@ class MosaicIndexScoresBlockSizes:
 
 def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, table_g, zero_g, out_g,
             q_s, w_s, pv_s, keys_s, out_s, bars, key_bar, *, block_q, block_p, heads, scale,
-            n_q, page_chunk):
+            n_q, q_pad, page_chunk):
     """One (query tile, row, pool tile) CTA; ``page_chunk`` is ``None`` for contiguous
     ``pooled [B, P, D]``, else pooled keys are ``pooled_pages [N, PPP, D]`` read through
     ``table_g`` in chunks of ``page_chunk`` pools (``zero_g`` replaces an unowned page)."""
@@ -127,8 +127,9 @@ def _kernel(q_g, w_g, vis_g, seen_g, pv_g, pooled_g, table_g, zero_g, out_g,
     def _live():
         _copy_keys(plmgpu, pooled_g, pv_g, table_g, zero_g, keys_s, key_bar, b=b, p0=p0,
                    block_p=block_p, page_chunk=page_chunk)
-        plmgpu.copy_gmem_to_smem(q_g.at[b, pl.ds(t0, block_q)], q_s, bars.at[1])
-        plmgpu.copy_gmem_to_smem(w_g.at[b, pl.ds(t0, block_q)], w_s, bars.at[2])
+        # q and w come as [B * Q_pad, ...] (see _launch: a TMA has at most 5 dimensions)
+        plmgpu.copy_gmem_to_smem(q_g.at[pl.ds(b * q_pad + t0, block_q)], q_s, bars.at[1])
+        plmgpu.copy_gmem_to_smem(w_g.at[pl.ds(b * q_pad + t0, block_q)], w_s, bars.at[2])
         plmgpu.copy_gmem_to_smem(pv_g.at[b, pl.ds(p0, block_p)], pv_s, bars.at[3])
         plmgpu.barrier_wait(key_bar)
         for j in range(1, 4):
@@ -198,13 +199,17 @@ def _launch(plmgpu, q, w, vis, seen, pv, pooled, table, *, n_pools, blocks, inte
     block_q, block_p = blocks.block_q, blocks.block_p
     hn = -(-heads // _HEAD_STEP) * _HEAD_STEP
     q_pad = vis.shape[1]
-    qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, 0)))
-    wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
+    # Batch and queries as one axis: a query tile's copy of [block_q, Hi, D] into the
+    # MMA-tiled SMEM is then a TMA of 5 dimensions (tiles of rows and columns), the most a
+    # TMA takes; with B and Q apart it needs 6 whenever B > 1 and block_q > 1, and the
+    # lowering refuses it (a prefill of a batch, first seen on an H200, 2026-12-04).
+    qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, 0))).reshape(b * q_pad, hn, dim)
+    wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, q_pad - n_q), (0, hn - heads))).reshape(b * q_pad, hn)
     swizzle = mma_swizzle(dim, q.dtype.itemsize)
     mma_tiles = (plmgpu.TilingTransform((8, swizzle // q.dtype.itemsize)),
                  plmgpu.SwizzleTransform(swizzle))
     kernel = functools.partial(_kernel, block_q=block_q, block_p=block_p, heads=hn,
-                               scale=scale, n_q=n_q, page_chunk=page_chunk)
+                               scale=scale, n_q=n_q, q_pad=q_pad, page_chunk=page_chunk)
     n_key_copies = 1 if page_chunk is None else block_p // page_chunk
     check_smem("the mosaic index_scores", {
         "queries": block_q * hn * dim * q.dtype.itemsize, "weights": block_q * hn * 4,

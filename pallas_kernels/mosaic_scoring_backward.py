@@ -87,15 +87,15 @@ def launch_grids(batch: int, n_queries: int, heads: int, n_pools: int,
 
 
 def _dq_kernel(ntiles_g, q_g, w_g, pooled_g, g_g, dq_g, dw_g,
-               q_s, w_s, keys_s, g_s, dz_s, o_s, dw_s, bars, *, scale, block_p, dim, dtype):
+               q_s, w_s, keys_s, g_s, dz_s, o_s, dw_s, bars, *, scale, block_p, dim, dtype, q_pad):
     plmgpu = require_mosaic_gpu("index_scores backward")
     wgmma_layout = plmgpu.Layout.WGMMA
     per_head, per_pool = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
     t, b, hb = lax.axis_index("t"), lax.axis_index("b"), lax.axis_index("hb")
     heads = pl.ds(hb * _HEAD_TILE, _HEAD_TILE)
     shape = (_HEAD_TILE, block_p)
-    plmgpu.copy_gmem_to_smem(q_g.at[b, t, heads], q_s, bars.at[0])
-    plmgpu.copy_gmem_to_smem(w_g.at[b, t, heads], w_s, bars.at[1])
+    plmgpu.copy_gmem_to_smem(q_g.at[b * q_pad + t, heads], q_s, bars.at[0])  # [B * Q_pad, ...]
+    plmgpu.copy_gmem_to_smem(w_g.at[b * q_pad + t, heads], w_s, bars.at[1])
     plmgpu.barrier_wait(bars.at[0])
     plmgpu.barrier_wait(bars.at[1])
     wv = lax.broadcast_in_dim(plmgpu.load(w_s, layout=per_head), shape, [0])
@@ -142,8 +142,9 @@ def _dpooled_kernel(q_g, w_g, pooled_g, g_g, dk_g,
 
     def query_tile(qt, acc):
         queries = pl.ds(qt * block_q, block_q)
-        plmgpu.copy_gmem_to_smem(q_g.at[b, queries], q_s, bars.at[1])
-        plmgpu.copy_gmem_to_smem(w_g.at[b, queries], w_s, bars.at[2])
+        rows = pl.ds(b * n_qtiles * block_q + qt * block_q, block_q)  # q, w: [B * Q_pad, ...]
+        plmgpu.copy_gmem_to_smem(q_g.at[rows], q_s, bars.at[1])
+        plmgpu.copy_gmem_to_smem(w_g.at[rows], w_s, bars.at[2])
         plmgpu.copy_gmem_to_smem(g_g.at[b, queries, pools], g_s, bars.at[3])
         for k in (1, 2, 3):
             plmgpu.barrier_wait(bars.at[k])
@@ -195,8 +196,10 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
     cand = pool_valid[:, None, :] & (jnp.arange(n_pools, dtype=jnp.int32) < vis[..., None])
     g = jnp.pad(jnp.where(cand, d_scores.astype(f32), 0.0), ((0, 0), (0, q_pad - n_q), (0, p_pad - n_pools)))
     n_tiles = jnp.pad(-(-jnp.clip(vis, 0, n_pools) // block_p), ((0, 0), (0, q_pad - n_q)))
-    qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, dim - d_true)))
-    wp = jnp.pad(w.astype(f32), ((0, 0), (0, q_pad - n_q), (0, hn - heads)))
+    # Batch and queries as one axis, as the forward's (a TMA of a query tile into MMA-tiled
+    # SMEM has at most 5 dimensions: see mosaic_scoring._launch).
+    qp = jnp.pad(q, ((0, 0), (0, q_pad - n_q), (0, hn - heads), (0, dim - d_true))).reshape(b * q_pad, hn, dim)
+    wp = jnp.pad(w.astype(f32), ((0, 0), (0, q_pad - n_q), (0, hn - heads))).reshape(b * q_pad, hn)
     # Invalid pools' keys zeroed (in the copy that pads them): ``dq += dz k`` multiplies
     # every key of a tile, and 0 * NaN is NaN.
     keys = jnp.pad(jnp.where(pool_valid[..., None], pooled, jnp.zeros((), pooled.dtype)),
@@ -213,7 +216,7 @@ def mosaic_index_scores_backward(q, w, pooled, pool_valid, first_key, q_pos, d_s
         "weights, g, dw": 2 * _HEAD_TILE * 4 + block_p * 4,
     }, blocks)
     dq, dw = plmgpu.kernel(
-        functools.partial(_dq_kernel, scale=scale, block_p=block_p, dim=dim, dtype=dtype),
+        functools.partial(_dq_kernel, scale=scale, block_p=block_p, dim=dim, dtype=dtype, q_pad=q_pad),
         out_type=(jax.ShapeDtypeStruct((b, q_pad, hn, dim), dtype),
                   jax.ShapeDtypeStruct((b, q_pad, hn), f32)),
         scratch_types=[

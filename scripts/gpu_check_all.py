@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Every part of the GPU check in one command, for a lent GPU: ``python scripts/gpu_check.py
---all --out DIR`` (or this script), in about six minutes on an H200.
+--all --out DIR`` (or this script), in about eight minutes on an H200.
 
 Parts, each a fresh process (a crash or an out-of-memory in one loses that part only),
 each with its own time budget, its JSON written to ``DIR/<part>.json`` and its log to
@@ -37,18 +37,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-#: (part, script, arguments, budget seconds): the budgets add to about five minutes of
-#: checks; compiles and process starts make up the rest of the six.
+#: (part, script, arguments, budget seconds): the budgets add to about seven minutes of
+#: checks and compiles (the layer's gradients compile eight programs); process starts and
+#: the first compile of each part make up the rest.
 PARTS = [
     ("probe", "mosaic_topk_probe.py", ["--json"], 60),
-    ("kernels", "gpu_check.py", ["--json", "--no-sweep"], 100),
-    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 75),
+    ("kernels", "gpu_check.py", ["--json", "--no-sweep", "--contexts", "8192,131072", "--reps", "3"], 80),
+    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 170),
     ("train", "gpu_check_train.py", ["--json", "--tokens", "4096", "--impl", "pallas,mosaic",
-                                     "--no-layer"], 75),
+                                     "--no-layer", "--reps", "3"], 70),
 ]
 SMOKE_ARGS = {
-    "probe": ["--interpret"], "kernels": ["--smoke"], "layer": ["--smoke"],
-    "train": ["--smoke", "--tokens", "64", "--impl", "pallas_interpret"],
+    "probe": ["--interpret"], "kernels": ["--smoke"], "layer": ["--smoke", "--impls", "pallas_interpret"],
+    "train": ["--smoke", "--tokens", "64", "--impl", "pallas_interpret", "--no-layer"],
 }
 
 
@@ -59,8 +60,15 @@ def _family(impl: str) -> str:
     return impl.split()[0].split("[")[0].replace("_interpret", "")
 
 
-def _ok(check: str) -> bool:
-    return check.startswith(("ok", "reference", "speed baseline"))
+def _failed(check) -> bool:
+    """A row that ran and did not pass (rows that only time, reference rows and skipped
+    rows did not fail)."""
+    return str(check).startswith(("MISMATCH", "error"))
+
+
+def _ok(check) -> bool:
+    """A row that ran and passed."""
+    return str(check).startswith("ok")
 
 
 def proven_records(results: dict) -> dict[tuple[str, str], bool]:
@@ -74,15 +82,16 @@ def proven_records(results: dict) -> dict[tuple[str, str], bool]:
             seen[(kernel, family)] = seen.get((kernel, family), True) and ok
 
     for r in results.get("kernels", {}).get("rows", []):
-        if r.get("impl") not in ("xla", "-") and not r.get("check", "").startswith("skipped"):
-            note(r["kernel"], _family(r["impl"]), _ok(r.get("check", "")))
+        if r.get("impl") not in ("xla", "-") and (_ok(r.get("check")) or _failed(r.get("check"))):
+            note(r["kernel"], _family(r["impl"]), _ok(r.get("check")))
     for r in results.get("train", {}).get("rows", []):
-        if r.get("kernel") in ("sparse_mla", "index_scores") and r.get("impl") != "xla":
-            note(f"{r['kernel']}_backward", _family(r["impl"]), _ok(r.get("check", "")))
+        if r.get("kernel") in ("sparse_mla", "index_scores") and r.get("impl") != "xla" and (
+                _ok(r.get("check")) or _failed(r.get("check"))):
+            note(f"{r['kernel']}_backward", _family(r["impl"]), _ok(r.get("check")))
     layer_rows = results.get("layer", {}).get("rows", [])
     for family in ("pallas", "mosaic"):
         rows = [r for r in layer_rows if _family(r.get("impl", "")) == family]
-        layer_ok = bool(rows) and all(_ok(r.get("check", "")) for r in rows)
+        layer_ok = any(_ok(r.get("check")) for r in rows) and not any(_failed(r.get("check")) for r in rows)
         for key in [k for k in seen if k[1] == family]:
             seen[key] = seen[key] and layer_ok
     return seen
@@ -96,11 +105,10 @@ def summary(results: dict, meta: dict) -> str:
              "| part | status | rows | failed | seconds |", "|---|---|---|---|---|"]
     for part, res in results.items():
         rows = res.get("rows", [])
-        bad = [r for r in rows if not _ok(str(r.get("check", ""))) and not str(r.get("check", "")).startswith(
-            ("skipped", "not implemented", "differs"))]
+        bad = [r for r in rows if _failed(r.get("check"))]
         lines.append(f"| {part} | {res.get('status')} | {len(rows)} | {len(bad)} | {res.get('seconds', 0):.0f} |")
     for part, res in results.items():
-        bad = [r for r in res.get("rows", []) if not _ok(str(r.get("check", "")))]
+        bad = [r for r in res.get("rows", []) if _failed(r.get("check"))]
         if bad:
             lines += ["", f"## {part}: rows that did not pass", ""]
             lines += [f"* {json.dumps({k: v for k, v in r.items() if k in ('case', 'context', 'batch', 'part', 'kernel', 'impl', 'name', 'tokens', 'check')})}"
@@ -127,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(p[0] for p in PARTS),
                     help="comma-separated parts to run (default: all)")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's budget")
+    ap.add_argument("--deadline", type=float, default=480.0,
+                    help="seconds for the whole run (default 480): a part still running then is "
+                         "stopped and reported, and later parts do not start")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import jax
@@ -148,17 +159,25 @@ def main(argv=None) -> int:
             cmd = [sys.executable, os.path.join(HERE, script), "--json", *SMOKE_ARGS[part]]
         elif part != "probe":
             cmd += ["--budget", str(budget * args.budget_scale)]
+        left = args.deadline - (time.monotonic() - t0)
+        if left < 20:
+            results[part] = dict(rows=[], status="not run (deadline)", seconds=0.0)
+            continue
         print(f"== {part}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         t = time.monotonic()
         with open(os.path.join(args.out, f"{part}.log"), "w") as log:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
-                                  timeout=max(4 * budget * args.budget_scale, 300))
+            try:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                      timeout=left)
+                out, status = proc.stdout, "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                status = f"stopped at the deadline ({args.deadline:.0f} s)"
         try:
-            res = json.loads(proc.stdout)
+            res = json.loads(out)
         except json.JSONDecodeError:
-            res = {"rows": [], "stdout": proc.stdout[-2000:]}
-        res.update(status="ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})",
-                   seconds=time.monotonic() - t)
+            res = {"rows": [], "stdout": out[-2000:]}
+        res.update(status=status, seconds=time.monotonic() - t)
         results[part] = res
         with open(os.path.join(args.out, f"{part}.json"), "w") as f:
             json.dump(res, f, indent=1, default=float)

@@ -253,7 +253,10 @@ def test_sparse_mla_partial_returns_the_kernels_lse():
 # ---------------------------------------------------------------------------------------
 
 _PRESETS = ("glm53-flash", "glm5", "glm52", "deepseek-v32")
-_STEPS = [(8, 1, 131072), (1, 64, 4096)]  # (batch, queries, context): decode, prefill chunk
+# (batch, queries, context): decode, a prefill chunk, a batch's prefill chunk (B > 1 with a
+# tile of queries: a 6-dimension TMA until the queries' copy folded B into Q; the H200
+# refused it in a layer's prefill, 2026-12-04)
+_STEPS = [(8, 1, 131072), (1, 64, 4096), (2, 64, 4096)]
 
 
 def _mosaic_calls(text: str) -> int:
@@ -319,6 +322,31 @@ def test_index_scores_block_sizes_lower(block_q, block_p, dim):
         sds((1, 5, 3, dim), jnp.float16), sds((1, 5, 3), jnp.float32), sds((1, 300, dim), jnp.float16),
         sds((1, 300), jnp.bool_), sds((1,), jnp.int32), sds((1, 5), jnp.int32)).as_text()
     assert _mosaic_calls(text) == 1
+
+
+@NEEDS_MOSAIC
+def test_lowered_kernels_compare_signed():
+    """The sparse MLA and scoring kernels, forward and backward, lowered for CUDA hold no
+    unsigned integer comparison: every integer they compare (ids, lengths, positions) is a
+    signed int32, and an unsigned compare would mean Mosaic lost a value's sign, which
+    interpret mode cannot show (the Mosaic top-k on an H200: ``tests/test_kernels_mosaic_topk.py``)."""
+    sds = jax.ShapeDtypeStruct
+    mla = lambda q, lat, ids: pk.sparse_mla(q, lat, ids, scale=0.1, value_width=512,  # noqa: E731
+                                            implementation="mosaic")
+    av = (sds((1, 2, 64, 576), jnp.bfloat16), sds((1, 4096, 576), jnp.bfloat16), sds((1, 2, 2051), jnp.int32))
+    mla_bwd = lambda q, lat, ids, do: jax.vjp(lambda a, c: mla(a, c, ids), q, lat)[1](do)  # noqa: E731
+    scores = lambda q, w, p, pv, fk, qp: pk.index_scores(q, w, p, pv, fk, qp, kpool=4,  # noqa: E731
+                                                         implementation="mosaic")
+    avi = (sds((1, 64, 32, 128), jnp.bfloat16), sds((1, 64, 32), jnp.float32),
+           sds((1, 256, 128), jnp.bfloat16), sds((1, 256), jnp.bool_), sds((1,), jnp.int32),
+           sds((1, 64), jnp.int32))
+    scores_bwd = lambda *a: jax.vjp(lambda q, w, p: scores(q, w, p, *a[3:6]), *a[:3])[1](a[6])  # noqa: E731
+    modules = (pk.mosaic_modules(lower_for_cuda(mla, *av))
+               + pk.mosaic_modules(lower_for_cuda(mla_bwd, *av, sds((1, 2, 64, 512), jnp.bfloat16)))
+               + pk.mosaic_modules(lower_for_cuda(scores_bwd, *avi, sds((1, 64, 256), jnp.float32))))
+    assert len(modules) >= 5  # the forwards and the backwards' kernels
+    for text in modules:
+        assert 'arith.cmpi"' in text and pk.unsigned_compares(text) == [], pk.unsigned_compares(text)
 
 
 # ---------------------------------------------------------------------------------------
