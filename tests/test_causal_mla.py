@@ -178,6 +178,7 @@ def test_tp2_heads_equal_unsharded(impl):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.mosaic
 @pytest.mark.skipif(pk.jax_version() < pk.MOSAIC_MIN_JAX,
                     reason=f"Mosaic GPU kernels need jax >= {pk.MOSAIC_MIN_JAX} (this is jax {jax.__version__})")
 def test_mosaic_interpret_bf16():

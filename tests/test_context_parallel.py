@@ -198,6 +198,7 @@ def test_pallas_kernels_per_shard(reference, monkeypatch):
     assert_same_cache(cache, want_cache)
 
 
+@pytest.mark.mosaic
 @NEEDS_MOSAIC
 def test_mosaic_kernels_per_shard(monkeypatch):
     """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
@@ -269,6 +270,7 @@ def _collectives(text):
         r'"stablehlo\.(all_gather|all_reduce)"\(.*?\) -> (tensor<[^>]*>)', text, re.S)]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
                                                 pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
 def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
@@ -292,6 +294,7 @@ def test_decode_step_lowers_for_cuda_at_cp8(implementation, tp):
     ]), _collectives(text)
 
 
+@pytest.mark.lowering
 def test_prefill_chunk_lowers_for_cuda_at_cp8():
     """A 4,096-token prefill chunk of GLM-5.3-Flash at a 1M-token context on (cp, tp) = (8,
     8), ``"pallas"``, lowers for CUDA: each device projects 512 of the chunk's rows, whose

@@ -269,6 +269,7 @@ def test_pallas_kernels_per_shard(monkeypatch):
     assert_same_content(cache, want_cache)
 
 
+@pytest.mark.mosaic
 @NEEDS_MOSAIC
 def test_mosaic_kernels_per_shard(monkeypatch):
     """``implementation="mosaic_interpret"`` in bfloat16 on cp 2 (the Mosaic scoring,
@@ -336,6 +337,7 @@ def _lowered_cp8_paged_decode(implementation, tp, context=1 << 20, page=64):
     return config, lowered.as_text()
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("implementation, tp", [("pallas", 1), ("pallas", 8),
                                                 pytest.param("mosaic", 1, marks=NEEDS_MOSAIC)])
 def test_paged_decode_step_lowers_for_cuda_at_cp8(implementation, tp):

@@ -345,6 +345,7 @@ def test_fp8_refused_where_triton_cannot_convert_e4m3(monkeypatch):
         layer(jnp.zeros((1, 1, CFG.hidden_size)), cache=cache)
 
 
+@pytest.mark.lowering
 def test_fp8_kernels_lower_for_cuda():
     """The Pallas-to-Triton lowering of the three fp8 readers at GLM-5.3-Flash widths (no
     GPU needed; compiling the Triton IR to cubin needs the ``gpu-compile`` extra and, for

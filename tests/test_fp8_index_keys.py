@@ -246,6 +246,7 @@ def test_bytes_per_token_with_int8_keys():
     assert index_format(128, "int8").bytes_per_pool == 144 and index_format(128).bytes_per_pool == 132
 
 
+@pytest.mark.lowering
 def test_int8_scoring_lowers_for_cuda():
     """The Triton scoring kernels on int8 keys with group scales lower for CUDA at
     GLM-5.3-Flash widths (no GPU needed; int8 converts on any capability)."""

@@ -57,9 +57,9 @@ from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
 
 CFG = tiny8(index_topk=8)
 B, S, BLOCK_Q, PADS = 2, 16, 8, (0, 5)
-IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=pytest.mark.skipif(
+IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=[pytest.mark.mosaic, pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
-    reason=f"Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} (this is jax {jax.__version__})"))]
+    reason=f"Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} (this is jax {jax.__version__})")])]
 
 #: Finite differences of the float32 loss (its float32 rounding ~1e-6 relative) over steps
 #: of 0.1 along a unit direction, against the derivative along it, relative to the

@@ -322,6 +322,7 @@ def test_pallas_backward_tilings_agree():
         _assert_close_f32(a, b)
 
 
+@pytest.mark.lowering
 def test_pallas_gradient_lowers_for_cuda():
     # The gradient of a query tile of 64 at GLM-5.3-Flash's shapes (64 heads, 512-wide rows,
     # 2051 ids, a 4K cache) lowers for CUDA with no GPU: the forward, then the dq kernel

@@ -36,6 +36,8 @@ from pallas_kernels.mosaic_scoring_backward import (
 )
 from pallas_kernels.transpose import selection_transpose
 
+pytestmark = pytest.mark.mosaic
+
 NEEDS_MOSAIC = pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
     reason=f"Mosaic GPU kernels need jax >= {MOSAIC_MIN_JAX} (this is jax {jax.__version__})",

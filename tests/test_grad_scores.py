@@ -314,6 +314,7 @@ def test_streaming_topk_under_grad():
     assert float(jnp.sum(d)) == 6.0  # one per selected pool, 3 per row
 
 
+@pytest.mark.mosaic
 @pytest.mark.skipif(jax_version() < MOSAIC_MIN_JAX,
                     reason=f"Mosaic GPU interpret mode needs jax >= {MOSAIC_MIN_JAX}")
 def test_mosaic_interpret_differentiates():

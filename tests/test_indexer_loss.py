@@ -47,9 +47,9 @@ ODD = dict(hidden_size=40, q_lora_rank=23, kv_lora_rank=37, qk_nope_head_dim=19,
 CFGS = {"KP4": tiny8(index_topk=8, **ODD),
         "KP1": tiny8(index_kpool=1, index_kpool_always_select_tail=False, index_topk=5, **ODD)}
 B, S, BLOCK_Q, PADS = 2, 16, 8, (0, 5)
-IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=pytest.mark.skipif(
+IMPLS = ["xla", "pallas_interpret", pytest.param("mosaic_interpret", marks=[pytest.mark.mosaic, pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
-    reason=f"Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} (this is jax {jax.__version__})"))]
+    reason=f"Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} (this is jax {jax.__version__})")])]
 
 #: The float32 loss against the float64 oracle: float32 logs / exps of the scores and of
 #: the attention logits, ``F32_VS_F64``'s budget (measured up to 3e-8 on losses of 0.02-0.14).

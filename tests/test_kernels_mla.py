@@ -375,6 +375,7 @@ _REAL = [
 ]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("b,nq,length", _REAL)
 def test_lowers_for_cuda_at_real_shapes(b, nq, length):
     sds = jax.ShapeDtypeStruct

@@ -43,6 +43,8 @@ from pallas_kernels.attention import MosaicSparseMlaBlockSizes, SparseMlaBlockSi
 from pallas_kernels.scoring import IndexScoresBlockSizes, MosaicIndexScoresBlockSizes
 from helpers import F32_REORDER
 
+pytestmark = pytest.mark.mosaic
+
 NEEDS_MOSAIC = pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
     reason=f"Mosaic GPU kernels need jax >= {MOSAIC_MIN_JAX} (this is jax {jax.__version__})",

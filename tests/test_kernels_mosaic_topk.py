@@ -29,6 +29,8 @@ from pallas_kernels.selection import (
     topk_pools_reference,
 )
 
+pytestmark = pytest.mark.mosaic
+
 NEEDS_MOSAIC = pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
     reason=f"Mosaic GPU kernels need jax >= {MOSAIC_MIN_JAX} (this is jax {jax.__version__})",

@@ -258,6 +258,7 @@ REAL_POOLS = REAL_PG * REAL_PPP  # 32768 pools a row
 SDS = jax.ShapeDtypeStruct
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
                                                                   "prefill-q64"])
 def test_index_scores_paged_lowers_for_cuda(b, nq):
@@ -275,6 +276,7 @@ def test_index_scores_paged_lowers_for_cuda(b, nq):
                                            (-(-nq // 16), b, REAL_POOLS // 64))
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
                                                                   "prefill-q64"])
 def test_topk_pools_n_live_lowers_for_cuda(b, nq):
@@ -297,6 +299,7 @@ def test_topk_pools_n_live_lowers_for_cuda(b, nq):
     assert [(c["name"], c["grid"]) for c in triton_calls(lowered)] == [("topk_pools", (rows, 1, 1))]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("b, nq", [(1, 1), (8, 1), (1, 64)], ids=["decode-b1", "decode-b8",
                                                                   "prefill-q64"])
 def test_sparse_mla_shared_latent_lowers_for_cuda(b, nq):

@@ -400,6 +400,7 @@ def _calls(fn, *avals):
 _CASES = [pytest.param(m, s, id=f"{m}-{s}") for m in sorted(MODELS) for s in STEPS]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("model, step", _CASES)
 def test_indexer_kernels_lower_for_cuda(model, step):
     m = MODELS[model]
@@ -441,6 +442,7 @@ def test_indexer_kernels_lower_for_cuda(model, step):
         ("expand_selection", (b, -(-nq // 4), 1))]
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("model, step", _CASES)
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
 def test_sparse_mla_lowers_for_cuda(model, step, cache):

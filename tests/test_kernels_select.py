@@ -287,6 +287,7 @@ def _lower_cuda(fn, *avals, name, grid):
     return call
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("length", [8192, 1 << 20])
 def test_kpool_compress_lowers_for_cuda(length):
     b = 1
@@ -301,6 +302,7 @@ def test_kpool_compress_lowers_for_cuda(length):
     )
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize(
     "context, n_q, dtype",
     [
@@ -326,6 +328,7 @@ def test_index_scores_lowers_for_cuda(context, n_q, dtype):
     )
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("with_tail", [True, False])
 @pytest.mark.parametrize("n_q", [1, 64])
 def test_expand_selection_lowers_for_cuda(with_tail, n_q):

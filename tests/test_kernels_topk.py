@@ -293,6 +293,7 @@ def _split_launches(rows, n_seg, radix_bits=4, warps=8, stages=2):
 # Decode (Q=1) at 8K, 32K, 128K and 1M-token contexts (index_kpool 4), batch 1 and 8, and
 # prefill tiles; rows of >= 4 * split_p (default 2,048) pools take the multi-program path:
 # 8 counting launches (radix_bits 4) and one compaction, each of rows x P / 2,048 programs.
+@pytest.mark.lowering
 @pytest.mark.parametrize("shape, want", [
     ((1, 1, 2048), [("topk_pools", (1, 1, 1), 8, 2)]),
     ((1, 64, 2048), [("topk_pools", (64, 1, 1), 8, 2)]),
@@ -314,6 +315,7 @@ def test_one_long_row_spreads_over_at_least_32_programs():
     assert len(launches) == 9 and min(programs) >= 32, launches
 
 
+@pytest.mark.lowering
 def test_lowers_for_cuda_odd_width_and_all_radixes():
     for radix_bits, block_p in [(1, 2048), (2, 2048), (8, 256)]:
         assert _launches((2, 3, 1000), 300, radix_bits=radix_bits, block_p=block_p) == [

@@ -35,11 +35,11 @@ import glm5_dsa_jax as gd
 from helpers import f32_layer, padded_batch, tiny8
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.mosaic, pytest.mark.skipif(
     jax_version() < MOSAIC_MIN_JAX,
     reason=f"Mosaic GPU kernels need jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} "
            f"(this is jax {jax.__version__})",
-)
+)]
 
 TOL = 2 * 2.0**-8  # two bf16 ulps at 1.0 (relative) and absolute
 KPOOL, TOPK, PAGE = 4, 4, 32  # one pool of 4 selected: a real choice from 8 tokens on

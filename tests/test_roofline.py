@@ -70,6 +70,7 @@ def test_weight_bytes_are_the_layers_and_the_projections_read_them():
     assert floor["cache"] == 4096 * 128 * 2 + 2048 * 512 * 2
 
 
+@pytest.mark.lowering
 @pytest.mark.parametrize("context", [4096, 1 << 20])
 def test_programs_follow_the_kernels_grids(context):
     """The programs column equals the grid the kernel really launches (lowered for CUDA)."""
