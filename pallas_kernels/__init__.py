@@ -49,7 +49,7 @@ kernel maps ``"mosaic"`` to ``"pallas"`` and ``"mosaic_interpret"`` to ``"pallas
 (``without_mosaic``: Triton runs wherever Mosaic GPU does, so a layer asked for
 ``"mosaic"`` runs every step, the Mosaic kernels where they exist). ``"auto"`` resolves
 when a wrapper is traced: Mosaic on a CUDA GPU where that step's Mosaic kernels have run
-right on its class of GPU (``hardware_runs``), Triton on other CUDA GPUs, ``"xla"``
+right on its class of GPU (``_hardware_runs``), Triton on other CUDA GPUs, ``"xla"``
 elsewhere::
 
     k, gate, valid, ape -> kpool_compress   (pooling)   -> pooled keys [B, P, D], first_key, pool valid
@@ -91,7 +91,7 @@ CUDA-lowering helpers the wrappers and tests share; ``_mosaic`` when the Mosaic 
 Triton sparse-MLA forward and backward share (``gather_rows``, the id row's scan, the dots);
 ``_scores`` what the indexer's scoring and its backward share (the candidate rule, the
 dots' dtypes); ``_order_key`` the
-order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``); ``hardware_runs``
+order key of ``topk_pools``' tie rule (``order_key``, ``NEG_INF_KEY``); ``_hardware_runs``
 the record of which kernels have run right on which GPUs, which ``"auto"`` picks from
 (``HARDWARE_RUNS``, ``hardware_table``; docs/kernels.md). The names other
 packages use (``check_implementation``, ``MOSAIC_MIN_JAX`` / ``jax_version``,
@@ -105,7 +105,10 @@ from pallas_kernels._common import (
     jax_version, lower_for_cuda, mosaic_modules, resolve_implementation, triton_calls,
     unsigned_compares,
 )
-from pallas_kernels.hardware_runs import HARDWARE_RUNS, HardwareRun, hardware_table
+from pallas_kernels._hardware_runs import (
+    AUTO_NEEDS, HARDWARE_RUNS, KERNEL_SOURCES, HardwareRun, auto_picks_mosaic, device_class, fingerprints,
+    hardware_table, proven, source_fingerprint,
+)
 from pallas_kernels.attention import (
     MosaicSparseMlaBlockSizes, SparseMlaBlockSizes, sparse_mla, sparse_mla_partial, sparse_mla_reference,
 )
@@ -139,6 +142,8 @@ __all__ = [
     "IMPLEMENTATIONS", "Implementation", "resolve_implementation", "check_implementation",
     "MOSAIC_MIN_JAX", "jax_version", "lower_for_cuda", "cuda_lowering", "cuda_mesh", "triton_calls",
     "mosaic_modules", "unsigned_compares", "HARDWARE_RUNS", "HardwareRun", "hardware_table",
+    "AUTO_NEEDS", "KERNEL_SOURCES", "auto_picks_mosaic", "device_class", "fingerprints", "proven",
+    "source_fingerprint",
     "ExpandSelectionBlockSizes", "compact_row", "expand_selection", "expand_selection_reference",
     "tail_slots",
     "visible_tail",

@@ -18,7 +18,7 @@ Every wrapper takes ``implementation`` (an ``Implementation``):
 * ``"auto"``: resolved when the wrapper is traced (``resolve_implementation``) from the
   device the program targets: on a CUDA device, ``"mosaic"`` where the step's Mosaic
   kernels (forward and backward) have run right on that class of GPU as their code stands
-  (``pallas_kernels.hardware_runs``; a layer: every Mosaic kernel), else ``"pallas"``;
+  (``pallas_kernels._hardware_runs``; a layer: every Mosaic kernel), else ``"pallas"``;
   anything else (CPU, TPU, ROCm) -> ``"xla"``. Why the record: interpret mode is not the
   hardware (the Mosaic top-k passed it and selected wrong tokens on an H200).
 
@@ -57,7 +57,7 @@ from jax._src.interpreters import mlir as jax_mlir  # mosaic_modules: parse a ke
 from jax._src.lib.mlir import ir
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, get_abstract_mesh, use_abstract_mesh
 
-from pallas_kernels.hardware_runs import auto_picks_mosaic, device_class
+from pallas_kernels._hardware_runs import auto_picks_mosaic, device_class
 
 try:  # jax >= 0.12: see the module doc (the trace context)
     import jax.experimental.pallas.fuser  # noqa: F401
@@ -104,7 +104,7 @@ def resolve_implementation(implementation: str, kernel: str | None = None) -> Im
     """``implementation`` checked, with ``"auto"`` resolved for the device the program
     targets (see the module doc) and the wrapper ``kernel`` (``None``: a whole layer):
     ``"mosaic"`` on a CUDA device whose class the Mosaic kernels of ``kernel`` (every
-    one, for a layer) have passed on as their code stands (``hardware_runs.auto_picks_mosaic``),
+    one, for a layer) have passed on as their code stands (``_hardware_runs.auto_picks_mosaic``),
     ``"pallas"`` on any other CUDA device (Triton runs on every CUDA GPU Pallas supports,
     and is every Mosaic step's fallback), ``"xla"`` anywhere else."""
     check_implementation(implementation)

@@ -344,8 +344,7 @@ def index_scores(
     implementation) tiles the kernel: an ``IndexScoresBlockSizes`` for ``"pallas"``, a
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
-    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes,
-                                                   kernel="index_scores")
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, kernel="index_scores")
     b, nq, _, d = _check_queries(q, w)
     check_rank("pooled", pooled, 3, "[B, P, D]")
     if pooled.shape[0] != b or pooled.shape[2] != d:
@@ -384,8 +383,7 @@ def index_scores_paged(
     tiles ``index_scores``': an ``IndexScoresBlockSizes`` for ``"pallas"``, a
     ``MosaicIndexScoresBlockSizes`` for ``"mosaic"`` (either for ``"xla"``; ``None``: the
     defaults)."""
-    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes,
-                                                   kernel="index_scores_paged")
+    implementation, mosaic, blocks = kernel_family(implementation, block_sizes, IndexScoresBlockSizes, MosaicIndexScoresBlockSizes, kernel="index_scores_paged")
     b, nq, _, d = _check_queries(q, w)
     check_rank("pooled_pages", pooled_pages, 3, "[N, PPP, D]")
     if pooled_pages.shape[2] != d:

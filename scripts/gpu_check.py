@@ -55,10 +55,10 @@ missing kernel never hides another one. Per step, per case, rows for:
 Two times a row. ``call``: the median over ``--reps`` runs of ``--inner`` back-to-back
 dispatched calls, after a warm-up call (host dispatch included: what a call from Python
 pays). ``in loop``: the median over ``--reps`` runs of ``--inner`` calls inside one jitted
-``fori_loop`` (``in_loop``; ``loop_time``: the difference of ``2 x --inner`` and
-``--inner`` iterations, so a loop run's fixed costs cancel), the kernel's device time
-plus the loop's own cost per iteration, which the run measures on a trivial body and
-reports as ``loop_overhead_us`` (on by default on a GPU, ``--loop`` / ``--no-loop`` to choose). GB/s
+program, unrolled (``in_loop``; ``loop_time``: the difference of programs of ``2 x
+--inner`` and ``--inner`` calls, so a program's fixed costs cancel), the kernel's device
+time with the launch gaps between kernels; a trivial body's is reported as
+``loop_overhead_us`` (on by default on a GPU, ``--loop`` / ``--no-loop`` to choose). GB/s
 is the bytes the step must move at least (gathered latent rows counted once per query
 row), divided by the in-loop time where there is one; TF/s counts the matmul FLOPs. ``bound`` is the roofline time of the
 kernel at that case (``glm5_dsa_jax.tools.roofline.kernel_bounds``: its bytes and FLOPs from the
@@ -198,37 +198,36 @@ def _timed(fn, args, reps: int, inner: int):
     return out, compile_s, statistics.median(times)
 
 
-def in_loop(fn):
-    """``looped(n, *args)``: ``fn(*args)`` run ``n`` (traced) times in one jitted
-    ``fori_loop``, its last output returned: ``n`` calls with no host dispatch between
-    them. The arguments travel in the loop's carry through an ``optimization_barrier``
-    each iteration, so XLA cannot prove them loop-invariant and hoist the call out of the
-    loop (it does hoist a call on arguments closed over, even behind a barrier with the
-    loop index); the output is in the carry too, so no iteration is dead."""
-    def run(n, *args):
-        def body(i, carry):
-            a, _ = carry
+def in_loop(fn, n: int):
+    """``looped(*args)``: ``fn(*args)`` called ``n`` times in one jitted program, unrolled,
+    every call's output returned: ``n`` calls with no host dispatch and no loop control
+    between them. (Not a rolled ``fori_loop``: on the H200, 2026-12-04, its iterations
+    cost 15-60 us each whatever the work, 1 MB or 100 MB of weights read, so it timed its
+    own control, not the calls.) Each call's arguments come out of an
+    ``optimization_barrier`` on the previous call's, so XLA cannot prove two calls equal
+    and compute one (it does, even behind a barrier with a loop index); every output is
+    returned, so no call is dead."""
+    def run(*args):
+        outs, a = [], args
+        for _ in range(n):
             a = jax.lax.optimization_barrier(a)
-            return a, fn(*a)
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
-        return jax.lax.fori_loop(0, n, body, (args, init))[1]
+            outs.append(fn(*a))
+        return outs
     return jax.jit(run)
 
 
 def loop_time(fn, args, n: int, reps: int) -> float:
-    """Seconds one call of ``fn`` costs inside ``in_loop(fn)``: ``(T(2n) - T(n)) / n`` of
-    the loop run ``2n`` and ``n`` times (medians of ``reps`` runs each, after a compiling
-    run), so what a loop run pays once (the carry's first copy of the arguments, the
-    launch, the host's wait) cancels. The loop's own cost per iteration stays in; the run
-    reports it apart on a trivial body (``loop_overhead_us``)."""
-    looped = in_loop(fn)
-    jax.block_until_ready(looped(n, *args))
-
+    """Seconds one call of ``fn`` costs inside ``in_loop``: ``(T(2n) - T(n)) / n`` of the
+    programs of ``2n`` and ``n`` calls (medians of ``reps`` runs each, after a compiling
+    run), so what a program run pays once (the carry's first copy of the arguments, the
+    launch, the host's wait) cancels."""
     def median(k):
+        looped = in_loop(fn, k)
+        jax.block_until_ready(looped(*args))
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            jax.block_until_ready(looped(k, *args))
+            jax.block_until_ready(looped(*args))
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
@@ -727,6 +726,10 @@ def main(argv=None) -> int:
     if not args.smoke and meta["backend"] != "gpu":
         _log("warning: no GPU backend; implementation='pallas' will not run here (use --smoke)")
 
+    if args.loop:  # what an iteration of the timing loop costs by itself (module doc)
+        x = jnp.ones((1024,), jnp.float32)
+        meta["loop_overhead_us"] = 1e6 * loop_time(lambda v: v * 2.0, (x,), args.inner, args.reps)
+        _log(f"in-loop timing: {meta['loop_overhead_us']:.1f} us a trivial iteration")
     runner = Runner(args, geom)
     if runner.mosaic_impl is None and not args.no_mosaic:
         _log(f"no Mosaic GPU rows: they need jax >= {MOSAIC_MIN_JAX}, this is jax {jax.__version__}")

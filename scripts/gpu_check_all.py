@@ -16,7 +16,7 @@ each with its own time budget, its JSON written to ``DIR/<part>.json`` and its l
    ``mosaic`` at 4,096 tokens (gradients against ``"xla"`` and float32).
 
 Then ``DIR/summary.md``: each part's status and failed rows, and the hardware record the
-run supports (``pallas_kernels.hardware_runs``): a kernel under an implementation is
+run supports (``pallas_kernels._hardware_runs``, exported by ``pallas_kernels``): a kernel under an implementation is
 proven when it has rows and every one passed, its backward by the ``train`` rows, and the
 whole layer on that implementation passed too (a path is proven or refuted whole). The
 summary prints those records with the fingerprints of the code that ran, ready to paste
@@ -98,7 +98,7 @@ def proven_records(results: dict) -> dict[tuple[str, str], bool]:
 
 
 def summary(results: dict, meta: dict) -> str:
-    from pallas_kernels import hardware_runs as hr
+    import pallas_kernels as hr
 
     lines = [f"# GPU check, {meta['date']}", "",
              f"{meta['device']}, jax {meta['jax']}, {meta['elapsed_s']:.0f} s", "",
@@ -124,7 +124,7 @@ def summary(results: dict, meta: dict) -> str:
              f'"{meta["date"]}", "{hr.source_fingerprint(k, f)}"),'
              for (k, f), ok in sorted(records.items()) if ok and (k, f) in hr.KERNEL_SOURCES]
     if paste and dev_class:
-        lines += ["", "`HARDWARE_RUNS` entries (pallas_kernels/hardware_runs.py):", "", "```python", *paste, "```"]
+        lines += ["", "`HARDWARE_RUNS` entries (pallas_kernels/_hardware_runs.py):", "", "```python", *paste, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     import jax
 
     from pallas_kernels._common import target_device
-    from pallas_kernels.hardware_runs import device_class, fingerprints
+    from pallas_kernels import device_class, fingerprints
 
     dev = jax.devices()[0]
     meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,

@@ -4,7 +4,7 @@
 A decode step multiplies 1 to 64 query rows by each weight (issue 46). On the first H200
 run XLA turned one-row products into a multiply and a column reduce, far from the
 weight's read time. This times, for the GLM-5.3-Flash projection shapes, each form of
-``x [M, K] @ W`` inside one jitted loop (``gpu_check.loop_time``: device time, no
+``x [M, K] @ W`` in one jitted program, unrolled (``gpu_check.loop_time``: device time, no
 dispatch), and prints its read rate (the weight's bytes over the time) and what the
 compiled program ran (a cuBLAS GEMM custom call, a Triton GEMM fusion, a reduce)::
 
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,64")
     args = ap.parse_args(argv)
     rows = []
+    # An iteration of the timing loop costs this much by itself (a trivial body).
+    overhead = loop_time(lambda v: v * 2.0, (jnp.ones((1024,), jnp.float32),), 10, 3)
+    print(f"loop overhead {overhead * 1e6:.1f} us an iteration", file=sys.stderr, flush=True)
     for name, k, n in SHAPES:
         w_kn = jax.random.normal(jax.random.key(0), (k, n), jnp.float32).astype(jnp.bfloat16)
         w_nk = jnp.asarray(w_kn.T)
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
             }
             for form, (fn, w) in forms.items():
                 try:
-                    t = loop_time(fn, (x, w), 20, 3)
+                    t = loop_time(fn, (x, w), 10, 3)
                     ran = _what_ran(fn, x, w)
                     row = dict(name=name, m=m, k=k, n=n, form=form, us=t * 1e6,
                                gbps=k * n * 2 / t / 1e9 if t else None, ran=ran)
@@ -82,7 +85,8 @@ def main(argv=None) -> int:
                       f"{row.get('gbps') or 0:7.0f} GB/s  {row.get('ran', row.get('error'))}",
                       file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)))
+        print(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                              loop_overhead_us=overhead * 1e6, rows=rows)))
     return 0
 
 

@@ -1,6 +1,6 @@
 """``"auto"`` runs a Mosaic GPU kernel only where it has run right on hardware.
 
-* The resolution follows ``pallas_kernels.hardware_runs``: on an (abstract) H100, a
+* The resolution follows ``pallas_kernels._hardware_runs``: on an (abstract) H100, a
   wrapper's ``"auto"`` is ``"mosaic"`` exactly when every kernel it needs (forward and
   backward) has a record on sm90 whose fingerprint is its code's today; a layer needs
   every Mosaic kernel; an A100 and a CPU never get Mosaic. Checked on a patched record
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels import hardware_runs as hr
+import pallas_kernels._hardware_runs as hr
 from pallas_kernels._common import MOSAIC_MIN_JAX, cuda_lowering, jax_version, lower_for_cuda
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
@@ -38,6 +38,7 @@ def _auto(kernel=None, gpu="h100"):
         return pk.resolve_implementation("auto", kernel)
 
 
+@pytest.mark.lowering
 def test_auto_follows_the_record(monkeypatch):
     monkeypatch.setattr(hr, "HARDWARE_RUNS", {})
     assert _auto("topk_pools") == _auto("sparse_mla") == _auto() == "pallas"  # nothing proven
@@ -58,6 +59,7 @@ def test_auto_follows_the_record(monkeypatch):
     assert hr.proven("topk_pools", "mosaic", "sm90") is None
 
 
+@pytest.mark.mosaic
 @pytest.mark.skipif(jax_version() < MOSAIC_MIN_JAX, reason=f"Mosaic GPU needs jax >= {MOSAIC_MIN_JAX}")
 def test_lowered_auto_program_runs_mosaic_exactly_where_proven():
     """On the real record: ``topk_pools(implementation="auto")`` lowered for an H100 holds
@@ -96,5 +98,5 @@ def test_every_kernel_module_exists_and_every_record_names_one():
 def test_docs_table_is_the_record():
     text = DOCS.read_text()
     assert hr.hardware_table("sm90") in text, (
-        "docs/kernels.md's hardware table differs from pallas_kernels.hardware_runs."
+        "docs/kernels.md's hardware table differs from pk."
         "hardware_table('sm90'); paste it:\n" + hr.hardware_table("sm90"))

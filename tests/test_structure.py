@@ -124,7 +124,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "glm5_dsa_jax.model.chunk_rows",
      "glm5_dsa_jax.cpu_policy",
      "glm5_dsa_jax.cli.args", "glm5_dsa_jax.checkpoint.safetensors_file",
-     "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common"),
+     "glm5_dsa_jax.tools.gpu_compile.targets", "glm5_dsa_jax.tools.gpu_compile.ptxas", "pallas_kernels._common",
+     "pallas_kernels._hardware_runs"),
     # the tensor table and the parameters it makes; input checks
     ("glm5_dsa_jax.model.layout", "glm5_dsa_jax.model.inputs"),
     ("glm5_dsa_jax.model.weights", "pallas_kernels"),  # HF <-> params from the table; the kernels

@@ -1,0 +1,142 @@
+"""``scripts/gpu_check_layer.py``: the whole layer under each implementation against ``"xla"``.
+
+* Its rules, fast: the float32 rule of prefill / decode (``judge_f32``: the output error
+  and the share of float32's selected tokens missed, each within ``F32_RATIO`` of bf16
+  ``"xla"``'s, or under a floor); the gradient rule (``judge_grads``: per tensor within ``GRAD_RATIO`` of
+  bf16 ``"xla"``'s distance from float32, or ``GRAD_FLOOR``) catches a wrong gradient and
+  passes another order's rounding; the top-k rule (``compare_topk``) passes a swap at a tie
+  and an other order, and fails a swap that no tie explains.
+* The smoke run end to end, in process (``main(["--smoke", ...])``: the tiny preset in
+  interpret mode, ``pallas_interpret`` and ``auto``): every part's rows present and ``ok``,
+  the top-k check not vacuous (rows that choose), both gradients compared. ``e2e``: it
+  compiles ~20 programs (~1-2 minutes on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import gpu_check_layer as gcl  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- gradients
+def _grads(seed=0):
+    """A float32 reference and two bf16-like runs of it (noise ~1e-3 of each tensor), one
+    tensor exactly zero in all three (as the indexer's under the output loss)."""
+    rng = np.random.default_rng(seed)
+    ref = {name: rng.standard_normal(shape) for name, shape in
+           (("q_a_proj", (8, 6)), ("o_proj", (6, 8)), ("kv_a_layernorm", (6,)))}
+    ref["indexer/wk"] = np.zeros((4, 3))
+    noisy = lambda: {k: v + 1e-3 * np.linalg.norm(v) / np.sqrt(v.size) * rng.standard_normal(v.shape)  # noqa: E731
+                     for k, v in ref.items()}
+    return ref, noisy(), noisy()
+
+
+def test_gradient_rule_passes_another_order_of_rounding():
+    ref, xla, other = _grads()
+    errs_xla = gcl.grad_errors(xla, ref)
+    assert errs_xla["indexer/wk"] == 0.0 and 0 < errs_xla["q_a_proj"] < 3e-3
+    ok, check, details = gcl.judge_grads(gcl.grad_errors(other, ref), errs_xla)
+    assert ok and check.startswith("ok"), check
+    assert details["worst_limit"] == gcl.GRAD_FLOOR  # errors of ~1e-3: the floor is the limit
+    ok, check, _ = gcl.judge_grads(errs_xla, None)  # the baseline itself
+    assert ok and check.startswith("ok (bf16 baseline"), check
+
+
+def test_gradient_rule_catches_a_wrong_gradient():
+    ref, xla, other = _grads()
+    errs_xla = gcl.grad_errors(xla, ref)
+    # One tensor 5 % off (a fault, not rounding): over max(1.5 * xla's error, 1e-2).
+    wrong = dict(other, o_proj=other["o_proj"] * 1.05)
+    ok, check, details = gcl.judge_grads(gcl.grad_errors(wrong, ref), errs_xla)
+    assert not ok and check.startswith("MISMATCH 1 of 4 tensors: o_proj"), check
+    assert details["worst_param"] == "o_proj"
+    # Over the floor where xla's own error is large: 1.5 x xla's is the limit then.
+    loose = {k: 4e-2 for k in errs_xla}
+    assert gcl.judge_grads(dict(loose, o_proj=5.9e-2), loose)[0]
+    assert not gcl.judge_grads(dict(loose, o_proj=6.1e-2), loose)[0]
+    # A gradient where float32's is exactly zero, and a non-finite one: both fail, baseline too.
+    for bad in (dict(other, **{"indexer/wk": np.full((4, 3), 1e-6)}),
+                dict(other, q_a_proj=np.where(np.eye(8, 6) > 0, np.nan, other["q_a_proj"]))):
+        errs = gcl.grad_errors(bad, ref)
+        assert math.inf in errs.values()
+        assert not gcl.judge_grads(errs, errs_xla)[0]
+        assert not gcl.judge_grads(errs, None)[0]
+    assert gcl.global_error(xla, ref) < 3e-3 < gcl.global_error(wrong, ref)
+
+
+# ---------------------------------------------------------------------------- top-k
+def test_topk_rule_passes_ties_and_fails_other_swaps():
+    """One row, first_key 2, pools of 4 from slot 2: scores of pools 0..3, 2 kept + tail."""
+    scores = np.array([[[1.0, 0.5, 0.5 + 1e-4, -np.inf]]])  # pools 1 and 2 tie; 3 incomplete
+    pool = lambda j: [2 + 4 * j + r for r in range(4)]  # noqa: E731
+    tail = [14, 15]
+    want = np.array([[pool(0) + pool(2) + tail]])
+    live = np.ones((1, 1), bool)
+    check = lambda got: gcl.compare_topk(np.array([[got]]), want, live, lambda: scores, [2], 4)  # noqa: E731
+    assert check(pool(0) + pool(2) + tail)["topk_rows_differ"] == 0
+    res = check(pool(2) + pool(0) + tail)  # the same set in another order
+    assert (res["topk_rows_differ"], res["topk_rows_order"], res["topk_rows_untied"]) == (0, 1, 0)
+    res = check(pool(0) + pool(1) + tail)  # pool 1 for pool 2: a tie
+    assert (res["topk_rows_differ"], res["topk_rows_untied"]) == (1, 0)
+    for got in (pool(1) + pool(2) + tail,  # pool 1 for pool 0: no tie
+                pool(0) + pool(2) + [14, -1],  # another tail
+                pool(0) + pool(2) + pool(1)[:2],  # part of a pool as the tail
+                pool(0) + pool(2)[:3] + [2] + tail):  # a token twice
+        res = check(got)
+        assert (res["topk_rows_differ"], res["topk_rows_untied"]) == (1, 1), got
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_float32_rule_of_prefill_and_decode():
+    """``judge_f32``: an implementation as far from float32 as bf16 ``"xla"`` (or within
+    ``F32_RATIO`` of it, or under the floors) passes; one that misses more of float32's
+    tokens, or whose output is farther, fails; a non-finite output fails."""
+    base = dict(out_err_f32=1.0e-2, miss_f32=9e-4)
+    assert gcl.judge_f32(dict(out_err_f32=9.4e-3, miss_f32=9e-4), base).startswith("ok")
+    assert gcl.judge_f32(dict(out_err_f32=1.4e-2, miss_f32=1.3e-3), base).startswith("ok")
+    assert gcl.judge_f32(dict(out_err_f32=1.6e-2, miss_f32=9e-4), base).startswith("MISMATCH")
+    assert gcl.judge_f32(dict(out_err_f32=1.0e-2, miss_f32=2e-3), base).startswith("MISMATCH")
+    assert gcl.judge_f32(dict(out_err_f32=math.inf, miss_f32=0.0), base).startswith("MISMATCH")
+    # a bf16 "xla" that happens to match float32 exactly: the floors still allow rounding
+    exact = dict(out_err_f32=0.0, miss_f32=0.0)
+    assert gcl.judge_f32(dict(out_err_f32=5e-3, miss_f32=5e-4), exact).startswith("ok")
+
+
+@pytest.mark.e2e
+def test_smoke_run_on_cpu(capsys):
+    assert gcl.main(["--smoke", "--json", "--impls", "pallas_interpret,auto"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["preset"] == "tiny" and report["layer"] == 1
+    rows = {(r["part"], r["impl"]): r for r in report["rows"]}
+    cache_parts = ("prefill", "decode", "paged prefill", "paged decode")
+    grad_parts = ("grad out", "grad indexer_loss")
+    for part in cache_parts:
+        assert rows[part, "xla"]["check"] == "reference"
+        row = rows[part, "pallas_interpret"]
+        assert row["check"].startswith("ok"), row
+        d = row["details"]
+        assert d["out_rel_err"] <= gcl.OUT_TOL and d["topk_rows_untied"] == 0
+        assert d["topk_scored_rows"] > 0 and row["time_ms"] > 0  # the top-k is a real choice
+    for part in grad_parts:
+        assert rows[part, "xla f32"]["check"] == "reference (float32)"
+        assert rows[part, "xla"]["check"].startswith("ok (bf16 baseline")
+        row = rows[part, "pallas_interpret"]
+        assert row["check"].startswith("ok"), row
+        errs = row["details"]["errs"]
+        assert errs and all(e <= gcl.GRAD_FLOOR or e <= gcl.GRAD_RATIO * rows[part, "xla"]["details"]["errs"][k]
+                            for k, e in errs.items())
+        assert any(e > 0 for e in errs.values())  # a gradient was compared, not only zeros
+    # auto: resolved to "xla" on a CPU, no kernels; its rows of the other parts skipped.
+    assert rows["auto", "auto"]["check"].startswith("ok (resolved to 'xla'"), rows["auto", "auto"]
+    assert rows["prefill", "auto"]["details"]["resolved"] == "xla"
+    for part in cache_parts[2:] + grad_parts:
+        assert rows[part, "auto"]["check"].startswith("skipped (auto resolved to 'xla'")
