@@ -198,6 +198,11 @@ def _timed(fn, args, reps: int, inner: int):
     return out, compile_s, statistics.median(times)
 
 
+#: The oldest jax whose XLA keeps ``in_loop``'s barriers (jax 0.10's drops them on a CPU and
+#: merges the calls, so the loop would time one call): older ones get no in-loop column.
+IN_LOOP_MIN_JAX = (0, 11)
+
+
 def in_loop(fn, n: int):
     """``looped(*args)``: ``fn(*args)`` called ``n`` times in one jitted program, unrolled,
     every call's output returned: ``n`` calls with no host dispatch and no loop control
@@ -694,6 +699,9 @@ def main(argv=None) -> int:
         args.budget = 120.0 if args.smoke else 180.0
     if args.loop is None:
         args.loop = not args.smoke
+    if args.loop and jax_version() < IN_LOOP_MIN_JAX:
+        _log(f"no in-loop column: jax {jax.__version__}'s XLA merges the calls (see in_loop)")
+        args.loop = False
     if args.reps is None:
         args.reps = 1 if args.smoke else 5
     if args.inner is None:
