@@ -147,6 +147,19 @@ def _take_pages(left, row):
     return left - jnp.where(ok_b, need_b, 0), ok_b
 
 
+def _twice_in_row(key, mine):
+    """``[R, PG]`` bool: the ``mine`` entries whose ``key`` (a page id; distinct negatives
+    where the row names no page of its own) another entry of the same row repeats: equal
+    neighbours once each row is sorted, put back in slot order."""
+    ranked = jnp.sort(key, axis=1)
+    eq = ranked[:, 1:] == ranked[:, :-1]
+    no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
+    dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
+    # Each entry's value found in its sorted row: a repeated value has a repeated neighbour.
+    at = jax.vmap(lambda r, q: jnp.searchsorted(r, q, side="left", method="scan_unrolled"))(ranked, key)
+    return mine & jnp.take_along_axis(dup, jnp.clip(at, 0, key.shape[1] - 1), axis=1)
+
+
 def _placed_like(a, ref):
     """``a`` (``[max_seqs]`` rows) placed as ``ref`` (the table's ``lengths``): ``vmap`` over
     the shard axis wants every mapped input split alike under ``Explicit`` mesh axes."""
@@ -476,14 +489,14 @@ class PageTable:
         shared = want & in_range & (own == SHARED)
         mine = (want & in_range & (own == row)) | shared
         holders = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
-        # A page twice in one row: equal neighbours once each row's pages are sorted.
-        key = jnp.where(mine, table, -1 - j)  # distinct negatives where no page of the row
-        order = jnp.argsort(key, axis=1, stable=True)
-        ranked = jnp.take_along_axis(key, order, axis=1)
-        eq = ranked[:, 1:] == ranked[:, :-1]
-        no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
-        dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
-        twice = jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
+        # A page twice in one row. A page the row owns alone is held by no other row's
+        # entries (``mine`` needs owner == row or SHARED), so it is twice exactly when it has
+        # two holders: a count, no sort. Only a shared page, which other rows hold too, needs
+        # the row's pages sorted, and only a table with a shared page pays for that sort
+        # (``lax.cond``): a step's check stays a few passes over the table (issue 48).
+        twice = mine & (jnp.take(holders, page) >= 2)
+        twice = jnp.where(shared, jax.lax.cond(shared.any(), _twice_in_row, lambda t, mine_: mine_ & False,
+                                               jnp.where(mine, table, -1 - j), mine), twice)
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
                  want & in_range & ~mine,
