@@ -38,6 +38,16 @@ a page neither owned nor free, reference counts that disagree with the owner rec
 every row of its shard, so every row of that
 shard gets ``BAD_TABLE`` and nothing is taken at all. ``check`` raises the same faults
 eagerly as one ``ValueError`` naming every broken row (field, slot, page) and shard.
+**What the check costs** (issue 48): it runs in every jitted step, so it must not cost
+what the pool's size would let it. A check that refuses a broken entry wherever it lies
+reads every entry, so it is a few elementwise int32 passes and scatter-adds over the block
+tables and the free stack, nothing more: no scan over pages, no copy, and no sort unless a
+row shares a page (a page a row owns alone is named twice exactly when it has two holders;
+only a shared page, which other rows name too, needs the row's pages sorted, under a
+``lax.cond``). At 8 sequences over a pool for 131,072 tokens each that is ~0.3 ms on a
+2-core CPU, where the sort of every block-table row cost ~2 ms alone and more inside a step
+of ~17-40 ms (``tests/test_paged_pool_cost.py`` bounds the step's FLOPs per page of pool;
+``docs/benchmarks.md``, the paged step at two pool capacities).
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
