@@ -170,6 +170,12 @@ def _twice_in_row(key, mine):
     return mine & jnp.take_along_axis(dup, jnp.clip(at, 0, key.shape[1] - 1), axis=1)
 
 
+def _none_twice(key, mine):
+    """``_twice_in_row``'s other branch (no shared page: nothing to sort). Module level, as
+    ``_take_pages``, so an eager check compiles no new ``cond``."""
+    return mine & False
+
+
 def _placed_like(a, ref):
     """``a`` (``[max_seqs]`` rows) placed as ``ref`` (the table's ``lengths``): ``vmap`` over
     the shard axis wants every mapped input split alike under ``Explicit`` mesh axes."""
@@ -505,7 +511,7 @@ class PageTable:
         # the row's pages sorted, and only a table with a shared page pays for that sort
         # (``lax.cond``): a step's check stays a few passes over the table (issue 48).
         twice = mine & (jnp.take(holders, page) >= 2)
-        twice = jnp.where(shared, jax.lax.cond(shared.any(), _twice_in_row, lambda t, mine_: mine_ & False,
+        twice = jnp.where(shared, jax.lax.cond(shared.any(), _twice_in_row, _none_twice,
                                                jnp.where(mine, table, -1 - j), mine), twice)
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
