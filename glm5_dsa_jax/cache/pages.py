@@ -161,13 +161,12 @@ def _twice_in_row(key, mine):
     """``[R, PG]`` bool: the ``mine`` entries whose ``key`` (a page id; distinct negatives
     where the row names no page of its own) another entry of the same row repeats: equal
     neighbours once each row is sorted, put back in slot order."""
-    ranked = jnp.sort(key, axis=1)
+    order = jnp.argsort(key, axis=1, stable=True)
+    ranked = jnp.take_along_axis(key, order, axis=1)
     eq = ranked[:, 1:] == ranked[:, :-1]
     no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
     dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
-    # Each entry's value found in its sorted row: a repeated value has a repeated neighbour.
-    at = jax.vmap(lambda r, q: jnp.searchsorted(r, q, side="left", method="scan_unrolled"))(ranked, key)
-    return mine & jnp.take_along_axis(dup, jnp.clip(at, 0, key.shape[1] - 1), axis=1)
+    return mine & jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
 
 
 def _none_twice(key, mine):
