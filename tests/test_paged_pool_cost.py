@@ -26,7 +26,7 @@ from glm5_dsa_jax.decode import make_step
 #: FLOPs per page of pool (and its block-table entry) the step may add: the page table's
 #: elementwise checks and updates (~250 on jax 0.10), far below what a sort of the block
 #: table or a score tile sized by the pool costs (thousands a page).
-FLOPS_PER_PAGE = 600
+FLOPS_PER_PAGE = 400
 PAGE_SIZE = 16
 
 
