@@ -276,6 +276,22 @@ def test_bench_times_dense_attention_alone(monkeypatch):
 
 
 @pytest.mark.e2e
+def test_bench_decode_paged_at_two_capacities(capsys):
+    # --capacity A,B: each context's sparse row at both pool sizes, timed in one set of
+    # rounds (issue 48's check: the same live tokens, a larger pool); the others at A.
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1",
+                 "--iters", "1", "--cache", "paged", "--capacity", "128,1024", "--hf-max-context", "0",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["capacity"] == 128 and res["capacities"] == [128, 1024]
+    rows = {(r["impl"], r["capacity"]) for r in res["rows"]}
+    assert rows == {("sparse", 128), ("sparse", 1024), ("dense", 128), ("dense_fit", 67)}
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1", "--iters", "1",
+                 "--cache", "paged", "--capacity", "128,1000"]) == 2  # not whole pages: refused first
+    assert "--capacity: capacity 1000 is not a whole number of 64-token pages" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
 def test_bench_decode_paged_json(capsys):
     assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64,130", "--batch", "2",
                  "--iters", "1", "--cache", "paged", "--hf-max-context", "0", "--json"]) == 0

@@ -240,6 +240,8 @@ class DsaCache:
     #: ``"xla"`` keeps a contiguous prefill tile's whole score row (``score_pools``): one
     #: selection per query rather than one merge per pool tile. A decode step streams.
     STREAM_PREFILL = False
+    #: ``pool_keys().tile`` reads the pool rows it names: never past ``max_pools``.
+    TILES_PAST_END = False
 
     @property
     def chunk_start(self) -> jax.Array:

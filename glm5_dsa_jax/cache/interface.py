@@ -45,6 +45,10 @@ The operations of a call, in pipeline order:
   takes them, what ``tile_scorer`` (the ``"xla"`` streaming selection) reads.
 * ``STREAM_PREFILL`` (class attribute): whether ``"xla"`` streams the selection of prefill
   tiles too (a decode step always streams).
+* ``TILES_PAST_END`` (class attribute): whether ``pool_keys().tile`` may be read past
+  ``max_pools`` (such pools are no candidates, and nothing past a row's own pages is read):
+  then ``"xla"`` sizes its score tiles as for a pool of at least ``POOL_TILE`` pools, so the
+  compiled step is the same program, of the same cost, whatever the capacity (issue 48).
 * ``pool_origin() -> [B]``: each row's slot of pool 0's first token (``first_key``; 0 paged),
   and ``visible_tail(pools [B, Q, K], n_vis [B, Q], q_pos, kpool) -> [B, Q, KP - 1]``: the
   tokens of each query's incomplete visible pool, none of them inside a selected pool.
@@ -126,6 +130,7 @@ class LayerCache(Protocol):
     """The interface (module doc): ``DsaCache`` and ``PagedCache`` implement every method."""
 
     STREAM_PREFILL: bool
+    TILES_PAST_END: bool
     max_pools: int
 
     @property
@@ -145,7 +150,7 @@ class LayerCache(Protocol):
 
 
 #: Every operation of ``LayerCache`` (``tests/test_cache_interface.py`` checks both caches).
-OPERATIONS = ("STREAM_PREFILL", "max_pools", "chunk_start", "check_chunk", "begin_chunk", "write_latent",
+OPERATIONS = ("STREAM_PREFILL", "TILES_PAST_END", "max_pools", "chunk_start", "check_chunk", "begin_chunk", "write_latent",
               "attention_rows", "row_slots", "pool_window", "store_pools", "live_pools", "pool_keys",
               "pool_origin", "visible_tail", "end_chunk")
 

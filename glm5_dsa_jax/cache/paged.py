@@ -332,6 +332,9 @@ class PagedCache:
     #: ``"xla"`` streams every tile's selection through the block table (a row's pools are
     #: scattered over pages; only the live ones are read).
     STREAM_PREFILL = True
+    #: ``PagedPoolKeys.tile`` past ``pages_per_seq`` pages finds no page (a ``-1`` entry:
+    #: filled, not read, no candidate), so the score tiles need not shrink to a small pool.
+    TILES_PAST_END = True
 
     @property
     def chunk_start(self) -> None:
@@ -747,7 +750,8 @@ class PagedPoolKeys:
         b = self.block_table.shape[0]
         n, ppp, d = self.stored.shape
         p = start + jnp.arange(tile, dtype=jnp.int32)
-        page = jnp.take(self.block_table, p // ppp, axis=1)  # [B, tile]
+        # [B, tile]; a pool past pages_per_seq pages (``TILES_PAST_END``) finds no page.
+        page = jnp.take(self.block_table, p // ppp, axis=1, mode="fill", fill_value=-1)
         slot = jnp.where(page >= 0, page * ppp + p % ppp, n * ppp)
         keys = jnp.take(self.stored.reshape(n * ppp, d), slot.reshape(-1), axis=0, mode="fill", fill_value=0)
         keys = from_store(keys.reshape(b, tile, d), self.dtype)

@@ -38,6 +38,16 @@ a page neither owned nor free, reference counts that disagree with the owner rec
 every row of its shard, so every row of that
 shard gets ``BAD_TABLE`` and nothing is taken at all. ``check`` raises the same faults
 eagerly as one ``ValueError`` naming every broken row (field, slot, page) and shard.
+**What the check costs** (issue 48): it runs in every jitted step, so it must not cost
+what the pool's size would let it. A check that refuses a broken entry wherever it lies
+reads every entry, so it is a few elementwise int32 passes and scatter-adds over the block
+tables and the free stack, nothing more: no scan over pages, no copy, and no sort unless a
+row shares a page (a page a row owns alone is named twice exactly when it has two holders;
+only a shared page, which other rows name too, needs the row's pages sorted, under a
+``lax.cond``). At 8 sequences over a pool for 131,072 tokens each that is ~0.3 ms on a
+2-core CPU, where the sort of every block-table row cost ~2 ms alone and more inside a step
+of ~17-40 ms (``tests/test_paged_pool_cost.py`` bounds the step's FLOPs per page of pool;
+``docs/benchmarks.md``, the paged step at two pool capacities).
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
@@ -145,6 +155,24 @@ def _take_pages(left, row):
     need_b, bad_b = row
     ok_b = ~bad_b & (need_b <= left)
     return left - jnp.where(ok_b, need_b, 0), ok_b
+
+
+def _twice_in_row(key, mine):
+    """``[R, PG]`` bool: the ``mine`` entries whose ``key`` (a page id; distinct negatives
+    where the row names no page of its own) another entry of the same row repeats: equal
+    neighbours once each row is sorted, put back in slot order."""
+    order = jnp.argsort(key, axis=1, stable=True)
+    ranked = jnp.take_along_axis(key, order, axis=1)
+    eq = ranked[:, 1:] == ranked[:, :-1]
+    no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
+    dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
+    return mine & jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
+
+
+def _none_twice(key, mine):
+    """``_twice_in_row``'s other branch (no shared page: nothing to sort). Module level, as
+    ``_take_pages``, so an eager check compiles no new ``cond``."""
+    return mine & False
 
 
 def _placed_like(a, ref):
@@ -476,14 +504,14 @@ class PageTable:
         shared = want & in_range & (own == SHARED)
         mine = (want & in_range & (own == row)) | shared
         holders = jnp.zeros_like(owner).at[jnp.where(mine, table, n)].add(mine.astype(jnp.int32), mode="drop")
-        # A page twice in one row: equal neighbours once each row's pages are sorted.
-        key = jnp.where(mine, table, -1 - j)  # distinct negatives where no page of the row
-        order = jnp.argsort(key, axis=1, stable=True)
-        ranked = jnp.take_along_axis(key, order, axis=1)
-        eq = ranked[:, 1:] == ranked[:, :-1]
-        no = ranked[:, :1] != ranked[:, :1]  # False, placed as the table
-        dup = jnp.concatenate([eq, no], axis=1) | jnp.concatenate([no, eq], axis=1)
-        twice = jnp.take_along_axis(dup, jnp.argsort(order, axis=1), axis=1)  # back in slot order
+        # A page twice in one row. A page the row owns alone is held by no other row's
+        # entries (``mine`` needs owner == row or SHARED), so it is twice exactly when it has
+        # two holders: a count, no sort. Only a shared page, which other rows hold too, needs
+        # the row's pages sorted, and only a table with a shared page pays for that sort
+        # (``lax.cond``): a step's check stays a few passes over the table (issue 48).
+        twice = mine & (jnp.take(holders, page) >= 2)
+        twice = jnp.where(shared, jax.lax.cond(shared.any(), _twice_in_row, _none_twice,
+                                               jnp.where(mine, table, -1 - j), mine), twice)
         rules = (jnp.broadcast_to(bad_length[:, None], table.shape),
                  jnp.where(want, ~in_range, table != -1),
                  want & in_range & ~mine,

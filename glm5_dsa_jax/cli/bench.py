@@ -52,9 +52,11 @@ def add_parser(sub) -> None:
     d.add_argument("--hf-max-context", type=nonnegative_int, default=16384,
                    help="HF eager rows at batch 1 for contexts up to this (0: none; needs torch and "
                         "transformers)")
-    d.add_argument("--capacity", type=positive_int, default=None,
+    d.add_argument("--capacity", type=positive_int_list, default=None,
                    help="cache tokens per sequence of the sparse and dense rows (default: the "
-                        "largest context plus the timed steps, in whole pages for --cache paged)")
+                        "largest context plus the timed steps, in whole pages for --cache paged); "
+                        "comma-separated: every sparse row at each capacity, timed in rounds (what "
+                        "the capacity costs at the same live tokens), the other rows at the first")
     d.add_argument("--cache", default="contiguous", choices=list(bench.CACHE_KINDS),
                    help="the sparse rows' cache: contiguous (init_cache) or paged (init_paged_cache, "
                         f"{bench.PAGE_SIZE}-token pages, batch * capacity / {bench.PAGE_SIZE} of them)")
@@ -110,9 +112,9 @@ def check(args) -> None:
             f"--contexts {top:,} plus {args.iters + 1} decode steps (--iters {args.iters} and a "
             f"warm-up) needs {need:,} positions; preset {args.preset} holds "
             f"max_position_embeddings={cfg.max_position_embeddings:,}")
-    if args.capacity is not None:
+    for cap in args.capacity or ():
         try:
-            bench.check_capacity(args.capacity, args.contexts, args.iters, args.cache)
+            bench.check_capacity(cap, args.contexts, args.iters, args.cache)
         except ValueError as e:
             raise UsageError(f"--capacity: {e}") from None
 
@@ -182,7 +184,13 @@ def main(args) -> int:
         print(f"{r['impl']:<12} {r['cache']:<10} {r.get('cache_dtype', 'bfloat16'):<13} {r['batch']:>5} "
               f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}")
     print(f"\n{res['cache']} {res['cache_dtype']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")
-    by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]}
+    caps = res["capacities"]
+    by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]
+          if r["impl"] != "sparse" or r["capacity"] == caps[0]}
+    for r in res["rows"]:  # each further capacity's sparse row against the first's
+        if r["impl"] == "sparse" and r["capacity"] != caps[0]:
+            print(f"B={r['batch']} context {r['context']}: sparse step at capacity {r['capacity']} / at "
+                  f"{caps[0]} = {r['median_ms'] / by[('sparse', r['batch'], r['context'])]:.3f}")
     for b in args.batch:
         c0, c1 = args.contexts[0], args.contexts[-1]
         # A paged run has no attention-part rows (see glm5_dsa_jax.tools.bench).

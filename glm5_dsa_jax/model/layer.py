@@ -652,6 +652,8 @@ class DsaAttention(nnx.Module):
         pools fit one large tile, tiles of ``2 * select_k`` (so a 4K context does not score
         a 32K-token tile); past it, ``pool_tile``'s (a ``lax.cond`` on the live count)."""
         kp, n_pools = self.cfg.index_kpool, cache.max_pools
+        if cache.TILES_PAST_END:  # the same tiles whatever the capacity (``interface``)
+            n_pools = max(n_pools, self.POOL_TILE)
         big = self.pool_tile(qi.shape, n_pools)
         small = min(big, max(self.MIN_POOL_TILE, 2 * select_k))
         operands = (qi, w, q_pos, cache.pool_keys())

@@ -384,16 +384,22 @@ def check_capacity(capacity: int, contexts: list[int], iters: int, cache: str = 
 
 
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
-        log=print, hf_max_context: int = 16384, capacity: int | None = None,
+        log=print, hf_max_context: int = 16384, capacity: int | list[int] | None = None,
         cache: str = "contiguous", cache_dtype: str | None = None) -> dict:
     """The benchmark's rows (see the module doc); ``capacity``: cache slots per sequence of
-    the sparse, dense and attention rows (None: ``default_capacity``); ``cache``: the
-    sparse rows' cache kind, ``"contiguous"`` or ``"paged"``; ``cache_dtype``: the sparse
-    and attention rows' cache dtype (None: the layer's, bf16; ``"fp8"``). The dense rows
-    keep a bf16 cache: they are the baseline."""
+    the sparse, dense and attention rows (None: ``default_capacity``), or a list of them:
+    then every context's sparse row is timed at each capacity, all of a batch's sparse rows
+    in one set of rounds (what a capacity costs at the same live tokens, e.g. ``[4224,
+    131072]`` at context 4,096: issue 48's check), and the other rows use the first;
+    ``cache``: the sparse rows' cache kind, ``"contiguous"`` or ``"paged"``; ``cache_dtype``:
+    the sparse and attention rows' cache dtype (None: the layer's, bf16; ``"fp8"``). The
+    dense rows keep a bf16 cache: they are the baseline."""
     if capacity is None:
         capacity = default_capacity(contexts, iters, cache)
-    check_capacity(capacity, contexts, iters, cache)
+    capacities = [capacity] if isinstance(capacity, int) else list(capacity)
+    for cap in capacities:
+        check_capacity(cap, contexts, iters, cache)
+    capacity = capacities[0]
     paged = cache == "paged"
     fill = filled_paged_cache if paged else filled_cache
     cfg = DsaConfig.preset(preset)
@@ -465,10 +471,10 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         max_length = capacity
         x = jax.random.normal(key, (b, 1, cfg.hidden_size), jnp.float32).astype(layer.dtype)
         mask = jnp.ones((b, 1), bool)
-        shapes = jax.eval_shape(lambda: fill(layer, b, contexts[0], max_length, dtype=cache_dtype))
         traces0, dense_compiles = step.traces, {}
-        step_peak = _peak_bytes(step.lower(params, x, mask, shapes).compile())
-        sparse_caches = []  # every context's, held until its sparse rows are timed together
+        step_peak = {cap: _peak_bytes(step.lower(params, x, mask, jax.eval_shape(
+            lambda: fill(layer, b, contexts[0], cap, dtype=cache_dtype))).compile()) for cap in capacities}
+        sparse_caches = []  # every (context, capacity)'s, held until the sparse rows are timed together
         for ctx in contexts:
             kv = fill(layer, b, ctx, max_length, dtype=cache_dtype)
             if bytes_per_token is None:
@@ -495,17 +501,20 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                                  capacity=cap, cache_dtype=jnp.dtype(layer.dtype).name))
                 log(f"{impl:<9} B={b:<2} ctx={ctx:<7} cap={cap:<7} {t_dense:9.2f} ms  "
                     f"compiles={compiles}")
-            sparse_caches.append(kv)
+            sparse_caches.append(((ctx, max_length), kv))
             del kv
-        # The sparse rows of every context in rounds (``time_steps_rounds``): the ratio of
-        # two contexts' steps is not the noise between two moments of the run.
-        t_sparse = time_steps_rounds(lambda p, x, m, c: step(p, x, m, c), (params, x, mask), sparse_caches, iters)
+            sparse_caches += [((ctx, cap), fill(layer, b, ctx, cap, dtype=cache_dtype)) for cap in capacities[1:]]
+        # The sparse rows of every context (and capacity) in rounds (``time_steps_rounds``):
+        # the ratio of two contexts' steps is not the noise between two moments of the run.
+        keys = [k for k, _ in sparse_caches]
+        t_sparse = time_steps_rounds(lambda p, x, m, c: step(p, x, m, c), (params, x, mask),
+                                     [c for _, c in sparse_caches], iters)
         del sparse_caches
-        for ctx, t in zip(contexts, t_sparse):
+        for (ctx, cap), t in zip(keys, t_sparse):
             rows.append(dict(impl="sparse", batch=b, context=ctx, median_ms=t,
-                             compiles=step.traces - traces0, peak_bytes=step_peak,
-                             cache=cache, capacity=max_length, cache_dtype=cache_dtype.name))
-            log(f"sparse    B={b:<2} ctx={ctx:<7} cap={max_length:<7} {t:9.2f} ms  "
+                             compiles=step.traces - traces0, peak_bytes=step_peak[cap],
+                             cache=cache, capacity=cap, cache_dtype=cache_dtype.name))
+            log(f"sparse    B={b:<2} ctx={ctx:<7} cap={cap:<7} {t:9.2f} ms  "
                 f"compiles={step.traces - traces0}  ({cache} {cache_dtype.name} cache)")
         if b == 1:
             for ctx in [c for c in contexts if c <= hf_max_context]:
@@ -522,6 +531,7 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
+            "capacities": capacities,
             "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "matmul_gflop_s": {d: r / 1e9 for d, r in rates.items()},
