@@ -7,8 +7,9 @@ selected wrong tokens on an H200 while its interpret tests passed, 2026-12-04: s
 only once that kernel, *as its code stands*, has passed on such a device:
 
 * ``HARDWARE_RUNS`` holds one ``HardwareRun`` per ``(kernel, implementation, device
-  class)`` that passed the GPU check (``scripts/gpu_check.py``: the kernel against its
-  reference, and the layer on it against ``"xla"``): the GPU, the jax version, the date
+  class)`` that passed the GPU check (``scripts/gpu_check.py --all``: the kernel against
+  its reference, its gradients and the whole layer on its implementation against
+  float32): the GPU, the jax version, the date
   and ``source``, the fingerprint (``source_fingerprint``) of the kernel's modules when
   it ran. The GPU check prints the fingerprints of the code it ran (``--json``:
   ``fingerprints``), and a record is written from that output, never by hand.
@@ -39,7 +40,7 @@ import pathlib
 import tokenize
 
 __all__ = ["HardwareRun", "HARDWARE_RUNS", "KERNEL_SOURCES", "AUTO_NEEDS", "device_class",
-           "source_fingerprint", "fingerprints", "proven", "auto_picks_mosaic"]
+           "source_fingerprint", "fingerprints", "proven", "auto_picks_mosaic", "hardware_table"]
 
 
 @dataclasses.dataclass(frozen=True)
