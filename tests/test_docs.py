@@ -198,7 +198,7 @@ def test_readme_commands_are_the_ci_commands():
     assert 'pip install -e ".[test]" && python -m pytest -q' in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert '"$venv/bin/python" -m pytest -q "$@"' in ci
-    assert ci.count("\nrun_leg ") == 2 and '\nrun_leg "python3.11 / jax 0.10" python3 .venv\n' in ci
+    assert ci.count("\nrun_leg ") == 3 and '\nrun_leg "python3.11 / jax 0.10" python3 .venv ""\n' in ci
 
 
 def test_parser_and_markers():
