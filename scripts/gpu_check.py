@@ -91,6 +91,7 @@ import numpy as np  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import MOSAIC_MIN_JAX, jax_version, lower_for_cuda  # noqa: E402
 from glm5_dsa_jax.tools import roofline  # noqa: E402
+from glm5_dsa_jax.tools.timing import IN_LOOP_MIN_JAX, in_loop, loop_time  # noqa: E402,F401
 from glm5_dsa_jax.model.config import DsaConfig  # noqa: E402
 from pallas_kernels.selection import topk_pools_lax_baseline  # noqa: E402
 
@@ -196,47 +197,6 @@ def _timed(fn, args, reps: int, inner: int):
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t) / inner)
     return out, compile_s, statistics.median(times)
-
-
-#: The oldest jax whose XLA keeps ``in_loop``'s barriers (jax 0.10's drops them on a CPU and
-#: merges the calls, so the loop would time one call): older ones get no in-loop column.
-IN_LOOP_MIN_JAX = (0, 11)
-
-
-def in_loop(fn, n: int):
-    """``looped(*args)``: ``fn(*args)`` called ``n`` times in one jitted program, unrolled,
-    every call's output returned: ``n`` calls with no host dispatch and no loop control
-    between them. (Not a rolled ``fori_loop``: on the H200, 2026-12-04, its iterations
-    cost 15-60 us each whatever the work, 1 MB or 100 MB of weights read, so it timed its
-    own control, not the calls.) Each call's arguments come out of an
-    ``optimization_barrier`` on the previous call's, so XLA cannot prove two calls equal
-    and compute one (it does, even behind a barrier with a loop index); every output is
-    returned, so no call is dead."""
-    def run(*args):
-        outs, a = [], args
-        for _ in range(n):
-            a = jax.lax.optimization_barrier(a)
-            outs.append(fn(*a))
-        return outs
-    return jax.jit(run)
-
-
-def loop_time(fn, args, n: int, reps: int) -> float:
-    """Seconds one call of ``fn`` costs inside ``in_loop``: ``(T(2n) - T(n)) / n`` of the
-    programs of ``2n`` and ``n`` calls (medians of ``reps`` runs each, after a compiling
-    run), so what a program run pays once (the carry's first copy of the arguments, the
-    launch, the host's wait) cancels."""
-    def median(k):
-        looped = in_loop(fn, k)
-        jax.block_until_ready(looped(*args))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            jax.block_until_ready(looped(*args))
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    return max(median(2 * n) - median(n), 0.0) / n
 
 
 def _compare_close(got, want, rtol, atol) -> tuple[bool, str]:

@@ -13,14 +13,19 @@ each with its own time budget, its JSON written to ``DIR/<part>.json`` and its l
    and ``auto`` against ``"xla"`` (prefill, decode, contiguous and paged caches, and the
    parameter gradients judged against float32);
 4. ``train``: ``scripts/gpu_check_train.py``, the backward kernels under ``pallas`` and
-   ``mosaic`` at 4,096 tokens (gradients against ``"xla"`` and float32).
+   ``mosaic`` at 4,096 tokens (gradients against ``"xla"`` and float32);
+5. ``step``: ``scripts/gpu_check_step.py``, the decode step's speed (batch 1 at 4K, batch 8
+   at 131K): per call and inside one program against its floor, its kernel count, the
+   dense step at 4K, and a per-kernel breakdown of a profiler trace (issue 46's targets).
 
 Then ``DIR/summary.md``: each part's status and failed rows, and the hardware record the
 run supports (``pallas_kernels._hardware_runs``, exported by ``pallas_kernels``): a kernel under an implementation is
 proven when it has rows and every one passed, its backward by the ``train`` rows, and the
 whole layer on that implementation passed too (a path is proven or refuted whole). The
 summary prints those records with the fingerprints of the code that ran, ready to paste
-into ``HARDWARE_RUNS``. Exit status 0 when every part passed.
+into ``HARDWARE_RUNS``, then the speed rows against issue 46's targets (a target missed
+reads ``slow``: a speed, not a fault, so it fails no part) and the step's kernel breakdown.
+Exit status 0 when every part passed.
 """
 
 from __future__ import annotations
@@ -37,19 +42,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-#: (part, script, arguments, budget seconds): the budgets add to about seven minutes of
-#: checks and compiles (the layer's gradients compile eight programs); process starts and
-#: the first compile of each part make up the rest.
+#: (part, script, arguments, budget seconds): the budgets add to five and a half minutes
+#: of checks and compiles (the layer's gradients compile eight programs); process starts
+#: and the first compile of each part make up the rest of the six.
 PARTS = [
-    ("probe", "mosaic_topk_probe.py", ["--json"], 60),
-    ("kernels", "gpu_check.py", ["--json", "--no-sweep", "--contexts", "8192,131072", "--reps", "3"], 80),
-    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 170),
+    ("probe", "mosaic_topk_probe.py", ["--json"], 30),
+    ("kernels", "gpu_check.py", ["--json", "--no-sweep", "--contexts", "8192,131072", "--reps", "3"], 60),
+    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 120),
     ("train", "gpu_check_train.py", ["--json", "--tokens", "4096", "--impl", "pallas,mosaic",
-                                     "--no-layer", "--reps", "3"], 70),
+                                     "--no-layer", "--reps", "3"], 60),
+    ("step", "gpu_check_step.py", ["--json"], 60),
 ]
 SMOKE_ARGS = {
     "probe": ["--interpret"], "kernels": ["--smoke"], "layer": ["--smoke", "--impls", "pallas_interpret"],
     "train": ["--smoke", "--tokens", "64", "--impl", "pallas_interpret", "--no-layer"],
+    "step": ["--smoke"],
 }
 
 
@@ -125,6 +132,21 @@ def summary(results: dict, meta: dict) -> str:
              for (k, f), ok in sorted(records.items()) if ok and (k, f) in hr.KERNEL_SOURCES]
     if paste and dev_class:
         lines += ["", "`HARDWARE_RUNS` entries (pallas_kernels/_hardware_runs.py):", "", "```python", *paste, "```"]
+    step = results.get("step", {})
+    speed = [r for r in step.get("rows", []) if r.get("name") not in ("trace", "-")]
+    if speed:
+        lines += ["", "## The decode step against issue 46's targets", "",
+                  "| batch x context | row | ms | x floor | check |", "|---|---|---|---|---|"]
+        for r in speed:
+            t, xf = r.get("time_ms"), r.get("x_floor")
+            extra = f" ({r['kernels']})" if "kernels" in r else ""
+            lines.append(f"| {r['batch']} x {r['context']} | {r['name']}{extra} | "
+                         f"{'-' if t is None else f'{t:.3f}'} | {'-' if xf is None else f'{xf:.2f}'} | {r['check']} |")
+    if step.get("breakdown"):
+        from glm5_dsa_jax.tools.kernel_trace import format_breakdown
+
+        lines += ["", "## Where one decode step's device time goes (profiler trace)", "",
+                  format_breakdown(step["breakdown"])]
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(p[0] for p in PARTS),
                     help="comma-separated parts to run (default: all)")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every part's budget")
-    ap.add_argument("--deadline", type=float, default=480.0,
-                    help="seconds for the whole run (default 480): a part still running then is "
+    ap.add_argument("--deadline", type=float, default=360.0,
+                    help="seconds for the whole run (default 360): a part still running then is "
                          "stopped and reported, and later parts do not start")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -4,7 +4,7 @@
 A decode step multiplies 1 to 64 query rows by each weight (issue 46). On the first H200
 run XLA turned one-row products into a multiply and a column reduce, far from the
 weight's read time. This times, for the GLM-5.3-Flash projection shapes, each form of
-``x [M, K] @ W`` in one jitted program, unrolled (``gpu_check.loop_time``: device time, no
+``x [M, K] @ W`` in one jitted program, unrolled (``glm5_dsa_jax.tools.timing.loop_time``: device time, no
 dispatch), and prints its read rate (the weight's bytes over the time) and what the
 compiled program ran (a cuBLAS GEMM custom call, a Triton GEMM fusion, a reduce)::
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from gpu_check import loop_time  # noqa: E402
+from glm5_dsa_jax.tools.timing import loop_time  # noqa: E402
 
 #: (name, K, N): GLM-5.3-Flash's decode projections (hidden 4096, q_lora_rank 1536, 64
 #: heads, kv_lora_rank 512, indexer 32 x 128; DsaConfig.preset("glm53-flash")).

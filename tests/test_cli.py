@@ -207,6 +207,19 @@ def test_bench_decode_capacity(capsys):
     assert "need at least 66 tokens" in capsys.readouterr().err
 
 
+def test_bench_decode_loop_column(capsys):
+    """``--loop-steps``: the whole-step rows carry the step's time inside one program beside
+    the per-call median, with its ratio to the floor (the default on a GPU)."""
+    assert main(["bench", "decode", "--preset", "tiny", "--contexts", "64", "--batch", "1", "--iters", "1",
+                 "--loop-steps", "2", "--hf-max-context", "0", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    looped = {r["impl"]: r for r in res["rows"] if "loop_ms" in r}
+    assert set(looped) == {"sparse", "dense", "dense_fit"}
+    for r in looped.values():
+        assert r["loop_ms"] > 0 and r["x_floor_loop"] == r["loop_ms"] / r["floor_ms"]
+    assert res["rates_source"] == "measured"  # a CPU: no table
+
+
 def test_bench_times_compared_rows_in_rounds():
     # time_steps_rounds: one step of each cache per round, in turn, each cache threaded
     # through its own steps (warm-up + timed); one median per cache.

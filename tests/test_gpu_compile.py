@@ -313,6 +313,7 @@ def matrix(toolchain):
     return cases, reports, time.time() - t0
 
 
+@pytest.mark.compile_matrix
 def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, matrix, request, tmp_path_factory):
     cases, reports, seconds = matrix
     _publish(request, tmp_path_factory, toolchain, reports, seconds)
@@ -324,6 +325,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90(toolchain, matrix, request, tmp
     assert all(r.regs and r.blocks_per_sm >= 1 and r.smem is not None for r in reports)
 
 
+@pytest.mark.compile_matrix
 def test_index_scores_backward_compiles_for_sm80_and_sm90(matrix):
     """The scoring backward's two kernels (issue 24) at GLM-5.3-Flash's training shapes, a
     prefill chunk's query tile over a 128K-token cache and a decode step: both launch, no

@@ -113,6 +113,19 @@ def test_cli_table_and_json(capsys):
     assert main(["roofline", "--gpu", "h100", "--context", "0"]) == 2
 
 
+def test_cli_gpu_defaults_to_this_hosts(monkeypatch, capsys):
+    """Without ``--gpu`` the roofline bounds the host's own GPU when the table names it (on an
+    H200: its 4.8 TB/s), and is refused, naming the flag, where there is none."""
+    from glm5_dsa_jax.cli import roofline as cli_roofline
+
+    monkeypatch.setattr(cli_roofline, "this_gpu", lambda: "h200")
+    assert main(["roofline", "--context", "4096", "--preset", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bandwidth"] == 4.8e12
+    monkeypatch.setattr(cli_roofline, "this_gpu", lambda: None)
+    assert main(["roofline", "--context", "4096", "--preset", "tiny"]) == 2
+    assert "--gpu is required" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- model widths
 ROPE_PRESETS = ("glm5", "glm52", "deepseek-v32")
 

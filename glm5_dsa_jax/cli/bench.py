@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
     d.add_argument("--preset", default="glm53-flash", choices=["glm53-flash", "tiny"],
                    help="the layer's shapes (random weights)")
     d.add_argument("--iters", type=positive_int, default=5, help="timed steps per row (median)")
+    d.add_argument("--loop-steps", type=nonnegative_int, default=None,
+                   help="the whole-step rows' in-loop column: one step inside a program of this many "
+                        "steps and twice as many (default 8 on a GPU, 0 (none) on a CPU)")
     d.add_argument("--implementation", default="xla", choices=list(pk.IMPLEMENTATIONS),
                    help="the kernels' implementation")
     d.add_argument("--hf-max-context", type=nonnegative_int, default=16384,
@@ -168,21 +171,23 @@ def main(args) -> int:
         f"{args.iters} timed steps per row")
     res = bench.run(args.preset, args.contexts, args.batch, args.iters, args.implementation, log=log,
                     hf_max_context=args.hf_max_context, capacity=args.capacity, cache=args.cache,
-                    cache_dtype=args.cache_dtype)
+                    cache_dtype=args.cache_dtype, loop_steps=args.loop_steps)
     if args.json:
         print(json.dumps(res))
         return 0
     rates = ", ".join(f"{r:.1f} GFLOP/s ({d})" for d, r in res["matmul_gflop_s"].items())
     weights = ", ".join(f"batch {b}: {w / 1e6:.1f} MB" for b, w in res["weight_bytes_step"].items())
-    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; matmul {rates}; weights read per step "
+    print(f"\nread bandwidth {res['read_gb_s']:.2f} GB/s; matmul {rates} ({res['rates_source']}); weights read per step "
           f"{weights} (stored {res['weight_bytes_stored'] / 1e6:.1f} MB)")
     print(f"{'impl':<12} {'cache':<10} {'dtype':<13} {'batch':>5} {'context':>8} {'capacity':>9} "
-          f"{'median ms':>10} {'read ms':>8} {'flop ms':>8} {'floor ms':>9} {'x floor':>8}")
+          f"{'median ms':>10} {'read ms':>8} {'flop ms':>8} {'floor ms':>9} {'x floor':>8}"
+          f"{'':>1}{'loop ms':>9} {'x floor':>8}")
     for r in res["rows"]:
         fl = (f"{r['floor_read_ms']:8.2f} {r['floor_compute_ms']:8.2f} {r['floor_ms']:9.2f} {r['x_floor']:8.2f}"
               if "floor_ms" in r else f"{'':>8} {'':>8} {'':>9} {'':>8}")
+        loop = f" {r['loop_ms']:9.3f} {r.get('x_floor_loop', float('nan')):8.2f}" if "loop_ms" in r else ""
         print(f"{r['impl']:<12} {r['cache']:<10} {r.get('cache_dtype', 'bfloat16'):<13} {r['batch']:>5} "
-              f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}")
+              f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}{loop}")
     print(f"\n{res['cache']} {res['cache_dtype']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")
     caps = res["capacities"]
     by = {(r["impl"], r["batch"], r["context"]): r["median_ms"] for r in res["rows"]

@@ -69,7 +69,9 @@ def add_parser(sub) -> None:
     what crosses devices over NVLink, and a line against cp 1."""
     p = sub.add_parser("roofline", help="bytes, FLOPs and bound time per kernel on a GPU (a model, no GPU needed)",
                        description=add_parser.__doc__)
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS), help="the GPU whose bandwidth and FLOPs bound the kernels")
+    p.add_argument("--gpu", default=None, choices=sorted(GPUS),
+                   help="the GPU whose bandwidth and FLOPs bound the kernels (default: this host's GPU, "
+                        "when the table names it; required elsewhere)")
     p.add_argument("--context", type=positive_int, required=True,
                    help="tokens in the cache, at most the preset's max_position_embeddings")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences")
@@ -172,7 +174,25 @@ def main_train(args, cfg) -> int:
     return 0
 
 
+def this_gpu() -> str | None:
+    """The table's name of this host's GPU (``roofline.gpu_for_device_kind`` of jax's first
+    device); None without a GPU or for one the table does not name."""
+    from glm5_dsa_jax.cli import host
+
+    if not host.has_gpu():
+        return None
+    import jax
+
+    dev = jax.devices()[0]
+    return roofline.gpu_for_device_kind(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else None
+
+
 def main(args) -> int:
+    if args.gpu is None:
+        args.gpu = this_gpu()
+        if args.gpu is None:
+            raise UsageError(f"--gpu is required: this host has no GPU the table names (one of "
+                             f"{', '.join(sorted(GPUS))})")
     cfg = DsaConfig.preset(args.preset.replace("_", "-"))
     check_context(args.context, cfg)
     check_cp(args, cfg)

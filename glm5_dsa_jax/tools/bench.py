@@ -98,9 +98,8 @@ from glm5_dsa_jax.model.config import DsaConfig
 from glm5_dsa_jax.decode import make_step
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.tools.roofline import step_flops, step_read_bytes, weight_bytes
+from glm5_dsa_jax.tools.timing import device_rates, read_bandwidth, step_loop_ms
 
-_BW_BYTES = 1 << 29  # 512 MiB: larger than any cache of the CPUs this runs on
-_MATMUL_N = 1024  # a 2.1-GFLOP product: large enough to reach a CPU's matmul rate, 4 MiB operands
 #: Tokens per page of a paged run (vLLM's and SGLang's page size).
 PAGE_SIZE = 64
 #: ``run``'s cache kinds.
@@ -237,37 +236,6 @@ def _time_rounds(calls, iters: int, warmup: int = 1) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def read_bandwidth(n_bytes: int = _BW_BYTES, iters: int = 5) -> float:
-    """Bytes per second a jitted ``jnp.sum`` reads from a ``n_bytes`` float32 array (the
-    best of ``iters``: the floor is what the machine can do, not its noise)."""
-    a = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    del a
-    return n_bytes / best
-
-
-def matmul_rate(dtype=jnp.float32, n: int = _MATMUL_N, iters: int = 5) -> float:
-    """FLOP per second of a jitted ``[n, n] @ [n, n]`` in ``dtype`` into a float32 accumulator,
-    as the step's products are (``2 n^3`` FLOPs; the best of ``iters``, as
-    ``read_bandwidth``). Why the accumulator: XLA:CPU runs a bf16 product with a bf16 output
-    through float32 (~280 GFLOP/s here), one into float32 on AMX (~1,350)."""
-    a = jnp.ones((n, n), dtype)
-    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    f(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
-
-
 def dense_mla_decode(q_lat, latent, mask, *, scale: float) -> jax.Array:
     """The dense rows' attention: absorbed MLA of one query per row ``q_lat [B, 1, H, C]``
     over every row of ``latent [B, L, C]`` allowed by ``mask [B, 1, L]`` -> ``[B, 1, H, C]``,
@@ -385,8 +353,12 @@ def check_capacity(capacity: int, contexts: list[int], iters: int, cache: str = 
 
 def run(preset: str, contexts: list[int], batches: list[int], iters: int, implementation: str,
         log=print, hf_max_context: int = 16384, capacity: int | list[int] | None = None,
-        cache: str = "contiguous", cache_dtype: str | None = None) -> dict:
-    """The benchmark's rows (see the module doc); ``capacity``: cache slots per sequence of
+        cache: str = "contiguous", cache_dtype: str | None = None, loop_steps: int | None = None) -> dict:
+    """The benchmark's rows (see the module doc); ``loop_steps``: the whole-step rows'
+    in-loop column (``loop_ms``: one step inside a program of ``loop_steps`` and twice as
+    many, ``timing.step_loop_ms``, the steps chained by their cache; None: 8 on a GPU, none
+    on a CPU);
+    ``capacity``: cache slots per sequence of
     the sparse, dense and attention rows (None: ``default_capacity``), or a list of them:
     then every context's sparse row is timed at each capacity, all of a batch's sparse rows
     in one set of rounds (what a capacity costs at the same live tokens, e.g. ``[4224,
@@ -414,16 +386,17 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     cache_dtype = check_cache_dtype(layer.dtype if cache_dtype is None else cache_dtype)
     # Floors count the rows' own bytes (an fp8 row's 4-byte scale, < 1 %, is not counted).
     cache_eb, dense_eb = cache_dtype.itemsize, jnp.dtype(layer.dtype).itemsize
-    bw = read_bandwidth()
-    # The rate of each dtype a row's products run in (``product_dtype``).
-    rates = {jnp.dtype(d).name: matmul_rate(d) for d in {jnp.dtype(jnp.float32), jnp.dtype(layer.dtype)}}
+    # The read rate and the rate of each dtype a row's products run in (``product_dtype``):
+    # measured on a CPU, the roofline table's on a GPU it names (``timing.device_rates``).
+    machine = device_rates({jnp.dtype(jnp.float32), jnp.dtype(layer.dtype)})
+    bw, rates = machine.bandwidth, machine.flops
 
     def weight_dtype(b):  # the dtype the step of batch ``b`` multiplies its weights in
         return "float32" if w_eb(b) == 4 else jnp.dtype(layer.dtype).name
 
-    log(f"read bandwidth {bw / 1e9:.2f} GB/s (jnp.sum over {_BW_BYTES >> 20} MiB); matmul "
+    log(f"read bandwidth {bw / 1e9:.2f} GB/s; matmul "
         + ", ".join(f"{r / 1e9:.1f} GFLOP/s ({d})" for d, r in rates.items())
-        + f" ({_MATMUL_N}-square); step weights {weight_bytes(cfg, w_eb(1)) / 1e6:.1f} MB at one row "
+        + f" ({machine.source}); step weights {weight_bytes(cfg, w_eb(1)) / 1e6:.1f} MB at one row "
         f"({weight_dtype(1)})")
 
     def product_dtype(impl, b):
@@ -526,18 +499,43 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
                                  cache_dtype="bfloat16",
                                  cache="dynamic", capacity=ctx))
                 log(f"hf      B=1  ctx={ctx:<7} {t_hf:9.2f} ms  (eager Glm5NextTextAttention, bf16)")
+    if loop_steps is None:
+        loop_steps = 8 if jax.default_backend() == "gpu" else 0
+    for r in rows if loop_steps else ():
+        if r["impl"] in ("sparse", "dense", "dense_fit") and r["cache"] == "contiguous":
+            r["loop_ms"] = _loop_ms(layer, step, params, dense_step, dense_params_for, r, loop_steps, cache_dtype)
+            log(f"{r['impl']:<9} B={r['batch']:<2} ctx={r['context']:<7} in loop {r['loop_ms']:9.3f} ms")
     for r in rows:
         r.update(floor(r["impl"], r["batch"], r["context"]))
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
+            if "loop_ms" in r:
+                r["x_floor_loop"] = r["loop_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
             "capacities": capacities,
             "cache": cache, "cache_dtype": cache_dtype.name,
             "implementation": implementation, "device": str(jax.devices()[0].platform),
             "read_gb_s": bw / 1e9, "matmul_gflop_s": {d: r / 1e9 for d, r in rates.items()},
+            "rates_source": machine.source,
             "float32_compute": any(w_eb(b) == 4 for b in batches),  # a step read float32 copies
             "weight_bytes_step": {b: weight_bytes(cfg, w_eb(b)) for b in batches},
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
+
+
+def _loop_ms(layer, step, params, dense_step, dense_params_for, row, n: int, cache_dtype) -> float:
+    """A whole-step row's ``loop_ms``: its step inside one program (``timing.step_loop_ms``,
+    ``n`` steps), on a cache of its context with room for the program's steps (its own
+    compilation: the in-loop column does not change the per-call rows')."""
+    b, ctx = row["batch"], row["context"]
+    cap = ctx + 3 * n * 4 + 8
+    x = jax.random.normal(jax.random.key(1), (b, 1, layer.cfg.hidden_size), jnp.float32).astype(layer.dtype)
+    if row["impl"] == "sparse":
+        kv = filled_cache(layer, b, ctx, cap, dtype=cache_dtype)
+        ms, _ = step_loop_ms(step.jitted(kv), step.compute_params(params, b), x, jnp.ones((b, 1), bool), kv, n)
+        return ms
+    as_step = lambda p, h, _m, c: (lambda o, c2: (o, None, c2))(*dense_step(p, h, c))  # noqa: E731
+    ms, _ = step_loop_ms(as_step, dense_params_for(b), x, None, filled_cache(layer, b, ctx, cap), n)
+    return ms
 
 
 def _attention_rows(layer, cache, dense_cache, b, ctx, iters, log, capacity):
