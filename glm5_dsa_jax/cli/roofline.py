@@ -25,6 +25,9 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
+
+from glm5_dsa_jax.cli import host
 from glm5_dsa_jax.tools import roofline
 from glm5_dsa_jax.cli.args import UsageError, check_context, positive_float, positive_int
 from glm5_dsa_jax.model.config import PRESETS, DsaConfig
@@ -177,12 +180,8 @@ def main_train(args, cfg) -> int:
 def this_gpu() -> str | None:
     """The table's name of this host's GPU (``roofline.gpu_for_device_kind`` of jax's first
     device); None without a GPU or for one the table does not name."""
-    from glm5_dsa_jax.cli import host
-
     if not host.has_gpu():
         return None
-    import jax
-
     dev = jax.devices()[0]
     return roofline.gpu_for_device_kind(getattr(dev, "device_kind", "")) if dev.platform == "gpu" else None
 

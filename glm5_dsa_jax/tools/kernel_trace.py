@@ -30,6 +30,8 @@ import json
 import os
 import statistics
 
+import jax
+
 __all__ = ["load_trace", "find_trace", "device_events", "breakdown", "capture", "format_breakdown"]
 
 
@@ -99,8 +101,6 @@ def breakdown(trace: dict, module: str = "jit_step_fn") -> dict:
 def capture(call, n: int, folder: str) -> str:
     """Run ``call()`` (which blocks until its work is done) once unprofiled, then ``n``
     times under the profiler; the path of the Perfetto trace written under ``folder``."""
-    import jax
-
     call()
     jax.profiler.start_trace(folder, create_perfetto_trace=True)
     try:
