@@ -299,12 +299,15 @@ def contraction_last_params(params, orders) -> object:
     axis order}``, ``layout.contraction_orders``) replaced by a cached copy of it with its
     axes in that order (contraction axes last), in its own dtype, on its own device. The
     copy of an array is made once and cached for as long as that array lives; the tree
-    given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB)."""
+    given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB). An
+    abstract leaf (``jax.ShapeDtypeStruct``) becomes one of the copy's shape, unplaced."""
     def copy(path, a):
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         order = orders.get(names[:-1] if names and names[-1] == "value" else names)
         if order is None or order == tuple(range(len(order))):
             return a
+        if isinstance(a, jax.ShapeDtypeStruct):  # abstract (a step compiled ahead of time)
+            return jax.ShapeDtypeStruct(tuple(a.shape[i] for i in order), a.dtype)
         return _cached_copy(a, order, lambda a: jnp.transpose(a, order))
 
     return jax.tree_util.tree_map_with_path(copy, params)

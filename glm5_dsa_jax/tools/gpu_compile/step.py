@@ -124,7 +124,7 @@ def compile_step(impl: str = "pallas", batch: int = 1, context: int = 4096, quer
                                                  dtype=jnp.bfloat16))
     step, params = gd.make_step(layer)
     rows = batch * queries
-    params = jax.eval_shape(lambda p: step.compute_params(p, rows), params)  # what a GPU step reads
+    params = step.compute_params(params, rows)  # what a GPU step reads: contraction-last copies
     put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree)
     params, cache = put(params), put(cache)
     x = jax.ShapeDtypeStruct((batch, queries, cfg.hidden_size), jnp.bfloat16, sharding=sh)
