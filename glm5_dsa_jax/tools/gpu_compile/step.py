@@ -40,7 +40,16 @@ import re
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P, use_abstract_mesh
 
+import pallas_kernels as pk
+from glm5_dsa_jax.cache.contiguous import init_cache
+from glm5_dsa_jax.decode import make_step
+from glm5_dsa_jax.model.config import DsaConfig
+from glm5_dsa_jax.model.layer import DsaAttention
+from glm5_dsa_jax.model.layout import contraction_orders
 from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS
 
 __all__ = ["H200", "KINDS", "compile_step", "entry_ops", "weight_sized", "weight_params"]
@@ -76,8 +85,6 @@ def entry_ops(text: str) -> list[tuple[str, str, str]]:
 def weight_params(text: str) -> dict[str, int]:
     """``{entry parameter name: elements}`` of the products' weights (``layout``'s
     ``contraction_orders`` paths, as jax names the flattened ``params`` argument)."""
-    from glm5_dsa_jax.model.layout import contraction_orders
-
     keys = {"_".join(p) for p in contraction_orders()}
     out = {}
     for name, shape, op, _ in _INSTR.findall(entry(text)):
@@ -108,21 +115,15 @@ def compile_step(impl: str = "pallas", batch: int = 1, context: int = 4096, quer
     """The GLM-5.3-Flash decode (``queries=1``) or prefill step of its first full-indexer
     layer on a bf16 contiguous cache of ``context`` tokens (+ one 64-token margin),
     compiled for ``target``: jax's ``Compiled``."""
-    from flax import nnx
-    from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import glm5_dsa_jax as gd
-
     topo = topologies.get_topology_desc(platform="cuda", target_config=target.target_config(),
                                         topology="1x1x1")
     sh = NamedSharding(topologies.make_mesh(topo, (1,), ("x",)), P())
-    cfg = gd.DsaConfig.glm53_flash()
+    cfg = DsaConfig.glm53_flash()
     idx = next(i for i in cfg.dsa_layers if cfg.has_indexer(i))
-    layer = nnx.eval_shape(lambda: gd.DsaAttention(cfg, idx, rngs=nnx.Rngs(0), implementation=impl))
-    cache = jax.eval_shape(lambda: gd.init_cache(cfg, batch, context + 64, has_indexer=True,
+    layer = nnx.eval_shape(lambda: DsaAttention(cfg, idx, rngs=nnx.Rngs(0), implementation=impl))
+    cache = jax.eval_shape(lambda: init_cache(cfg, batch, context + 64, has_indexer=True,
                                                  dtype=jnp.bfloat16))
-    step, params = gd.make_step(layer)
+    step, params = make_step(layer)
     rows = batch * queries
     params = step.compute_params(params, rows)  # what a GPU step reads: contraction-last copies
     put = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree)
@@ -132,9 +133,6 @@ def compile_step(impl: str = "pallas", batch: int = 1, context: int = 4096, quer
     if impl == "xla":
         lowered = step.jitted(cache).trace(params, x, m, cache, None).lower()
     else:  # Pallas' GPU lowering reads the compute capability from an abstract CUDA device
-        import pallas_kernels as pk
-        from jax.sharding import use_abstract_mesh
-
         with use_abstract_mesh(pk.cuda_mesh("h100", (1,), ("x",))):
             lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(
                 lowering_platforms=("cuda",))
