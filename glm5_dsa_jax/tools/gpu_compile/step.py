@@ -52,7 +52,8 @@ from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.model.layout import contraction_orders
 from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS
 
-__all__ = ["H200", "KINDS", "compile_step", "entry_ops", "weight_sized", "weight_params"]
+__all__ = ["H200", "KINDS", "compile_step", "entry_ops", "launched", "summary", "weight_sized",
+           "weight_params"]
 
 #: An H200 as XLA's GPU compiler sees it: the H100's SM (``TARGETS["sm_90"]``) with the
 #: H200's memory (4.8 TB/s, 141 GB).
@@ -139,13 +140,60 @@ def compile_step(impl: str = "pallas", batch: int = 1, context: int = 4096, quer
     return lowered.compile()
 
 
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_CALLED = re.compile(r"(?:true_computation|false_computation|body|condition)=%([\w.\-]+)"
+                     r"|branch_computations=\{([^}]*)\}")
+
+
+def _computations(text: str) -> dict[str, str]:
+    """``{name: body text}`` of each computation of an HLO module's text."""
+    comps, name, lines = {}, None, []
+    for line in text.splitlines():
+        m = _HEADER.match(line)
+        if m and not line.startswith(" "):
+            name, lines = m.group(1), []
+        elif line.startswith("}") and name is not None:
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return comps
+
+
+def launched(text: str) -> int:
+    """Kernels and control ops one step runs at most, counting into control flow: each
+    entry fusion, custom call and copy once; a conditional once plus its largest branch's;
+    a loop once plus one trip of its body and condition. Unlike the entry's count it does
+    not fall when a conditional's kernels move out of it."""
+    comps = _computations(text)
+
+    def count(body: str, seen: tuple) -> int:
+        n = 0
+        for _, _, op, _ in _INSTR.findall(body):
+            if op in ("fusion", "custom-call", "copy"):
+                n += 1
+        for line in body.splitlines():
+            op = re.search(r" (conditional|while)\(", line)
+            if not op:
+                continue
+            called = []
+            for a, b in _CALLED.findall(line):
+                called += [a] if a else [c.strip().lstrip("%") for c in b.split(",")]
+            subs = [count(comps[c], seen + (c,)) for c in called if c in comps and c not in seen]
+            n += 1 + (max(subs, default=0) if op.group(1) == "conditional" else sum(subs))
+        return n
+
+    return count(entry(text), ())
+
+
 def summary(text: str) -> dict:
-    """Counts per ``KINDS``, their total, and ``weight_sized``'s list, of an HLO text."""
+    """Counts per ``KINDS`` in the entry, their total, ``launched``, and ``weight_sized``'s
+    list, of an HLO text."""
     ops = collections.Counter(op for _, op, _ in entry_ops(text))
     counts = {k: ops[k] for k in KINDS}
     return dict(counts=counts, total=sum(counts.values()),
                 without_conditionals=sum(counts.values()) - counts["conditional"],
-                weight_sized=weight_sized(text))
+                launched=launched(text), weight_sized=weight_sized(text))
 
 
 def main(argv=None) -> None:
@@ -179,7 +227,8 @@ def main(argv=None) -> None:
             print(f"{op:12s} {name:45s} {shape}")
     print(f"{a.impl} b{a.batch} ctx{a.context} q{a.queries}: "
           + ", ".join(f"{k} {v}" for k, v in s["counts"].items())
-          + f"; kernels and control ops: {s['total']} ({s['without_conditionals']} without conditionals)"
+          + f"; kernels and control ops: {s['total']} ({s['without_conditionals']} without conditionals;"
+          + f" {s['launched']} counting into control flow)"
           + f"; weight-sized intermediates: {s['weight_sized'] or 'none'}")
 
 
