@@ -1,5 +1,6 @@
-"""The CPU backend policy: what makes the ``"xla"`` path fast on a CPU, in one place, so the
-layer, the caches' users and the tools never see it.
+"""The backend policy: what makes the ``"xla"`` path fast on a CPU, and the products fast
+on a GPU ("Products on a GPU"), in one place, so the layer, the caches' users and the tools
+never see it.
 
 Invariants:
 
@@ -76,6 +77,35 @@ kernel again, so ``ops.matmul`` transposes it after an ``optimization_barrier``.
 ``WEIGHT_MAJOR_ROWS`` rows only: from ~128 rows the result's transpose costs more than
 the form saves (1,024 rows: 122 vs 104 ms).
 
+Products on a GPU
+-----------------
+
+XLA's GPU compiler rewrites a product of one query row into a multiply and a ``reduce``
+over the contraction axis. With the weight stored ``[K, N]`` (the layer's layout,
+contraction first) that is a *column* reduce, and XLA does not fuse the multiply into it:
+``x[1, 4096] @ w[4096, N]`` compiles to a fusion that writes the product ``x * w`` (or the
+weight in float32) at the weight's size, then a reduce that reads it back (on the first
+H200 run: 167 us for ``indexer.wk``, 1 MB of weights; ~330 of the step's 409 us went to
+the projections). With the weight stored ``[N, K]`` (contraction last) the same product
+is one row-reduce fusion that reads the weight once; from 8 rows either layout is one
+Triton GEMM fusion (with its split-K partial sums reduced by a second, small fusion).
+So on any backend but a CPU, ``decode.make_step`` hands an unplaced layer's step the same
+cached contraction-last copies as on a CPU (``contraction_last_params``; any float
+dtype) and traces it inside ``contraction_last_context(cpu_forms=False)``: ``ops.matmul``
+multiplies each weight as one plain 2-D ``[M, K] x [N, K]^T`` product (or an einsum with a
+batch letter: ``absorb_q``, ``w_uv``) into a float32 accumulator and rounds the output,
+without the CPU's two-copies and weight-major forms. The numbers are those of the default
+path (the weight cast to the activation dtype, a product at ``HIGHEST``) up to the
+accumulation order. Why copies rather than the stored layout changed: checkpoints, the
+HF import, TP specs and the CPU's placed float32 path all read the ``[in, out]`` layout
+(``layout.TENSORS``); a cached copy keeps them as they are, at the cost of the weights'
+bytes once more on the device (GLM-5.3-Flash: 250 MB per layer). A layer placed by
+``shard_layer`` keeps the stored layout (its ``shard_map`` specs are the stored
+layout's). Parameters with no devices (abstract ones, a step compiled ahead of time for
+a GPU from a CPU host, ``tools.gpu_compile.step``) get this policy too. Checked by
+``tests/test_step_compile.py`` (a deviceless compile for an H200): no fusion of the step
+has a weight-sized output.
+
 Its invariants:
 
 * The context is read at trace time only (``ops.matmul``): it changes the program traced,
@@ -106,7 +136,8 @@ import jax.numpy as jnp
 __all__ = ["store_dtype", "to_store", "from_store", "float32_params", "clear_float32_copies",
            "uses_float32", "float32_products", "float32_products_context", "WIDE_ROWS",
            "WEIGHT_MAJOR_ROWS",
-           "contraction_last_params", "contraction_last_products", "contraction_last_context"]
+           "contraction_last_params", "contraction_last_products", "contraction_last_context",
+           "cpu_product_forms", "on_cpu"]
 
 
 # ---------------------------------------------------------------------------- bit storage
@@ -136,7 +167,8 @@ def from_store(a: jax.Array, dtype) -> jax.Array:
 
 # ------------------------------------------------------------------------ float32 products
 #: The products a call is traced with: None (the weight cast to the activation's dtype),
-#: ``"float32"`` or ``"contraction_last"``.
+#: ``"float32"``, ``"contraction_last"`` (XLA:CPU's forms) or ``"contraction_last_plain"``
+#: (plain 2-D products: a GPU, "Products on a GPU").
 _PRODUCTS = contextvars.ContextVar("glm5_dsa_jax_products", default=None)
 
 #: Query rows (``batch x chunk``) from which the compiled step multiplies contraction-last
@@ -158,6 +190,12 @@ def float32_products() -> bool:
 def contraction_last_products() -> bool:
     """Whether the call being traced multiplies contraction-last weights in their own dtype
     into a float32 accumulator (``ops.matmul`` asks)."""
+    return _PRODUCTS.get() in ("contraction_last", "contraction_last_plain")
+
+
+def cpu_product_forms() -> bool:
+    """Whether contraction-last products take XLA:CPU's forms (one row as two copies of it,
+    few rows weight-major); False on a GPU's plain products (``ops.matmul`` asks)."""
     return _PRODUCTS.get() == "contraction_last"
 
 
@@ -176,12 +214,14 @@ def float32_products_context(on: bool = True):
     return _products_context("float32" if on else None)
 
 
-def contraction_last_context(on: bool = True):
+def contraction_last_context(on: bool = True, *, cpu_forms: bool = True):
     """Trace the calls made inside with contraction-last products (``on``), as the CPU
-    compiled step does for ``WIDE_ROWS`` rows or more; restores the previous setting on
-    exit. Every weight ``ops.matmul`` is given must then be a ``contraction_last_params``
-    copy."""
-    return _products_context("contraction_last" if on else None)
+    compiled step does for ``WIDE_ROWS`` rows or more (``cpu_forms``: XLA:CPU's one-row and
+    weight-major forms) and the GPU one always (``cpu_forms=False``: plain products);
+    restores the previous setting on exit. Every weight ``ops.matmul`` is given must then
+    be a ``contraction_last_params`` copy."""
+    mode = "contraction_last" if cpu_forms else "contraction_last_plain"
+    return _products_context(mode if on else None)
 
 
 def uses_float32(params, opt_in: bool = True) -> bool:
@@ -189,8 +229,13 @@ def uses_float32(params, opt_in: bool = True) -> bool:
     copies: ``opt_in`` (a layer's ``cpu_float32``) and every array lives on CPU devices
     only (decided by where the parameters are, e.g. a ``shard_layer`` mesh, not by which
     backends exist)."""
-    if not opt_in:
-        return False
+    return bool(opt_in) and on_cpu(params)
+
+
+def on_cpu(params) -> bool:
+    """Whether every array of ``params`` (any pytree) lives on CPU devices only; False when
+    any lives elsewhere or none is placed (abstract parameters: a step compiled ahead of
+    time). Which product policy a compiled step applies follows from it (module doc)."""
     leaves = jax.tree.leaves(params)
     platforms = {d.platform for a in leaves if isinstance(a, jax.Array) for d in a.devices()}
     return platforms == {"cpu"}
@@ -254,12 +299,15 @@ def contraction_last_params(params, orders) -> object:
     axis order}``, ``layout.contraction_orders``) replaced by a cached copy of it with its
     axes in that order (contraction axes last), in its own dtype, on its own device. The
     copy of an array is made once and cached for as long as that array lives; the tree
-    given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB)."""
+    given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB). An
+    abstract leaf (``jax.ShapeDtypeStruct``) becomes one of the copy's shape, unplaced."""
     def copy(path, a):
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         order = orders.get(names[:-1] if names and names[-1] == "value" else names)
         if order is None or order == tuple(range(len(order))):
             return a
+        if isinstance(a, jax.ShapeDtypeStruct):  # abstract (a step compiled ahead of time)
+            return jax.ShapeDtypeStruct(tuple(a.shape[i] for i in order), a.dtype)
         return _cached_copy(a, order, lambda a: jnp.transpose(a, order))
 
     return jax.tree_util.tree_map_with_path(copy, params)

@@ -21,6 +21,10 @@ Invariants:
   contracted axes last (``contraction_last_params``); otherwise (a layer placed by
   ``shard_layer``, a float32 layer) it is traced with float32 products on and multiplies
   by cached float32 copies of the parameters it is given (``float32_params``).
+  On any other backend (a GPU; or parameters not yet placed, a step compiled ahead of
+  time) an unplaced layer's step multiplies the same contraction-last copies as plain
+  products (``cpu_policy``, "Products on a GPU": one row-reduce or GEMM fusion a product,
+  never a weight-sized intermediate); a placed one reads the stored layout.
   The caller's ``params`` are the layer's own, in their own dtype; only the arrays handed
   to the compiled function differ. The choice is made from the input's static shape, so
   it never adds a compilation.
@@ -51,6 +55,7 @@ from flax import nnx
 from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.cpu_policy import (
     WIDE_ROWS, contraction_last_context, contraction_last_params, float32_params, float32_products_context,
+    on_cpu,
 )
 from glm5_dsa_jax.model.layout import contraction_orders
 from glm5_dsa_jax.model.layer import DsaAttention
@@ -78,14 +83,18 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     graphdef, params = nnx.split(layer)
     traces = {"n": 0}
     wide = layer.float32_compute()
-    # Contraction-last copies: for 16-bit weights (a float32 layer's float32 products are
-    # already its own) of an unplaced layer (cpu_policy's module doc).
+    # Contraction-last copies of an unplaced layer (cpu_policy's module doc): on a CPU for
+    # 16-bit weights (a float32 layer's float32 products are already its own), in XLA:CPU's
+    # forms; on any other backend (or abstract parameters, compiled ahead of time) for every
+    # dtype, as plain products ("Products on a GPU").
     narrow = jnp.dtype(layer.param_dtype).itemsize == 2
-    orders = contraction_orders() if wide and narrow and layer.mesh is None else None
+    cpu = on_cpu(params)
+    cpu_forms = wide and narrow
+    orders = contraction_orders() if layer.mesh is None and (cpu_forms or not cpu) else None
 
     def contraction_last_rows(rows: int) -> bool:
         """Whether a call of ``rows`` query rows multiplies contraction-last copies."""
-        return orders is not None and rows >= WIDE_ROWS
+        return orders is not None and (rows >= WIDE_ROWS or not cpu_forms)
 
     def compute(p, rows: int = 1):
         """The parameters the compiled step reads for a call of ``rows`` query rows."""
@@ -97,7 +106,7 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         """The product context a call of ``rows`` query rows is traced in (``cpu_policy``):
         contraction-last products, float32 ones, or neither."""
         if contraction_last_rows(rows):
-            return contraction_last_context()
+            return contraction_last_context(cpu_forms=cpu_forms)
         return float32_products_context(wide)
 
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):

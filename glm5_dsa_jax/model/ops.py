@@ -13,6 +13,8 @@ Invariants:
   a compiled CPU step of many rows) every weight comes stored with the axes the product
   contracts moved last (``contraction_last_spec``), and 16-bit operands are multiplied as
   they are into a float32 accumulator: the same numbers again, up to the accumulation order.
+  A compiled step on a GPU (or traced for one ahead of time) multiplies contraction-last
+  copies too, as plain 2-D products (``cpu_policy``, "Products on a GPU").
 * ``absorb_o`` contracts the head axis, which a placed layer splits: inside the placed
   call's ``shard_map`` (``glm5_dsa_jax.parallel.execution``) each device holds its heads
   only and the partial sums are ``psum``-ed over ``reduce_axis``, the step's one
@@ -28,7 +30,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from glm5_dsa_jax.cpu_policy import WEIGHT_MAJOR_ROWS, contraction_last_products, float32_products
+from glm5_dsa_jax.cpu_policy import (
+    WEIGHT_MAJOR_ROWS, contraction_last_products, cpu_product_forms, float32_products,
+)
 
 __all__ = ["rms_norm", "layer_norm", "matmul", "contraction_last_spec", "dense", "absorb_q", "absorb_o",
            "query_tiles"]
@@ -64,7 +68,7 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = N
     if contraction_last_products():
         if x.dtype != w.dtype:
             x, w = x.astype(f32), w.astype(f32)
-        out = _contraction_last_product(contraction_last_spec(spec), x, w)
+        out = _contraction_last_product(contraction_last_spec(spec), x, w, cpu_product_forms())
     elif float32_products():
         out = jnp.einsum(spec, x.astype(f32), w.astype(f32), precision=_HI)
     else:
@@ -74,7 +78,7 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = N
     return out.astype(dtype)
 
 
-def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array, cpu_forms: bool = True) -> jax.Array:
     """``einsum(spec, x, w)`` into float32 for a contraction-last ``w``. Without a batch
     letter it is one 2-D ``[M, K] x [N, K]`` product of free reshapes. Why: XLA:CPU's dot
     canonicalisation transposes a weight with several kept or contracted axes back to
@@ -83,13 +87,16 @@ def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Arra
     weight is the left operand (``[N, K] x [M, K]^T``, 2.4x faster at 8 rows). One row
     (``M = 1``, with or without a batch letter) is multiplied as two copies of it and the
     first kept: XLA:CPU's bf16 product of one row is ~15x slower than of two, and converted
-    ``w_uk`` / ``w_uv`` to float32 every step (``cpu_policy``'s module doc)."""
+    ``w_uk`` / ``w_uv`` to float32 every step (``cpu_policy``'s module doc). Those two forms
+    are XLA:CPU's only (``cpu_forms``): on a GPU the plain 2-D product ``[M, K] x [N, K]^T``
+    is one row-reduce fusion at one row and one GEMM fusion from 8 (``cpu_policy``, "Products
+    on a GPU")."""
     ins, out = spec.split("->")
     xs, ws = ins.split(",")
     if any(c in xs and c in out for c in ws):  # a batch letter (absorb_q, absorb_o's w_uv)
         one = "..." not in xs and xs[0] == out[0] and all(
             x.shape[i] == 1 for i, c in enumerate(xs) if c not in ws)
-        if one:  # one row: two copies of it along x's first axis, the first result kept
+        if one and cpu_forms:  # one row: two copies of it along x's first axis, the first result kept
             return jnp.einsum(spec, jnp.concatenate([x, x]), w, precision=_HI,
                               preferred_element_type=jnp.float32)[:1]
         return jnp.einsum(spec, x, w, precision=_HI, preferred_element_type=jnp.float32)
@@ -101,13 +108,18 @@ def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Arra
     n_con = len(con)
     x2 = x.reshape(-1, math.prod(x.shape[x.ndim - n_con:]))
     w2 = w.reshape(math.prod(w.shape[:len(kept)]), -1)
-    if x2.shape[0] <= WEIGHT_MAJOR_ROWS:  # weight-major: [N, K] x [M, K]^T, then its transpose
+    if cpu_forms and x2.shape[0] <= WEIGHT_MAJOR_ROWS:  # weight-major: [N, K] x [M, K]^T, then its transpose
         m = x2.shape[0]
         x2 = jnp.concatenate([x2, x2]) if m == 1 else x2  # one row: two copies of it
         y = jax.lax.dot_general(w2, x2, (((1,), (1,)), ((), ())), precision=_HI,
                                 preferred_element_type=jnp.float32)
         y = jax.lax.optimization_barrier(y).T[:m]  # so XLA does not fold it into the product
     else:
+        if not cpu_forms and x2.shape[0] > 1:
+            # XLA:GPU's dot merger joins products of one x into one GEMM over the weights
+            # concatenated every step (a weight-sized copy); a barrier over each (x, w) pair
+            # keeps each product its own GEMM reading its weight once.
+            x2, w2 = jax.lax.optimization_barrier((x2, w2))
         y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())), precision=_HI,
                                 preferred_element_type=jnp.float32)
     y = y.reshape(x.shape[:x.ndim - n_con] + w.shape[:len(kept)])

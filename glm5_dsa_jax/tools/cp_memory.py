@@ -57,6 +57,8 @@ def prefill_memory(config, context: int, chunk: int, cp: int, devices=None) -> d
     step, params = make_step(layer)
     if cp > 1:
         params, cache = sh.abstract_step_operands(layer, params, cache)
+    else:  # what the unplaced step reads (abstract parameters: the GPU product policy's copies)
+        params = step.compute_params(params, chunk)
     x = jax.ShapeDtypeStruct((1, chunk, config.hidden_size), jnp.bfloat16, **kw)
     mask = jax.ShapeDtypeStruct((1, chunk), jnp.bool_, **kw)
     with placed:
