@@ -16,7 +16,10 @@ each with its own time budget, its JSON written to ``DIR/<part>.json`` and its l
    ``mosaic`` at 4,096 tokens (gradients against ``"xla"`` and float32);
 5. ``step``: ``scripts/gpu_check_step.py``, the decode step's speed (batch 1 at 4K, batch 8
    at 131K): per call and inside one program against its floor, its kernel count, the
-   dense step at 4K, and a per-kernel breakdown of a profiler trace (issue 46's targets).
+   dense step at 4K, and a per-kernel breakdown of a profiler trace (issue 46's targets);
+6. ``products``: ``scripts/gpu_products_probe.py``, the projections' forms at 1 and 8 rows
+   (contraction-last copies against two rows of the stored layout: the GPU product policy's
+   choice, ``cpu_policy``).
 
 Then ``DIR/summary.md``: each part's status and failed rows, and the hardware record the
 run supports (``pallas_kernels._hardware_runs``, exported by ``pallas_kernels``): a kernel under an implementation is
@@ -47,16 +50,20 @@ sys.path.insert(0, ROOT)
 #: and the first compile of each part make up the rest of the six.
 PARTS = [
     ("probe", "mosaic_topk_probe.py", ["--json"], 30),
-    ("kernels", "gpu_check.py", ["--json", "--no-sweep", "--contexts", "8192,131072", "--reps", "3"], 60),
-    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 120),
+    ("kernels", "gpu_check.py", ["--json", "--no-sweep", "--contexts", "8192,131072", "--reps", "3"], 50),
+    ("layer", "gpu_check_layer.py", ["--json", "--impls", "pallas,mosaic,auto"], 110),
     ("train", "gpu_check_train.py", ["--json", "--tokens", "4096", "--impl", "pallas,mosaic",
                                      "--no-layer", "--reps", "3"], 60),
     ("step", "gpu_check_step.py", ["--json"], 60),
+    ("products", "gpu_products_probe.py", ["--json", "--rows", "1,8", "--calls", "5",
+                                           "--forms", "kn f32,nk f32,kn x2 f32",
+                                           "--shapes", "q_a,kv_a,index wk,o_proj"], 25),
 ]
 SMOKE_ARGS = {
     "probe": ["--interpret"], "kernels": ["--smoke"], "layer": ["--smoke", "--impls", "pallas_interpret"],
     "train": ["--smoke", "--tokens", "64", "--impl", "pallas_interpret", "--no-layer"],
     "step": ["--smoke"],
+    "products": ["--rows", "1", "--calls", "2", "--forms", "kn x2 f32", "--shapes", "index wk"],
 }
 
 
@@ -142,6 +149,12 @@ def summary(results: dict, meta: dict) -> str:
             extra = f" ({r['kernels']})" if "kernels" in r else ""
             lines.append(f"| {r['batch']} x {r['context']} | {r['name']}{extra} | "
                          f"{'-' if t is None else f'{t:.3f}'} | {'-' if xf is None else f'{xf:.2f}'} | {r['check']} |")
+    probe = [r for r in results.get("products", {}).get("rows", []) if "us" in r]
+    if probe:
+        lines += ["", "## The projections' forms (GB/s of the weight's bytes; what XLA ran)", "",
+                  "| product | rows | form | us | GB/s | ran |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['m']} | {r['form']} | {r['us']:.1f} | {r.get('gbps') or 0:.0f} | {r['ran']} |"
+                  for r in probe]
     if step.get("breakdown"):
         from glm5_dsa_jax.tools.kernel_trace import format_breakdown
 

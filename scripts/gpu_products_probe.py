@@ -11,8 +11,14 @@ compiled program ran (a cuBLAS GEMM custom call, a Triton GEMM fusion, a reduce)
     python scripts/gpu_products_probe.py [--json]
 
 Forms: ``kn`` (weight stored ``[K, N]``, ``x @ w``), ``nk`` (stored ``[N, K]``,
-``x @ w.T``), each with a float32 or a bf16 result, and ``kn pad16`` (the rows padded to
-16, then sliced: the GEMM path's smallest tile).
+``x @ w.T``), each with a float32 or a bf16 result, ``kn pad16`` (the rows padded to 16,
+then sliced: the GEMM path's smallest tile) and ``kn x2`` (one row as two copies of it,
+the first result kept: a Triton GEMM on the stored layout from one row, with no
+contraction-last copy of the weight). The step's GPU policy multiplies ``nk`` copies
+(``cpu_policy``, "Products on a GPU"); ``kn x2`` is the form that would spare those copies'
+memory: which runs nearer the weight's read time decides between them. ``--forms`` and
+``--shapes`` narrow the run (``gpu_check.py --all`` runs the three that decide at 1 and 8
+rows); ``--budget`` stops it early.
 """
 
 from __future__ import annotations
@@ -53,12 +59,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--forms", default=None, help="comma-separated forms (default: every form)")
+    ap.add_argument("--shapes", default=None, help="comma-separated SHAPES names (default: all)")
+    ap.add_argument("--calls", type=int, default=10, help="calls of the shorter in-loop program")
+    ap.add_argument("--budget", type=float, default=None, help="seconds; later rows are skipped")
     args = ap.parse_args(argv)
+    import time
+
+    t_end = time.monotonic() + (args.budget or float("inf"))
+    pick = lambda text: None if text is None else {t.strip() for t in text.split(",")}  # noqa: E731
+    want_forms, want_shapes = pick(args.forms), pick(args.shapes)
     rows = []
     # An iteration of the timing loop costs this much by itself (a trivial body).
     overhead = loop_time(lambda v: v * 2.0, (jnp.ones((1024,), jnp.float32),), 10, 3)
     print(f"loop overhead {overhead * 1e6:.1f} us an iteration", file=sys.stderr, flush=True)
-    for name, k, n in SHAPES:
+    for name, k, n in [s for s in SHAPES if want_shapes is None or s[0] in want_shapes]:
         w_kn = jax.random.normal(jax.random.key(0), (k, n), jnp.float32).astype(jnp.bfloat16)
         w_nk = jnp.asarray(w_kn.T)
         for m in map(int, args.rows.split(",")):
@@ -71,10 +86,17 @@ def main(argv=None) -> int:
                 "nk bf16": (lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))), w_nk),
                 "kn pad16 f32": (lambda x, w: jnp.dot(jnp.pad(x, ((0, max(16 - x.shape[0], 0)), (0, 0))), w,
                                                       preferred_element_type=jnp.float32)[:x.shape[0]], w_kn),
+                "kn x2 f32": (lambda x, w: jnp.dot(jnp.concatenate([x, x]) if x.shape[0] == 1 else x, w,
+                                                   preferred_element_type=jnp.float32)[:x.shape[0]], w_kn),
             }
             for form, (fn, w) in forms.items():
+                if want_forms is not None and form not in want_forms:
+                    continue
+                if time.monotonic() > t_end:
+                    rows.append(dict(name=name, m=m, k=k, n=n, form=form, skipped="budget"))
+                    continue
                 try:
-                    t = loop_time(fn, (x, w), 10, 3)
+                    t = loop_time(fn, (x, w), args.calls, 3)
                     ran = _what_ran(fn, x, w)
                     row = dict(name=name, m=m, k=k, n=n, form=form, us=t * 1e6,
                                gbps=k * n * 2 / t / 1e9 if t else None, ran=ran)

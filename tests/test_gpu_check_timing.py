@@ -159,7 +159,7 @@ def test_step_part_smoke(tmp_path):
     res = json.loads((tmp_path / "step.json").read_text())
     rows = {r["name"]: r for r in res["rows"]}
     assert {"kernels", "per call", "dense fit"} <= set(rows)
-    assert rows["kernels"]["kernels"] == sum(rows["kernels"]["ops"].values())
+    assert rows["kernels"]["kernels"] >= sum(rows["kernels"]["ops"].values()) > 0
     assert rows["per call"]["floor_ms"] > 0 and rows["per call"]["time_ms"] > 0
     assert res["rates_source"] == "measured"
     assert "against issue 46's targets" in (tmp_path / "summary.md").read_text()

@@ -65,11 +65,15 @@ what it must compute at least (``roofline.step_flops``: every projection, the in
 where the selection matters, the attention over the selected tokens; dense rows: the
 non-indexer projections and attention over every cached token; the attention-part rows
 without the projections; ``index``: the index scores alone, none where every pool is
-selected, so that row has no floor). Both are timed against rates measured in the same run:
-``read_gb_s``, a jitted sum over a ``_BW_BYTES`` float32 array, and ``matmul_gflop_s``, a
-jitted ``_MATMUL_N``-square matmul in each dtype the rows' products run in (``{"float32":
-..., "bfloat16": ...}``; on a CPU with AMX the bf16 one is ~5x the float32 one), each the
-best of several, what the machine can do rather than its noise. A row's FLOPs are timed at
+selected, so that row has no floor). Both are timed against the device's rates
+(``timing.device_rates``, ``rates_source``): on a CPU measured in the same run,
+``read_gb_s`` a jitted sum over 512 MiB of float32 and ``matmul_gflop_s`` a jitted
+1,024-square matmul in each dtype the rows' products run in (``{"float32": ...,
+"bfloat16": ...}``; on a CPU with AMX the bf16 one is ~5x the float32 one), each the best
+of several, what the machine can do rather than its noise; on a GPU the roofline table's
+HBM bandwidth and bf16 rate for that GPU (a float32 rate measured on an 8,192-square
+product; a GPU the table does not name: a 4 GiB copy and that product), so no row reads
+under x1 (the first H200 run's ``jnp.sum`` reached 1.9 of 4.8 TB/s). A row's FLOPs are timed at
 the rate of its products' dtype (``floor_matmul_dtype``): bf16 for the attention-part rows
 (``sparse_attn``, ``index``, ``dense_attn``: bf16 rows into a float32 accumulator; float32
 for an fp8 cache) and for whole steps (contraction-last bf16 projections; float32 where
@@ -78,6 +82,12 @@ and ``floor_compute_ms`` are the two parts, ``floor_ms`` the larger (``floor_lim
 which), and ``x_floor`` the row's time over it: as ``glm5-dsa roofline`` bounds a kernel on
 a GPU. HF rows carry no floor (HF re-expands the latent cache through ``kv_b_proj`` every
 step; its floor is not the same fact).
+
+On a GPU (``loop_steps``, ``--loop-steps``) the whole-step rows (``sparse``, ``dense``,
+``dense_fit``) also carry ``loop_ms``: one step inside a jitted program of ``loop_steps``
+steps and twice as many, the cache threaded (``timing.step_loop_ms``), the device's time
+without the host's, and ``x_floor_loop`` its ratio to the floor; ``median_ms`` over it is
+the host's share of a call.
 """
 
 from __future__ import annotations
