@@ -36,13 +36,13 @@ the attention reads ``latent`` at the token ids themselves.
 
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
 not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept from
-rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Every
-``lax.cond`` / ``fori_loop`` body here is a module-level function that receives every array
-it reads as an operand: jax caches a traced body by the function and its operands' types,
-so a closure made anew per call would be traced again. An eager layer call no longer
-depends on that: it runs as one cached jitted program (``glm5_dsa_jax.parallel.execution``),
-so it compiles nothing once a step of its shapes has run (``tests/test_layer_steps.py``
-counts the compilations).
+rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing: each write
+is one ``dynamic_update_slice`` of the new rows where they are written and of the rows the
+buffer already holds elsewhere (a ``where`` over a ``dynamic_slice`` at the same index),
+with no ``lax.cond`` or loop, so a GPU step has no conditional between its kernels
+(issue 46; ``tests/test_step_control_flow.py``). An eager layer call runs as one cached
+jitted program (``glm5_dsa_jax.parallel.execution``), so it compiles nothing once a step of
+its shapes has run (``tests/test_layer_steps.py`` counts the compilations).
 
 The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an integer
 or bool cache would silently round the activations it holds (``int8`` gave outputs off by
@@ -588,57 +588,66 @@ def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:
 
 
 # ---------------------------------------------------------------------------- in-place writes
-def _update_slice(buf, rows, idx):
-    return jax.lax.dynamic_update_slice(buf, rows, idx)
-
-
-def _keep(buf, *_):
-    return buf
+def _kept_or(ok, rows, buf, idx):
+    """``rows`` where ``ok`` (broadcast over ``rows``' trailing axes), else what ``buf``
+    holds at ``idx`` (a ``dynamic_slice`` of ``rows``' shape at the same index: clamped
+    alike by ``dynamic_update_slice``, so writing it back changes nothing)."""
+    old = jax.lax.dynamic_slice(buf, idx, rows.shape)
+    ok = jnp.reshape(ok, jnp.shape(ok) + (1,) * (rows.ndim - jnp.ndim(ok)))
+    return jnp.where(ok, rows, old)
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Array) -> jax.Array:
     """``buf[:, start:start+S] = rows`` in place, or nothing at all when not ``fits``.
 
-    ``lax.cond`` over a ``dynamic_update_slice`` rather than a masked scatter or a ``where``
-    over the old rows: both of those made XLA:CPU rewrite (or copy) the whole buffer, an
-    O(cache) pass per step. ``buf`` of a 16-bit float cache holds bits (``uint16``): XLA:CPU
-    on jax 0.10 converts a bf16 buffer to float32 and back around the update.
+    One ``dynamic_update_slice`` of ``where(fits, rows, dynamic_slice(buf))`` at one clamped
+    index: no control flow (a ``lax.cond`` here was a conditional, with its predicate read on
+    the host, in every GPU step: issue 46), and still in place on XLA:CPU and GPU (a masked
+    scatter or a ``where`` over the whole buffer made XLA:CPU rewrite or copy it, an
+    O(cache) pass per step). ``buf`` of a 16-bit float cache holds bits (``uint16``):
+    XLA:CPU on jax 0.10 converts a bf16 buffer to float32 and back around the update.
     """
     zero = jnp.zeros((), jnp.int32)
-    idx = (zero, start) + (zero,) * (buf.ndim - 2)
-    return jax.lax.cond(fits, _update_slice, _keep, buf, rows.astype(buf.dtype), idx)
-
-
-def _write_pool(bufs, rows, pool_ids, r, j):
-    p, zero = pool_ids[r, j], jnp.zeros((), jnp.int32)
-    return tuple(
-        jax.lax.dynamic_update_slice(buf, row[r, j][None, None], (r, p) + (zero,) * (buf.ndim - 2))
-        for buf, row in zip(bufs, rows))
-
-
-def _write_pool_step(i, carry):
-    bufs, rows, pool_ids, new = carry
-    n = pool_ids.shape[1]
-    r, j = i // n, i % n
-    bufs = jax.lax.cond(new[r, j], _write_pool, _keep, bufs, rows, pool_ids, r, j)
-    return bufs, rows, pool_ids, new
+    idx = (zero, jnp.asarray(start, jnp.int32)) + (zero,) * (buf.ndim - 2)
+    rows = rows.astype(buf.dtype)
+    return jax.lax.dynamic_update_slice(buf, _kept_or(fits, rows, buf, idx), idx)
 
 
 def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
     """``buf[b, pool_ids[b, i]] = row[b, i]`` where ``new[b, i]``, for each ``buf [B, P,
     ...]`` of ``bufs`` and its ``row [B, n, ...]`` of ``rows`` (the keys, their validity, the
-    fp8 scales).
+    fp8 scales). A row's ``pool_ids`` are consecutive (``pool_ids[b, i] = pool_ids[b, 0] +
+    i``: the window's pools) and its new ones lie in ``[0, P)``.
 
-    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place (the
-    keys' buffer holds the bits of an 8- or 16-bit float cache, see the module doc). A
-    masked scatter is the natural form, but XLA:CPU has no 16-bit-float scatter and
-    converts the whole ``[B, max_pools, D]`` cache to float32 and back around it on every
+    Per batch row one ``dynamic_update_slice`` of ``w = min(n, P)`` pools from the row's
+    first new pool (its start clamped into the buffer; the window's rows gathered to match),
+    each pool the new row where ``new``, else what the buffer holds (``write_rows``' form):
+    in place (the keys' buffer holds the bits of an 8- or 16-bit float cache, see the module
+    doc), without control flow (a ``fori_loop`` of ``lax.cond`` writes before issue 46: a
+    loop and a conditional in every GPU step). The rows are unrolled (``B`` updates of each
+    buffer). A masked scatter is the natural form, but XLA:CPU has no 16-bit-float scatter
+    and converts the whole ``[B, max_pools, D]`` cache to float32 and back around it on every
     step.
     """
     b, n = pool_ids.shape
-    rows = tuple(row.astype(buf.dtype) for buf, row in zip(bufs, rows))
-    bufs, *_ = jax.lax.fori_loop(0, b * n, _write_pool_step, (tuple(bufs), rows, pool_ids, new))
-    return bufs
+    size = bufs[0].shape[1]
+    w = min(n, size)
+    base = pool_ids[:, 0].astype(jnp.int32)
+    first = jnp.argmax(new, axis=1).astype(jnp.int32)  # the first new pool (0: none new)
+    start = jnp.clip(base + first, 0, size - w)
+    at = start[:, None] - base[:, None] + jnp.arange(w, dtype=jnp.int32)[None]  # [B, w] window index
+    inside = (at >= 0) & (at < n)
+    at = jnp.clip(at, 0, n - 1)
+    ok = inside & jnp.take_along_axis(new, at, axis=1)
+    out = []
+    for buf, row in zip(bufs, rows):
+        row = jnp.take_along_axis(row.astype(buf.dtype), at.reshape(at.shape + (1,) * (row.ndim - 2)), axis=1)
+        zero = jnp.zeros((), jnp.int32)
+        for r in range(b):
+            idx = (jnp.asarray(r, jnp.int32), start[r]) + (zero,) * (buf.ndim - 2)
+            buf = jax.lax.dynamic_update_slice(buf, _kept_or(ok[r][None], row[r:r + 1], buf, idx), idx)
+        out.append(buf)
+    return tuple(out)
 
 
 def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> DsaCache:

@@ -612,10 +612,12 @@ class DsaAttention(nnx.Module):
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int, stream: bool = False) -> jax.Array:
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
-        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids). When every
-        query of the tile is such, the scoring and the top-k are skipped (a ``lax.cond``:
-        one program, whichever side rows are on); otherwise the tile is scored and the
-        short queries still take those ids. Scoring is ``score_and_select`` where ``"xla"``
+        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids), chosen by a
+        ``where`` over the scored ids. The tile is always scored, without control flow
+        between the kernels (a ``lax.cond`` skipped it when every query was short: a
+        conditional in every GPU step, issue 46); a short context's scoring stays cheap, as
+        the work follows the live pools (the Pallas scoring and top-k skip tiles past them,
+        ``"xla"`` streams the live tiles only). Scoring is ``score_and_select`` where ``"xla"``
         reads the live pools only (a decode step; every tile where the cache says so,
         ``STREAM_PREFILL``, or the caller: ``stream``), else ``select_pools`` of
         ``score_pools`` bounded by the cache's ``live_pools``."""
@@ -630,7 +632,7 @@ class DsaAttention(nnx.Module):
                 pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
             return jnp.where(short[..., None], every, pools)
 
-        return jax.lax.cond(short.all(), lambda: every, scored)
+        return scored()
 
     def all_pools(self, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 of a short query: ``[B, Q, select_k]`` every candidate among the first
