@@ -36,11 +36,12 @@ the attention reads ``latent`` at the token ids themselves.
 
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
 not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept from
-rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing: each write
-is one ``dynamic_update_slice`` of the new rows where they are written and of the rows the
-buffer already holds elsewhere (a ``where`` over a ``dynamic_slice`` at the same index),
-with no ``lax.cond`` or loop, so a GPU step has no conditional between its kernels
-(issue 46; ``tests/test_step_control_flow.py``). An eager layer call runs as one cached
+rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Neither
+write has a ``lax.cond`` or a loop, so a GPU step has no control flow between its kernels
+(issue 46; ``tests/test_step_control_flow.py``): the rows are one ``dynamic_update_slice``
+of the new rows where ``fits`` and of what the buffer holds there otherwise (a ``where``
+over a ``dynamic_slice`` at the same index), the pools one scatter whose dropped indices
+lie past the end. An eager layer call runs as one cached
 jitted program (``glm5_dsa_jax.parallel.execution``), so it compiles nothing once a step of
 its shapes has run (``tests/test_layer_steps.py`` counts the compilations).
 
@@ -588,13 +589,16 @@ def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:
 
 
 # ---------------------------------------------------------------------------- in-place writes
-def _kept_or(ok, rows, buf, idx):
-    """``rows`` where ``ok`` (broadcast over ``rows``' trailing axes), else what ``buf``
-    holds at ``idx`` (a ``dynamic_slice`` of ``rows``' shape at the same index: clamped
-    alike by ``dynamic_update_slice``, so writing it back changes nothing)."""
-    old = jax.lax.dynamic_slice(buf, idx, rows.shape)
+def _write_where(buf, ok, rows, idx):
+    """``buf`` with ``rows`` written at ``idx`` (non-negative) where ``ok`` (broadcast over
+    ``rows``' trailing axes), in place: ``dynamic_update_slice(buf, where(ok, rows,
+    dynamic_slice(buf, idx)), idx)``. The slice is clamped as the update is, so the rows
+    not written are written back unchanged. Both take the index values as given
+    (``allow_negative_indices=False``: no wrap of negative indices, which jax emits per op),
+    so the slice and the update share one index computation."""
+    old = jax.lax.dynamic_slice(buf, idx, rows.shape, allow_negative_indices=False)
     ok = jnp.reshape(ok, jnp.shape(ok) + (1,) * (rows.ndim - jnp.ndim(ok)))
-    return jnp.where(ok, rows, old)
+    return jax.lax.dynamic_update_slice(buf, jnp.where(ok, rows, old), idx, allow_negative_indices=False)
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Array) -> jax.Array:
@@ -610,44 +614,28 @@ def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Arra
     zero = jnp.zeros((), jnp.int32)
     idx = (zero, jnp.asarray(start, jnp.int32)) + (zero,) * (buf.ndim - 2)
     rows = rows.astype(buf.dtype)
-    return jax.lax.dynamic_update_slice(buf, _kept_or(fits, rows, buf, idx), idx)
+    return _write_where(buf, fits, rows, idx)
 
 
 def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
     """``buf[b, pool_ids[b, i]] = row[b, i]`` where ``new[b, i]``, for each ``buf [B, P,
     ...]`` of ``bufs`` and its ``row [B, n, ...]`` of ``rows`` (the keys, their validity, the
-    fp8 scales). A row's ``pool_ids`` are consecutive (``pool_ids[b, i] = pool_ids[b, 0] +
-    i``: the window's pools) and its new ones lie in ``[0, P)``.
+    fp8 scales).
 
-    Per batch row one ``dynamic_update_slice`` of ``w = min(n, P)`` pools from the row's
-    first new pool (its start clamped into the buffer; the window's rows gathered to match),
-    each pool the new row where ``new``, else what the buffer holds (``write_rows``' form):
-    in place (the keys' buffer holds the bits of an 8- or 16-bit float cache, see the module
-    doc), without control flow (a ``fori_loop`` of ``lax.cond`` writes before issue 46: a
-    loop and a conditional in every GPU step). The rows are unrolled (``B`` updates of each
-    buffer). A masked scatter is the natural form, but XLA:CPU has no 16-bit-float scatter
-    and converts the whole ``[B, max_pools, D]`` cache to float32 and back around it on every
-    step.
+    One scatter a buffer whose indices are ``P`` (past the end: dropped) where not ``new``:
+    in place on XLA:CPU and GPU (the keys' buffer holds the bits of an 8- or 16-bit float
+    cache on a CPU, see the module doc: XLA:CPU has no 16-bit-float scatter and converted a
+    whole bf16 ``[B, max_pools, D]`` buffer to float32 and back around one), with no control
+    flow (before issue 46 a ``fori_loop`` of ``lax.cond``-guarded ``dynamic_update_slice``s:
+    a loop and a conditional in every GPU step). Not ``write_rows``' form row by row: XLA:CPU
+    fused the last row's update into the scoring's read of the buffer and copied the whole
+    buffer twice a step from batch 2 on (``tests/test_step_control_flow.py``).
     """
     b, n = pool_ids.shape
     size = bufs[0].shape[1]
-    w = min(n, size)
-    base = pool_ids[:, 0].astype(jnp.int32)
-    first = jnp.argmax(new, axis=1).astype(jnp.int32)  # the first new pool (0: none new)
-    start = jnp.clip(base + first, 0, size - w)
-    at = start[:, None] - base[:, None] + jnp.arange(w, dtype=jnp.int32)[None]  # [B, w] window index
-    inside = (at >= 0) & (at < n)
-    at = jnp.clip(at, 0, n - 1)
-    ok = inside & jnp.take_along_axis(new, at, axis=1)
-    out = []
-    for buf, row in zip(bufs, rows):
-        row = jnp.take_along_axis(row.astype(buf.dtype), at.reshape(at.shape + (1,) * (row.ndim - 2)), axis=1)
-        zero = jnp.zeros((), jnp.int32)
-        for r in range(b):
-            idx = (jnp.asarray(r, jnp.int32), start[r]) + (zero,) * (buf.ndim - 2)
-            buf = jax.lax.dynamic_update_slice(buf, _kept_or(ok[r][None], row[r:r + 1], buf, idx), idx)
-        out.append(buf)
-    return tuple(out)
+    r = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, n))
+    p = jnp.where(new, pool_ids, size).astype(jnp.int32)  # past the end: dropped
+    return tuple(buf.at[r, p].set(row.astype(buf.dtype), mode="drop") for buf, row in zip(bufs, rows))
 
 
 def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> DsaCache:
