@@ -47,7 +47,13 @@ only a shared page, which other rows name too, needs the row's pages sorted, und
 ``lax.cond``). At 8 sequences over a pool for 131,072 tokens each that is ~0.3 ms on a
 2-core CPU, where the sort of every block-table row cost ~2 ms alone and more inside a step
 of ~17-40 ms (``tests/test_paged_pool_cost.py`` bounds the step's FLOPs per page of pool;
-``docs/benchmarks.md``, the paged step at two pool capacities).
+``docs/benchmarks.md``, the paged step at two pool capacities). That ``lax.cond`` is the one
+control-flow op left between a paged GPU step's kernels (issue 46,
+``tests/test_step_control_flow.py``; a conditional, its predicate read on the host): no
+exact check of a shared page named twice in a row was found without a sort, and no
+trace-time signal of the target platform that would keep the skip on a CPU only
+(``lax.platform_dependent`` still lowers a ``case`` on jax 0.10). Rows take pages in row
+order unrolled, not in a ``scan``: no loop in the step.
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
