@@ -613,11 +613,14 @@ class DsaAttention(nnx.Module):
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
         candidate, ascending (``all_pools``, exactly ``topk_pools``' ids), chosen by a
-        ``where`` over the scored ids. The tile is always scored, without control flow
-        between the kernels (a ``lax.cond`` skipped it when every query was short: a
-        conditional in every GPU step, issue 46); a short context's scoring stays cheap, as
-        the work follows the live pools (the Pallas scoring and top-k skip tiles past them,
-        ``"xla"`` streams the live tiles only). Scoring is ``score_and_select`` where ``"xla"``
+        ``where`` over the scored ids. The Pallas and Mosaic kernels always score the tile,
+        without control flow between the kernels (issue 46: a ``lax.cond`` is a
+        conditional in every GPU step, its predicate read on the host); a short context
+        costs them little, as they skip the pool tiles past the live pools. ``"xla"``, whose
+        selection is a loop anyway (``score_and_select``) and whose ``score_pools`` reads
+        every pool of the capacity, skips the scoring and the top-k under a ``lax.cond``
+        when every query of the tile is short (one program, whichever side rows are on).
+        Scoring is ``score_and_select`` where ``"xla"``
         reads the live pools only (a decode step; every tile where the cache says so,
         ``STREAM_PREFILL``, or the caller: ``stream``), else ``select_pools`` of
         ``score_pools`` bounded by the cache's ``live_pools``."""
@@ -632,6 +635,8 @@ class DsaAttention(nnx.Module):
                 pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
             return jnp.where(short[..., None], every, pools)
 
+        if self.implementation == "xla":
+            return jax.lax.cond(short.all(), lambda: every, scored)
         return scored()
 
     def all_pools(self, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
