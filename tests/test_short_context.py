@@ -8,8 +8,9 @@ top-k (``pk.visible_pool_ids``), with exactly the ids the scored path selects.
   mixed, all long) gives the outputs and top-k of the scored path (the method as it was,
   patched in), for ``xla`` and ``pallas_interpret``, in one compiled decode program; a
   left-padded contiguous prefill too.
-* Routing: a tile of short queries takes the unscored side of the ``lax.cond`` whatever the
-  scored side returns; a mixed tile keeps the short rows' ids and scores the others.
+* Routing: a tile of short queries takes the unscored ids (``"xla"``: the unscored side of
+  the ``lax.cond``; the kernels: the ``where`` over the scored ids) whatever the scored side
+  returns; a mixed tile keeps the short rows' ids and scores the others.
 """
 
 from __future__ import annotations

@@ -36,13 +36,14 @@ the attention reads ``latent`` at the token ids themselves.
 
 The writes (``append_rows``, ``store_pools``) are in place: a step costs what it writes,
 not the capacity (see ``write_rows`` and ``write_pools`` for how XLA:CPU is kept from
-rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Every
-``lax.cond`` / ``fori_loop`` body here is a module-level function that receives every array
-it reads as an operand: jax caches a traced body by the function and its operands' types,
-so a closure made anew per call would be traced again. An eager layer call no longer
-depends on that: it runs as one cached jitted program (``glm5_dsa_jax.parallel.execution``),
-so it compiles nothing once a step of its shapes has run (``tests/test_layer_steps.py``
-counts the compilations).
+rewriting the buffers). An overflowing chunk (``fits`` False) writes nothing. Neither
+write has a ``lax.cond`` or a loop, so a GPU step has no control flow between its kernels
+(issue 46; ``tests/test_step_control_flow.py``): the rows are one ``dynamic_update_slice``
+of the new rows where ``fits`` and of what the buffer holds there otherwise (a ``where``
+over a ``dynamic_slice`` at the same index), the pools one scatter whose dropped indices
+lie past the end. An eager layer call runs as one cached
+jitted program (``glm5_dsa_jax.parallel.execution``), so it compiles nothing once a step of
+its shapes has run (``tests/test_layer_steps.py`` counts the compilations).
 
 The cache ``dtype`` must be a 16- or 32-bit float or fp8 (``CACHE_DTYPES``): an integer
 or bool cache would silently round the activations it holds (``int8`` gave outputs off by
@@ -588,40 +589,32 @@ def default_stage_dtype(dtype, stage_dtype=None) -> jnp.dtype:
 
 
 # ---------------------------------------------------------------------------- in-place writes
-def _update_slice(buf, rows, idx):
-    return jax.lax.dynamic_update_slice(buf, rows, idx)
-
-
-def _keep(buf, *_):
-    return buf
+def _write_where(buf, ok, rows, idx):
+    """``buf`` with ``rows`` written at ``idx`` (non-negative) where ``ok`` (broadcast over
+    ``rows``' trailing axes), in place: ``dynamic_update_slice(buf, where(ok, rows,
+    dynamic_slice(buf, idx)), idx)``. The slice is clamped as the update is, so the rows
+    not written are written back unchanged. Both take the index values as given
+    (``allow_negative_indices=False``: no wrap of negative indices, which jax emits per op),
+    so the slice and the update share one index computation."""
+    old = jax.lax.dynamic_slice(buf, idx, rows.shape, allow_negative_indices=False)
+    ok = jnp.reshape(ok, jnp.shape(ok) + (1,) * (rows.ndim - jnp.ndim(ok)))
+    return jax.lax.dynamic_update_slice(buf, jnp.where(ok, rows, old), idx, allow_negative_indices=False)
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, start: jax.Array, fits: jax.Array) -> jax.Array:
     """``buf[:, start:start+S] = rows`` in place, or nothing at all when not ``fits``.
 
-    ``lax.cond`` over a ``dynamic_update_slice`` rather than a masked scatter or a ``where``
-    over the old rows: both of those made XLA:CPU rewrite (or copy) the whole buffer, an
-    O(cache) pass per step. ``buf`` of a 16-bit float cache holds bits (``uint16``): XLA:CPU
-    on jax 0.10 converts a bf16 buffer to float32 and back around the update.
+    One ``dynamic_update_slice`` of ``where(fits, rows, dynamic_slice(buf))`` at one clamped
+    index: no control flow (a ``lax.cond`` here was a conditional, with its predicate read on
+    the host, in every GPU step: issue 46), and still in place on XLA:CPU and GPU (a masked
+    scatter or a ``where`` over the whole buffer made XLA:CPU rewrite or copy it, an
+    O(cache) pass per step). ``buf`` of a 16-bit float cache holds bits (``uint16``):
+    XLA:CPU on jax 0.10 converts a bf16 buffer to float32 and back around the update.
     """
     zero = jnp.zeros((), jnp.int32)
-    idx = (zero, start) + (zero,) * (buf.ndim - 2)
-    return jax.lax.cond(fits, _update_slice, _keep, buf, rows.astype(buf.dtype), idx)
-
-
-def _write_pool(bufs, rows, pool_ids, r, j):
-    p, zero = pool_ids[r, j], jnp.zeros((), jnp.int32)
-    return tuple(
-        jax.lax.dynamic_update_slice(buf, row[r, j][None, None], (r, p) + (zero,) * (buf.ndim - 2))
-        for buf, row in zip(bufs, rows))
-
-
-def _write_pool_step(i, carry):
-    bufs, rows, pool_ids, new = carry
-    n = pool_ids.shape[1]
-    r, j = i // n, i % n
-    bufs = jax.lax.cond(new[r, j], _write_pool, _keep, bufs, rows, pool_ids, r, j)
-    return bufs, rows, pool_ids, new
+    idx = (zero, jnp.asarray(start, jnp.int32)) + (zero,) * (buf.ndim - 2)
+    rows = rows.astype(buf.dtype)
+    return _write_where(buf, fits, rows, idx)
 
 
 def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
@@ -629,16 +622,20 @@ def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
     ...]`` of ``bufs`` and its ``row [B, n, ...]`` of ``rows`` (the keys, their validity, the
     fp8 scales).
 
-    One ``cond``-guarded ``dynamic_update_slice`` per (row, window pool): in place (the
-    keys' buffer holds the bits of an 8- or 16-bit float cache, see the module doc). A
-    masked scatter is the natural form, but XLA:CPU has no 16-bit-float scatter and
-    converts the whole ``[B, max_pools, D]`` cache to float32 and back around it on every
-    step.
+    One scatter a buffer whose indices are ``P`` (past the end: dropped) where not ``new``:
+    in place on XLA:CPU and GPU (the keys' buffer holds the bits of an 8- or 16-bit float
+    cache on a CPU, see the module doc: XLA:CPU has no 16-bit-float scatter and converted a
+    whole bf16 ``[B, max_pools, D]`` buffer to float32 and back around one), with no control
+    flow (before issue 46 a ``fori_loop`` of ``lax.cond``-guarded ``dynamic_update_slice``s:
+    a loop and a conditional in every GPU step). Not ``write_rows``' form row by row: XLA:CPU
+    fused the last row's update into the scoring's read of the buffer and copied the whole
+    buffer twice a step from batch 2 on (``tests/test_step_control_flow.py``).
     """
     b, n = pool_ids.shape
-    rows = tuple(row.astype(buf.dtype) for buf, row in zip(bufs, rows))
-    bufs, *_ = jax.lax.fori_loop(0, b * n, _write_pool_step, (tuple(bufs), rows, pool_ids, new))
-    return bufs
+    size = bufs[0].shape[1]
+    r = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, n))
+    p = jnp.where(new, pool_ids, size).astype(jnp.int32)  # past the end: dropped
+    return tuple(buf.at[r, p].set(row.astype(buf.dtype), mode="drop") for buf, row in zip(bufs, rows))
 
 
 def append_rows(cache: DsaCache, latent: jax.Array, mask: jax.Array, fits) -> DsaCache:

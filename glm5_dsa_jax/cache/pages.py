@@ -47,7 +47,13 @@ only a shared page, which other rows name too, needs the row's pages sorted, und
 ``lax.cond``). At 8 sequences over a pool for 131,072 tokens each that is ~0.3 ms on a
 2-core CPU, where the sort of every block-table row cost ~2 ms alone and more inside a step
 of ~17-40 ms (``tests/test_paged_pool_cost.py`` bounds the step's FLOPs per page of pool;
-``docs/benchmarks.md``, the paged step at two pool capacities).
+``docs/benchmarks.md``, the paged step at two pool capacities). That ``lax.cond`` is the one
+control-flow op left between a paged GPU step's kernels (issue 46,
+``tests/test_step_control_flow.py``; a conditional, its predicate read on the host): no
+exact check of a shared page named twice in a row was found without a sort, and no
+trace-time signal of the target platform that would keep the skip on a CPU only
+(``lax.platform_dependent`` still lowers a ``case`` on jax 0.10). Rows take pages in row
+order unrolled, not in a ``scan``: no loop in the step.
 Why an owner record: when two rows name one page, the table alone cannot say whose it
 is; the record can, so the row that names a page it does not own is refused and the
 owner goes on, untouched. Whatever a caller writes, a page is read or written in a call
@@ -149,12 +155,18 @@ def _fault_code(*flags):
     return code
 
 
-def _take_pages(left, row):
-    """One row's turn of ``reserve``: it takes its pages if they are all free. Module
-    level, so jax's trace cache hits and an eager step compiles no new ``scan``."""
-    need_b, bad_b = row
-    ok_b = ~bad_b & (need_b <= left)
-    return left - jnp.where(ok_b, need_b, 0), ok_b
+def _take_in_row_order(left, need, bad):
+    """``(left, ok)``: rows take ``need [R]`` pages from ``left`` free ones in row order,
+    each all or nothing (``ok[b]``: not ``bad[b]`` and its pages all free after the rows
+    before it took theirs). Unrolled over the rows, a few scalar ops each: no loop between
+    a GPU step's kernels (a ``lax.scan`` before issue 46, a ``while`` in every step, one
+    iteration even at one row)."""
+    ok = []
+    for b in range(need.shape[0]):
+        ok_b = ~bad[b] & (need[b] <= left)
+        left = left - jnp.where(ok_b, need[b], 0)
+        ok.append(ok_b)
+    return left, jnp.stack(ok)
 
 
 def _twice_in_row(key, mine):
@@ -170,8 +182,8 @@ def _twice_in_row(key, mine):
 
 
 def _none_twice(key, mine):
-    """``_twice_in_row``'s other branch (no shared page: nothing to sort). Module level, as
-    ``_take_pages``, so an eager check compiles no new ``cond``."""
+    """``_twice_in_row``'s other branch (no shared page: nothing to sort). Module level, so
+    jax's trace cache hits and an eager check compiles no new ``cond``."""
     return mine & False
 
 
@@ -286,7 +298,7 @@ class PageTable:
         skip = bad | too_long
         need = jnp.where(skip, 0, self.pages_needed(new_len) - have)
 
-        left, ok = jax.lax.scan(_take_pages, self.n_free, (need, skip))
+        left, ok = _take_in_row_order(self.n_free, need, skip)
         status = jnp.where(bad, BAD_TABLE, jnp.where(too_long, TOO_LONG, jnp.where(ok, OK, NO_FREE_PAGES)))
         got = jnp.where(ok, need, 0)
         # Pages are popped one by one from the top: the k-th new page of row b is stack
@@ -458,7 +470,7 @@ class PageTable:
                                   jnp.take(active, s) | (lengths <= 0) | (lengths > src_len))
         partial = lengths % ps != 0
         need = jnp.where(partial, 1, 0).astype(jnp.int32)
-        left, taken = jax.lax.scan(_take_pages, self.n_free, (need, ~active | broken | bad))
+        left, taken = _take_in_row_order(self.n_free, need, ~active | broken | bad)
         ok = active & ~broken & ~bad & taken
         status = jnp.where(~active, OK, jnp.where(broken, BAD_TABLE, jnp.where(
             bad, BAD_FORK, jnp.where(ok, OK, NO_FREE_PAGES)))).astype(jnp.int32)

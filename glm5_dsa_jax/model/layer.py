@@ -612,10 +612,15 @@ class DsaAttention(nnx.Module):
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int, stream: bool = False) -> jax.Array:
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
-        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids). When every
-        query of the tile is such, the scoring and the top-k are skipped (a ``lax.cond``:
-        one program, whichever side rows are on); otherwise the tile is scored and the
-        short queries still take those ids. Scoring is ``score_and_select`` where ``"xla"``
+        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids), chosen by a
+        ``where`` over the scored ids. The Pallas and Mosaic kernels always score the tile,
+        without control flow between the kernels (issue 46: a ``lax.cond`` is a
+        conditional in every GPU step, its predicate read on the host); a short context
+        costs them little, as they skip the pool tiles past the live pools. ``"xla"``, whose
+        selection is a loop anyway (``score_and_select``) and whose ``score_pools`` reads
+        every pool of the capacity, skips the scoring and the top-k under a ``lax.cond``
+        when every query of the tile is short (one program, whichever side rows are on).
+        Scoring is ``score_and_select`` where ``"xla"``
         reads the live pools only (a decode step; every tile where the cache says so,
         ``STREAM_PREFILL``, or the caller: ``stream``), else ``select_pools`` of
         ``score_pools`` bounded by the cache's ``live_pools``."""
@@ -630,7 +635,9 @@ class DsaAttention(nnx.Module):
                 pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
             return jnp.where(short[..., None], every, pools)
 
-        return jax.lax.cond(short.all(), lambda: every, scored)
+        if self.implementation == "xla":
+            return jax.lax.cond(short.all(), lambda: every, scored)
+        return scored()
 
     def all_pools(self, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 of a short query: ``[B, Q, select_k]`` every candidate among the first
