@@ -76,7 +76,10 @@ def lowered_decode_step(batch: int, context: int, cache_kind: str, page: int = 6
     x = jax.ShapeDtypeStruct((batch, 1, cfg.hidden_size), jnp.bfloat16)
     m = jax.ShapeDtypeStruct((batch, 1), jnp.bool_)
     with use_abstract_mesh(pk.cuda_mesh("h100", (1,), ("x",))):
-        lowered = step.jitted(cache).trace(params, x, m, cache, None).lower(lowering_platforms=("cuda",))
+        # What the step reads for one row (abstract parameters: the GPU product policy's
+        # contraction-last copies, ``cpu_policy``).
+        lowered = step.jitted(cache).trace(step.compute_params(params, batch), x, m, cache, None).lower(
+            lowering_platforms=("cuda",))
     return lowered.as_text()
 
 
