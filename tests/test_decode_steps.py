@@ -18,7 +18,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.decode import DsaDecoder, PagedDecoder
-from jax._src import dispatch
+from jax._src import core
 
 N = 5  # decode steps
 
@@ -106,25 +106,27 @@ def test_paged_steps_refused_before_anything_runs(cfg):
 
 @contextlib.contextmanager
 def counted_dispatch():
-    """A list of the eager primitives run inside the block (``dispatch.apply_primitive``),
-    and a list of the XLA compilations."""
+    """A list of the eager primitives run inside the block (every primitive bound outside a
+    trace, ``core.EvalTrace.process_primitive``, but a jitted program's own ``jit`` /
+    ``pjit``), and a list of the XLA compilations."""
     ops, compiles = [], []
-    real = dispatch.apply_primitive
+    real = core.EvalTrace.process_primitive
 
-    def counting(prim, *args, **params):
-        ops.append(prim.name)
-        return real(prim, *args, **params)
+    def counting(self, primitive, args, params, /):
+        if primitive.name not in ("jit", "pjit"):
+            ops.append(primitive.name)
+        return real(self, primitive, args, params)
 
     def listener(event, duration, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
-    dispatch.apply_primitive = counting
+    core.EvalTrace.process_primitive = counting
     try:
         yield ops, compiles
     finally:
-        dispatch.apply_primitive = real
+        core.EvalTrace.process_primitive = real
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
@@ -139,6 +141,9 @@ def test_a_call_dispatches_only_its_program(cfg, kind):
     # A paged call reads its mask on the host (the room check before donation); a
     # contiguous one reads nothing.
     guard = jax.transfer_guard("disallow") if kind == "contiguous" else jax.transfer_guard_host_to_device("disallow")
+    with counted_dispatch() as (ops, compiles):
+        jnp.ones(2) + 1  # the count sees an eager op
+    assert ops
     with counted_dispatch() as (ops, compiles), guard:
         for _ in range(3):
             dec(x, mask)
