@@ -9,7 +9,8 @@ cache), one row each:
 * ``per call``: the median time of one step called from Python and waited for (what
   ``bench decode`` times), the cache threaded and donated;
 * ``in loop``: one step inside a program of ``n`` and ``2n`` steps (``timing.step_loop_ms``:
-  unrolled, the cache threaded), the device's own time per step;
+  unrolled, the cache threaded), the device's own time per step (none where the machine's
+  noise exceeded ``n`` steps);
 * ``steps(n)``: ``DsaDecoder.steps`` over ``n`` tokens, per token, where the decoder has it;
 * ``kernels``: the compiled step's kernels and control ops (fusions, custom calls, copies,
   conditionals and loops, counted into the branches and bodies:
@@ -137,7 +138,6 @@ class Run:
         if pk.jax_version() >= timing.IN_LOOP_MIN_JAX:
             loop, cache = timing.step_loop_ms(step.jitted(cache), step.compute_params(self.params, batch),
                                               x, m, cache, n, a.reps)
-            loop = loop or None  # T(2n) <= T(n): noise larger than the steps; no reading
         self.add(kernel="step", name="in loop", **common, time_ms=loop, floor_ms=floor,
                  x_floor=None if loop is None else loop / floor,
                  check="-" if loop is None else _ratio_check(loop / floor, FLOOR_TARGET, "in loop / floor"))
@@ -185,7 +185,6 @@ class Run:
         if pk.jax_version() >= timing.IN_LOOP_MIN_JAX:
             as_step = lambda p, h, _m, c: (lambda o, c2: (o, None, c2))(*dense(p, h, c))  # noqa: E731
             loop, dcache = timing.step_loop_ms(as_step, dp, x, None, dcache, n, self.args.reps)
-            loop = loop or None
         dense_ms = loop if loop else t_call
         dfloor = self.floor_ms(batch, context, dense=True)
         self.add(kernel="step", name="dense fit", **common, time_ms=dense_ms, per_call_ms=t_call,

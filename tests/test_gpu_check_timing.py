@@ -83,6 +83,28 @@ def test_step_program_equals_the_steps_called_one_by_one():
     assert int(many.length) == 3
 
 
+def test_step_loop_ms_reads_a_step_that_costs_time():
+    """A step that costs milliseconds (a chain of 384-square products, its "cache" the
+    carried matrix) reads positive in one program, below its time a call from Python
+    (which adds the dispatch), and the cache comes back advanced by every run's steps."""
+    def step(p, h, m, c):
+        for _ in range(8):
+            c = jnp.tanh(c @ p)
+        return h, None, c
+
+    p = jax.random.normal(jax.random.key(0), (384, 384), jnp.float32) / 20.0
+    c0 = jnp.eye(384, dtype=jnp.float32)
+    one = jax.jit(step)
+    jax.block_until_ready(one(p, 0.0, None, c0))
+    call = min(timing._best_s(lambda: jax.block_until_ready(one(p, 0.0, None, c0)), 5) for _ in range(2)) * 1e3
+    ms, cache = timing.step_loop_ms(step, p, jnp.float32(0.0), None, c0 + 0.0, n=4, reps=3)  # donated
+    assert ms is not None and 0.0 < ms < 1.5 * call, (ms, call)
+    want = c0
+    for _ in range(3 * 4 * (3 + 1)):  # n and 2n steps, each program run reps + 1 times
+        want = step(p, 0.0, None, want)[2]
+    np.testing.assert_allclose(np.asarray(cache), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
 def test_device_rates_take_the_gpu_table(monkeypatch):
     """On a GPU the roofline's table names (an H200: its datasheet bandwidth and bf16 rate),
     a floor is timed at the table's rates, not at a small measurement below them; a

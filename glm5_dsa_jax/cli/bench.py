@@ -20,6 +20,11 @@ from glm5_dsa_jax.cli.host import need_devices
 from glm5_dsa_jax.tools import bench, bench_cp, bench_train
 
 
+def _num(v, width: int, digits: int) -> str:
+    """``v`` in a column of ``width``, or a dash where there is no reading (None)."""
+    return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
+
+
 def add_parser(sub) -> None:
     """``glm5-dsa bench``: benchmarks of one DSA layer on this host's devices: ``decode`` (a
     decode step against dense MLA) and ``train`` (forward + backward against the dense-mask
@@ -185,7 +190,7 @@ def main(args) -> int:
     for r in res["rows"]:
         fl = (f"{r['floor_read_ms']:8.2f} {r['floor_compute_ms']:8.2f} {r['floor_ms']:9.2f} {r['x_floor']:8.2f}"
               if "floor_ms" in r else f"{'':>8} {'':>8} {'':>9} {'':>8}")
-        loop = f" {r['loop_ms']:9.3f} {r.get('x_floor_loop', float('nan')):8.2f}" if "loop_ms" in r else ""
+        loop = (f" {_num(r['loop_ms'], 9, 3)} {_num(r.get('x_floor_loop'), 8, 2)}" if "loop_ms" in r else "")
         print(f"{r['impl']:<12} {r['cache']:<10} {r.get('cache_dtype', 'bfloat16'):<13} {r['batch']:>5} "
               f"{r['context']:>8} {r['capacity']:>9} {r['median_ms']:10.2f} {fl}{loop}")
     print(f"\n{res['cache']} {res['cache_dtype']} cache bytes per token: {res['cache_bytes_per_token']:.1f}")

@@ -612,18 +612,11 @@ class DsaAttention(nnx.Module):
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int, stream: bool = False) -> jax.Array:
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
-        candidate, ascending (``all_pools``, exactly ``topk_pools``' ids), chosen by a
-        ``where`` over the scored ids. The Pallas and Mosaic kernels always score the tile,
-        without control flow between the kernels (issue 46: a ``lax.cond`` is a
-        conditional in every GPU step, its predicate read on the host); a short context
-        costs them little, as they skip the pool tiles past the live pools. ``"xla"``, whose
-        selection is a loop anyway (``score_and_select``) and whose ``score_pools`` reads
-        every pool of the capacity, skips the scoring and the top-k under a ``lax.cond``
-        when every query of the tile is short (one program, whichever side rows are on).
-        Scoring is ``score_and_select`` where ``"xla"``
-        reads the live pools only (a decode step; every tile where the cache says so,
-        ``STREAM_PREFILL``, or the caller: ``stream``), else ``select_pools`` of
-        ``score_pools`` bounded by the cache's ``live_pools``."""
+        candidate, ascending (``all_pools``, ``topk_pools``' ids), picked by a ``where``.
+        The kernels always score (no control flow between kernels, issue 46). ``"xla"``
+        skips scoring under a ``lax.cond`` when every query is short; it scores by
+        ``score_and_select`` (live pools only) in a decode step, where the cache says so
+        (``STREAM_PREFILL``) or ``stream``; else ``select_pools`` of ``score_pools``."""
         n_live = cache.live_pools(q_pos)
         short = n_live <= select_k
         every = self.all_pools(cache, q_pos, select_k)

@@ -86,8 +86,8 @@ step; its floor is not the same fact).
 On a GPU (``loop_steps``, ``--loop-steps``) the whole-step rows (``sparse``, ``dense``,
 ``dense_fit``) also carry ``loop_ms``: one step inside a jitted program of ``loop_steps``
 steps and twice as many, the cache threaded (``timing.step_loop_ms``), the device's time
-without the host's, and ``x_floor_loop`` its ratio to the floor; ``median_ms`` over it is
-the host's share of a call.
+without the host's (None where the machine's noise exceeded the steps), and
+``x_floor_loop`` its ratio to the floor; ``median_ms`` over it is the host's share of a call.
 """
 
 from __future__ import annotations
@@ -514,13 +514,13 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
     for r in rows if loop_steps else ():
         if r["impl"] in ("sparse", "dense", "dense_fit") and r["cache"] == "contiguous":
             r["loop_ms"] = _loop_ms(layer, step, params, dense_step, dense_params_for, r, loop_steps, cache_dtype)
-            log(f"{r['impl']:<9} B={r['batch']:<2} ctx={r['context']:<7} in loop {r['loop_ms']:9.3f} ms")
+            log(f"{r['impl']:<9} B={r['batch']:<2} ctx={r['context']:<7} in loop {r['loop_ms'] or float('nan'):9.3f} ms")
     for r in rows:
         r.update(floor(r["impl"], r["batch"], r["context"]))
         if "floor_ms" in r:
             r["x_floor"] = r["median_ms"] / r["floor_ms"]
             if "loop_ms" in r:
-                r["x_floor_loop"] = r["loop_ms"] / r["floor_ms"]
+                r["x_floor_loop"] = None if r["loop_ms"] is None else r["loop_ms"] / r["floor_ms"]
     return {"rows": rows, "cache_bytes_per_token": bytes_per_token, "preset": preset, "capacity": capacity,
             "capacities": capacities,
             "cache": cache, "cache_dtype": cache_dtype.name,
@@ -532,9 +532,9 @@ def run(preset: str, contexts: list[int], batches: list[int], iters: int, implem
             "weight_bytes_stored": weight_bytes(cfg, jnp.dtype(layer.param_dtype).itemsize)}
 
 
-def _loop_ms(layer, step, params, dense_step, dense_params_for, row, n: int, cache_dtype) -> float:
+def _loop_ms(layer, step, params, dense_step, dense_params_for, row, n: int, cache_dtype) -> float | None:
     """A whole-step row's ``loop_ms``: its step inside one program (``timing.step_loop_ms``,
-    ``n`` steps), on a cache of its context with room for the program's steps (its own
+    ``n`` steps; None where the machine's noise exceeded them), on a cache of its context with room for the program's steps (its own
     compilation: the in-loop column does not change the per-call rows')."""
     b, ctx = row["batch"], row["context"]
     cap = ctx + 3 * n * 4 + 8
