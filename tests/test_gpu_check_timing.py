@@ -85,8 +85,10 @@ def test_step_program_equals_the_steps_called_one_by_one():
 
 def test_step_loop_ms_reads_a_step_that_costs_time():
     """A step that costs milliseconds (a chain of 384-square products, its "cache" the
-    carried matrix) reads positive in one program, below its time a call from Python
-    (which adds the dispatch), and the cache comes back advanced by every run's steps."""
+    carried matrix) reads positive in one program, and the cache comes back advanced by
+    every run's steps. (How it compares with a call from Python is not asserted here: on
+    two shared cores a neighbour's load moves either reading by 2x; the arithmetic is
+    pinned by ``test_step_loop_ms_arithmetic``.)"""
     def step(p, h, m, c):
         for _ in range(8):
             c = jnp.tanh(c @ p)
@@ -94,15 +96,25 @@ def test_step_loop_ms_reads_a_step_that_costs_time():
 
     p = jax.random.normal(jax.random.key(0), (384, 384), jnp.float32) / 20.0
     c0 = jnp.eye(384, dtype=jnp.float32)
-    one = jax.jit(step)
-    jax.block_until_ready(one(p, 0.0, None, c0))
-    call = min(timing._best_s(lambda: jax.block_until_ready(one(p, 0.0, None, c0)), 5) for _ in range(2)) * 1e3
     ms, cache = timing.step_loop_ms(step, p, jnp.float32(0.0), None, c0 + 0.0, n=4, reps=3)  # donated
-    assert ms is not None and 0.0 < ms < 1.5 * call, (ms, call)
+    assert ms is not None and ms > 0.0, ms
     want = c0
     for _ in range(3 * 4 * (3 + 1)):  # n and 2n steps, each program run reps + 1 times
         want = step(p, 0.0, None, want)[2]
     np.testing.assert_allclose(np.asarray(cache), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def test_step_loop_ms_arithmetic(monkeypatch):
+    """``(T(2n) - T(n)) / n`` in milliseconds from the least runs of the ``n``- and
+    ``2n``-step programs; None, never a zero or a negative, where ``T(2n) <= T(n)``."""
+    def step(p, h, m, c):
+        return h, None, c + 1.0
+
+    for times, want in (([0.010, 0.030], 5.0), ([0.010, 0.010], None), ([0.010, 0.009], None)):
+        seen = iter(times)
+        monkeypatch.setattr(timing, "_best_s", lambda call, reps: next(seen))
+        ms, _ = timing.step_loop_ms(step, 0.0, 0.0, None, jnp.zeros(()), n=4, reps=1)
+        assert ms == (None if want is None else pytest.approx(want)), (times, ms)
 
 
 def test_device_rates_take_the_gpu_table(monkeypatch):
