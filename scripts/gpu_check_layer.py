@@ -73,8 +73,9 @@ tokens and 16 for the gradients, implementations ``pallas_interpret`` (and
   the bf16 ones cast, and float32 compute, under ``"xla"``, on the same inputs, every dot at
   ``HIGHEST`` precision, not a GPU's TF32), ``xla`` (bf16: the baseline) and each
   implementation (bf16). Per parameter tensor ``p``,
-  ``err_i[p] = ||g_i[p] - g_f32[p]|| / ||g_f32[p]||``. **Rule**: implementation ``i`` passes when for every ``p``
-  ``err_i[p] <= max(GRAD_RATIO * err_xla[p], GRAD_FLOOR)`` (1.5, 1e-2); where ``g_f32[p]`` is
+  ``err_i[p] = ||g_i[p] - g_f32[p]|| / ||g_f32[p]||``. **Rule** (the float32 rule,
+  ``glm5_dsa_jax/tools/float32_rule.py``, which says why): implementation ``i`` passes when
+  for every ``p`` ``err_i[p] <= max(RATIO * err_xla[p], GRAD_FLOOR)`` (1.5, 1e-2); where ``g_f32[p]`` is
   exactly zero (the indexer under the output loss, every other tensor under the indexer loss),
   ``g_i[p]`` must be exactly zero; a non-finite gradient fails. The ``xla`` row itself fails
   only on a non-finite gradient or a zero pattern unlike float32's; the ``xla f32`` row fails
@@ -88,17 +89,6 @@ tokens and 16 for the gradients, implementations ``pallas_interpret`` (and
   ``pallas``: Triton calls and no Mosaic one; ``xla`` (a CPU, e.g. ``--smoke``): neither.
   ``auto`` also gets ``prefill`` / ``decode`` rows like any implementation; its other parts are
   skipped when it resolved to an implementation already in ``--impls`` (the same program).
-
-**Why float32 is the gradients' reference.** Two bf16 runs of one layer differ by ~1e-2 even
-when both are right: every product and norm is rounded to 8 bits, in each implementation's
-own order of summation. Compared with each other, rounding and a fault look alike (the first
-GPU run's ``layer grads pallas vs xla: MISMATCH (max err 2.0e-02)`` at 4K tokens could be
-either). The float32 layer on the same (bf16-valued) weights computes the same function to
-~2**-24, so each bf16 run's distance from it is that run's own error: ``"xla"``'s measures how
-far bf16 rounding alone takes this layer on these inputs, an implementation that only sums in
-another order lands about as far (within ``GRAD_RATIO``), a wrong one much farther.
-``GRAD_FLOOR`` keeps a tensor that ``"xla"`` happens to get very close from failing another
-order's ordinary rounding.
 
 Exit status: 0 when no check failed (``skipped`` rows are not failures), 1 otherwise.
 """
@@ -124,15 +114,13 @@ from flax import nnx  # noqa: E402
 
 import glm5_dsa_jax as gd  # noqa: E402
 import pallas_kernels as pk  # noqa: E402
+from glm5_dsa_jax.tools import float32_rule  # noqa: E402
 
 #: Outputs: max |out - ref| / max |ref| over valid rows (module doc).
 OUT_TOL = 2e-2
 #: Top-k: two pools whose ``"xla"`` scores are this close, relative to the row's largest
 #: |score|, are a tie at the cutoff (one bf16 ulp; another order of float32 sums is ~1e-6).
 SCORE_TIE = 2.0**-8
-#: Gradients: err_i <= max(GRAD_RATIO * err_xla, GRAD_FLOOR) per tensor (module doc).
-GRAD_RATIO = 1.5
-GRAD_FLOOR = 1e-2
 #: Prefill / decode against float32 (module doc): an implementation's output error and the
 #: share of float32's selected tokens it misses, each at most F32_RATIO times the bf16
 #: ``"xla"`` path's own or under its floor.
@@ -233,52 +221,6 @@ def judge_f32(got: dict, base: dict) -> str:
     return (f"{'ok' if ok else 'MISMATCH'} vs float32: out {got['out_err_f32']:.1e} (xla {base['out_err_f32']:.1e}, "
             f"limit {lim_out:.1e}), misses {got['miss_f32']:.2%} of its tokens (xla {base['miss_f32']:.2%}, "
             f"limit {lim_miss:.2%})")
-
-
-def grad_errors(grads: dict, ref: dict) -> dict:
-    """Per tensor ``||g - ref|| / ||ref||`` (float64); where ``ref`` is all zero: 0.0 if ``g``
-    is too, else inf; inf for a non-finite ``g`` or another shape."""
-    errs = {}
-    for k, w in ref.items():
-        g, w = np.asarray(grads[k], np.float64), np.asarray(w, np.float64)
-        if g.shape != w.shape or not np.isfinite(g).all():
-            errs[k] = math.inf
-            continue
-        norm = float(np.linalg.norm(w))
-        errs[k] = (0.0 if not g.any() else math.inf) if norm == 0.0 else float(np.linalg.norm(g - w)) / norm
-    return errs
-
-
-def global_error(grads: dict, ref: dict) -> float:
-    """``||g - ref|| / ||ref||`` over every tensor together."""
-    num = sum(float(np.sum((np.asarray(grads[k], np.float64) - np.asarray(w, np.float64)) ** 2))
-              for k, w in ref.items())
-    den = sum(float(np.sum(np.asarray(w, np.float64) ** 2)) for w in ref.values())
-    return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-
-
-def judge_grads(errs: dict, errs_xla: dict | None) -> tuple[bool, str, dict]:
-    """The module doc's rule on per-tensor errors (``grad_errors``): ``(ok, check text,
-    details)``. ``errs_xla=None`` judges the ``"xla"`` baseline itself (finite, and exactly
-    zero where float32's is)."""
-    if errs_xla is None:
-        bad = {k: e for k, e in errs.items() if not math.isfinite(e)}
-        worst = max(errs, key=errs.get)
-        details = dict(worst_param=worst, worst_err=errs[worst])
-        if bad:
-            return False, f"MISMATCH non-finite or not zero where float32's is: {sorted(bad)}", details
-        return True, f"ok (bf16 baseline: worst {worst} {errs[worst]:.1e})", details
-    limits = {k: max(GRAD_RATIO * errs_xla[k], GRAD_FLOOR) for k in errs}
-    ratio = {k: errs[k] / limits[k] for k in errs}
-    worst = max(ratio, key=ratio.get)
-    details = dict(worst_param=worst, worst_err=errs[worst], worst_err_xla=errs_xla[worst],
-                   worst_limit=limits[worst])
-    bad = sorted((k for k in errs if not errs[k] <= limits[k]), key=ratio.get, reverse=True)
-    if bad:
-        text = "; ".join(f"{k} {errs[k]:.1e} > {limits[k]:.1e} (xla {errs_xla[k]:.1e})" for k in bad[:3])
-        return False, f"MISMATCH {len(bad)} of {len(errs)} tensors: {text}", details
-    return True, (f"ok (worst {worst} {errs[worst]:.1e}, xla {errs_xla[worst]:.1e}, "
-                  f"limit {limits[worst]:.1e})"), details
 
 
 def count_kernels(text: str) -> dict:
@@ -618,11 +560,11 @@ class Runner:
                     ref = (value, grads)
                     self.add(part, impl, "reference (float32)", ms, **extra)
                     continue
-                errs = grad_errors(grads, ref[1])
-                ok, check, details = judge_grads(errs, None if impl == "xla" else base)
+                errs = float32_rule.tensor_errors(grads, ref[1])
+                ok, check, details = float32_rule.judge(errs, None if impl == "xla" else base)
                 if impl == "xla":
                     base = errs
-                self.add(part, impl, check, ms, **details, global_err=global_error(grads, ref[1]),
+                self.add(part, impl, check, ms, **details, global_err=float32_rule.global_error(grads, ref[1]),
                          value_f32=ref[0], errs={k: float(f"{e:.3g}") for k, e in errs.items()}, **extra)
             except Exception as e:  # noqa: BLE001
                 self.error(part, impl, e)

@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
 from glm5_dsa_jax.model.config import DsaConfig  # noqa: E402
-from glm5_dsa_jax.tools import bench_train, roofline  # noqa: E402
+from glm5_dsa_jax.tools import bench_train, float32_rule, roofline  # noqa: E402
 
 #: Roofline rows whose bounds add up to each kernel row's work (fwd + bwd).
 BOUND_ROWS = {
@@ -113,21 +113,6 @@ def compare(got, want, tol: float) -> tuple[bool, str]:
     return worst <= tol, f"{'ok' if worst <= tol else 'MISMATCH'} (max err {worst:.1e} of the largest)"
 
 
-#: The float32 rule (issue 47): an implementation's 16-bit gradients pass when their error
-#: against the float32 ``"xla"`` gradients is at most ``F32_RULE`` times the 16-bit
-#: ``"xla"`` path's own, or under ``F32_FLOOR`` (relative to the largest): rounding of
-#: another summation order stays within that, a fault does not.
-F32_RULE, F32_FLOOR = 1.5, 1e-3
-
-
-def against_float32(err: float, err_xla: float) -> tuple[bool, str]:
-    """The float32 rule on an implementation's error ``err`` and the 16-bit ``"xla"``
-    path's ``err_xla`` (both against the float32 reference)."""
-    ok = bool(np.isfinite(err)) and err <= max(F32_RULE * err_xla, F32_FLOOR)
-    return ok, (f"{'ok' if ok else 'MISMATCH'} vs float32: err {err:.1e}, the bf16 xla path's "
-                f"{err_xla:.1e} (allowed {max(F32_RULE * err_xla, F32_FLOOR):.1e})")
-
-
 def selection(cfg: DsaConfig, s: int, dtype, impl: str) -> dict:
     """Inputs of one sequence of ``s`` tokens (batch 1) and its selection by the forward
     pipeline under ``impl``."""
@@ -177,13 +162,16 @@ class Runner:
         log(f"  S={row['tokens']:<6} {row['kernel']:<13} {row['impl']:<17} fwd {t('fwd_us')} us  "
             f"fwd+bwd {t('fwd_bwd_us')} us  bwd {t('bwd_us')} us  {row['check']}")
 
-    def kernel(self, s: int, name: str, fwd, wrt, cotangent) -> None:
-        """Rows of ``fwd(impl)`` (a function of the ``wrt`` arrays) forward and under
-        ``jax.vjp`` with ``cotangent``, for ``"xla"`` and each implementation under test:
+    def kernel(self, s: int, name: str, fwd, wrt: dict, cotangent) -> None:
+        """Rows of ``fwd(impl)`` (a function of the ``wrt`` arrays, named by their keys)
+        forward and under ``jax.vjp`` with ``cotangent``, for ``"xla"`` and each
+        implementation under test:
         checked against ``"xla"`` (``tol``) and, for 16-bit inputs, against ``"xla"`` in
-        float32 by the float32 rule (``against_float32``)."""
+        float32 by the float32 rule (``glm5_dsa_jax.tools.float32_rule``, per operand's
+        gradient, ``KERNEL_FLOOR``), which then decides."""
         row = dict(tokens=s, batch=1, kernel=name, bound_us=self.bound_us(s, name))
-        want = ref32 = err_xla = None
+        names, wrt = tuple(wrt), tuple(wrt.values())
+        want = ref32 = errs_xla = None
         if jnp.dtype(self.args.dtype).itemsize == 2 and not self.out_of_time():
             f32 = lambda a: jax.tree.map(lambda x: x.astype(jnp.float32), a)  # noqa: E731
             try:
@@ -206,23 +194,25 @@ class Runner:
                     traceback.print_exc(file=sys.stderr)
                 self.add(**row, impl=impl, check=f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}")
                 continue
-            check, err32 = "reference", None
+            check, errs32 = "reference", None
             if ref32 is not None:
-                err32 = rel_error(got, ref32)
+                errs32 = float32_rule.tensor_errors(dict(zip(names, got)), dict(zip(names, ref32)))
             if impl == "xla":
-                want, err_xla = got, err32
-                if err32 is not None:
-                    check = f"reference (err vs float32 {err32:.1e})"
+                want, errs_xla = got, errs32
+                if errs32 is not None:  # the baseline: finite, zero where float32's is
+                    ok, rule, _ = float32_rule.judge(errs32, None)
+                    check = f"reference, vs float32: {rule}"
+                    self.failed |= not ok
             elif want is not None:
                 ok, check = compare(got, want, self.tol)
-                if err32 is not None and err_xla is not None:
+                if errs32 is not None and errs_xla is not None:
                     # the float32 rule decides; the bf16 comparison is reported beside it
-                    ok, rule = against_float32(err32, err_xla)
-                    check = f"{rule}; vs bf16 xla: {check}"
+                    ok, rule, _ = float32_rule.judge(errs32, errs_xla, float32_rule.KERNEL_FLOOR)
+                    check = f"{rule} vs float32; vs bf16 xla: {check}"
                 self.failed |= not ok
             self.add(**row, impl=impl, fwd_us=t_fwd * 1e6, fwd_bwd_us=t_all * 1e6,
                      bwd_us=(t_all - t_fwd) * 1e6, compile_s=round(c0 + c1, 2), check=check,
-                     err_f32=err32)
+                     errs_f32=errs32 and {k: float(f"{e:.3g}") for k, e in errs32.items()})
 
     def run_tokens(self, s: int) -> None:
         cfg, dt = self.cfg, jnp.dtype(self.args.dtype)
@@ -235,10 +225,10 @@ class Runner:
                 return lambda q, lat: f(q, lat, inp["ids"])
             return lambda q, lat: by_query_tiles(f, REFERENCE_TILE, q, lat, inp["ids"])
 
-        self.kernel(s, "sparse_mla", mla, (inp["q"], inp["latent"]), inp["d_out"])
+        self.kernel(s, "sparse_mla", mla, dict(q=inp["q"], latent=inp["latent"]), inp["d_out"])
         self.kernel(s, "index_scores", lambda impl: (lambda qi, w, pooled: pk.index_scores(
             qi, w, pooled, inp["pool_valid"], inp["first_key"], inp["q_pos"], kpool=cfg.index_kpool,
-            implementation=impl)), (inp["qi"], inp["w"], inp["pooled"]), inp["d_scores"])
+            implementation=impl)), dict(q=inp["qi"], w=inp["w"], pooled=inp["pooled"]), inp["d_scores"])
 
     def layer(self) -> None:
         a = self.args

@@ -17,7 +17,7 @@ from flax import nnx
 
 import glm5_dsa_jax as gd
 import pallas_kernels as pk
-from glm5_dsa_jax.tools import bench, bench_train
+from glm5_dsa_jax.tools import bench, bench_train, float32_rule
 from glm5_dsa_jax.cli import main
 from glm5_dsa_jax.decode import make_step
 from helpers import f32_layer
@@ -172,18 +172,27 @@ def test_train_indexer_json_resume_and_refusals(tmp_path, capsys):
 @pytest.mark.e2e
 def test_gpu_check_train_runs_on_cpu():
     """The training rows of scripts/gpu_check.py (scripts/gpu_check_train.py) on tiny shapes
-    in interpret mode: selection, the kernels' vjp rows checked against xla, the layer's
-    bench rows and its gradients against xla's."""
+    in interpret mode, in bf16 as on a GPU: selection, the kernels' vjp rows judged by the
+    float32 rule (each operand's gradient; the bf16 ``"xla"`` baseline's own check) with the
+    comparison with bf16 xla beside it, the layer's bench rows and its gradients against
+    xla's."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.py")
-    r = subprocess.run([sys.executable, script, "--train", "--smoke", "--tokens", "32", "--json"],
-                       capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run([sys.executable, script, "--train", "--smoke", "--tokens", "32", "--dtype", "bfloat16",
+                        "--json"], capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["ok"] and res["preset"] == "tiny" and res["tokens"] == [32] and res["impl"] == ["pallas_interpret"]
     checks = {(row["kernel"], row["impl"]): row["check"] for row in res["rows"]}
-    for kernel in ("sparse_mla", "index_scores", "layer grads"):
-        assert checks[kernel, "pallas_interpret"].startswith("ok (max err"), (kernel, checks)
+    errs = {(row["kernel"], row["impl"]): row.get("errs_f32") for row in res["rows"]}
+    for kernel, operands in (("sparse_mla", {"q", "latent"}), ("index_scores", {"q", "w", "pooled"})):
+        assert checks[kernel, "xla"].startswith("reference, vs float32: ok (bf16 baseline"), checks
+        assert checks[kernel, "pallas_interpret"].startswith("ok (worst "), checks
+        assert "vs float32; vs bf16 xla: ok (max err" in checks[kernel, "pallas_interpret"], checks
+        assert set(errs[kernel, "pallas_interpret"]) == operands and all(
+            0 < e <= max(float32_rule.RATIO * errs[kernel, "xla"][k], float32_rule.KERNEL_FLOOR)
+            for k, e in errs[kernel, "pallas_interpret"].items()), errs
+    assert checks["layer grads", "pallas_interpret"].startswith("ok (max err"), checks
     assert {("layer", "sparse"), ("layer", "dense_mask")} <= set(checks)
     for row in res["rows"]:
         if row["kernel"] in ("sparse_mla", "index_scores"):

@@ -35,7 +35,8 @@ differs there, ``test_hf_parity``'s module doc). What is checked:
   and parameter gradients bit-identical to a batch with other padding values.
 * Two runs bit-identical (jitted and eager); eager ``nnx.grad`` equals the jitted one.
 * bfloat16 parameters: gradients in bfloat16, finite, within ``BF16_PARAMS`` of the float32
-  layer holding the same (rounded) weights.
+  layer holding the same (rounded) weights; the kernels' gradients right by the float32
+  rule (within ``float32_rule.RATIO`` of bf16 ``"xla"``'s distance from float32).
 * Memory: the compiled memory analysis of a training step's gradient at GLM-5.3-Flash
   dims (abstract parameters, nothing allocated): temporary bytes per token grow at most
   ``MEMORY_GROWTH`` from 4K to 16K tokens.
@@ -52,6 +53,7 @@ from flax import nnx
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.model import remat
 from glm5_dsa_jax.model.weights import arrays_to_hf
+from glm5_dsa_jax.tools import float32_rule
 from helpers import ATOL, F32_REORDER, dp_mesh, f32_layer, padded_batch, tiny8, tp_mesh
 from pallas_kernels._common import MOSAIC_MIN_JAX, jax_version
 
@@ -341,6 +343,43 @@ def test_bf16_parameters(data, reference):
     assert_close_scaled({k: g for k, g in grads.items() if not is_indexer(k)},
                         {k: g for k, g in want.items() if not is_indexer(k)}, BF16_PARAMS, "bf16 ")
     assert all(not g.astype(np.float32).any() for k, g in grads.items() if is_indexer(k))
+
+
+@pytest.fixture(scope="module")
+def bf16_grads(data, reference):
+    """``(run, ref32)``: ``run(impl) -> (topk, {path: grad})`` of the bfloat16 layer under
+    ``impl`` on the reference's weights rounded to bf16, and the float32 layer's gradients
+    on those same (rounded) weights."""
+    x, mask, _ = data
+    rounded = {k: v.astype(jnp.bfloat16) for k, v in flat(reference["params"]).items()}
+    (_, _), (ref32, _) = reference["f"](
+        with_leaves(reference["params"], {k: v.astype(np.float32) for k, v in rounded.items()}),
+        x, mask, reference["ct"])
+
+    def run(impl):
+        f, params = grad_fn(make(impl, dtype=jnp.bfloat16))
+        (_, topk), (grads, _) = f(with_leaves(params, rounded), x, mask, reference["ct"])
+        return np.asarray(topk), flat(grads)
+
+    return run, {"/".join(k): g for k, g in flat(ref32).items()}
+
+
+@pytest.mark.parametrize("implementation", IMPLS[1:])
+def test_bf16_kernels_by_the_float32_rule(bf16_grads, implementation):
+    """The kernels' bfloat16 gradients judged by the float32 rule
+    (``glm5_dsa_jax.tools.float32_rule``, ``GRAD_FLOOR``): every tensor within ``RATIO`` of
+    bf16 ``"xla"``'s distance from float32 (or the floor), exactly zero where float32's is
+    (the indexer under the output loss); the same selection as ``"xla"``."""
+    run, ref32 = bf16_grads
+    xla_topk, xla = run("xla")
+    topk, got = run(implementation)
+    np.testing.assert_array_equal(topk, xla_topk)
+    name = lambda g: {"/".join(k): v for k, v in g.items()}  # noqa: E731
+    ok, check, d = float32_rule.against_float32(name(got), name(xla), ref32)
+    assert ok, check
+    errs = d["errs"]
+    assert all(e == 0.0 for k, e in errs.items() if k.startswith("indexer/")), errs  # zero as float32's
+    assert all(e > 0 for k, e in errs.items() if not k.startswith("indexer/")), errs  # compared, not zeros
 
 
 # ---------------------------------------------------------------------------- memory
