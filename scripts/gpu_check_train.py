@@ -14,7 +14,10 @@ selection comes from the forward pipeline (``kpool_compress``, ``index_scores``,
 * ``sparse_mla``: ``fwd_us`` the jitted forward, ``fwd_bwd_us`` the jitted ``jax.vjp`` of it
   w.r.t. ``q`` and ``latent`` applied to a random ``d_out``, ``bwd_us`` their difference;
   the gradients checked against ``implementation="xla"``'s (``check``; the ``"xla"`` row
-  runs in tiles of ``REFERENCE_TILE`` queries, as its gathered rows would not fit whole);
+  runs in tiles of ``REFERENCE_TILE`` queries, as its gathered rows would not fit whole)
+  and, for 16-bit operands, by the float32 rule (``glm5_dsa_jax.tools.float32_rule``: each
+  operand's gradient within ``RATIO`` of bf16 ``"xla"``'s distance from float32 ``"xla"``,
+  or ``KERNEL_FLOOR``; ``errs_f32`` per operand), which then decides;
 * ``index_scores``: the same w.r.t. ``q``, ``w`` and ``pooled``, for a random ``d_scores``
   on the candidates (0 elsewhere, as an indexer loss gives);
 * ``layer``: ``glm5_dsa_jax.tools.bench_train`` (``glm5-dsa bench train``'s rows: the
