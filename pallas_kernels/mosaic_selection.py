@@ -19,8 +19,9 @@ ones do in SMEM). Two paths, as the Triton kernels, chosen by ``P``
   pools: decode up to 32K tokens at ``index_kpool`` 4, prefill tiles);
 * multi-program: one CTA per ``split_p``-pool segment of every row, a counting launch per
   pass and one compaction launch, the per-row decisions between them made by small XLA ops
-  on per-segment counts, exactly as ``radix_select.segmented_select`` (so a batch-1 decode
-  over a 1M-token row spreads over 128 CTAs instead of one).
+  on per-segment counts, as ``radix_select.segmented_select`` did before it folded them into
+  its kernels (issue 46; the same counts and the same result: a batch-1 decode over a
+  1M-token row spreads over 128 CTAs instead of one).
 
 Why this form (jax 0.12.0.1's Mosaic GPU array language, read from its lowering rules):
 
@@ -248,7 +249,8 @@ def _select_kernel(s_ref, live_ref, o_ref, tile_smem, *, plmgpu, n_pools, select
 
 
 # -- the multi-program path: one CTA per (row, split_p-pool segment) ----------------------
-# As radix_select's segmented_select: a counting launch per pass writes per-segment counts
+# As radix_select's segmented_select before issue 46 (which folds each pass in its next
+# launch's programs): a counting launch per pass writes per-segment counts
 # of each candidate, XLA sums them and picks the digit; the per-segment counts of key > T
 # and key == T fall out of the passes; XLA turns them into each segment's first output
 # slot and tie rank; one compaction launch writes every segment's ids. XLA then writes -1

@@ -13,11 +13,12 @@ row's selected pool ids ascending in one compaction pass. Two paths, chosen by
   program per row would leave the GPU idle at batch-1 decode (at 1M tokens one program
   would stream 1 MiB nine times while the other SMs wait); here every pass is a launch of
   ``rows * cdiv(P, split_p)`` programs (128 per row at 262,144 pools) that each count their
-  segment, and small XLA ops merge the per-segment counts between launches. The
-  threshold's per-segment split (how many keys above ``T`` and equal to ``T`` each segment
-  holds) falls out of the passes' own counts, so the compaction is also one parallel
-  launch, each segment writing its ids from its own output slot and tie rank (exclusive
-  prefix sums in pool order).
+  segment, after each has read the previous launch's per-segment counts of its row and
+  picked the digit itself: nothing runs between the launches (``32 / radix_bits + 1``
+  kernels a select, no XLA op). The threshold's per-segment split (how many keys above
+  ``T`` and equal to ``T`` each segment holds) falls out of the passes' own counts, so the
+  compaction is also one parallel launch, each segment writing its ids from its own output
+  slot and tie rank (exclusive prefix sums in pool order).
 
 Invariants: both paths compute the same ``T``, take the same "first ``select_k - #above``
 ties in pool order" and write the same ascending slots as ``topk_pools_reference``, bit for
@@ -193,40 +194,50 @@ def one_program_select(flat, live, select_k, *, interpret, block_p, radix_bits,
 
 # --------------------------------------------------------------------------------------
 # The multi-program path (long rows): the same radix select, with each row cut into
-# ``split_p``-pool segments, one program per (row, segment), and the per-row decisions
-# between passes made by small XLA ops on per-segment counts.
+# ``split_p``-pool segments, one program per (row, segment), and no XLA work between the
+# launches (issue 46: each XLA op between them was one more kernel and gap a step; a
+# batch-8 decode at 128K ran 4 kernels a pass, 37 for the select, now 9).
 #
 # * ``_count_kernel`` (one launch per radix pass, ``32 / radix_bits`` launches): program
-#   (r, s) streams segment s of row r in ``block_p`` tiles and writes, for each of the
-#   ``2**radix_bits`` candidate keys of row r (computed by XLA from the prefix found so
-#   far, exactly as the one-program kernel does), the number of its keys >= the
-#   candidate. XLA sums over segments and picks the digit by the one-program rule.
-# * Per-segment split of the threshold ``T``: the per-segment count of ``key > T`` is the
-#   largest per-segment count of any tested candidate whose *row* count is < select_k
-#   (those candidates are exactly the tested ones above ``T``, the smallest of them is
-#   ``T + 1``, and counts fall as the candidate rises), and the per-segment count of
-#   ``key >= T`` is the last pass's count at ``T`` itself (the last pass tests ``T``).
-#   So the per-segment counts of ``key > T`` and ``key == T`` come free with the passes.
-# * XLA turns them into per-segment bases, by exclusive ``cumsum`` over segments in pool
-#   order: the number of ``== T`` keys before the segment (their tie rank) and the number
-#   of pools the row takes before the segment (its first output slot).
-# * ``_compact_kernel`` (one launch): program (r, s) does the one-program compaction on its
-#   segment, starting from those bases, into an output prefilled with ``-1`` (aliased:
-#   every slot below the row's taken count is written by exactly one lane, the rest keep
-#   ``-1``). So the ids come out ascending and the selected set is the reference's, tie
-#   rule included, bit for bit.
+#   (r, s) first **folds the previous pass** (``_fold``): it reads the previous launch's
+#   per-segment counts of row r (``[n_seg, 2**radix_bits]``, a few KiB), sums them over
+#   segments and picks the digit by the one-program rule, exactly as every other program
+#   of row r does (the same integers in the same order: the same digit). Then it streams
+#   its segment in ``block_p`` tiles and writes, for each of the ``2**radix_bits``
+#   candidates ``prefix | j << shift``, the number of its keys >= the candidate, and its
+#   state ``(prefix, n_gt, gt_seg)`` for the next launch.
+# * Per-segment split of the threshold ``T``: the per-segment count of ``key > T``
+#   (``gt_seg``) is the largest per-segment count of any tested candidate whose *row*
+#   count is < select_k (those candidates are exactly the tested ones above ``T``, the
+#   smallest of them is ``T + 1``, and counts fall as the candidate rises), and the
+#   per-segment count of ``key >= T`` is the last pass's count at ``T`` itself (the last
+#   pass tests ``T``). So the per-segment counts of ``key > T`` and ``key == T`` come free
+#   with the passes; each program carries its own segment's ``gt_seg``.
+# * ``_compact_kernel`` (one launch): program (r, s) folds the last pass, then computes
+#   from every segment's counts and states of row r their ``key == T`` and taken counts,
+#   and from them, by exclusive prefix sums over segments in pool order, its own bases:
+#   the number of ``== T`` keys before its segment (their tie rank) and the number of
+#   pools the row takes before it (its first output slot). It compacts its segment as the
+#   one-program kernel does, and the row's last program writes ``-1`` into the slots from
+#   the row's taken count on (disjoint from every scattered slot). So the ids come out
+#   ascending and the selected set is the reference's, tie rule included, bit for bit.
 #
 # Passes over the scores: ``32 / radix_bits`` counting + 1 compaction, as on the
 # one-program path, but spread over ``rows * cdiv(P, split_p)`` programs per launch.
 # Live bound: segments past a row's ``live`` run no tile (they write zero counts and no
-# id); XLA adds ``dead_counts`` to the row counts. The dead pools are ``-inf``, so never
-# above ``T`` (``T >= NEG_INF_KEY``: a row has ``P >= select_k`` keys, none below it) and
-# absent from the per-segment ``key > T`` counts, as they should be; they are missing from
-# the per-segment ``key == T`` counts only when ``T`` is ``-inf``, where no tie is taken.
+# id); every fold adds ``dead_counts`` to the row counts. The dead pools are ``-inf``, so
+# never above ``T`` (``T >= NEG_INF_KEY``: a row has ``P >= select_k`` keys, none below it)
+# and absent from the per-segment ``key > T`` counts, as they should be; they are missing
+# from the per-segment ``key == T`` counts only when ``T`` is ``-inf``, where no tie is
+# taken.
 #
-# Tiles past the row end load as ``INT_MIN`` keys (see above); every load is in bounds
-# or masked, with a dynamic start (jax >= 0.12 bounds-checks static slices).
+# The per-segment arrays have ``n_seg_p = next_power_of_two(n_seg)`` segment rows (Triton
+# loads power-of-two blocks; jax >= 0.12 bounds-checks static slices): rows ``>= n_seg``
+# are never written and every read of them is masked to 0. Tiles past the row end load as
+# ``INT_MIN`` keys (see above); every load is in bounds or masked, with a dynamic start.
 # --------------------------------------------------------------------------------------
+
+_STATE = 4  # per (row, segment): prefix, n_gt, gt_seg, 0 (a power-of-two vector)
 
 
 def _segment_tiles(live, split_p, block_p):
@@ -244,11 +255,54 @@ def _load_tile_keys(s_ref, row, start, n_pools, block_p, **load_kw):
     return pool, jnp.where(valid, order_key(s), jnp.int32(_INT_MIN))
 
 
-def _count_kernel(s_ref, live_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n_digits):
+def _lane(x, i):
+    """``x[..., i]`` for an ``i`` known or traced, as a masked sum (no slicing of a value in
+    a Triton kernel)."""
+    return jnp.sum(jnp.where(jnp.arange(x.shape[-1], dtype=jnp.int32) == i, x, 0), axis=-1)
+
+
+def _fold(c_ref, st_ref, row, n_seg, n_dead, *, select_k, n_digits, shift):
+    """Fold the previous pass (candidates ``prefix | j << shift``) of ``row`` from every
+    segment's counts ``c_ref`` and states ``st_ref``: ``(prefix with that pass's digit,
+    n_gt, [n_seg_p] gt_seg of every segment, [n_seg_p, n_digits] counts, digit)``."""
+    n_seg_p = c_ref.shape[1]
+    live_seg = jnp.arange(n_seg_p, dtype=jnp.int32) < n_seg
+    counts = plgpu.load(c_ref.at[row], mask=live_seg[:, None], other=0)  # [n_seg_p, n_digits]
+    state = plgpu.load(st_ref.at[row], mask=live_seg[:, None], other=0)  # [n_seg_p, _STATE]
+    prefix = _lane(_lane(state.T, 0), 0)  # the row's values: segment 0's copy (every
+    n_gt = _lane(_lane(state.T, 0), 1)  # segment of the row holds the same)
+    gt_seg = _lane(state, 2)
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+    cand = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)
+    row_counts = jnp.sum(counts, axis=0) + dead_counts(cand, n_dead)
+    enough = row_counts >= select_k  # candidate <= T
+    digit = jnp.sum(enough.astype(jnp.int32)) - 1
+    n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, row_counts)))
+    gt_seg = jnp.maximum(gt_seg, jnp.max(jnp.where(enough[None, :], 0, counts), axis=1))
+    return prefix | (digit << shift), n_gt, gt_seg, counts, digit
+
+
+def _count_kernel(s_ref, live_ref, *refs, n_pools, split_p, block_p, radix_bits, shift,
+                  select_k, n_seg):
+    if len(refs) == 4:  # a later pass: fold the previous one first
+        c_ref, st_ref, o_ref, so_ref = refs
+    else:
+        (o_ref, so_ref), c_ref = refs, None
     row = pl.program_id(0)
+    seg = pl.program_id(1)
     live = jnp.clip(live_ref[row], 0, n_pools)
     seg_start, n_tiles = _segment_tiles(live, split_p, block_p)
-    cand = c_ref[row, pl.ds(0, n_digits)]
+    if c_ref is None:
+        prefix = n_gt = gt_own = jnp.int32(0)
+    else:
+        prefix, n_gt, gt_seg, _, _ = _fold(
+            c_ref, st_ref, row, n_seg, n_pools - live, select_k=select_k,
+            n_digits=1 << radix_bits, shift=shift + radix_bits,  # the previous pass's
+        )
+        gt_own = _lane(gt_seg, seg)
+    n_digits = 1 << radix_bits
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+    cand = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)
 
     def count_tile(t, counts):
         # evict_last: the next launch reads the same scores (a 1M-token row is 1 MiB: L2)
@@ -257,18 +311,38 @@ def _count_kernel(s_ref, live_ref, c_ref, o_ref, *, n_pools, split_p, block_p, n
         return counts + jnp.sum((key[:, None] >= cand[None, :]).astype(jnp.int32), axis=0)
 
     counts = jax.lax.fori_loop(0, n_tiles, count_tile, jnp.zeros((n_digits,), jnp.int32))
-    o_ref[row, pl.program_id(1), pl.ds(0, n_digits)] = counts
+    o_ref[row, seg, pl.ds(0, n_digits)] = counts
+    lanes = jnp.arange(_STATE, dtype=jnp.int32)
+    so_ref[row, seg, pl.ds(0, _STATE)] = jnp.where(
+        lanes == 0, prefix, jnp.where(lanes == 1, n_gt, jnp.where(lanes == 2, gt_own, 0)))
 
 
-def _compact_kernel(s_ref, live_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools, split_p,
-                    block_p, select_k):
+def _compact_kernel(s_ref, live_ref, c_ref, st_ref, o_ref, *, n_pools, split_p, block_p,
+                    select_k, n_seg, n_digits, block_k):
     row = pl.program_id(0)
     seg = pl.program_id(1)
     live = jnp.clip(live_ref[row], 0, n_pools)
     seg_start, n_tiles = _segment_tiles(live, split_p, block_p)
-    thresh = t_ref[row, 0]
-    n_take_eq = t_ref[row, 1]
 
+    # -- the last pass's fold, and every segment's share of T -------------------------
+    prefix, n_gt, gt_seg, counts, digit = _fold(
+        c_ref, st_ref, row, n_seg, n_pools - live, select_k=select_k, n_digits=n_digits,
+        shift=0,
+    )
+    thresh = prefix ^ jnp.int32(_INT_MIN)
+    n_take_eq = select_k - n_gt
+    digits = jnp.arange(n_digits, dtype=jnp.int32)
+    ge_seg = jnp.sum(jnp.where(digits[None, :] == digit, counts, 0), axis=1)  # key >= T
+    eq_seg = ge_seg - gt_seg
+    eq_before_seg = jnp.cumsum(eq_seg) - eq_seg
+    take_eq = jnp.clip(n_take_eq - eq_before_seg, 0, eq_seg)
+    take_eq = jnp.where(thresh > jnp.int32(NEG_INF_KEY), take_eq, 0)  # -inf / NaN: never
+    take_seg = gt_seg + take_eq
+    before = jnp.arange(take_seg.shape[0], dtype=jnp.int32) < seg
+    slot_base = jnp.sum(jnp.where(before, take_seg, 0))
+    eq_base = jnp.sum(jnp.where(before, eq_seg, 0))
+
+    # -- compaction of this segment ------------------------------------------------------
     def compact_tile(t, carry):
         n_sel, n_eq = carry
         pool, key = _load_tile_keys(s_ref, row, seg_start + t * block_p, live, block_p)
@@ -281,60 +355,52 @@ def _compact_kernel(s_ref, live_ref, t_ref, b_ref, _o_in_ref, o_ref, *, n_pools,
         plgpu.store(o_ref.at[row, slot], pool, mask=take)
         return n_sel + jnp.sum(take_i), n_eq + jnp.sum(eq)
 
-    jax.lax.fori_loop(0, n_tiles, compact_tile, (b_ref[row, seg, 0], b_ref[row, seg, 1]))
+    jax.lax.fori_loop(0, n_tiles, compact_tile, (slot_base, eq_base))
+
+    # -- -1 in the row's slots not filled (the row's last program) ------------------------
+    n_taken = jnp.sum(take_seg)
+    k_lanes = jnp.arange(block_k, dtype=jnp.int32)
+
+    @pl.when(seg == n_seg - 1)
+    def _fill():
+        @pl.loop(n_taken // block_k, pl.cdiv(select_k, block_k))
+        def _fill_tile(t):
+            start = t * block_k
+            slot = start + k_lanes
+            plgpu.store(
+                o_ref.at[row, pl.ds(start, block_k)],
+                jnp.full((block_k,), -1, jnp.int32),
+                mask=(slot >= n_taken) & (slot < select_k),
+            )
 
 
 def segmented_select(flat, live, select_k, *, interpret, block_p, split_p, radix_bits,
                      compiler_params):
     """The multi-program path on ``flat [rows, P]`` with ``live [rows]`` int32 (pools at or
-    past it are ``-inf``; segments past it read nothing) -> ``[rows, select_k]``."""
+    past it are ``-inf``; segments past it read nothing) -> ``[rows, select_k]``: ``32 /
+    radix_bits`` counting launches and one compaction, nothing between them."""
     n_rows, n_pools = flat.shape
-    n_dead = (n_pools - jnp.clip(live, 0, n_pools))[:, None]
     n_seg = pl.cdiv(n_pools, split_p)
+    n_seg_p = next_power_of_two(n_seg)
     n_digits = 1 << radix_bits
-    digits = jnp.arange(n_digits, dtype=jnp.int32)
-    common = dict(n_pools=n_pools, split_p=split_p, block_p=block_p)
-    count_call = pl.pallas_call(
-        functools.partial(_count_kernel, n_digits=n_digits, **common),
-        grid=(n_rows, n_seg),
-        out_shape=jax.ShapeDtypeStruct((n_rows, n_seg, n_digits), jnp.int32),
-        compiler_params=compiler_params, interpret=interpret, name="topk_pools_count",
-    )
-
-    prefix = jnp.zeros((n_rows, 1), jnp.int32)  # the threshold's biased bits found so far
-    n_gt = jnp.zeros((n_rows, 1), jnp.int32)  # the row's count of key > T
-    gt_seg = jnp.zeros((n_rows, n_seg), jnp.int32)  # the same per segment
+    common = dict(n_pools=n_pools, split_p=split_p, block_p=block_p, select_k=select_k,
+                  n_seg=n_seg)
+    per_segment = (jax.ShapeDtypeStruct((n_rows, n_seg_p, n_digits), jnp.int32),
+                   jax.ShapeDtypeStruct((n_rows, n_seg_p, _STATE), jnp.int32))
+    carry = ()
     for i in range(32 // radix_bits):
-        shift = 32 - radix_bits * (i + 1)
-        cand = (prefix | (digits << shift)[None, :]) ^ jnp.int32(_INT_MIN)
-        seg_counts = count_call(flat, live, cand)  # [rows, n_seg, n_digits]
-        counts = jnp.sum(seg_counts, axis=1) + dead_counts(cand, n_dead)
-        enough = counts >= select_k  # candidate <= T
-        digit = jnp.sum(enough.astype(jnp.int32), axis=-1, keepdims=True) - 1
-        n_gt = jnp.maximum(n_gt, jnp.max(jnp.where(enough, 0, counts), -1, keepdims=True))
-        gt_seg = jnp.maximum(gt_seg, jnp.max(jnp.where(enough[:, None, :], 0, seg_counts), -1))
-        prefix = prefix | (digit << shift)
-    thresh = prefix ^ jnp.int32(_INT_MIN)
-    ge_seg = jnp.take_along_axis(seg_counts, digit[:, :, None], axis=-1)[..., 0]  # key >= T
-    eq_seg = ge_seg - gt_seg
-    eq_before = jnp.cumsum(eq_seg, axis=1) - eq_seg
-    n_take_eq = select_k - n_gt
-    take_eq = jnp.clip(n_take_eq - eq_before, 0, eq_seg)
-    take_eq = jnp.where(thresh > NEG_INF_KEY, take_eq, 0)  # -inf / NaN are never taken
-    take_seg = gt_seg + take_eq
-    slot_before = jnp.cumsum(take_seg, axis=1) - take_seg
-
+        carry = pl.pallas_call(
+            functools.partial(_count_kernel, radix_bits=radix_bits,
+                              shift=32 - radix_bits * (i + 1), **common),
+            grid=(n_rows, n_seg),
+            out_shape=per_segment,
+            compiler_params=compiler_params, interpret=interpret, name="topk_pools_count",
+        )(flat, live, *carry)
     return pl.pallas_call(
-        functools.partial(_compact_kernel, select_k=select_k, **common),
+        functools.partial(_compact_kernel, n_digits=n_digits,
+                          block_k=min(max(block_p, 16), next_power_of_two(select_k)),
+                          **common),
         grid=(n_rows, n_seg),
         out_shape=jax.ShapeDtypeStruct((n_rows, select_k), jnp.int32),
-        input_output_aliases={4: 0},
         compiler_params=compiler_params, interpret=interpret, name="topk_pools_compact",
-    )(
-        flat,
-        live,
-        jnp.concatenate([thresh, n_take_eq], axis=1),
-        jnp.stack([slot_before, eq_before], axis=-1),
-        jnp.full((n_rows, select_k), -1, jnp.int32),
-    )
-
+    )(flat, live, *carry)

@@ -42,9 +42,11 @@ own block sizes,
 ``visible_pool_ids`` is the selection without scores, for a row whose candidates all fit
 (at most ``select_k``): every candidate is then selected whatever its finite score, and the
 row above lists them ascending, so the ids follow from the candidate rule alone
-(``index_scores``': valid and complete at the query). The layer's short-context path
-(``DsaAttention.choose_pools``) takes it for such rows: no scoring, no top-k. (A NaN score,
-which only non-finite inputs make, drops its pool from ``topk_pools`` but not from here.)
+(``index_scores``': valid and complete at the query). The layer's short-context path under
+``"xla"`` (``DsaAttention.choose_pools``) takes it for such rows: no scoring, no top-k; the
+kernels score and select every row (one selection a step, no ``where`` between two), which
+gives these ids. (A NaN score, which only non-finite inputs make, drops its pool from
+``topk_pools`` but not from here.)
 
 ``topk_pools_lax_baseline`` (``lax.top_k``) is a benchmark baseline only.
 """
@@ -250,8 +252,9 @@ _topk_pools_mosaic = eager_jit("select_k", "interpret", "block_sizes")(mosaic_to
 def _topk_pools_pallas(scores, select_k, n_live, *, interpret,
                        block_sizes: TopkPoolsBlockSizes):
     """Pallas path of ``topk_pools``: ``32 / radix_bits + 1`` launches of ``rows *
-    cdiv(P, split_p)`` programs each on the multi-program path, else one launch of ``rows``
-    programs (no XLA work between passes: cheaper when a row is only a few tiles long)."""
+    cdiv(P, split_p)`` programs each on the multi-program path (each program folds the
+    previous launch's counts itself: no XLA op between launches), else one launch of
+    ``rows`` programs (cheaper when a row is only a few tiles long)."""
     batch, n_q, n_pools = scores.shape
     if select_k == 0 or batch * n_q == 0:
         return jnp.full((batch, n_q, select_k), -1, jnp.int32)

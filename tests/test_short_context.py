@@ -8,9 +8,11 @@ top-k (``pk.visible_pool_ids``), with exactly the ids the scored path selects.
   mixed, all long) gives the outputs and top-k of the scored path (the method as it was,
   patched in), for ``xla`` and ``pallas_interpret``, in one compiled decode program; a
   left-padded contiguous prefill too.
-* Routing: a tile of short queries takes the unscored ids (``"xla"``: the unscored side of
-  the ``lax.cond``; the kernels: the ``where`` over the scored ids) whatever the scored side
-  returns; a mixed tile keeps the short rows' ids and scores the others.
+* Routing (``"xla"``): a tile of short queries takes the unscored ids (the unscored side of
+  the ``lax.cond``) whatever the scored side returns; a mixed tile keeps the short rows' ids
+  (a ``where``) and scores the others. The kernels score and select every row, short or
+  not (one selection a step, no control flow and no ``where`` between two: issue 46); the
+  first test is why their short rows' ids are these.
 """
 
 from __future__ import annotations

@@ -612,25 +612,26 @@ class DsaAttention(nnx.Module):
     def choose_pools(self, qi, w, cache: LayerCache, q_pos, select_k: int, stream: bool = False) -> jax.Array:
         """Steps 2-3 of a query tile. A query whose complete pools all fit the selection
         (``live_pools <= select_k``: a short context) needs no score: its ids are every
-        candidate, ascending (``all_pools``, ``topk_pools``' ids), picked by a ``where``.
-        The kernels always score (no control flow between kernels, issue 46). ``"xla"``
-        skips scoring under a ``lax.cond`` when every query is short; it scores by
+        candidate, ascending (``all_pools``: ``topk_pools``' ids of any finite scores). The
+        kernels score and select every row (no control flow, no second selection picked by
+        a ``where``: issue 46). ``"xla"`` skips scoring under a ``lax.cond`` when every
+        query is short and takes ``all_pools`` for each short row; it scores by
         ``score_and_select`` (live pools only) in a decode step, where the cache says so
         (``STREAM_PREFILL``) or ``stream``; else ``select_pools`` of ``score_pools``."""
         n_live = cache.live_pools(q_pos)
+        if self.implementation != "xla":
+            return self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
         short = n_live <= select_k
         every = self.all_pools(cache, q_pos, select_k)
 
         def scored():
-            if self.implementation == "xla" and (stream or cache.STREAM_PREFILL or q_pos.shape[1] == 1):
+            if stream or cache.STREAM_PREFILL or q_pos.shape[1] == 1:
                 pools = self.score_and_select(qi, w, cache, q_pos, select_k)
             else:
                 pools = self.select_pools(self.score_pools(qi, w, cache, q_pos), select_k, n_live)
             return jnp.where(short[..., None], every, pools)
 
-        if self.implementation == "xla":
-            return jax.lax.cond(short.all(), lambda: every, scored)
-        return scored()
+        return jax.lax.cond(short.all(), lambda: every, scored)
 
     def all_pools(self, cache: LayerCache, q_pos, select_k: int) -> jax.Array:
         """Steps 2-3 of a short query: ``[B, Q, select_k]`` every candidate among the first
@@ -693,13 +694,13 @@ class DsaAttention(nnx.Module):
         """Step 4: the selected pools' tokens and each query's visible tail (the cache's
         ``visible_tail``: the ``n_vis % KP`` valid slots after its last complete pool) as a
         row of ``W = out_width`` token ids ``[B, Q, W]`` (``expand_selection``); ``-1``
-        pads, and a padding query's row is all ``-1``."""
+        pads. A padding query's row is all ``-1`` by the rules, not by a mask (a kernel
+        less, issue 46): at ``q_pos = -1`` no pool is a candidate and no token is in its tail."""
         cfg = self.cfg
         with jax.named_scope(EXPAND_TO_TOKENS):
             tail = cache.visible_tail(pools, n_vis, q_pos, cfg.index_kpool) if cfg.tail_width else None
-            token_ids = self._indexer_kernel(pk.expand_selection, pools, cache.pool_origin(), tail,
-                                             kpool=cfg.index_kpool, out_width=cfg.out_width)
-            return jnp.where(q_pos[..., None] >= 0, token_ids, -1)
+            return self._indexer_kernel(pk.expand_selection, pools, cache.pool_origin(), tail,
+                                        kpool=cfg.index_kpool, out_width=cfg.out_width)
 
     @staticmethod
     def reused_token_ids(prev_topk, q_pos) -> jax.Array:
