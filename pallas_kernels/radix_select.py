@@ -157,17 +157,22 @@ def _topk_pools_kernel(s_ref, live_ref, o_ref, *, n_pools, select_k, block_p, bl
     n_sel, _ = jax.lax.fori_loop(0, n_tiles, compact_tile, (jnp.int32(0), jnp.int32(0)))
 
     # -- 3. -1 in the slots not filled --------------------------------------------------
-    k_lanes = jnp.arange(block_k, dtype=jnp.int32)
-    first = n_sel // block_k
+    _fill_unfilled(o_ref, row, n_sel, select_k, block_k)
 
-    @pl.loop(first, pl.cdiv(select_k, block_k))
+
+def _fill_unfilled(o_ref, row, n_filled, select_k, block_k):
+    """``-1`` into slots ``[n_filled, select_k)`` of ``o_ref``'s ``row``, ``block_k`` at a
+    time (disjoint from every slot the compaction scattered to)."""
+    k_lanes = jnp.arange(block_k, dtype=jnp.int32)
+
+    @pl.loop(n_filled // block_k, pl.cdiv(select_k, block_k))
     def _fill_tile(t):
         start = t * block_k
         slot = start + k_lanes
         plgpu.store(
             o_ref.at[row, pl.ds(start, block_k)],
             jnp.full((block_k,), -1, jnp.int32),
-            mask=(slot >= n_sel) & (slot < select_k),
+            mask=(slot >= n_filled) & (slot < select_k),
         )
 
 
@@ -359,19 +364,10 @@ def _compact_kernel(s_ref, live_ref, c_ref, st_ref, o_ref, *, n_pools, split_p, 
 
     # -- -1 in the row's slots not filled (the row's last program) ------------------------
     n_taken = jnp.sum(take_seg)
-    k_lanes = jnp.arange(block_k, dtype=jnp.int32)
 
     @pl.when(seg == n_seg - 1)
     def _fill():
-        @pl.loop(n_taken // block_k, pl.cdiv(select_k, block_k))
-        def _fill_tile(t):
-            start = t * block_k
-            slot = start + k_lanes
-            plgpu.store(
-                o_ref.at[row, pl.ds(start, block_k)],
-                jnp.full((block_k,), -1, jnp.int32),
-                mask=(slot >= n_taken) & (slot < select_k),
-            )
+        _fill_unfilled(o_ref, row, n_taken, select_k, block_k)
 
 
 def segmented_select(flat, live, select_k, *, interpret, block_p, split_p, radix_bits,
