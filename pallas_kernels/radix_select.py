@@ -274,8 +274,8 @@ def _fold(c_ref, st_ref, row, n_seg, n_dead, *, select_k, n_digits, shift):
     live_seg = jnp.arange(n_seg_p, dtype=jnp.int32) < n_seg
     counts = plgpu.load(c_ref.at[row], mask=live_seg[:, None], other=0)  # [n_seg_p, n_digits]
     state = plgpu.load(st_ref.at[row], mask=live_seg[:, None], other=0)  # [n_seg_p, _STATE]
-    prefix = _lane(_lane(state.T, 0), 0)  # the row's values: segment 0's copy (every
-    n_gt = _lane(_lane(state.T, 0), 1)  # segment of the row holds the same)
+    prefix = _lane(_lane(state, 0), 0)  # the row's values: segment 0's copy (every
+    n_gt = _lane(_lane(state, 1), 0)  # segment of the row holds the same)
     gt_seg = _lane(state, 2)
     digits = jnp.arange(n_digits, dtype=jnp.int32)
     cand = (prefix | (digits << shift)) ^ jnp.int32(_INT_MIN)

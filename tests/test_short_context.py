@@ -5,8 +5,9 @@ top-k (``pk.visible_pool_ids``), with exactly the ids the scored path selects.
 * ``visible_pool_ids`` equals ``topk_pools(index_scores(...))`` on every short query: holes
   in ``pool_valid``, any ``first_key``, padding queries.
 * The layer: a schedule whose rows cross the threshold at different steps (batches all short,
-  mixed, all long) gives the outputs and top-k of the scored path (the method as it was,
-  patched in), for ``xla`` and ``pallas_interpret``, in one compiled decode program; a
+  mixed, all long) gives, in one compiled decode program, under ``xla`` the outputs and
+  top-k of its scored path (the method as it was, patched in), and under
+  ``pallas_interpret`` (which scores every row) those of ``xla``'s short path; a
   left-padded contiguous prefill too.
 * Routing (``"xla"``): a tile of short queries takes the unscored ids (the unscored side of
   the ``lax.cond``) whatever the scored side returns; a mixed tile keeps the short rows' ids
@@ -75,7 +76,7 @@ def test_rows_crossing_the_threshold_equal_the_scored_path(implementation, monke
             kinds.setdefault(step, []).append(n // cfg.index_kpool <= cfg.max_select_k)
     assert {(sum(k), len(k) - sum(k)) for k in kinds.values() if len(k) == 2} >= {(2, 0), (1, 1), (0, 2)}
 
-    def run():
+    def run(layer):
         dec = PagedDecoder(layer, 2, num_pages=8, page_size=16)
         res = []
         for x, mask, rel in steps:
@@ -85,10 +86,13 @@ def test_rows_crossing_the_threshold_equal_the_scored_path(implementation, monke
                 dec.release(rel)
         return res, dec.step.traces
 
-    got, traces = run()
-    monkeypatch.setattr(gd.DsaAttention, "choose_pools", scored_only)
-    want, traces_scored = run()
-    assert traces == 1 and traces_scored == 1  # one program each, the second traced after the patch
+    got, traces = run(layer)
+    if implementation == "xla":  # against its own scored path, patched in
+        monkeypatch.setattr(gd.DsaAttention, "choose_pools", scored_only)
+        want, traces_want = run(layer)
+    else:  # the kernels score every row: against "xla", whose short rows take all_pools
+        want, traces_want = run(f32_layer(cfg, 1, seed=1, implementation="xla"))
+    assert traces == 1 and traces_want == 1  # one program each (the second traced after any patch)
     for (o, t), (wo, wt) in zip(got, want):
         np.testing.assert_array_equal(t, wt)
         np.testing.assert_allclose(o, wo, atol=ATOL, rtol=RTOL)
