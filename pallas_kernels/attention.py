@@ -101,7 +101,7 @@ from pallas_kernels._mla import (
 )
 from pallas_kernels._mosaic import mosaic_takes
 from pallas_kernels.attention_backward import sparse_mla_backward
-from pallas_kernels.dense_mla import check_value_width, combine_splits, masked_softmax
+from pallas_kernels.dense_mla import check_value_width, masked_softmax
 from pallas_kernels.mosaic_attention import MosaicSparseMlaBlockSizes, mosaic_sparse_mla
 
 __all__ = ["sparse_mla", "sparse_mla_reference", "sparse_mla_partial", "SparseMlaBlockSizes",
@@ -148,7 +148,7 @@ def sparse_mla_partial(
     Operands, checks and ``implementation`` / ``block_sizes`` as ``sparse_mla``'s, and the
     same kernel launch: ``"xla"`` the reference (``sparse_mla_reference``'s output and its
     log-sum-exp), ``"pallas"`` / ``"pallas_interpret"`` the Triton kernel (its ``lse``
-    output, merged over its splits by ``combine_splits``), ``"mosaic"`` /
+    output, merged over its splits by ``sparse_mla_combine``), ``"mosaic"`` /
     ``"mosaic_interpret"`` the Mosaic kernel with ``return_lse=True`` where it takes the
     operands (16-bit ``q`` and ``latent`` of one dtype, a target with ``wgmma``), else the
     Triton one, as ``sparse_mla`` falls back. So ``out`` is ``sparse_mla``'s bit for bit
@@ -364,8 +364,9 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 #    scales (one masked load) multiply the scores before ``scale`` and ``p`` before ``p @ kv``.
 # 4. One split: write ``acc / sum`` in q's dtype and the log-sum-exp ``max + log(sum)``
 #    in f32 (the backward's residual). Several: write ``acc``, the max and the sum in f32,
-#    and ``combine_splits`` (``dense_mla``) merges them and their log-sum-exp (a small XLA
-#    fusion).
+#    and a second launch, ``sparse_mla_combine``, merges them and their log-sum-exp (below;
+#    ``dense_mla.combine_splits`` is its reference). As XLA ops the merge was three
+#    fusions a decode step (the weights' exponential, the sums, the cast to q's dtype).
 #
 # All-invalid rows and splits: the running max stays -inf, every p is 0 and the sum 0, so
 # the output is exactly 0 (the divisions are guarded), never NaN, and the log-sum-exp -inf.
@@ -473,6 +474,66 @@ def _sparse_mla_kernel(
         plgpu.store(l_ref.at[:], l_i)
 
 
+# The split merge, one program per (row, block of ``block_h`` heads, ``_COMBINE_C`` output
+# columns): the splits' common max ``M`` (0 where every split is empty), then per split
+# ``w = exp(m - M)`` (0 for an empty split), ``num += w * acc`` and ``den += w * l``; the
+# output ``num / den`` in q's dtype (0 where ``den`` is 0) and the log-sum-exp ``M +
+# log(den)`` (-inf there). ``dense_mla.combine_splits`` computes the same (its sums over
+# the splits in XLA's order).
+# The splits are read one at a time (a loop, so any ``num_splits`` works: a Triton block
+# shape must be a power of two, a split count need not be).
+_COMBINE_C = 128  # output columns a program at most
+
+
+def _combine_splits_kernel(acc_ref, m_ref, l_ref, o_ref, lse_ref, *, num_splits):
+    # acc_ref [S, block_h, tile_c], m_ref / l_ref [S, block_h] (f32); o_ref [block_h,
+    # tile_c] (q's dtype), lse_ref [block_h] (f32).
+    f32 = jnp.float32
+    m_all = lax.fori_loop(1, num_splits, lambda s, m: jnp.maximum(m, m_ref[s, :]), m_ref[0, :])
+    m_all = jnp.where(m_all == -jnp.inf, 0.0, m_all)
+
+    def body(s, carry):
+        num, den = carry
+        w = jnp.exp(m_ref[s, :] - m_all)
+        return num + w[:, None] * acc_ref[s, :, :], den + w * l_ref[s, :]
+
+    num, den = lax.fori_loop(
+        0, num_splits, body,
+        (jnp.zeros(o_ref.shape, f32), jnp.zeros(lse_ref.shape, f32)),
+    )
+    safe = jnp.where(den > 0, den, 1.0)
+    plgpu.store(o_ref.at[:, :], (num / safe[:, None]).astype(o_ref.dtype))
+    plgpu.store(lse_ref.at[:], jnp.where(den > 0, m_all + jnp.log(safe), -jnp.inf))
+
+
+def _combine_splits_pallas(acc, m, l, out_dtype, *, block_h, num_warps, interpret):
+    """``dense_mla.combine_splits(acc, m, l, return_lse=True)`` (``acc [R, S, Hp, Vp]``,
+    ``m, l [R, S, Hp]``, ``Hp`` a multiple of ``block_h``) as one Triton launch, the output
+    in ``out_dtype``."""
+    rows, num_splits, h_pad, v_pad = acc.shape
+    tile_c = min(v_pad & -v_pad, _COMBINE_C)  # a power of two (>= 16: v_pad is whole block_c's)
+    n_h, n_t = h_pad // block_h, -(-v_pad // tile_c)
+    return pl.pallas_call(
+        functools.partial(_combine_splits_kernel, num_splits=num_splits),
+        grid=(rows * n_h, n_t),
+        in_specs=[
+            pl.BlockSpec((None, num_splits, block_h, tile_c), lambda i, t: (i // n_h, 0, i % n_h, t)),
+            pl.BlockSpec((None, num_splits, block_h), lambda i, t: (i // n_h, 0, i % n_h)),
+            pl.BlockSpec((None, num_splits, block_h), lambda i, t: (i // n_h, 0, i % n_h)),
+        ],
+        out_specs=(
+            pl.BlockSpec((None, block_h, tile_c), lambda i, t: (i // n_h, i % n_h, t)),
+            # Every column tile of a head block writes the same log-sum-exp.
+            pl.BlockSpec((None, block_h), lambda i, t: (i // n_h, i % n_h)),
+        ),
+        out_shape=(jax.ShapeDtypeStruct((rows, h_pad, v_pad), out_dtype),
+                   jax.ShapeDtypeStruct((rows, h_pad), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="sparse_mla_combine",
+    )(acc, m, l)
+
+
 def _group_values(pvs, kv, parts, c, block_c, width):
     """``sum_g (p * s_g) @ kv`` of chunk ``c`` on each group ``g``'s columns (``parts``: its
     ``_mla.chunk_groups`` entry; ``pvs``: ``p`` times each group's scales, cast for the dot)."""
@@ -500,7 +561,7 @@ class SparseMlaBlockSizes:
       scores ``ceil(CR / block_c)`` chunks and accumulates ``ceil(V / block_c)``.
     * ``num_splits``: shares each row's id blocks are split into (int >= 1; default: enough
       for about 256 programs, each share at least 4 id blocks); partial results are merged
-      by a small XLA fusion.
+      by a second launch, ``sparse_mla_combine``.
     * ``num_warps`` (power of two), ``num_stages`` (int >= 1): Triton's.
     """
 
@@ -631,8 +692,9 @@ def _sparse_mla_pallas(
         name="sparse_mla",
     )(*operands)
     if num_splits > 1:
-        out, lse = combine_splits(*out, return_lse=True)
-        out = out.astype(q_dtype)
+        out, lse = _combine_splits_pallas(
+            *out, q_dtype, block_h=block_h, num_warps=block_sizes.num_warps, interpret=interpret
+        )
     else:
         out, lse = out
     return out[:, :h, :v].reshape(b, nq, h, v), lse[:, :h].reshape(b, nq, h)

@@ -363,4 +363,5 @@ def test_fp8_kernels_lower_for_cuda():
     calls += triton_calls(lower_for_cuda(
         lambda *a: pk.sparse_mla(*a, scale=0.06, value_width=512, implementation="pallas"),
         sds((2, 1, 64, 576), bf), sds((1, 8192, 576), f8), sds((2, 1, 2051), i32), sds((1, 8192), f32)))
-    assert [c["name"] for c in calls] == ["index_scores", "index_scores_paged", "sparse_mla"]
+    assert [c["name"] for c in calls] == ["index_scores", "index_scores_paged", "sparse_mla",
+                                          "sparse_mla_combine"]

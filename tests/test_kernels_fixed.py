@@ -19,7 +19,7 @@ deterministically:
 
 Mutants tried, each of which fails this file: the radix select with its last counting pass
 dropped (``32 // radix_bits - 1`` passes); the compaction taking one tie too many
-(``eq_rank <= n_take_eq``); ``_combine_splits`` weighing every share by 1, or by
+(``eq_rank <= n_take_eq``); ``_combine_splits_kernel`` weighing every share by 1, or by
 ``exp(m_max - m)``.
 """
 

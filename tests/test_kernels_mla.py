@@ -247,8 +247,8 @@ _partial_reference = jax.jit(sparse_mla_partial, static_argnames=("scale", "valu
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_partial_returns_the_kernels_lse(num_splits):
     """``sparse_mla_partial(implementation="pallas_interpret")``: the Triton launch's output
-    (``sparse_mla``'s bits, same blocks) and log-sum-exp (one split, or merged over 3 by
-    ``combine_splits``) against the reference's (``"xla"``); a row holding no id: output
+    (``sparse_mla``'s bits, same blocks) and log-sum-exp (one split, or merged over 3 by the
+    ``sparse_mla_combine`` launch) against the reference's (``"xla"``); a row holding no id: output
     zeros, lse ``-inf``. Two parts over disjoint ids merged by their lse (as
     ``parallel.context.merge_partials`` does) give the attention over all of them."""
     rng = np.random.default_rng(7)
@@ -386,14 +386,18 @@ def test_lowers_for_cuda_at_real_shapes(b, nq, length):
         sds((b, length, 512), jnp.bfloat16),
         sds((b, nq, 2051), jnp.int32),
     )
-    # One launch: a program per (row, block of 16 heads) and per split of the id blocks.
+    # A program per (row, block of 16 heads) and per split of the id blocks; a split row's
+    # partials merged by a second launch, a program per (row, head block, 128 columns).
     blocks = SparseMlaBlockSizes().resolve((b, nq, 64, 512), 2051)
-    (call,) = triton_calls(lowered)
+    call, *combine = triton_calls(lowered)
     assert call["name"] == "sparse_mla"
     assert call["grid"] == (b * nq * 64 // blocks.block_h, blocks.num_splits, 1)
     assert (call["num_warps"], call["num_stages"]) == (blocks.num_warps, blocks.num_stages)
     # A decode row is split (flash-decoding) so that it fills the GPU; a prefill tile is not.
     assert (blocks.num_splits > 1) == (b * nq * 4 < 256)
+    assert [(c["name"], c["grid"]) for c in combine] == (
+        [("sparse_mla_combine", (b * nq * 64 // blocks.block_h, 512 // 128, 1))]
+        if blocks.num_splits > 1 else [])
 
 
 @pytest.mark.e2e
