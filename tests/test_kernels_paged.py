@@ -312,6 +312,10 @@ def test_sparse_mla_shared_latent_lowers_for_cuda(b, nq):
         SDS((b, nq, CFG.out_width), jnp.int32),
     )
     blocks = pk.SparseMlaBlockSizes().resolve((b, nq, h, c), CFG.out_width)
-    (call,) = triton_calls(lowered)
+    call, *combine = triton_calls(lowered)
     assert (call["name"], call["grid"]) == ("sparse_mla",
                                            (b * nq * h // blocks.block_h, blocks.num_splits, 1))
+    # A split row's partials are merged by a second launch: (rows x head blocks, c / 128).
+    assert [(x["name"], x["grid"]) for x in combine] == (
+        [("sparse_mla_combine", (b * nq * h // blocks.block_h, c // 128, 1))]
+        if blocks.num_splits > 1 else [])

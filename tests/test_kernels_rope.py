@@ -462,6 +462,10 @@ def test_sparse_mla_lowers_for_cuda(model, step, cache):
     assert lowered.out_info.shape == (b, nq, h, c)
     blocks = pk.SparseMlaBlockSizes().resolve((b, nq, h, cr), k)
     assert blocks.block_c == 64  # 9 chunks of the 576-wide row, 8 of them values
-    (call,) = triton_calls(lowered)
+    call, *combine = triton_calls(lowered)
     assert (call["name"], call["grid"]) == ("sparse_mla",
                                            (b * nq * h // blocks.block_h, blocks.num_splits, 1))
+    # A split row's partials are merged by a second launch: (rows x head blocks, c / 128).
+    assert [(x["name"], x["grid"]) for x in combine] == (
+        [("sparse_mla_combine", (b * nq * h // blocks.block_h, c // 128, 1))]
+        if blocks.num_splits > 1 else [])
