@@ -120,6 +120,7 @@ def test_bench_train_rows_over_the_memory_limit_are_compiled_not_run(capsys):
     assert out.count("not run: needs") == 8  # four rows, each logged and in the table
 
 
+@pytest.mark.slow
 def test_bench_train_dense_mask_is_the_same_function():
     """The baseline computes the sparse layer's loss and gradients (same parameters, same
     selection), float32 at tiny shapes: only the formulation differs."""
@@ -216,6 +217,7 @@ def test_bench_decode_capacity(capsys):
     assert "need at least 66 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_decode_loop_column(capsys):
     """``--loop-steps``: the whole-step rows carry the step's time inside one program beside
     the per-call median, with its ratio to the floor (the default on a GPU). A tiny step's

@@ -110,6 +110,7 @@ def reference():
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)])
+@pytest.mark.slow
 def test_chunk_then_decode_equals_unsharded(reference, shape):
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
     got, cache = run(layer, cfg())
@@ -148,6 +149,7 @@ def test_shared_layer():
 
 
 @pytest.mark.parametrize("index_keys", ["e4m3", "int8"])
+@pytest.mark.slow
 def test_fp8_cache(index_keys):
     """An fp8 cache (e4m3 or int8 pooled keys): each shard quantises and writes its own rows
     and pools, the scales with them (split like the rows)."""
@@ -161,6 +163,7 @@ def test_fp8_cache(index_keys):
     assert_same_cache(cache, want_cache)
 
 
+@pytest.mark.slow
 def test_rope_model():
     config = rope_tiny(index_topk=8, num_attention_heads=2)  # kpool 1: select_k 8 of 40 pools
     want, _ = run(f32_layer(config, 0, block_q=8), config)

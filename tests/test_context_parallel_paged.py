@@ -121,6 +121,7 @@ def reference():
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)])
+@pytest.mark.slow
 def test_chunks_then_decode_equal_unsharded(reference, shape):
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
     got, cache = run(layer, cfg())
@@ -130,6 +131,7 @@ def test_chunks_then_decode_equal_unsharded(reference, shape):
     assert_same_content(cache, want_cache)
 
 
+@pytest.mark.slow
 def test_data_cp_tp_mesh():
     """A batch axis too: one page table per data shard, its pages split over cp."""
     mesh = mesh_of((2, 2, 2), ("data", "cp", "tp"))
@@ -141,6 +143,7 @@ def test_data_cp_tp_mesh():
     assert_same_content(cache, want_cache)
 
 
+@pytest.mark.slow
 def test_jitted_auto_axes_fp8():
     """Under ``jax.jit`` on ``Auto`` axes, with an fp8 cache (each owner quantises its rows
     and writes their scales beside them)."""
@@ -152,6 +155,7 @@ def test_jitted_auto_axes_fp8():
     assert_same_content(cache, want_cache)
 
 
+@pytest.mark.slow
 def test_shared_layer_and_rope(reference):
     """A shared layer attends over its full layer's ids; a RoPE model (kpool 1)."""
     want, _ = run(f32_layer(cfg(), 2, block_q=8), cfg(), prev=reference[2][0])
@@ -179,6 +183,7 @@ def decode(layer):
     return jax.tree.map(np.asarray, got), dec
 
 
+@pytest.mark.slow
 def test_paged_decoder_one_compilation():
     """``PagedDecoder`` on a cp layer: the pools keep their split between steps (in and out
     shardings), one compilation for the chunks (one length) and one for every decode step,
@@ -220,6 +225,7 @@ def churn(layer, config):
     return res, cache, exported
 
 
+@pytest.mark.slow
 def test_rollback_fork_load_equal_unsharded():
     """On (cp, tp) = (4, 2), ``"xla"``: ``rollback``, ``release`` + ``fork`` and ``export`` /
     ``load`` of a cache whose pools are split over cp (their global-view programs on the
@@ -403,6 +409,7 @@ def step_collectives(layer, num_pages):
     return sorted((re.sub(r"\{[\d,]+\}", "", m.group(1)), m.group(2)) for m in found if m)
 
 
+@pytest.mark.slow
 def test_bytes_crossing_devices_do_not_grow_with_the_pool():
     """The decode step's collectives at 16 and 128 pages are the same ops on the same
     shapes: the candidates' two all-gathers ``s32[B, 1, cp * K]``, the partials' ``pmax`` and

@@ -83,6 +83,7 @@ def unsharded():
     return layer, chunk + decode, cache
 
 
+@pytest.mark.slow
 def test_layer_restored_onto_cp_tp_mesh(unsharded, tmp_path):
     layer, want, _ = unsharded
     gd.save_checkpoint({1: layer}, tmp_path / "layer")

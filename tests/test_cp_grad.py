@@ -57,8 +57,9 @@ def assert_close_scaled(got, want, what):
 
 
 @pytest.mark.parametrize("config, layer_idx, prefix", [
-    (tiny8(), 1, PREFIX), (tiny8(), 1, 0),
-    (rope_tiny(index_topk=8, num_attention_heads=2), 0, PREFIX),  # kpool 1: select_k 8 of up to 40 pools
+    pytest.param(tiny8(), 1, PREFIX, marks=pytest.mark.slow), (tiny8(), 1, 0),
+    # kpool 1: select_k 8 of up to 40 pools
+    pytest.param(rope_tiny(index_topk=8, num_attention_heads=2), 0, PREFIX, marks=pytest.mark.slow),
 ], ids=["nope-after-prefix", "nope-first-chunk", "rope-after-prefix"])
 def test_grad_equals_unsharded(config, layer_idx, prefix):
     want_topk, want, want_dx = grads_of(f32_layer(config, layer_idx, block_q=8), config, prefix)

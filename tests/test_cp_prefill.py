@@ -96,6 +96,7 @@ def reference():
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+@pytest.mark.slow
 def test_both_selections_equal_unsharded(reference, shape):
     layer = sh.shard_layer(f32_layer(cfg(), 1, block_q=8), mesh_of(shape), axis="tp", seq_axis="cp")
     for i, ((o, t), (o0, t0)) in enumerate(zip(run(layer), reference, strict=True)):
@@ -144,6 +145,7 @@ def test_cp_memory_tool_reports_the_split(capsys):
 
 # ---------------------------------------------------------------------------- the paged cache
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
+@pytest.mark.slow
 def test_paged_both_selections_equal_unsharded(shape):
     """The paged cache's chunks (the query split: the pooled-key pages gathered; the 2-token
     chunk and the steps: the key split) equal the unsharded paged layer."""

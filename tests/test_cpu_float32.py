@@ -39,6 +39,7 @@ def _run(layer, x, mask, chunks):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.slow
 def test_float32_step_matches_the_bf16_step(batch):
     """Same selection; outputs as accurate as the bf16 step's, or more.
 

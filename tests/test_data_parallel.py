@@ -97,6 +97,7 @@ def check_placement(mesh, made):
 
 @pytest.mark.parametrize("shape,mode,kinds", [
     ((2, 4), "explicit", ("prefill", "contiguous", "paged")), ((4, 2), "auto", ("contiguous", "paged"))])
+@pytest.mark.slow
 def test_dp_equals_unsharded(shape, mode, kinds, reference):
     mesh = mesh_of(shape, mode)
     layer = sh.shard_layer(layer_of(), mesh, "tp", batch_axis="data")
@@ -107,6 +108,7 @@ def test_dp_equals_unsharded(shape, mode, kinds, reference):
 
 
 @pytest.mark.parametrize("index_keys", ["e4m3", "int8"])
+@pytest.mark.slow
 def test_dp_fp8_caches_equal_unsharded(index_keys):
     """fp8 caches split by sequence: the row scales (``latent_scale``, ``pooled_scale``: e4m3
     keys' one a pool, int8 keys' ``[.., G]``) go with their rows to each data shard; top-k and
@@ -122,6 +124,7 @@ def test_dp_fp8_caches_equal_unsharded(index_keys):
     check_placement(mesh, made)
 
 
+@pytest.mark.slow
 def test_dp_pallas_interpret_equals_unsharded():
     """The Pallas kernels (interpret mode) run per device inside the data-parallel call,
     reading the paged pools through local page ids."""

@@ -72,6 +72,7 @@ def run_both(decoders, prefill, pmask, xs, mask, unroll):
 
 
 @pytest.mark.parametrize("implementation,unroll", [("xla", True), ("pallas_interpret", None)])
+@pytest.mark.slow
 def test_contiguous_steps_equal_calls(cfg, implementation, unroll):
     decoders = [DsaDecoder(layer, 3, 32) for layer in layers(cfg, implementation)]
     prefill = inputs(cfg, 3, 9, 0)
@@ -82,6 +83,7 @@ def test_contiguous_steps_equal_calls(cfg, implementation, unroll):
 
 
 @pytest.mark.parametrize("implementation,unroll", [("xla", None), ("pallas_interpret", True)])
+@pytest.mark.slow
 def test_paged_steps_equal_calls(cfg, implementation, unroll):
     decoders = [PagedDecoder(layer, 3, num_pages=12, page_size=4) for layer in layers(cfg, implementation)]
     prefill = inputs(cfg, 3, 7, 0)
@@ -92,6 +94,7 @@ def test_paged_steps_equal_calls(cfg, implementation, unroll):
     np.testing.assert_array_equal(decoders[0].lengths, [7 + N, 3 + N - 1, N - 2])
 
 
+@pytest.mark.slow
 def test_paged_steps_refused_before_anything_runs(cfg):
     full, _ = layers(cfg, "xla")
     dec = PagedDecoder(full, 2, num_pages=4, page_size=4)

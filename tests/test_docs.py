@@ -19,8 +19,9 @@ The conventions (docs/development.md "Docs that run" repeats them for writers):
   without a reason fails.
 * The process has ``PYTHONPATH`` = the repository, ``JAX_PLATFORMS=cpu`` and
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (8 virtual CPU devices), as a
-  reader's snippet would after the README's virtual-device line; ``examples/*.py`` run as
-  scripts the same way.
+  reader's snippet would after the README's virtual-device line, and XLA:CPU's LLVM
+  optimisation off (as ``tests/conftest.py`` sets it, for compile time); ``examples/*.py``
+  run as scripts the same way.
 
 One test per page and per example (pytest-xdist spreads them). ``python tests/test_docs.py
 PAGE`` runs one page by hand, printing each block's output.
@@ -131,7 +132,8 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # LLVM optimisation off, as tests/conftest.py sets it: compile time, not results.
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     return env
 
 
@@ -201,6 +203,19 @@ def test_readme_commands_are_the_ci_commands():
     # Leg 1 runs it as is but for the Triton compile table (``compile_matrix``), which leg 2 runs.
     assert ci.count("\nrun_leg ") == 3
     assert '\nrun_leg "python3.11 / jax 0.10" python3 .venv "" -m "not compile_matrix"\n' in ci
+
+
+KERNEL_TESTS = ["test_layer_pallas.py", "test_streaming_topk.py",
+                *sorted(p.name for p in (ROOT / "tests").glob("test_kernels_*.py"))]
+
+
+def test_kernel_tests_run_on_every_jax_leg():
+    """Leg 2 (jax 0.11.2) leaves out the tests marked ``slow`` (docs/development.md "CI"); a
+    kernel test is never one: Pallas is the API that changes most between jax releases."""
+    assert len(KERNEL_TESTS) >= 8, KERNEL_TESTS
+    marked = [name for name in KERNEL_TESTS if "mark.slow" in (ROOT / "tests" / name).read_text()]
+    assert not marked, f"{marked}: a kernel test marked slow would not run on the jax 0.11.2 leg"
+    assert '-m "not e2e and not slow"' in (ROOT / ".ci" / "run").read_text()
 
 
 def test_parser_and_markers():

@@ -167,6 +167,7 @@ def test_cli_numeric_flags_are_usage_errors(argv, needle):
     assert code == 2 and needle in err
 
 
+@pytest.mark.slow
 def test_demo_steps_zero_is_prefill_only(capsys):
     assert main(["demo", "--steps", "0", "--prompt", "8"]) == 0
     assert "0 steps (prefill only)" in capsys.readouterr().out
@@ -330,6 +331,7 @@ def test_bad_cli_numbers_exit_2(argv):
     assert err.count("\n") == 1 and "error:" in err, err  # one line, not argparse's usage block
 
 
+@pytest.mark.slow
 def test_future_prev_topk_is_refused_on_a_paged_cache():
     """A shared layer on a paged cache refuses an id past its query's position within the
     query's own sequence, as the contiguous cache does, naming prev_topk, the row and the

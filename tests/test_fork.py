@@ -93,6 +93,7 @@ AFTER_FORK = {0: 5, 1: 5, 2: 1, 3: 1, 4: 1, 5: 1}
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.slow
 def test_forks_equal_their_prompts_alone(cfg, implementation):
     """Under ``PagedDecoder`` (its fork jitted and donating); the eager fork gives the same
     cache. Then (``xla``) page accounting through truncate and release, and a second fork

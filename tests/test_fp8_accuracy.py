@@ -13,10 +13,13 @@ error 0.007: most of fp8's error is its 3 mantissa bits, as expected.
 
 from __future__ import annotations
 
+import pytest
+
 import glm5_dsa_jax as gd
 from glm5_dsa_jax.tools.cache_accuracy import ACCURATE_FORMAT, DEFAULT_FORMAT, measure_formats
 
 
+@pytest.mark.slow
 def test_fp8_cache_accuracy_at_4k_tokens():
     """The default format (e4m3 keys) and int8 + rotated keys (``ACCURATE_FORMAT``; measured
     at 16 queries: recall 0.9973, every changed pool within 0.026 standard deviations of the
@@ -32,6 +35,7 @@ def test_fp8_cache_accuracy_at_4k_tokens():
     assert r.gap_max <= 0.3, r  # only pools that nearly tie with the cutoff change
 
 
+@pytest.mark.slow
 def test_formats_at_hidden_state_scales_on_a_rope_model():
     """The x1e6 collapse of one scale a RoPE row, and the group layout keeping the output:
     ``measure_formats`` on a small RoPE model (64 tokens; trained-like weights, whose 10x
@@ -45,6 +49,7 @@ def test_formats_at_hidden_state_scales_on_a_rope_model():
     assert row.rel_l2_same_selection > 0.9 and group.rel_l2_same_selection < 0.25, (row, group)
 
 
+@pytest.mark.slow
 def test_accuracy_cli_rows_per_context_scale_and_format(capsys):
     """``glm5-dsa accuracy --formats --scales --json`` at the tiny preset: one row per
     (context, scale, format), in that order; a bad format or scale is a usage error."""

@@ -134,6 +134,7 @@ def _scores_both(q, w, keys, valid, first_key, q_pos, scale, kpool):
 
 @FEW
 @given(seed=st.integers(0, 2**31 - 1), n_dup=st.integers(0, 6), dtype=st.sampled_from([jnp.bfloat16, jnp.float32]))
+@pytest.mark.slow
 def test_index_scores_fp8_same_topk_ties_included(seed, n_dup, dtype):
     """Duplicated pools tie exactly, and ReLU makes exact-zero plateaus: the top-k of both
     implementations is the same, bit for bit, contiguous and paged."""
@@ -220,6 +221,7 @@ def _run(layer, cfg, dtype, x, mask, prefill, paged=True):
     return cont, (np.concatenate(tops, 1), np.concatenate([np.asarray(o, np.float32) for o in outs], 1))
 
 
+@pytest.mark.slow
 def test_layer_xla_and_pallas_agree_on_fp8_caches():
     s, prefill = 10, 8
     x, mask = map(jnp.asarray, padded_batch(CFG, (0, 3), s, seed=3))  # left padding

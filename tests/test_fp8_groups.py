@@ -253,6 +253,7 @@ def test_caches_store_group_scales_and_the_row_layout_stays():
             init()
 
 
+@pytest.mark.slow
 def test_layer_on_group_scales_contiguous_and_paged():
     """A RoPE layer (``"xla"``) on fp8 caches, 4 tokens (every one selected: the error is the
     rows', not a changed selection): the paged group cache equals the contiguous one (top-k
@@ -338,6 +339,7 @@ def test_rotate_index_off_by_default_and_refusals():
         gd.init_cache(tiny, 2, 16, rotate_index=None)
 
 
+@pytest.mark.slow
 def test_rotated_index_keeps_scores_and_selection():
     """A float32 cache storing rotated pooled keys, the layer rotating its queries: the
     scores of every pool equal the unrotated ones to float32 rounding (measured ``max|s_rot

@@ -173,6 +173,7 @@ def _run(layer, cache, x):
     return np.asarray(out), np.asarray(topk), np.asarray(out2), np.asarray(topk2), cache
 
 
+@pytest.mark.slow
 def test_layer_reads_int8_keys_contiguous_and_paged():
     """A rotated int8-key fp8 cache: ``"xla"`` and ``"pallas_interpret"`` give the same top-k
     (a chunk, then a decode step) and outputs to float32 rounding, on both caches; the
@@ -264,6 +265,7 @@ def test_int8_scoring_lowers_for_cuda():
     assert [c["name"] for c in calls] == ["index_scores", "index_scores_paged"]
 
 
+@pytest.mark.slow
 def test_fork_shares_int8_key_pages():
     """A fork of an int8-key sequence (mid-page, mid-pool: 37 tokens) decodes as its source."""
     layer = _layer("xla")

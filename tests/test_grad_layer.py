@@ -256,6 +256,7 @@ def test_implementation_gradients_equal_xla_and_repeat(data, reference, implemen
     assert all(not g.any() for k, g in grads.items() if is_indexer(k))
 
 
+@pytest.mark.slow
 def test_eager_nnx_grad_equals_jitted(data, reference):
     x, mask, _ = data
     ct = jnp.asarray(reference["ct"])

@@ -228,6 +228,7 @@ def test_no_loss_query_gives_zero():
 # ---------------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("implementation", IMPLS)
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.slow
 def test_gradients_route_as_deepseek(mode, implementation):
     layer = make(implementation=implementation)
     x, mask = batch()

@@ -97,6 +97,7 @@ def test_eager_decode_compiles_nothing_after_warmup(cfg, dtype):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 @pytest.mark.parametrize("tp, chunk", [(None, 1), (None, 6), (2, 1), (8, 1)])
+@pytest.mark.slow
 def test_eager_steps_compile_nothing_after_warmup(impl, tp, chunk):
     """Eager steps of a full layer and its shared layer (``prev_topk``): decode steps
     (``chunk`` 1) or prefill chunks of two query tiles (``chunk`` 6, ``block_q`` 4),

@@ -144,6 +144,7 @@ def move_and_compare(layer_b, implementation, dtype, num_pages=9, page_size=16):
     return b
 
 
+@pytest.mark.slow
 def test_moved_sequence_decodes_as_where_it_was_prefilled():
     """Unplaced, ``pallas_interpret`` on fp8 caches (``xla`` on bf16: the mesh tests below;
     one reference each, as their compilations dominate the file's time)."""
@@ -180,6 +181,7 @@ def test_export_is_the_sequence_as_stored_and_a_load_re_pages_it():
     np.testing.assert_array_equal(back.latent_scale, e.latent_scale)
 
 
+@pytest.mark.slow
 def test_move_onto_a_data_x_tp_mesh():
     """B placed on a data x tp mesh (heads split over tp 2, pools split by sequence and page
     over data 2): the load keeps every field where it was, each row took its own shard's

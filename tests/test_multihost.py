@@ -25,6 +25,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from helpers import F32_REORDER, tiny8
 
@@ -43,7 +44,9 @@ def free_port() -> int:
 
 def start_workers(out_dir, mode="tp"):
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if mode == 'tp' else 2}"  # dp, cp: 2
+    # dp, cp: 2 devices a process; LLVM optimisation off as tests/conftest.py has it.
+    env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={4 if mode == 'tp' else 2}"
+                        " --xla_backend_optimization_level=0")
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE, env.get("PYTHONPATH", "")])
     port = free_port()
@@ -105,6 +108,7 @@ def test_two_processes_one_mesh_equal_single_process(tmp_path):
     assert (ref[1][2, :7] == -1).all()  # padded rows select nothing
 
 
+@pytest.mark.slow
 def test_data_parallel_across_processes_equals_unsharded(tmp_path):
     procs = start_workers(tmp_path, "dp")
     try:
@@ -135,6 +139,7 @@ def test_data_parallel_across_processes_equals_unsharded(tmp_path):
 CP_TIMEOUT_S = 240  # three compiled steps, an orbax save and restore per process
 
 
+@pytest.mark.slow
 def test_context_parallel_across_processes_equals_unsharded(tmp_path):
     procs = start_workers(tmp_path, "cp")
     try:

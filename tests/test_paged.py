@@ -151,6 +151,7 @@ LENGTHS = (37, 5, 80, 23, 1, 64)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.slow
 def test_schedule_equals_each_sequence_alone(cfg, implementation):
     """Six sequences through three rows under ``make_step`` (chunks of 8 and decode steps)."""
     layer = f32_layer(cfg, 1, seed=1, implementation=implementation, block_q=8)
@@ -166,6 +167,7 @@ def test_schedule_equals_each_sequence_alone(cfg, implementation):
     cache.pages.check()
 
 
+@pytest.mark.slow
 def test_eager_schedule_and_no_compilation_after_warm_up(cfg):
     """The eager call (outside jit) gives the same, and its decode steps compile nothing
     once the first have run."""
@@ -177,6 +179,7 @@ def test_eager_schedule_and_no_compilation_after_warm_up(cfg):
     assert_warm_decode_compiles_nothing(layer, cache, x, (3, [False, True], 1), (4, [True, False], 2))
 
 
+@pytest.mark.slow
 def test_decoder_one_compilation_and_shared_layer(cfg):
     """``PagedDecoder``: one compiled program for every decode step across joins and
     releases; a shared layer on the same schedule reuses the full layer's top-k."""
@@ -204,6 +207,7 @@ def test_decoder_one_compilation_and_shared_layer(cfg):
 
 
 @pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.slow
 def test_sharded_schedule_equals_unsharded(cfg, tp):
     """On a TP mesh the paged step gives the unsharded layer's top-k bit for bit and its
     outputs within float32 rounding (the pools replicated, the heads split)."""
@@ -237,6 +241,7 @@ def assert_same(before, cache):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_no_room_is_refused_before_anything_is_written(cfg):
     layer = f32_layer(cfg, 1)
     x = np.random.default_rng(0).standard_normal((2, 20, cfg.hidden_size)).astype(np.float32)

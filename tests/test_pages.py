@@ -145,6 +145,7 @@ GEOMETRIES = [(1, 1, 1), (3, 4, 2), (5, 1, 6), (8, 4, 3), (12, 8, 6), (7, 8, 1)]
 
 @settings(max_examples=40, deadline=None)
 @given(ops=ops, geometry=st.sampled_from(GEOMETRIES))
+@pytest.mark.slow
 def test_schedule_matches_model(ops, geometry):
     num_pages, page_size, pages_per_seq = geometry
     table = init_page_table(4, num_pages, page_size, pages_per_seq)

@@ -159,6 +159,7 @@ def _paged(layer, cases, dtype=None, **fmt):
     ("xla", ALL_CASES),
     ("pallas_interpret", [(p, r) for p in (5, 7) for r in (0, 2, 4)]),
 ])
+@pytest.mark.slow
 def test_drafts_rolled_back_equal_the_accepted_ones(cfg, implementation, cases):
     """Every (prefix, r) its own pair of rows: per-row counts in one rollback call (the
     decode step after the continuation on ``xla`` only: one program less to interpret)."""
@@ -184,6 +185,7 @@ def test_rollback_on_an_fp8_cache(cfg, index_keys):
     _assert_pages_halves(cache, ALL_CASES)
 
 
+@pytest.mark.slow
 def test_decoder_rollback_compiles_once_and_shared_layer(cfg):
     """``PagedDecoder.rollback`` / ``truncate``: jitted once across counts and rows; a shared
     layer rolled back alike reuses its full layer's top-k."""

@@ -247,6 +247,7 @@ def run_schedule(variant, ops):
 
 @settings(max_examples=12, deadline=None)
 @given(ops=OPS)
+@pytest.mark.slow
 def test_schedules_xla(ops):
     run_schedule("xla", ops)
 
@@ -258,6 +259,7 @@ def test_schedules_pallas_interpret(ops):
 
 
 @pytest.mark.parametrize("variant", ["tp2", "data x tp"])
+@pytest.mark.slow
 def test_schedules_placed(variant):
     @settings(max_examples=4, deadline=None)
     @given(ops=OPS)

@@ -62,6 +62,7 @@ def test_visible_pool_ids_are_the_top_k_of_every_short_query():
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_interpret"])
+@pytest.mark.slow
 def test_rows_crossing_the_threshold_equal_the_scored_path(implementation, monkeypatch):
     """Tiny: 4 pools of 4 tokens are selected, so a row is short up to 19 tokens. Rows of 22,
     24 and 9 tokens join and leave two rows one token a step: steps where both rows are

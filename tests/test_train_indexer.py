@@ -23,6 +23,7 @@ def settings(**kw):
     return ti.TrainSettings(**{**dict(warmup_steps=2, sparse_steps=2, batch=2, tokens=32, lr=1e-2), **kw})
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
     st = settings()
     trained = f32_layer(CFG)
@@ -55,6 +56,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_training_raises_the_captured_mass():
     layer = f32_layer(CFG)
     seen = []
