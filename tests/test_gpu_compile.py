@@ -253,6 +253,27 @@ def test_toolchain_refuses_a_plugin_of_another_jaxlib(monkeypatch):
         gc.toolchain()
 
 
+def test_worker_compiles_at_the_default_optimisation_level(monkeypatch):
+    # The suite's own XLA_FLAGS (conftest) turn LLVM's passes off; passed on to the worker,
+    # they gave every Triton index_scores kernel a stack frame and spills (CI, 2026-12-06).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                       "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/x")
+    case = gc.default_cases(["kpool_compress"])[0]
+    seen = {}
+
+    def run(argv, *, input, env, **kwargs):
+        seen["flags"] = env["XLA_FLAGS"]
+        out = [{"event": "ready"}, {"event": "case", "id": case.id, "ok": True}]
+        return type("Proc", (), {"stdout": "\n".join(map(json.dumps, out)), "stderr": "",
+                                 "returncode": 0})()
+
+    monkeypatch.setattr(gc.subprocess, "run", run)
+    records = gc._run_worker(gc.TARGETS["sm_90"], [case], "/tmp", 10.0, {})
+    assert records[case.id]["ok"]
+    assert seen["flags"] == "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x"
+    assert gc.worker_xla_flags("--xla_backend_optimization_level=3") == ""
+
+
 # ------------------------------------------------------------------------------------
 # With the toolchain: compile for sm_80 and sm_90
 # ------------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ SM. Invariants:
 * Each target compiles in its own subprocess (``python -m glm5_dsa_jax.tools.gpu_compile
   --worker``): XLA aborts the process on some fatal errors, and the caller (pytest) must
   survive to report them; the caller's jax setup (8 virtual CPU devices) stays out of it.
+* The worker compiles at XLA's default optimisation level, whatever the caller's
+  ``XLA_FLAGS`` say (``worker_xla_flags``): ``--xla_backend_optimization_level=0`` (the test
+  suite sets it to compile XLA:CPU faster) also turns LLVM's passes off for the Triton
+  kernels' PTX, and that PTX keeps its values in local memory: every kernel would report
+  a stack frame and spills a GPU build never has.
 * Work is shared, never skipped: cases whose wrapper inputs are identical are traced once,
   and cases whose Triton kernels (IR bytes, warps, stages) are identical are compiled once
   (``Report.same_as`` names the case that compiled it). A kernel's registers and shared
@@ -81,14 +86,23 @@ __all__ = [
     "GpuTarget", "TARGETS", "Step", "Case", "KERNELS", "KERNEL_MODULES", "default_cases",
     "switch_point_cases", "MOSAIC_KERNELS", "mosaic_cases", "mosaic_on_target",
     "Report", "ToolchainMissing", "toolchain", "compile_cases", "format_table", "failures",
-    "parse_ptxas", "parse_thunks", "find_ptxas",
+    "parse_ptxas", "parse_thunks", "find_ptxas", "worker_xla_flags",
 ]
+
+
+_OPT_LEVEL_FLAG = re.compile(r"--xla_backend_optimization_level(=\S*)?")
+
+
+def worker_xla_flags(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) less any backend optimisation level (module doc)."""
+    return " ".join(_OPT_LEVEL_FLAG.sub("", flags).split())
 
 
 def _run_worker(target: GpuTarget, cases: list[Case], dump_root: str, timeout: float,
                 config: dict) -> dict[str, dict]:
     """Run the worker for one target; after a crash, go on past the case that caused it."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2",
+               XLA_FLAGS=worker_xla_flags(os.environ.get("XLA_FLAGS", "")))
     # The repository root (above glm5_dsa_jax/tools/gpu_compile/), so the worker imports this code.
     root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
