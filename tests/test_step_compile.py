@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: three steps launched 52, 85 and 54 on 2026-12-04; on 2026-12-05, with the multi-program
 #: top-k folding its passes in its own launches, the kernels' one selection a step and no
 #: mask after ``expand_selection``, 46, 54 and 50 on jax 0.11.2, 49, 54 and 50 on 0.12.0.1
-#: (the first with 3 copies more); on 2026-12-06, with a split row's merge one Pallas
-#: kernel, 44, 53 and 49 on jax 0.10.2, 44, 53 and 50 on 0.11.2, 47, 53 and 50 on 0.12.0.1
+#: (the first with 3 copies more); with a split row's merge one Pallas kernel (2026-12-06),
+#: measured 2026-12-07: 44, 53 and 49 on jax 0.10.2, 44, 53 and 50 on 0.11.2, 47, 53 and 50 on 0.12.0.1
 #: (docs/kernels.md). A bound is the count a change may not exceed: the most of the three
 #: jax versions CI runs, and two kernels' room for a patch release's fusion choices.
 BOUNDS = {
