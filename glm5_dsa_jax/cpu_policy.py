@@ -106,6 +106,27 @@ a GPU from a CPU host, ``tools.gpu_compile.step``) get this policy too. Checked 
 ``tests/test_step_compile.py`` (a deviceless compile for an H200): no fusion of the step
 has a weight-sized output.
 
+Joined products
+---------------
+
+The products that read one activation read it once on a GPU: ``layout.joined_products``
+groups the weights that contract the hidden state (``q_a``, ``kv_a`` and the indexer's
+``wk``, ``weights_proj``, ``kpool_gate``), and ``contraction_last_params(..., joined)``
+gives every member of a group one cached *joined* copy, the members' contraction-last
+copies as ``[N, K]`` stacked in group order (GLM-5.3-Flash: ``[2336, 4096]``, in place of
+their five copies: no byte more). ``joined_rows`` says where each member's rows are; the
+step traces inside ``contraction_last_context(cpu_forms=False, joined=rows)`` over
+``shared_joined(params, rows)`` (every member holds its group's first member's value), and
+``ops.matmul(..., part=path)`` returns its member's slice of the one product of ``x`` and
+that copy, made once per ``(copy, x)`` in the trace whichever member asks first
+(``joined_part``). Why: one kernel where there were four (a row reduce at one row, a GEMM
+and its split-K reduce from 8), ``x`` read once, and a wider product for the GEMM; in two
+modules (the attention's and the indexer's ``project``) the layer cannot write one
+product itself without merging them. The numbers are the plain products' (each output one
+float32 accumulator, rounded): bit for bit on XLA:CPU. A call traced with other values of
+``x`` (a stop-gradient copy) computes its own product, right but not shared. On a CPU the
+copies are not joined: XLA:CPU's forms above are per weight.
+
 Its invariants:
 
 * The context is read at trace time only (``ops.matmul``): it changes the program traced,
@@ -128,6 +149,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import weakref
 
 import jax
@@ -137,7 +159,7 @@ __all__ = ["store_dtype", "to_store", "from_store", "float32_params", "clear_flo
            "uses_float32", "float32_products", "float32_products_context", "WIDE_ROWS",
            "WEIGHT_MAJOR_ROWS",
            "contraction_last_params", "contraction_last_products", "contraction_last_context",
-           "cpu_product_forms", "on_cpu"]
+           "cpu_product_forms", "on_cpu", "joined_rows", "shared_joined", "joined_part"]
 
 
 # ---------------------------------------------------------------------------- bit storage
@@ -199,12 +221,19 @@ def cpu_product_forms() -> bool:
     return _PRODUCTS.get() == "contraction_last"
 
 
+#: While a call is traced with joined products: ``(joined_rows, {(id(w), id(x)): (w, x,
+#: product)})``, the products of each joined copy made so far in this trace.
+_JOINED = contextvars.ContextVar("glm5_dsa_jax_joined", default=None)
+
+
 @contextlib.contextmanager
-def _products_context(mode):
+def _products_context(mode, joined=None):
     token = _PRODUCTS.set(mode)
+    joined_token = _JOINED.set((dict(joined), {}) if joined else None)
     try:
         yield
     finally:
+        _JOINED.reset(joined_token)
         _PRODUCTS.reset(token)
 
 
@@ -214,14 +243,28 @@ def float32_products_context(on: bool = True):
     return _products_context("float32" if on else None)
 
 
-def contraction_last_context(on: bool = True, *, cpu_forms: bool = True):
+def contraction_last_context(on: bool = True, *, cpu_forms: bool = True, joined=None):
     """Trace the calls made inside with contraction-last products (``on``), as the CPU
     compiled step does for ``WIDE_ROWS`` rows or more (``cpu_forms``: XLA:CPU's one-row and
     weight-major forms) and the GPU one always (``cpu_forms=False``: plain products);
     restores the previous setting on exit. Every weight ``ops.matmul`` is given must then
-    be a ``contraction_last_params`` copy."""
+    be a ``contraction_last_params`` copy. ``joined``: the ``joined_rows`` of those copies
+    (plain products only), whose groups ``ops.matmul`` multiplies as one product each."""
+    if joined and cpu_forms:
+        raise ValueError("joined products are plain products: pass cpu_forms=False with joined=")
     mode = "contraction_last" if cpu_forms else "contraction_last_plain"
-    return _products_context(mode if on else None)
+    return _products_context(mode if on else None, joined if on else None)
+
+
+def joined_part(path) -> tuple[int, tuple[int, ...], dict] | None:
+    """While a call is traced with joined products (``contraction_last_context(joined=)``):
+    ``(first row, kept shape, the products made so far)`` of the parameter at ``path`` in
+    its group's joined copy, or None (``ops.matmul`` asks; "Joined products")."""
+    state = _JOINED.get()
+    if state is None or path is None or tuple(path) not in state[0]:
+        return None
+    _, row, shape = state[0][tuple(path)]
+    return row, shape, state[1]
 
 
 def uses_float32(params, opt_in: bool = True) -> bool:
@@ -241,30 +284,33 @@ def on_cpu(params) -> bool:
     return platforms == {"cpu"}
 
 
-# (kind, id(source array)) -> (weak reference to the source, its copy). Keyed by identity
-# and checked through the weak reference, so a parameter that is replaced (a load, a
-# restore, ``shard_layer``, ``set_value``) gets a fresh copy, and a copy lives as long as
-# its source. Kinds: ``"float32"``, or a contraction-last axis order.
-_F32_COPIES: dict[tuple, tuple[weakref.ref, jax.Array]] = {}
+# (kind, id(each source array)) -> (weak references to the sources, their copy). Keyed by
+# identity and checked through the weak references, so a parameter that is replaced (a
+# load, a restore, ``shard_layer``, ``set_value``) gets a fresh copy, and a copy lives as
+# long as its sources. Kinds: ``"float32"``, a contraction-last axis order, or
+# ``"joined"`` (one copy of several sources, "Joined products").
+_F32_COPIES: dict[tuple, tuple[tuple[weakref.ref, ...], jax.Array]] = {}
 
 
 def _drop_copy(key: tuple, ref: weakref.ref) -> None:
     hit = _F32_COPIES.get(key)
-    if hit is not None and hit[0] is ref:
+    if hit is not None and any(r is ref for r in hit[0]):
         del _F32_COPIES[key]
 
 
 def _cached_copy(a, kind, make):
-    """``make(a)``, cached per ``(kind, a)`` for as long as ``a`` lives (module doc)."""
-    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+    """``make(a)``, cached per ``(kind, a)`` for as long as ``a`` lives (module doc); ``a``
+    may be a tuple of arrays, one copy of them all (cached while every one lives)."""
+    sources = a if isinstance(a, tuple) else (a,)
+    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in sources):
         return make(a)  # inside a trace: nothing to cache
-    key = (kind, id(a))
+    key = (kind,) + tuple(id(x) for x in sources)
     hit = _F32_COPIES.get(key)
-    if hit is not None and hit[0]() is a:
+    if hit is not None and all(r() is x for r, x in zip(hit[0], sources)):
         return hit[1]
     copy = make(a)
-    ref = weakref.ref(a, lambda r, k=key: _drop_copy(k, r))
-    _F32_COPIES[key] = (ref, copy)
+    refs = tuple(weakref.ref(x, lambda r, k=key: _drop_copy(k, r)) for x in sources)
+    _F32_COPIES[key] = (refs, copy)
     return copy
 
 
@@ -294,16 +340,43 @@ def float32_params(params):
     return jax.tree.map(up, params)
 
 
-def contraction_last_params(params, orders) -> object:
+def _param_path(path) -> tuple[str, ...]:
+    """The parameter path (``layout.Param.path``) of a key path into an ``nnx.State``."""
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    return names[:-1] if names and names[-1] == "value" else names
+
+
+def _leaves_by_path(params) -> dict:
+    """``{parameter path: leaf}`` of an ``nnx.State`` (or of what a step reads)."""
+    return {_param_path(p): a for p, a in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def contraction_last_params(params, orders, joined=()) -> object:
     """``params`` (an ``nnx.State``) with each parameter whose path is in ``orders`` (``{path:
     axis order}``, ``layout.contraction_orders``) replaced by a cached copy of it with its
     axes in that order (contraction axes last), in its own dtype, on its own device. The
     copy of an array is made once and cached for as long as that array lives; the tree
     given is not changed. Costs the weights' bytes once more (GLM-5.3-Flash: 250 MB). An
-    abstract leaf (``jax.ShapeDtypeStruct``) becomes one of the copy's shape, unplaced."""
+    abstract leaf (``jax.ShapeDtypeStruct``) becomes one of the copy's shape, unplaced.
+
+    ``joined`` (``layout.joined_products``, a GPU step's): every member of a group present
+    in ``params`` gets the group's one joined copy instead, ``[N1 + N2 + ..., K]`` (each
+    member's copy as ``[N, K]``, stacked in group order; ``joined_rows`` says where each
+    one's rows are), the same array at each of them: "Joined products"."""
+    rows = joined_rows(params, orders, joined)
+    leaves = _leaves_by_path(params)
+    copies = {}
+    for group in joined:
+        members = tuple(m for m in group if m in rows)
+        if members:
+            join = _joined_copy(tuple(leaves[m] for m in members), tuple(orders[m] for m in members))
+            copies.update(dict.fromkeys(members, join))
+
     def copy(path, a):
-        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        order = orders.get(names[:-1] if names and names[-1] == "value" else names)
+        names = _param_path(path)
+        if names in copies:
+            return copies[names]
+        order = orders.get(names)
         if order is None or order == tuple(range(len(order))):
             return a
         if isinstance(a, jax.ShapeDtypeStruct):  # abstract (a step compiled ahead of time)
@@ -311,6 +384,54 @@ def contraction_last_params(params, orders) -> object:
         return _cached_copy(a, order, lambda a: jnp.transpose(a, order))
 
     return jax.tree_util.tree_map_with_path(copy, params)
+
+
+def joined_rows(params, orders, joined) -> dict[tuple[str, ...], tuple[tuple[str, ...], int, tuple[int, ...]]]:
+    """``{param path: (its group's first member, its first row in the joined copy, its kept
+    shape)}`` for every member of a ``joined`` group with at least two members in
+    ``params`` that share a dtype and their contracted size (each member contracts its
+    last contraction-last axis only): what ``contraction_last_params(params, orders,
+    joined)`` joins and ``ops.matmul`` slices ("Joined products"). Reads shapes only
+    (abstract parameters too)."""
+    leaves = _leaves_by_path(params)
+    out = {}
+    for group in joined:
+        members = [m for m in group if m in leaves]
+        shapes = [tuple(leaves[m].shape[i] for i in orders[m]) for m in members]
+        if len(members) < 2 or len({(s[-1], leaves[m].dtype) for m, s in zip(members, shapes)}) != 1:
+            continue
+        row = 0
+        for m, shape in zip(members, shapes):
+            out[m] = (members[0], row, shape[:-1])
+            row += math.prod(shape[:-1])
+    return out
+
+
+def _joined_copy(arrays: tuple, orders: tuple):
+    """One ``[sum N, K]`` array of ``arrays``' contraction-last copies, each as ``[N, K]``,
+    stacked in order (cached while every source lives); abstract for abstract sources."""
+    def make(arrays):
+        return jnp.concatenate([jnp.transpose(a, o).reshape(-1, a.shape[o[-1]]) for a, o in zip(arrays, orders)])
+
+    if all(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+        return jax.eval_shape(make, arrays)
+    return _cached_copy(arrays, "joined", make)
+
+
+def shared_joined(params, rows):
+    """``params`` (what a compiled step reads, inside its trace) with every member of a
+    joined group (``rows``: ``joined_rows``) holding its group's first member's array (one
+    value, not one argument per member), so ``ops.matmul`` makes one product of the
+    group's activation and that array, whichever member asks first ("Joined products")."""
+    if not rows:
+        return params
+    leaves = _leaves_by_path(params)
+
+    def shared(path, a):
+        part = rows.get(_param_path(path))
+        return a if part is None else leaves[part[0]]
+
+    return jax.tree_util.tree_map_with_path(shared, params)
 
 
 def clear_float32_copies() -> None:

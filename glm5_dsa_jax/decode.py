@@ -24,7 +24,9 @@ Invariants:
   On any other backend (a GPU; or parameters not yet placed, a step compiled ahead of
   time) an unplaced layer's step multiplies the same contraction-last copies as plain
   products (``cpu_policy``, "Products on a GPU": one row-reduce or GEMM fusion a product,
-  never a weight-sized intermediate); a placed one reads the stored layout.
+  never a weight-sized intermediate), the hidden state's five products as one against
+  their joined copy (``cpu_policy``, "Joined products"; ``step.module(params)`` merges
+  the layer so that its members share it); a placed one reads the stored layout.
   The caller's ``params`` are the layer's own, in their own dtype; only the arrays handed
   to the compiled function differ. The choice is made from the input's static shape, so
   it never adds a compilation.
@@ -91,9 +93,9 @@ from flax import nnx
 from glm5_dsa_jax.cache import DsaCache, check_fits
 from glm5_dsa_jax.cpu_policy import (
     WIDE_ROWS, contraction_last_context, contraction_last_params, float32_params, float32_products_context,
-    on_cpu,
+    joined_rows, on_cpu, shared_joined,
 )
-from glm5_dsa_jax.model.layout import contraction_orders
+from glm5_dsa_jax.model.layout import contraction_orders, joined_products
 from glm5_dsa_jax.model.layer import DsaAttention
 from glm5_dsa_jax.cache import PagedCache
 from glm5_dsa_jax.cache.paged import release_mask
@@ -127,6 +129,10 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     cpu = on_cpu(params)
     cpu_forms = wide and narrow
     orders = contraction_orders() if layer.mesh is None and (cpu_forms or not cpu) else None
+    # A GPU's plain products multiply each group of weights that reads one activation as
+    # one product against the group's joined copy (cpu_policy, "Joined products").
+    joined = joined_products() if orders is not None and not cpu_forms else ()
+    rows_of_joined = joined_rows(params, orders, joined) if joined else {}
 
     def contraction_last_rows(rows: int) -> bool:
         """Whether a call of ``rows`` query rows multiplies contraction-last copies."""
@@ -135,19 +141,24 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
     def compute(p, rows: int = 1):
         """The parameters the compiled step reads for a call of ``rows`` query rows."""
         if contraction_last_rows(rows):
-            return contraction_last_params(p, orders)
+            return contraction_last_params(p, orders, joined)
         return float32_params(p) if wide else p
 
     def products_for(rows: int):
         """The product context a call of ``rows`` query rows is traced in (``cpu_policy``):
         contraction-last products, float32 ones, or neither."""
         if contraction_last_rows(rows):
-            return contraction_last_context(cpu_forms=cpu_forms)
+            return contraction_last_context(cpu_forms=cpu_forms, joined=rows_of_joined)
         return float32_products_context(wide)
+
+    def module_of(params):
+        """The layer over what a compiled step reads (inside its trace): each joined
+        group's members share one value, so their group is one product."""
+        return nnx.merge(graphdef, shared_joined(params, rows_of_joined))
 
     def step_fn(params, hidden, mask, cache: DsaCache, prev_topk=None):
         traces["n"] += 1
-        module = nnx.merge(graphdef, params)
+        module = module_of(params)
         with products_for(hidden.shape[0] * hidden.shape[1]):
             return module(hidden, attention_mask=mask, cache=cache, prev_topk=prev_topk)
 
@@ -191,6 +202,8 @@ def make_step(layer: DsaAttention, *, donate: bool = True):
         #: ``products(rows)``: the context to trace such a call's products in (a program
         #: beside the step, e.g. the bench's dense step, multiplies as the step does)
         products = staticmethod(products_for)
+        #: ``module(params)``: the layer over ``compute_params``' output, inside a trace
+        module = staticmethod(module_of)
 
         @property
         def traces(self) -> int:
@@ -224,7 +237,6 @@ class _Programs:
     """
 
     def _init_programs(self, layer: DsaAttention) -> None:
-        self._graphdef = nnx.graphdef(layer)
         self._computed = {}  # contraction_last(rows) -> (the leaves it was made from, params)
         self._ones = {}  # (B, S) -> an all-True mask on the device (mask=None)
         self._steps_jits = {}
@@ -261,10 +273,10 @@ class _Programs:
     def _steps_jit(self, cache):
         """The compiled ``n``-step program for a cache of this structure (``make_step``'s
         shardings on a placed layer)."""
-        layer, step, graphdef = self.layer, self.step, self._graphdef
+        layer, step = self.layer, self.step
 
         def run(params, hiddens, masks, cache, prev_topk, unroll):
-            module = nnx.merge(graphdef, params)
+            module = step.module(params)
 
             def one(cache, xs):
                 x, m, p = xs

@@ -231,3 +231,91 @@ def test_few_rows_multiply_weight_major(rows):
     weight_major = rows <= cpu_policy.WEIGHT_MAJOR_ROWS
     assert dot.invars[0].aval.shape == ((48, 128) if weight_major else (rows, 128))
     assert any(e.primitive.name == "optimization_barrier" for e in eqns) == weight_major
+
+
+@pytest.mark.parametrize("model, layer_idx", [("glm5_next", 1), ("glm5_next", 2), ("deepseek_v32", 0)],
+                         ids=["glm5-next-full", "glm5-next-shared", "deepseek-v32-rope"])
+def test_joined_products_are_the_plain_products(model, layer_idx):
+    """A GPU step's joined products (``cpu_policy``, "Joined products"): the products of the
+    hidden state (``q_a``, ``kv_a`` and, on a layer with an indexer, its ``wk``,
+    ``weights_proj`` and a pooling model's ``kpool_gate``) are one ``dot_general`` against
+    one joined copy, made once while its sources live, and each member's slice is the plain
+    product of its own copy: the same float32 products of the same bf16 values, rounded
+    to bf16, so at most one ulp apart (the accumulation order). Here, on XLA:CPU, the
+    projections come out bit for bit."""
+    from helpers import rope_tiny
+
+    from glm5_dsa_jax.model import ops
+    from glm5_dsa_jax.model.layout import joined_products
+
+    cfg = gd.DsaConfig.tiny() if model == "glm5_next" else rope_tiny(model)
+    layer = gd.DsaAttention(cfg, layer_idx, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    graphdef, params = nnx.split(layer)
+    orders, groups = contraction_orders(), joined_products()
+    rows = cpu_policy.joined_rows(params, orders, groups)
+    want = [("q_a_proj",), ("kv_a_proj",)] + ([("indexer", "wk"), ("indexer", "weights_proj")]
+                                              + [("indexer", "kpool_gate")] * cfg.rules.kpool_compression
+                                              if layer.has_indexer else [])
+    assert sorted(rows) == sorted(want)
+    joined = cpu_policy.contraction_last_params(params, orders, groups)
+    plain = cpu_policy.contraction_last_params(params, orders)
+    assert cpu_policy.contraction_last_params(params, orders, groups)["q_a_proj"].value is joined["q_a_proj"].value
+    x = jax.random.normal(jax.random.key(3), (2, 3, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+
+    def project(p, r):
+        m = nnx.merge(graphdef, cpu_policy.shared_joined(p, r))
+        with cpu_policy.contraction_last_context(cpu_forms=False, joined=r):
+            q_resid, q_lat, latent = m.project(x)
+            return (q_resid, q_lat, latent) + (m.indexer.project(x, q_resid) if m.indexer is not None else ())
+
+    def dots(p, r):
+        return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(lambda p: project(p, r))(p).jaxpr.eqns)
+
+    assert dots(plain, {}) - dots(joined, rows) == len(want) - 1
+    for a, b in zip(jax.jit(lambda p: project(p, rows))(joined), jax.jit(lambda p: project(p, {}))(plain)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for path in want:  # each member's slice, against its own plain product
+        member = plain[path[0]] if len(path) == 1 else plain[path[0]][path[1]]
+        with cpu_policy.contraction_last_context(cpu_forms=False, joined=rows):
+            ours = ops.dense(x, joined["q_a_proj"].value, part=path)
+        with cpu_policy.contraction_last_context(cpu_forms=False):
+            theirs = ops.dense(x, member.value)
+        assert ours.shape == theirs.shape and _ulps_apart(ours, theirs).max() <= 1
+    # a replaced member gets a new joined copy
+    layer.kv_a_proj.value = layer.kv_a_proj.value + 1
+    again = cpu_policy.contraction_last_params(nnx.state(layer), orders, groups)
+    assert again["q_a_proj"].value is not joined["q_a_proj"].value
+
+
+def test_a_gpu_step_with_joined_products(monkeypatch):
+    """``make_step`` under the GPU product policy (``decode.on_cpu`` made to answer False,
+    so a CPU runs what a GPU step traces: plain contraction-last products and the hidden
+    state's joined copy), through ``DsaDecoder``'s calls and ``steps(n)``: the same outputs,
+    ids and cache, bit for bit, as the same policy without the join; the joined copy made
+    once while its sources live."""
+    import glm5_dsa_jax.decode as decode
+    from glm5_dsa_jax.model import layout
+
+    monkeypatch.setattr(decode, "on_cpu", lambda params: False)
+    layer = _bf16_layer(cpu_float32=False)  # no float32 copies: what a GPU step reads
+    x = jax.random.normal(jax.random.key(5), (2, 9, layer.cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    mask = jnp.ones((2, 9), bool).at[1, :2].set(False)
+
+    def run():
+        dec = DsaDecoder(layer, batch_size=2, max_length=16)
+        outs = [dec(x[:, :5], mask[:, :5]), dec(x[:, 5:6], mask[:, 5:6]), dec.steps(x[:, 6:9], mask[:, 6:9])]
+        return outs, dec
+
+    joined, dec = run()
+    copies = [a for a in jax.tree.leaves(dec._compute(2)) if a.shape[0] == sum(
+        p.shape(layer.cfg)[-1] for p in (layout.find_param(q)[1] for q in layout.joined_products()[0]))]
+    assert len(copies) == len(layout.joined_products()[0]) and all(c is copies[0] for c in copies)
+    assert dec.step.compute_params(dec.params, 2)["q_a_proj"].value is copies[0]  # cached
+    monkeypatch.setattr(decode, "joined_products", lambda: ())
+    plain, dec_plain = run()
+    assert not [a for a in jax.tree.leaves(dec_plain._compute(2)) if a is copies[0]]
+    for (o, t), (o2, t2) in zip(joined, plain):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o2, np.float32))
+        np.testing.assert_array_equal(np.asarray(t), np.asarray(t2))
+    for a, b in zip(jax.tree.leaves(dec.cache), jax.tree.leaves(dec_plain.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

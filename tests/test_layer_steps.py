@@ -269,3 +269,25 @@ def test_cpu_cache_stores_16_bit_floats_as_bits(cfg):
     rows = jnp.full(cache.latent.shape, -1.5, jnp.bfloat16)
     assert (np.asarray(cache.replace(latent=rows).latent, np.float32) == -1.5).all()
     assert layer.init_cache(1, 16, dtype=jnp.float32).latent_store.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("rows, bias", [((1, 1), False), ((1, 1), True), ((2, 3), False)])
+def test_output_projection_masks_padding_rows(rows, bias):
+    """``ops.absorb_o(..., mask=)``: zeros at the padding rows, the other rows exactly the
+    unmasked products, a NaN of a padding row's attention output included. One row without
+    a bias is masked on its input ``o_lat``, before the first product (where the ``where``
+    fuses into it on a GPU); otherwise on the output."""
+    from glm5_dsa_jax.model.ops import absorb_o
+
+    k = jax.random.split(jax.random.key(0), 4)
+    o_lat = jax.random.normal(k[0], rows + (4, 8), jnp.float32).astype(jnp.bfloat16)
+    w_uv = jax.random.normal(k[1], (4, 6, 8), jnp.float32).astype(jnp.bfloat16)
+    o_proj = jax.random.normal(k[2], (4, 6, 10), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(k[3], (10,), jnp.float32).astype(jnp.bfloat16) if bias else None
+    for mask in (jnp.zeros(rows, bool), jnp.ones(rows, bool), jnp.arange(np.prod(rows)).reshape(rows) % 2 == 0):
+        x = jnp.where(mask[..., None, None], o_lat, jnp.nan)  # padding rows: NaN
+        out = absorb_o(x, w_uv, o_proj, b, mask=mask)
+        want = jnp.where(mask[..., None], absorb_o(o_lat, w_uv, o_proj, b), 0)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    text = str(jax.make_jaxpr(lambda x, m: absorb_o(x, w_uv, o_proj, b, mask=m))(o_lat, mask))
+    assert ("select_n" in text[:text.index("dot_general")]) == (rows == (1, 1) and not bias), text

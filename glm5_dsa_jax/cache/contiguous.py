@@ -629,10 +629,17 @@ def write_pools(bufs: tuple, rows: tuple, pool_ids, new) -> tuple:
     flow (before issue 46 a ``fori_loop`` of ``lax.cond``-guarded ``dynamic_update_slice``s:
     a loop and a conditional in every GPU step). Not ``write_rows``' form row by row: XLA:CPU
     fused the last row's update into the scoring's read of the buffer and copied the whole
-    buffer twice a step from batch 2 on (``tests/test_step_control_flow.py``).
+    buffer twice a step from batch 2 on (``tests/test_step_control_flow.py``). One row's
+    one pool (a batch-1 decode step) is that form, though: XLA:GPU rewrote its one-index
+    scatter as the same update plus a reduce that checks the index, one kernel more a step
+    (deviceless H200 compile, 2026-12-07), and a CPU keeps it in place at one row.
     """
     b, n = pool_ids.shape
     size = bufs[0].shape[1]
+    if b == n == 1:  # one row's one pool (a batch-1 decode step): write_rows' form
+        idx = jnp.clip(pool_ids[0, 0], 0, size - 1).astype(jnp.int32)
+        return tuple(_write_where(buf, new[0, 0], row.astype(buf.dtype), (0, idx) + (0,) * (buf.ndim - 2))
+                     for buf, row in zip(bufs, rows))
     r = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, n))
     p = jnp.where(new, pool_ids, size).astype(jnp.int32)  # past the end: dropped
     return tuple(buf.at[r, p].set(row.astype(buf.dtype), mode="drop") for buf, row in zip(bufs, rows))

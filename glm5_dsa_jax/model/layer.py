@@ -174,19 +174,20 @@ class DsaIndexer(nnx.Module):
         cached, as HF caches them. Without k-pool compression the gate is zeros (a pool of
         one token is that token: ``kpool_compress`` then returns the keys exactly)."""
         cfg = self.cfg
+        of_x = lambda name: dense(x, getattr(self, name)[...], part=("indexer", name))  # noqa: E731
         with jax.named_scope(INDEX_PROJECT):
             q = matmul("bsr,rhd->bshd", q_resid, self.wq_b[...])
-            k = layer_norm(dense(x, self.wk[...]), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
+            k = layer_norm(of_x("wk"), self.k_norm_scale[...], self.k_norm_bias[...], self.eps)
             if rope is not None and cfg.rules.indexer_rope_style is not None:
                 r, style = cfg.qk_rope_head_dim, cfg.rules.indexer_rope_style
                 cos, sin = rope
                 q = jnp.concatenate([apply_rope(q[..., :r], cos[:, :, None], sin[:, :, None], style), q[..., r:]], -1)
                 k = jnp.concatenate([apply_rope(k[..., :r], cos, sin, style), k[..., r:]], -1)
             if cfg.rules.kpool_compression:
-                gate = dense(x, self.kpool_gate[...]).astype(jnp.float32)
+                gate = of_x("kpool_gate").astype(jnp.float32)
             else:
                 gate = jnp.zeros(k.shape, jnp.float32)
-            w = dense(x, self.weights_proj[...]).astype(jnp.float32) * (self.index_heads**-0.5)
+            w = of_x("weights_proj").astype(jnp.float32) * (self.index_heads**-0.5)
         return q, w, k, gate
 
     def pool_ape(self, dtype) -> jax.Array:
@@ -284,9 +285,7 @@ class DsaAttention(nnx.Module):
         implementation = pk.resolve_implementation(implementation)
         if not isinstance(block_q, int) or block_q <= 0:
             raise ValueError(f"block_q must be a positive int, got {block_q!r}")
-        self.cfg = cfg
-        self.layer_idx = layer_idx
-        self.implementation = implementation
+        self.cfg, self.layer_idx, self.implementation = cfg, layer_idx, implementation
         self.dtype = jnp.dtype(dtype)
         self.param_dtype = jnp.dtype(param_dtype)
         self._tp_axis = tp_axis
@@ -560,10 +559,10 @@ class DsaAttention(nnx.Module):
         cfg = self.cfg
         eps = cfg.latent_norm_eps
         with jax.named_scope(PROJECT):
-            q_resid = rms_norm(self._dense(x, self.q_a_proj, self.q_a_proj_bias), self.q_a_layernorm[...], eps)
+            q_resid = rms_norm(self._dense(x, "q_a_proj"), self.q_a_layernorm[...], eps)
             q = matmul("bsr,rhd->bshd", q_resid, self.q_b_proj[...])
             q_lat = absorb_q(q[..., : cfg.qk_nope_head_dim], self.w_uk[...])
-            kv = self._dense(x, self.kv_a_proj, self.kv_a_proj_bias)
+            kv = self._dense(x, "kv_a_proj")
             latent = rms_norm(kv[..., : cfg.kv_lora_rank], self.kv_a_layernorm[...], eps)
             if rope is not None:
                 cos, sin = rope
@@ -574,8 +573,8 @@ class DsaAttention(nnx.Module):
         return (remat.name(q_resid, remat.Q_RESID), remat.name(q_lat, remat.Q_LAT),
                 remat.name(latent, remat.LATENT))
 
-    def _dense(self, x, w, bias):
-        y = dense(x, w[...])
+    def _dense(self, x, name: str):  # x @ self.<name>, plus its attention_bias bias if any
+        y, bias = dense(x, getattr(self, name)[...], part=(name,)), getattr(self, name + "_bias")
         return y if bias is None else y + bias[...].astype(y.dtype)
 
     def compress_pools(self, cache: LayerCache, keys, gate, chunk: Chunk):
@@ -755,10 +754,8 @@ class DsaAttention(nnx.Module):
         are ``psum``-ed over it (the call's one collective)."""
         bias = None if self.o_proj_bias is None else self.o_proj_bias[...]
         with jax.named_scope(OUTPUT_PROJECTION):
-            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, reduce_axis=reduce_axis)
-            if mask is None:
-                return out
-            return jnp.where(mask[..., None], out, jnp.zeros((), out.dtype)).astype(self.dtype)
+            out = absorb_o(o_lat, self.w_uv[...], self.o_proj[...], bias, reduce_axis=reduce_axis, mask=mask)
+            return out if mask is None else out.astype(self.dtype)
 
     def _indexer_kernel(self, fn, *args, **kwargs):
         """``fn(*args, implementation=self.implementation, **kwargs)``: an indexer step's kernel."""

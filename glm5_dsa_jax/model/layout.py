@@ -76,7 +76,7 @@ __all__ = [
     "ParamFactory",
     "DIMS", "Param", "Tensor", "TENSORS", "layer_tensors", "hf_tensor_shapes", "hf_weight_shapes",
     "param_shapes", "find_param", "iter_params", "read_param", "array_reader", "assemble_hf", "Reader",
-    "partition_specs", "head_split_names", "contraction_orders",
+    "partition_specs", "head_split_names", "contraction_orders", "joined_products",
 ]
 
 #: View-axis names -> the ``DsaConfig`` attribute that sizes them.
@@ -318,6 +318,25 @@ def contraction_orders() -> dict[tuple[str, ...], tuple[int, ...]]:
     """``{param path: Param.contraction_last}`` of every parameter a product reads: the axis
     orders of the CPU policy's contraction-last copies (``cpu_policy.contraction_last_params``)."""
     return {p.path: p.contraction_last for t in TENSORS for p in t.params if p.contract}
+
+
+#: The contracted axes whose products a GPU step joins: the hidden state's. Its five
+#: products (q_a, kv_a and the indexer's wk, weights_proj, kpool_gate) feed norms and
+#: elementwise work that fuse into the one product's consumers, so joining them saves
+#: kernels (deviceless H200 compile: 3 of 44 at batch 1, 6 of 53 at batch 8). ``q_resid``'s
+#: two (q_b, the indexer's wq_b) are not joined: each part feeds a product or a Pallas
+#: kernel that takes it as a buffer of its own, so the join costs a slice kernel for
+#: every kernel it saves (tried 2026-12-07: no count changed).
+JOINED_CONTRACTIONS = (("hidden",),)
+
+
+def joined_products() -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """The parameter paths of each group of products a GPU step multiplies as one
+    (``JOINED_CONTRACTIONS``: those contracting the hidden state), in table order: each
+    group multiplies one activation, against its members' contraction-last copies joined
+    (``cpu_policy.contraction_last_params``, "Joined products")."""
+    return tuple(tuple(p.path for t in TENSORS for p in t.params if p.contract == axes)
+                 for axes in JOINED_CONTRACTIONS)
 
 
 def hf_weight_shapes(cfg: DsaConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_dsa_jax.cpu_policy import (
-    WEIGHT_MAJOR_ROWS, contraction_last_products, cpu_product_forms, float32_products,
+    WEIGHT_MAJOR_ROWS, contraction_last_products, cpu_product_forms, float32_products, joined_part,
 )
 
 __all__ = ["rms_norm", "layer_norm", "matmul", "contraction_last_spec", "dense", "absorb_q", "absorb_o",
@@ -55,7 +55,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = None) -> jax.Array:
+def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = None,
+           part: tuple[str, ...] | None = None) -> jax.Array:
     """``einsum(spec, x, w)`` in ``x``'s dtype: ``w`` cast to ``x.dtype`` (the GPU path), or,
     while the CPU policy's float32 products are on, both operands in float32 and the output
     rounded to ``x.dtype`` (what XLA:CPU's bf16 product computes, at float32 speed), or,
@@ -63,8 +64,12 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, *, reduce_axis: str | None = N
     says and, when both operands share a dtype, multiplied as is into a float32
     accumulator. ``reduce_axis``: the partial products are ``psum``-ed over that
     ``shard_map`` axis in the product's own dtype, before the rounding (float32 partial sums
-    under the policy)."""
+    under the policy). ``part``: the parameter path of ``w`` (``layout.Param.path``), for a
+    GPU step that multiplies ``w``'s group as one product (``_joined_product``)."""
     f32, dtype = jnp.float32, x.dtype
+    joined = joined_part(part)
+    if joined is not None and reduce_axis is None:
+        return _joined_product(spec, x, w, *joined)
     if contraction_last_products():
         if x.dtype != w.dtype:
             x, w = x.astype(f32), w.astype(f32)
@@ -126,6 +131,29 @@ def _contraction_last_product(spec: str, x: jax.Array, w: jax.Array, cpu_forms: 
     return jnp.einsum(f"{lead}{free}{kept}->{out}", y)
 
 
+def _joined_product(spec: str, x: jax.Array, w: jax.Array, row: int, kept: tuple[int, ...], made: dict):
+    """``matmul(spec, x, w)`` where ``w`` is a joined copy ``[N1 + N2 + ..., K]`` of its group
+    (``cpu_policy``, "Joined products") and ``spec``'s member starts at ``row`` with its kept
+    axes ``kept``: its slice of the one product ``x [..., K] @ w^T`` (float32 accumulator,
+    rounded to ``x``'s dtype), made once per ``(w, x)`` in the trace (``made``) and shared by
+    every member that multiplies the same ``x``. The member contracts ``x``'s last axis only;
+    its numbers are the plain product's, up to the accumulation order."""
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    if [c for c in ws if c not in out] != [xs[-1]]:
+        raise ValueError(f"a joined product contracts x's last axis only, got {spec!r}")
+    hit = made.get((id(w), id(x)))
+    if hit is None or hit[0] is not w or hit[1] is not x:  # the references held keep ids unique
+        xa, wa = (x, w) if x.dtype == w.dtype else (x.astype(jnp.float32), w.astype(jnp.float32))
+        y = jax.lax.dot_general(xa.reshape(-1, x.shape[-1]), wa, (((1,), (1,)), ((), ())),
+                                precision=_HI, preferred_element_type=jnp.float32).astype(x.dtype)
+        hit = made[(id(w), id(x))] = (w, x, y)
+    y = hit[2][:, row:row + math.prod(kept)].reshape(x.shape[:-1] + kept)
+    kept_letters = "".join(c for c in ws if c in out)
+    lead = xs[:-1]
+    return jnp.einsum(f"{lead}{kept_letters}->{out}", y)
+
+
 def contraction_last_spec(spec: str) -> str:
     """``spec`` (``"x,w->out"``) with ``w``'s letters absent from ``out`` (the contracted
     ones) moved last, in order: the spec of a product whose weight is a contraction-last
@@ -143,21 +171,31 @@ def absorb_q(q_nope: jax.Array, w_uk: jax.Array) -> jax.Array:
 
 def absorb_o(
     o_lat: jax.Array, w_uv: jax.Array, o_proj: jax.Array, bias: jax.Array | None = None,
-    *, reduce_axis: str | None = None,
+    *, reduce_axis: str | None = None, mask: jax.Array | None = None,
 ) -> jax.Array:
     """``[B, S, H, C]`` latent attention output -> ``[B, S, hidden]``: ``W_UV`` then ``o_proj``.
 
     ``reduce_axis``: inside a ``shard_map`` manual over it (a placed call, whose device
     holds only its heads), the partial sums are ``psum``-ed over it before the bias is
-    added (once): row-parallel ``o_proj``."""
+    added (once): row-parallel ``o_proj``. ``mask [B, S]``: zeros at its False rows. Of
+    one row without a bias, the input ``o_lat`` is masked (a zero row's products are
+    zeros), where the ``where`` fuses into ``w_uv``'s row reduce on a GPU (on the output
+    it was a kernel of its own; on ``o_proj``'s input too); of more rows the output, where
+    it fuses into the GEMM's split-K reduce (on the input it was one more kernel at 8 and
+    64 rows). Deviceless H200 compile, 2026-12-07."""
+    one_row = mask is not None and bias is None and mask.size == 1
+    if one_row:
+        o_lat = jnp.where(mask[..., None, None], o_lat, jnp.zeros((), o_lat.dtype))
     o = matmul("bshc,hvc->bshv", o_lat, w_uv)
+    zero = jnp.zeros((), o.dtype)
     out = matmul("bshv,hvo->bso", o, o_proj, reduce_axis=reduce_axis)
-    return out if bias is None else out + bias.astype(out.dtype)
+    out = out if bias is None else out + bias.astype(out.dtype)
+    return out if mask is None or one_row else jnp.where(mask[..., None], out, zero)
 
 
-def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [..., in] @ w [in, out]`` in ``x``'s dtype (as ``matmul``)."""
-    return matmul("...i,io->...o", x, w)
+def dense(x: jax.Array, w: jax.Array, *, part: tuple[str, ...] | None = None) -> jax.Array:
+    """``x [..., in] @ w [in, out]`` in ``x``'s dtype (as ``matmul``; ``part`` too)."""
+    return matmul("...i,io->...o", x, w, part=part)
 
 
 def query_tiles(block_q: int, *arrays):

@@ -53,7 +53,7 @@ from glm5_dsa_jax.model.layout import contraction_orders
 from glm5_dsa_jax.tools.gpu_compile.targets import TARGETS
 
 __all__ = ["H200", "KINDS", "compile_step", "entry_ops", "launched", "summary", "weight_sized",
-           "weight_params"]
+           "weight_params", "weight_readers"]
 
 #: An H200 as XLA's GPU compiler sees it: the H100's SM (``TARGETS["sm_90"]``) with the
 #: H200's memory (4.8 TB/s, 141 GB).
@@ -83,16 +83,33 @@ def entry_ops(text: str) -> list[tuple[str, str, str]]:
     return [(name, op, shape) for name, shape, op, _ in _INSTR.findall(entry(text)) if op in KINDS]
 
 
+def _weight_path(name: str) -> str | None:
+    """The ``"/"``-joined layout path of a product's weight whose entry parameter jax named
+    ``name`` (from the flattened ``params`` argument), or None."""
+    flat = re.sub(r"_+", "_", name.split(".")[0])
+    for path in contraction_orders():
+        if flat == "params_" + "_".join(path) + "_value":
+            return "/".join(path)
+    return None
+
+
 def weight_params(text: str) -> dict[str, int]:
     """``{entry parameter name: elements}`` of the products' weights (``layout``'s
     ``contraction_orders`` paths, as jax names the flattened ``params`` argument)."""
-    keys = {"_".join(p) for p in contraction_orders()}
-    out = {}
-    for name, shape, op, _ in _INSTR.findall(entry(text)):
-        flat = re.sub(r"_+", "_", name.split(".")[0])
-        if op == "parameter" and flat.startswith("params_") and any(
-                flat == f"params_{k}_value" for k in keys):
-            out[name] = math.prod(_arrays(shape)[0][1])
+    return {name: math.prod(_arrays(shape)[0][1]) for name, shape, op, _ in _INSTR.findall(entry(text))
+            if op == "parameter" and _weight_path(name) is not None}
+
+
+def weight_readers(text: str) -> dict[str, int]:
+    """``{weight path: entry kernels and control ops (KINDS) that read it}`` of every
+    product's weight that is an entry parameter (a joined group's members after its first
+    are none: the step reads its one copy through the first, ``cpu_policy``)."""
+    views = _views(text, weight_params(text))
+    out = {_weight_path(name): 0 for name in views}
+    for _, _, op, args in _INSTR.findall(entry(text)):
+        if op in KINDS:
+            for name, v in views.items():
+                out[_weight_path(name)] += _reads(args, v)
     return out
 
 
@@ -100,15 +117,40 @@ def weight_sized(text: str) -> list[str]:
     """The entry fusions and copies that read a product's weight and write half its
     elements or more (module doc), as ``"name shape (reads weight)"``."""
     weights = weight_params(text)
+    views = _views(text, weights)
     bad = []
     for name, shape, op, args in _INSTR.findall(entry(text)):
         if op not in ("fusion", "copy"):
             continue
         for w, n in weights.items():
-            if re.search(rf"%{re.escape(w)}\b", args) and any(
-                    math.prod(dims) * 2 >= n for _, dims in _arrays(shape)):
+            if _reads(args, views[w]) and any(math.prod(dims) * 2 >= n for _, dims in _arrays(shape)):
                 bad.append(f"{name} {shape} ({w})")
     return bad
+
+
+_VIEW = re.compile(r"^\s*%(\S+) = .*? (bitcast|tuple|get-tuple-element)\((.*?)\)(?:, index=(\d+))?", re.M)
+
+
+def _views(text: str, names) -> dict[str, set[str]]:
+    """``{name: the name and each entry view of it}``: a bitcast of a view, and a tuple's
+    element taken back (a tuple and its ``get-tuple-element``, what an optimisation barrier
+    becomes) are views, never kernels."""
+    views = {n: {n} for n in names}
+    tuples = {n: {} for n in names}  # name -> {tuple: positions holding a view}
+    for name, op, args, index in _VIEW.findall(entry(text)):
+        operands = [a.strip().lstrip("%") for a in args.split(",")]
+        for n, v in views.items():
+            if op == "bitcast" and operands[0] in v:
+                v.add(name)
+            elif op == "tuple" and any(a in v for a in operands):
+                tuples[n][name] = {i for i, a in enumerate(operands) if a in v}
+            elif op == "get-tuple-element" and int(index or -1) in tuples[n].get(operands[0], ()):
+                v.add(name)
+    return views
+
+
+def _reads(args: str, names) -> bool:
+    return any(re.search(rf"%{re.escape(n)}\b", args) for n in names)
 
 
 def compile_step(impl: str = "pallas", batch: int = 1, context: int = 4096, queries: int = 1,
@@ -187,13 +229,13 @@ def launched(text: str) -> int:
 
 
 def summary(text: str) -> dict:
-    """Counts per ``KINDS`` in the entry, their total, ``launched``, and ``weight_sized``'s
-    list, of an HLO text."""
+    """Counts per ``KINDS`` in the entry, their total, ``launched``, ``weight_sized``'s list
+    and ``weight_readers``, of an HLO text."""
     ops = collections.Counter(op for _, op, _ in entry_ops(text))
     counts = {k: ops[k] for k in KINDS}
     return dict(counts=counts, total=sum(counts.values()),
                 without_conditionals=sum(counts.values()) - counts["conditional"],
-                launched=launched(text), weight_sized=weight_sized(text))
+                launched=launched(text), weight_sized=weight_sized(text), weight_readers=weight_readers(text))
 
 
 def main(argv=None) -> None:
